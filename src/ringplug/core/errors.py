@@ -1,0 +1,22 @@
+"""Errors the collectives raise; each is raised on every rank taking part, never on one."""
+
+from __future__ import annotations
+
+
+class RingplugError(RuntimeError):
+    """Base class of ringplug's own errors."""
+
+
+class MismatchError(RingplugError, ValueError):
+    """Ranks called a collective with different shapes, dtypes, ops, roots or kinds.
+
+    Raised on every rank, with a message that names the ranks and what each submitted.
+    """
+
+
+class PeerArgumentError(RingplugError, ValueError):
+    """Another rank rejected its own arguments to this collective (its error says why)."""
+
+
+class NotInitializedError(RingplugError):
+    """A collective was called before `ringplug.init()`."""

@@ -1,0 +1,43 @@
+"""Rank-prefixed logging: quiet on ranks other than 0 unless RINGPLUG_LOG_LEVEL says otherwise."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+_HANDLER_NAME = "ringplug"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.ringplug_rank = self.rank
+        return True
+
+
+def configure(rank: int, level: str | None) -> None:
+    """Attach one stderr handler to the `ringplug` logger, prefixed with this rank.
+
+    Rank 0 logs at `level` (WARNING unless RINGPLUG_LOG_LEVEL is set); other ranks log
+    errors only unless the level was set explicitly, so N ranks don't print N copies.
+    """
+    logger = logging.getLogger("ringplug")
+    for handler in list(logger.handlers):
+        if handler.get_name() == _HANDLER_NAME:
+            logger.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler.set_name(_HANDLER_NAME)
+    handler.addFilter(_RankFilter(rank))
+    handler.setFormatter(
+        logging.Formatter("ringplug[%(ringplug_rank)d] %(levelname)s %(name)s: %(message)s")
+    )
+    logger.addHandler(handler)
+    explicit = os.environ.get("RINGPLUG_LOG_LEVEL")
+    if rank == 0 or explicit:
+        logger.setLevel((level or "WARNING").upper())
+    else:
+        logger.setLevel(logging.ERROR)
+    logger.propagate = False

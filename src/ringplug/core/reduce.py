@@ -1,0 +1,94 @@
+"""Local arithmetic of the collectives: combining two buffers, and scaling one.
+
+Every rank runs exactly these kernels on the same inputs in the same order, which is
+why ranks end bitwise identical. 16-bit floats are combined in float32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .dtypes import DType, bfloat16_to_float32, float32_to_bfloat16
+from .ops import ReduceOp
+
+_UFUNC = {
+    ReduceOp.AVERAGE: np.add,
+    ReduceOp.SUM: np.add,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+# On bool stored as 0/1: or == max, and == min.
+_BOOL_UFUNC = {
+    ReduceOp.SUM: np.maximum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.PRODUCT: np.minimum,
+}
+
+
+def check_op(op: ReduceOp, code: DType, prescale: float, postscale: float) -> None:
+    """Raise TypeError for an op or scaling that this element type cannot do exactly."""
+    if code is DType.BOOL and op is ReduceOp.AVERAGE:
+        raise TypeError("Average of bool buffers is undefined; use Sum (logical or) or Min.")
+    if not code.is_floating:
+        if op is ReduceOp.AVERAGE:
+            raise TypeError(
+                f"Average of {code.label} buffers cannot be exact; use op=Sum and divide, "
+                "or convert to a floating-point type first."
+            )
+        if prescale != 1.0 or postscale != 1.0:
+            raise TypeError(
+                f"prescale_factor/postscale_factor need a floating-point buffer, got {code.label}."
+            )
+
+
+def combine(acc: np.ndarray, other: np.ndarray, op: ReduceOp, code: DType) -> None:
+    """acc <- acc (op) other, elementwise; both in the storage type of `code`."""
+    if code is DType.BOOL:
+        ufunc = _BOOL_UFUNC[op]
+        ufunc(acc.view(np.uint8), other.view(np.uint8), out=acc.view(np.uint8))
+    elif code is DType.BFLOAT16:
+        wide = bfloat16_to_float32(acc)
+        _UFUNC[op](wide, bfloat16_to_float32(other), out=wide)
+        float32_to_bfloat16(wide, acc)
+    elif code is DType.FLOAT16:
+        wide = acc.astype(np.float32)
+        _UFUNC[op](wide, other, out=wide)
+        acc[...] = wide
+    else:
+        _UFUNC[op](acc, other, out=acc)
+
+
+def widen(values: np.ndarray, code: DType) -> np.ndarray:
+    """A float32 copy of 16-bit float data (to accumulate several ranks before rounding once)."""
+    if code is DType.BFLOAT16:
+        return bfloat16_to_float32(values)
+    return values.astype(np.float32)
+
+
+def combine_wide(acc: np.ndarray, other: np.ndarray, op: ReduceOp, code: DType) -> None:
+    """acc (float32) <- acc (op) other (16-bit storage)."""
+    _UFUNC[op](acc, widen(other, code), out=acc)
+
+
+def narrow(wide: np.ndarray, out: np.ndarray, code: DType) -> None:
+    """Round a float32 accumulator into 16-bit storage."""
+    if code is DType.BFLOAT16:
+        float32_to_bfloat16(wide, out)
+    else:
+        out[...] = wide
+
+
+def scale(values: np.ndarray, factor: float, code: DType) -> None:
+    """values <- values * factor, in place (floating types only)."""
+    if factor == 1.0:
+        return
+    if code is DType.BFLOAT16:
+        wide = bfloat16_to_float32(values)
+        wide *= np.float32(factor)
+        float32_to_bfloat16(wide, values)
+    elif code is DType.FLOAT16:
+        values[...] = values.astype(np.float32) * np.float32(factor)
+    else:
+        np.multiply(values, factor, out=values, casting="unsafe")

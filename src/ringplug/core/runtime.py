@@ -1,0 +1,241 @@
+"""Process-wide state: start MPI (lazily), know this rank's place, and shut down.
+
+`init()` is the only function that starts MPI, and only when called, never at import.
+Without any MPI library a process is a world of one, which is all a laptop script needs;
+a process that a launcher started as one of several ranks without a usable MPI gets an
+error saying what to install instead of silently training alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import threading
+from types import TracebackType
+
+from . import log
+from .communicator import Communicator
+from .config import Settings, read_settings
+from .errors import NotInitializedError, RingplugError
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = (
+    "Install an MPI library for mpi4py: `pip install 'ringplug[mpich]'` (MPICH from PyPI), "
+    "or on a cluster load its MPI module (and `pip uninstall mpich` so mpi4py uses it)."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where this process sits: in the world, on its host, and across hosts."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.world: Communicator | None = None
+        self.topology: Topology | None = None
+        self.previous_excepthook = None
+
+
+_state = _State()
+
+
+def launcher_world_size() -> tuple[int, str] | None:
+    """The world size a launcher announced in the environment, and the launcher's name."""
+    for variable, launcher in (
+        ("PMI_SIZE", "MPICH/hydra (PMI)"),
+        ("OMPI_COMM_WORLD_SIZE", "Open MPI"),
+        ("PMIX_SIZE", "a PMIx launcher"),
+        ("SLURM_STEP_NUM_TASKS", "srun"),
+    ):
+        value = os.environ.get(variable, "")
+        if value.isdigit() and int(value) > 1:
+            return int(value), launcher
+    return None
+
+
+def _start_mpi():
+    """Import mpi4py and initialise MPI with thread support, or return None without MPI."""
+    try:
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.thread_level = "serialized"
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as exc:
+        announced = launcher_world_size()
+        if announced:
+            raise RingplugError(
+                f"This process was started as one of {announced[0]} ranks by {announced[1]}, "
+                f"but no MPI library could be loaded ({exc}). {_INSTALL_HINT}"
+            ) from exc
+        logger.info("No MPI library (%s); running as a single process.", exc)
+        return None
+    if not MPI.Is_initialized():
+        provided = MPI.Init_thread(MPI.THREAD_SERIALIZED)
+        if provided < MPI.THREAD_SERIALIZED:
+            logger.warning(
+                "The MPI library gives thread level %d (< SERIALIZED); keep every ringplug call "
+                "on one thread.",
+                provided,
+            )
+    return MPI
+
+
+def init() -> None:
+    """Join the job: start MPI if needed and learn rank, size and placement. Idempotent.
+
+    Reads the `RINGPLUG_*` settings; rank 0's values of the settings that decide how
+    ranks talk (thresholds, segment size, timeout) are used on every rank.
+    """
+    with _state.lock:
+        if _state.world is not None:
+            return
+        settings = read_settings()
+        mpi = _start_mpi()
+        if mpi is None:
+            log.configure(0, settings.log_level)
+            _state.world = Communicator(None, settings)
+            _state.topology = Topology(0, 1, 0, 1, 0, 1)
+            return
+        world = mpi.COMM_WORLD
+        announced = launcher_world_size()
+        if announced and world.Get_size() == 1:
+            raise RingplugError(
+                f"{announced[1]} started {announced[0]} ranks, but MPI sees a world of 1: the "
+                "launcher does not belong to the MPI library mpi4py loaded (for srun, pass "
+                "--mpi=pmi2 or --mpi=pmix as the cluster's MPI needs; for mpiexec, use the one "
+                "from the same MPI). `ringrun --check` shows which library mpi4py loads."
+            )
+        log.configure(world.Get_rank(), settings.log_level)
+        agreed = world.bcast(settings, root=0)
+        if agreed != settings:
+            logger.warning("RINGPLUG_* settings differ between ranks; using rank 0's: %s", agreed)
+        _state.world = Communicator(world, agreed)
+        _state.topology = _topology(mpi, world)
+        _install_excepthook()
+        logger.info("ringplug initialised: %s", _state.topology)
+
+
+def _topology(mpi, world) -> Topology:
+    local = world.Split_type(mpi.COMM_TYPE_SHARED, key=world.Get_rank())
+    cross = world.Split(color=local.Get_rank(), key=world.Get_rank())
+    topology = Topology(
+        world.Get_rank(),
+        world.Get_size(),
+        local.Get_rank(),
+        local.Get_size(),
+        cross.Get_rank(),
+        cross.Get_size(),
+    )
+    local.Free()
+    cross.Free()
+    return topology
+
+
+def _install_excepthook() -> None:
+    """Abort the whole job when a rank dies of an uncaught exception.
+
+    Otherwise the rank would finalise MPI and exit while its peers wait for it forever
+    inside their next collective.
+    """
+    if _state.previous_excepthook is not None:
+        return
+    _state.previous_excepthook = sys.excepthook
+
+    def abort_job(
+        kind: type[BaseException], value: BaseException, traceback: TracebackType | None
+    ) -> None:
+        _state.previous_excepthook(kind, value, traceback)  # type: ignore[misc]
+        topology = _state.topology
+        if topology is not None and topology.size > 1 and not issubclass(kind, SystemExit):
+            from mpi4py import MPI
+
+            print(
+                f"ringplug[{topology.rank}] FATAL: uncaught {kind.__name__} on rank "
+                f"{topology.rank}; aborting all {topology.size} ranks.",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.stdout.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_job
+
+
+def shutdown() -> None:
+    """Leave the job: free ringplug's communicators. `init()` may be called again later.
+
+    MPI itself stays initialised until the process exits (MPI cannot be restarted).
+    """
+    with _state.lock:
+        if _state.world is not None:
+            _state.world.free()
+        _state.world = None
+        _state.topology = None
+
+
+def is_initialized() -> bool:
+    """Whether `init()` has been called (and `shutdown()` has not)."""
+    return _state.world is not None
+
+
+def world() -> Communicator:
+    """The world communicator; raises if `init()` has not been called."""
+    communicator = _state.world
+    if communicator is None:
+        raise NotInitializedError("Call ringplug.init() before using ringplug's collectives.")
+    return communicator
+
+
+def topology() -> Topology:
+    """This process's place in the job; raises if `init()` has not been called."""
+    if _state.topology is None:
+        raise NotInitializedError("Call ringplug.init() before asking for rank or size.")
+    return _state.topology
+
+
+def settings() -> Settings:
+    """The settings in force (rank 0's, agreed at `init()`)."""
+    return world().settings
+
+
+def rank() -> int:
+    """This process's rank in the job, 0..size()-1."""
+    return topology().rank
+
+
+def size() -> int:
+    """Number of ranks in the job."""
+    return topology().size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its host."""
+    return topology().local_rank
+
+
+def local_size() -> int:
+    """Number of ranks on this process's host."""
+    return topology().local_size
+
+
+def cross_rank() -> int:
+    """Index of this process's host among the hosts (its rank among same-local-rank peers)."""
+    return topology().cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts (ranks with this process's local rank)."""
+    return topology().cross_size
