@@ -191,7 +191,9 @@ class Communicator:
         while not MPI.Request.Testall(requests):
             now = time.perf_counter()
             if now > deadline:
-                missing = [peer for peer, req in zip(self._peers, receives) if not req.Test()]
+                missing = [
+                    peer for peer, req in zip(self._peers, receives, strict=True) if not req.Test()
+                ]
                 self._abort(kind, name, missing, now - start)
             time.sleep(delay)
             delay = min(delay * 2, _MAX_SLEEP_SECONDS)
@@ -484,7 +486,7 @@ class Communicator:
         self._data.Allgatherv(
             [np.frombuffer(data, np.uint8), MPI.BYTE], [buffer, (lengths, displs), MPI.BYTE]
         )
-        return [pickle.loads(buffer[d : d + n]) for d, n in zip(displs, lengths)]
+        return [pickle.loads(buffer[d : d + n]) for d, n in zip(displs, lengths, strict=True)]
 
 
 # ---------------------------------------------------------------------- helpers

@@ -16,7 +16,9 @@ def parse_bytes(text: str) -> int:
     try:
         result = int(float(number) * _UNITS[unit])
     except ValueError:
-        raise ValueError(f"Cannot read {text!r} as a byte count; write e.g. 65536, 64K or 16M.")
+        raise ValueError(
+            f"Cannot read {text!r} as a byte count; write e.g. 65536, 64K or 16M."
+        ) from None
     if result < 0:
         raise ValueError(f"Byte count {text!r} must not be negative.")
     return result
