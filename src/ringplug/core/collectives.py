@@ -43,7 +43,8 @@ def _prepare(kind: Kind, array: ArrayLike, dtype: str | DType | None, name: str 
     except TypeError as exc:
         comm.reject(kind, name, exc)
         raise AssertionError("unreachable") from exc
-    return comm, source, code, np.ascontiguousarray(storage_view(source, code))
+    send = storage_view(source, code)
+    return comm, source, code, send if send.flags.c_contiguous else np.ascontiguousarray(send)
 
 
 def allreduce(
@@ -79,11 +80,12 @@ def allreduce(
     comm, source, code, send = _prepare(Kind.ALLREDUCE, array, dtype, name)
     try:
         reduce_op = as_op(op)
-        result = np.empty_like(source) if out is None else out
-        if (
-            not isinstance(result, np.ndarray)
-            or result.shape != source.shape
-            or (result.dtype != source.dtype)
+        if out is None:
+            out = np.empty_like(source)
+        elif out is not source and (
+            not isinstance(out, np.ndarray)
+            or out.shape != source.shape
+            or out.dtype != source.dtype
         ):
             raise ValueError(
                 f"out must be an array of shape {source.shape} and dtype {source.dtype}."
@@ -91,15 +93,13 @@ def allreduce(
     except (TypeError, ValueError) as exc:
         comm.reject(Kind.ALLREDUCE, name, exc)
         raise AssertionError("unreachable") from exc
-    target = storage_view(result, code)
+    target = send if out is source and send is source else storage_view(out, code)
     contiguous = target.flags.c_contiguous
     work = target if contiguous else np.empty(target.shape, target.dtype)
-    comm.allreduce(
-        send, work, reduce_op, code, float(prescale_factor), float(postscale_factor), name
-    )
+    comm.allreduce(send, work, reduce_op, code, prescale_factor, postscale_factor, name)
     if not contiguous:
         target[...] = work
-    return result
+    return out
 
 
 def allgather(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 import pickle
+import struct
 import sys
 import time
 from collections.abc import Sequence
@@ -37,17 +38,26 @@ logger = logging.getLogger(__name__)
 
 HEADER_SLOTS = 16
 HEADER_BYTES = HEADER_SLOTS * 8
-SHAPE_SLOTS = 7
+_HEADER = struct.Struct(f"<{HEADER_SLOTS}q")
+TRAILING_SLOTS = 6  # dims after the first; more are folded into the last slot
 _MAGIC = 0x52494E47  # "RING"
 _HEADER_TAG = 7000
 # The wait for headers spins this long before it starts sleeping.
-_SPIN_SECONDS = 50e-6
+_SPIN_SECONDS = 200e-6
+_FIRST_SLEEP_SECONDS = 50e-6
 _MAX_SLEEP_SECONDS = 1e-3
 # Eager payload space per peer is capped so that large worlds don't pin much memory.
 _EAGER_TOTAL_BYTES = 8 << 20
 
-(H_MAGIC, H_SEQ, H_KIND, H_OP, H_DTYPE, H_ROOT, H_ERROR, H_NDIM, H_NBYTES) = range(9)
-H_SHAPE = 9
+# Header layout. Everything up to H_DIM0 must match for every collective; H_DIM0 and
+# H_NBYTES must match too unless the collective lets the first dimension differ.
+(H_MAGIC, H_SEQ, H_KIND, H_ERROR, H_OP, H_DTYPE, H_ROOT, H_NDIM) = range(8)
+H_TRAILING = 8
+H_DIM0 = H_TRAILING + TRAILING_SLOTS  # 14
+H_NBYTES = H_DIM0 + 1  # 15
+_PREFIX_ALL = HEADER_BYTES
+_NO_TRAILING = (0,) * TRAILING_SLOTS
+_PREFIX_FIRST_DIM_FREE = H_DIM0 * 8
 
 
 class Kind(enum.IntEnum):
@@ -75,6 +85,14 @@ _MATCH: dict[Kind, tuple[str, ...]] = {
     Kind.BARRIER: (),
     Kind.BROADCAST_OBJECT: ("root",),
     Kind.ALLGATHER_OBJECT: (),
+}
+
+_FIRST_DIM_FREE = {
+    Kind.ALLGATHER,
+    Kind.ALLTOALL,
+    Kind.BARRIER,
+    Kind.BROADCAST_OBJECT,
+    Kind.ALLGATHER_OBJECT,
 }
 
 _MPI_NATIVE = {
@@ -113,8 +131,17 @@ class Communicator:
         # Row r holds rank r's last message (own row: what this rank sends).
         self._messages = np.zeros((self.size, HEADER_BYTES + self.eager_bytes), np.uint8)
         self._headers = self._messages[:, :HEADER_BYTES].view(np.int64)
-        self._scratch = np.empty(settings.ring_segment, np.uint8)
+        self._rows = [memoryview(row) for row in self._messages]
+        self._own = self._rows[self.rank]
         self._peers = [(self.rank + d) % self.size for d in range(1, self.size)]
+        self._row_views: dict[tuple[DType, int], list[np.ndarray]] = {}
+        self._mpi: Any = None
+        if comm is not None:
+            from mpi4py import MPI
+
+            self._mpi = MPI
+            self._landing = [(peer, self._rows[peer]) for peer in self._peers]
+        self._scratch = np.empty(settings.ring_segment, np.uint8)
         self.last_path = ""  # which data path the last allreduce took (for tests and benches)
 
     # ------------------------------------------------------------------ lifecycle
@@ -145,17 +172,36 @@ class Communicator:
         rejected its arguments; the rank that rejected them re-raises its own error.
         """
         self._seq += 1
-        header = self._headers[self.rank]
-        header[:] = 0
-        header[H_MAGIC], header[H_SEQ], header[H_KIND] = _MAGIC, self._seq, kind
-        header[H_OP], header[H_DTYPE], header[H_ROOT] = op, code, root
-        header[H_ERROR] = 1 if error is not None else 0
-        header[H_NDIM], header[H_NBYTES] = len(shape), nbytes
-        _encode_shape(header, shape)
+        ndim = len(shape)
+        if ndim == 1:
+            dim0, trailing = shape[0], _NO_TRAILING
+        elif ndim == 0:
+            dim0, trailing = 0, _NO_TRAILING
+        else:
+            dim0, trailing = shape[0], tuple(shape[1:])
+            if len(trailing) > TRAILING_SLOTS:
+                last = int(np.prod(trailing[TRAILING_SLOTS - 1 :], dtype=np.int64))
+                trailing = (*trailing[: TRAILING_SLOTS - 1], last)
+            trailing += (0,) * (TRAILING_SLOTS - len(trailing))
+        _HEADER.pack_into(
+            self._own,
+            0,
+            _MAGIC,
+            self._seq,
+            kind,
+            error is not None,
+            op,
+            code,
+            root,
+            ndim,
+            *trailing,
+            dim0,
+            nbytes,
+        )
         length = HEADER_BYTES
-        if payload is not None and error is None:
+        if payload is not None and error is None and payload.nbytes:
             length += payload.nbytes
-            self._messages[self.rank, HEADER_BYTES:length] = payload.reshape(-1).view(np.uint8)
+            self._own[HEADER_BYTES:length] = _byte_view(payload)
         if self.size > 1:
             self._exchange(length, kind, name)
         self._check(kind, name, error)
@@ -167,28 +213,23 @@ class Communicator:
         self._agree(kind, name, error=error)
 
     def _exchange(self, length: int, kind: Kind, name: str | None) -> None:
-        from mpi4py import MPI
-
-        ctrl = self._ctrl
-        messages = self._messages
-        receives = [
-            ctrl.Irecv([messages[peer], MPI.BYTE], peer, _HEADER_TAG) for peer in self._peers
-        ]
-        outgoing = [messages[self.rank, :length], MPI.BYTE]
-        sends = [ctrl.Isend(outgoing, peer, _HEADER_TAG) for peer in self._peers]
-        requests = receives + sends
-        if MPI.Request.Testall(requests):
+        mpi, ctrl = self._mpi, self._ctrl
+        outgoing = self._own[:length]
+        receives = [ctrl.Irecv(target, peer, _HEADER_TAG) for peer, target in self._landing]
+        requests = receives + [ctrl.Isend(outgoing, peer, _HEADER_TAG) for peer in self._peers]
+        testall = mpi.Request.Testall
+        if testall(requests):
             return
         start = time.perf_counter()
         spin_until = start + _SPIN_SECONDS
         while time.perf_counter() < spin_until:
-            if MPI.Request.Testall(requests):
+            if testall(requests):
                 return
         # MPI makes progress only inside its calls, so keep testing, but sleep in between:
         # a rank waiting for a slow peer must not take a core from training.
         deadline = start + self.settings.timeout
-        delay = 20e-6
-        while not MPI.Request.Testall(requests):
+        delay = _FIRST_SLEEP_SECONDS
+        while not testall(requests):
             now = time.perf_counter()
             if now > deadline:
                 missing = [
@@ -213,11 +254,20 @@ class Communicator:
         MPI.COMM_WORLD.Abort(1)
 
     def _check(self, kind: Kind, name: str | None, error: BaseException | None) -> None:
+        if self.size > 1:
+            prefix = _PREFIX_FIRST_DIM_FREE if kind in _FIRST_DIM_FREE else _PREFIX_ALL
+            own, rows = self._own[:prefix].tobytes(), self._rows
+            for peer in self._peers:
+                if rows[peer][:prefix].tobytes() != own:
+                    self._explain(kind, name, error)
+        if error is not None:
+            raise error
+
+    def _explain(self, kind: Kind, name: str | None, error: BaseException | None) -> None:
+        """Raise the error that says why the headers differ (the slow path)."""
         headers = self._headers
         if error is not None:
             raise error
-        if self.size == 1:
-            return
         flagged = np.flatnonzero(headers[:, H_ERROR])
         if flagged.size:
             ranks = ", ".join(map(str, flagged))
@@ -225,21 +275,6 @@ class Communicator:
                 f"{_what(kind, name, self._seq)}: rank(s) {ranks} rejected their arguments "
                 f"(their own error says why); no rank ran it."
             )
-        columns = [H_KIND, H_SEQ]
-        for field in _MATCH[kind]:
-            if field == "op":
-                columns.append(H_OP)
-            elif field == "dtype":
-                columns.append(H_DTYPE)
-            elif field == "root":
-                columns.append(H_ROOT)
-            elif field == "shape":
-                columns += [H_NDIM, *range(H_SHAPE, H_SHAPE + SHAPE_SLOTS)]
-            elif field == "trailing":
-                columns += [H_NDIM, *range(H_SHAPE + 1, H_SHAPE + SHAPE_SLOTS)]
-        table = headers[:, columns]
-        if (table == table[self.rank]).all() and (headers[:, H_MAGIC] == _MAGIC).all():
-            return
         raise MismatchError(_mismatch_message(kind, name, self._seq, headers, _MATCH[kind]))
 
     # ------------------------------------------------------------------ collectives
@@ -254,7 +289,8 @@ class Communicator:
         name: str | None = None,
     ) -> None:
         """out <- reduction of every rank's `send` (contiguous, storage type; may be `out`)."""
-        error = _capture(reduce.check_op, op, code, prescale, postscale)
+        simple = op is not ReduceOp.AVERAGE and prescale == 1.0 and postscale == 1.0
+        error = None if simple else _capture(reduce.check_op, op, code, prescale, postscale)
         eager = send.nbytes <= self.eager_bytes
         self._agree(
             Kind.ALLREDUCE,
@@ -268,11 +304,11 @@ class Communicator:
         )
         if op is ReduceOp.AVERAGE:
             postscale = postscale / self.size
+        flat = out.reshape(-1)
         if self.size == 1 or eager:
             self.last_path = "eager"
-            self._reduce_rows(out.reshape(-1), send.size, op, code, prescale)
+            self._reduce_rows(flat, send.size, op, code, prescale)
         else:
-            flat = out.reshape(-1)
             if out.ctypes.data != send.ctypes.data:
                 np.copyto(out, send)
             reduce.scale(flat, prescale, code)
@@ -282,18 +318,26 @@ class Communicator:
             else:
                 self.last_path = "ring"
                 ring.allreduce(self._data, flat, _ring_op(op), code, self._scratch)
-        reduce.scale(out.reshape(-1), postscale, code)
+        if postscale != 1.0:
+            reduce.scale(flat, postscale, code)
+
+    def _payload_rows(self, code: DType, count: int) -> list[np.ndarray]:
+        """Each rank's eager payload viewed as `count` elements of `code` (cached views)."""
+        key = (code, count)
+        rows = self._row_views.get(key)
+        if rows is None:
+            end = HEADER_BYTES + count * code.itemsize
+            rows = [row[HEADER_BYTES:end].view(code.storage) for row in self._messages]
+            if len(self._row_views) > 64:
+                self._row_views.clear()
+            self._row_views[key] = rows
+        return rows
 
     def _reduce_rows(
         self, out: np.ndarray, count: int, op: ReduceOp, code: DType, prescale: float
     ) -> None:
         """Reduce the eager payloads of all ranks, in rank order, into `out` (flat)."""
-        storage = code.storage
-        nbytes = count * storage.itemsize
-        rows = [
-            self._messages[r, HEADER_BYTES : HEADER_BYTES + nbytes].view(storage)
-            for r in range(self.size)
-        ]
+        rows = self._payload_rows(code, count)
         ring_op = _ring_op(op)
         if code in (DType.FLOAT16, DType.BFLOAT16):
             acc = reduce.widen(rows[0], code)
@@ -303,14 +347,18 @@ class Communicator:
                 other *= np.float32(prescale)
                 reduce.combine(acc, other, ring_op, DType.FLOAT32)
             reduce.narrow(acc, out, code)
-            return
-        out[...] = rows[0]
-        reduce.scale(out, prescale, code)
-        for row in rows[1:]:
-            if prescale != 1.0:
-                row = row.copy()
-                reduce.scale(row, prescale, code)
-            reduce.combine(out, row, ring_op, code)
+        elif prescale == 1.0 and len(rows) > 1:
+            reduce.combine_into(out, rows[0], rows[1], ring_op, code)
+            for row in rows[2:]:
+                reduce.combine(out, row, ring_op, code)
+        else:
+            out[...] = rows[0]
+            reduce.scale(out, prescale, code)
+            for row in rows[1:]:
+                if prescale != 1.0:
+                    row = row.copy()
+                    reduce.scale(row, prescale, code)
+                reduce.combine(out, row, ring_op, code)
 
     def _mpi_allreduce(self, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
         from mpi4py import MPI
@@ -331,7 +379,7 @@ class Communicator:
     def allgather(self, send: np.ndarray, code: DType, name: str | None = None) -> np.ndarray:
         """Concatenate every rank's `send` along the first dimension (which may differ)."""
         self._agree(Kind.ALLGATHER, name, code=code, shape=send.shape, nbytes=send.nbytes)
-        counts = self._headers[:, H_SHAPE].copy()
+        counts = self._headers[:, H_DIM0].copy()
         out = np.empty((int(counts.sum()), *send.shape[1:]), code.storage)
         if self.size == 1:
             out[...] = send
@@ -361,13 +409,13 @@ class Communicator:
             payload=buf if eager and root == self.rank else None,
             error=error,
         )
-        if self.size == 1 or root == self.rank:
+        if self.size == 1:
             return
         flat = buf.reshape(-1).view(np.uint8)
-        if eager:
-            flat[...] = self._messages[root, HEADER_BYTES : HEADER_BYTES + buf.nbytes]
-        else:
+        if not eager:
             self._data.Bcast(flat, root)
+        elif root != self.rank:
+            flat[...] = self._messages[root, HEADER_BYTES : HEADER_BYTES + buf.nbytes]
 
     def reducescatter(
         self,
@@ -463,14 +511,20 @@ class Communicator:
             payload=payload if eager else None,
             error=error,
         )
-        if self.size == 1 or root == self.rank:
+        if self.size == 1:
             return obj
         length = int(headers[root, H_NBYTES])
-        if length <= self.eager_bytes:
-            return pickle.loads(self._messages[root, HEADER_BYTES : HEADER_BYTES + length])
-        buffer = np.empty(length, np.uint8)
-        self._data.Bcast(buffer, root)
-        return pickle.loads(buffer)
+        if length > self.eager_bytes:
+            # mpi4py needs a writable buffer for Bcast, on the root too.
+            buffer = (
+                np.frombuffer(bytearray(data), np.uint8)
+                if root == self.rank
+                else (np.empty(length, np.uint8))
+            )
+            self._data.Bcast(buffer, root)
+        else:
+            buffer = self._messages[root, HEADER_BYTES : HEADER_BYTES + length]
+        return obj if root == self.rank else pickle.loads(buffer)
 
     def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
         """Every rank's picklable `obj`, as a list in rank order."""
@@ -545,17 +599,20 @@ def _alltoall_splits(
     return given, None
 
 
-def _encode_shape(header: np.ndarray, shape: Sequence[int]) -> None:
-    dims = list(shape)
-    if len(dims) > SHAPE_SLOTS:
-        dims = dims[: SHAPE_SLOTS - 1] + [int(np.prod(dims[SHAPE_SLOTS - 1 :], dtype=np.int64))]
-    header[H_SHAPE : H_SHAPE + len(dims)] = dims
+def _byte_view(array: np.ndarray) -> memoryview | np.ndarray:
+    try:
+        return memoryview(array).cast("B")
+    except (TypeError, ValueError):  # formats memoryview cannot cast (e.g. ml_dtypes)
+        return array.reshape(-1).view(np.uint8)
 
 
 def _shape_text(header: np.ndarray) -> str:
     ndim = int(header[H_NDIM])
-    dims = [int(d) for d in header[H_SHAPE : H_SHAPE + min(ndim, SHAPE_SLOTS)]]
-    if ndim > SHAPE_SLOTS:
+    if ndim == 0:
+        return "()"
+    trailing = [int(d) for d in header[H_TRAILING : H_TRAILING + min(ndim - 1, TRAILING_SLOTS)]]
+    dims = [int(header[H_DIM0]), *trailing]
+    if ndim - 1 > TRAILING_SLOTS:
         return "(" + ", ".join(map(str, dims[:-1])) + f", ... ({ndim} dims))"
     return "(" + ", ".join(map(str, dims)) + ("," if ndim == 1 else "") + ")"
 

@@ -68,7 +68,11 @@ def classify(array: np.ndarray, dtype: str | DType | None = None) -> DType:
 
     `dtype` reinterprets the buffer: ``dtype="bfloat16"`` for raw 16-bit words.
     """
-    if dtype is not None:
+    if dtype is None:
+        code = _BY_NUMPY.get(array.dtype)
+        if code is not None:
+            return code
+    else:
         code = dtype if isinstance(dtype, DType) else _BY_NAME.get(str(dtype).lower())
         if code is None:
             raise TypeError(f"Unsupported dtype {dtype!r}; ringplug reduces {SUPPORTED}.")
@@ -80,13 +84,10 @@ def classify(array: np.ndarray, dtype: str | DType | None = None) -> DType:
         return code
     if array.dtype.name == "bfloat16":  # ml_dtypes.bfloat16 (TensorFlow, JAX)
         return DType.BFLOAT16
-    code = _BY_NUMPY.get(array.dtype)
-    if code is None:
-        raise TypeError(
-            f"Unsupported dtype {array.dtype}; ringplug reduces {SUPPORTED}. "
-            "Convert the buffer first (for example to float32)."
-        )
-    return code
+    raise TypeError(
+        f"Unsupported dtype {array.dtype}; ringplug reduces {SUPPORTED}. "
+        "Convert the buffer first (for example to float32)."
+    )
 
 
 def storage_view(array: np.ndarray, code: DType) -> np.ndarray:

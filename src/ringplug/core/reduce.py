@@ -60,6 +60,16 @@ def combine(acc: np.ndarray, other: np.ndarray, op: ReduceOp, code: DType) -> No
         _UFUNC[op](acc, other, out=acc)
 
 
+def combine_into(
+    out: np.ndarray, first: np.ndarray, second: np.ndarray, op: ReduceOp, code: DType
+) -> None:
+    """out <- first (op) second, for the types numpy reduces natively (not 16-bit floats)."""
+    if code is DType.BOOL:
+        _BOOL_UFUNC[op](first.view(np.uint8), second.view(np.uint8), out=out.view(np.uint8))
+    else:
+        _UFUNC[op](first, second, out=out)
+
+
 def widen(values: np.ndarray, code: DType) -> np.ndarray:
     """A float32 copy of 16-bit float data (to accumulate several ranks before rounding once)."""
     if code is DType.BFLOAT16:

@@ -1,0 +1,32 @@
+"""`ringplug-bench`: benchmarks that run ringplug and its competitors side by side.
+
+Run the collective benchmarks under the launcher, e.g.
+``ringrun -np 2 ringplug-bench allreduce --json allreduce.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import allreduce
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ringplug-bench",
+        description="Benchmarks that compare ringplug with MPI, torch gloo and the memory "
+        "roofline in one run. Run under ringrun, e.g. `ringrun -np 2 ringplug-bench allreduce`.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    allreduce.add_arguments(
+        commands.add_parser("allreduce", help="allreduce bandwidth and latency, 4 KiB to 256 MiB")
+    )
+    args = parser.parse_args(argv)
+    if args.command == "allreduce":
+        return allreduce.run(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""What every ringplug-bench subcommand shares: timing, sizes, tables, JSON and plots."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+
+import numpy as np
+
+import ringplug
+from ringplug.core.config import parse_bytes
+
+
+@dataclass
+class Record:
+    """One measured implementation at one size (a row of the JSON `results`)."""
+
+    impl: str
+    op: str
+    dtype: str
+    bytes: int
+    ranks: int
+    time_s: float  # median over iterations of the slowest rank's time
+    algbw_gbs: float
+    busbw_gbs: float
+    iterations: int
+    extra: dict = field(default_factory=dict)
+
+
+def size_range(low: str, high: str) -> list[int]:
+    """Powers of two from `low` to `high` bytes, both given like "4K" or "256M"."""
+    lo, hi = parse_bytes(low), parse_bytes(high)
+    if lo <= 0 or hi < lo:
+        raise SystemExit(f"ringplug-bench: need 0 < min-size <= max-size, got {low}..{high}")
+    sizes, size = [], lo
+    while size <= hi:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def human_bytes(count: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if count >= scale and count % scale == 0:
+            return f"{count // scale}{unit}"
+    return f"{count}B"
+
+
+def measure(
+    run: Callable[[], object], *, budget_s: float, min_iters: int, max_iters: int, warmup: int
+) -> list[float]:
+    """Time `run` on every rank; returns per-iteration times of the slowest rank.
+
+    Rank 0 picks the iteration count from its warm-up so that all ranks run the same
+    number of collectives.
+    """
+    for _ in range(warmup):
+        start = time.perf_counter()
+        run()
+    warm = time.perf_counter() - start if warmup else 0.0
+    iters = int(np.clip(budget_s / max(warm, 1e-7), min_iters, max_iters))
+    iters = ringplug.broadcast_object(iters, 0)
+    ringplug.barrier()
+    times = np.empty(iters)
+    for i in range(iters):
+        start = time.perf_counter()
+        run()
+        times[i] = time.perf_counter() - start
+    return list(ringplug.allreduce(times, op=ringplug.Max))
+
+
+def median(values: Iterable[float]) -> float:
+    return float(statistics.median(values))
+
+
+def environment(extra: dict | None = None) -> dict:
+    """Facts that make two benchmark runs comparable."""
+    from mpi4py import MPI
+
+    versions = {}
+    for package in ("numpy", "mpi4py", "mpich", "torch"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "ringplug": ringplug.__version__,
+        "versions": versions,
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "ranks": ringplug.size(),
+        "command": " ".join(sys.argv),
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+    }
+    env.update(extra or {})
+    return env
+
+
+def write_json(path: str, bench: str, env: dict, records: list[Record]) -> None:
+    document = {"bench": bench, "env": env, "results": []}
+    for record in records:
+        row = asdict(record)
+        row.update(row.pop("extra"))
+        document["results"].append(row)
+    with open(path, "w") as handle:
+        json.dump(document, handle, indent=2)
+        handle.write("\n")
+
+
+def plot_busbw(path: str, title: str, records: list[Record]) -> None:
+    """Bus bandwidth against message size, one line per implementation."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit(
+            "ringplug-bench: --plot needs matplotlib: pip install 'ringplug[bench]'"
+        ) from None
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for impl in dict.fromkeys(r.impl for r in records):
+        rows = [r for r in records if r.impl == impl]
+        axes.plot([r.bytes for r in rows], [r.busbw_gbs for r in rows], marker="o", label=impl)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("message size (bytes)")
+    axes.set_ylabel("bus bandwidth (GB/s)")
+    axes.set_title(title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)

@@ -1,0 +1,243 @@
+"""``ringrun --check``: a report of the Python, MPI and framework setup ranks will run with.
+
+The report is a list of sections, each built by one function from a :class:`CheckContext`.
+New facts (timeline, GPUs, NCCL) are new functions appended to :data:`SECTIONS`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ringplug.run.mpi import LauncherError, find_launcher
+
+FRAMEWORKS = ("torch", "lightning", "pytorch-lightning", "tensorflow", "keras")
+
+_PROBE_TIMEOUT_S = 60.0
+
+# Runs in a child interpreter: loading libmpi in ringrun itself could initialise MPI or clash
+# with the launcher. rc.initialize=False loads the library without MPI_Init.
+_LIBRARY_PROBE = """
+import mpi4py
+mpi4py.rc.initialize = False
+from mpi4py import MPI
+print(" ".join(MPI.Get_library_version().strip().splitlines()[0].split()))
+with open("/proc/self/maps") as maps:
+    paths = sorted({line.split()[-1] for line in maps if "libmpi" in line.split()[-1]})
+print(paths[0] if paths else "")
+"""
+
+
+@dataclass
+class CheckContext:
+    """Where the facts come from; tests replace parts of it.
+
+    Args:
+        environ: the environment (``PATH``, ``MPI4PY_LIBMPI``). Defaults to ``os.environ``.
+        python: the interpreter the ranks use. Defaults to ``sys.executable``.
+        prefix: the virtualenv (or installation) prefix. Defaults to ``sys.prefix``.
+        ldconfig: returns ``ldconfig -p`` output. Defaults to running it.
+    """
+
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    python: str = sys.executable
+    prefix: str = sys.prefix
+    ldconfig: Callable[[], str] = field(default_factory=lambda: _run_ldconfig)
+
+
+@dataclass
+class Section:
+    """One titled block of the report: facts as (name, value) rows, plus warnings."""
+
+    title: str
+    rows: list[tuple[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _distribution_version(name: str) -> str | None:
+    """Installed version of a distribution, read from metadata without importing it."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _run_ldconfig() -> str:
+    """The dynamic linker's library list, or ``""`` where ldconfig is unavailable."""
+    for candidate in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
+        try:
+            result = subprocess.run(
+                [candidate, "-p"], capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        return result.stdout
+    return ""
+
+
+def python_section(context: CheckContext) -> Section:
+    """Interpreter version and location."""
+    return Section(
+        "Python",
+        [("version", platform.python_version()), ("executable", context.python)],
+    )
+
+
+def ringplug_section(context: CheckContext) -> Section:
+    """The installed ringplug."""
+    return Section("ringplug", [("version", _distribution_version("ringplug") or "unknown")])
+
+
+def venv_mpi_libraries(prefix: str) -> list[str]:
+    """``libmpi`` files inside the virtualenv, i.e. from the ``mpich`` (or similar) wheel."""
+    lib = Path(prefix) / "lib"
+    return sorted(str(path) for path in lib.glob("libmpi.*")) if lib.is_dir() else []
+
+
+def system_mpi_installations(context: CheckContext) -> list[str]:
+    """MPI launchers on ``PATH`` and ``libmpi`` libraries known to the linker, outside the venv."""
+    prefix = Path(context.prefix).resolve()
+    found: list[str] = []
+    for directory in context.environ.get("PATH", "").split(os.pathsep):
+        if not directory:
+            continue
+        for name in ("mpiexec", "mpirun"):
+            candidate = Path(directory) / name
+            if not (candidate.is_file() and os.access(candidate, os.X_OK)):
+                continue
+            if not candidate.resolve().is_relative_to(prefix) and str(candidate) not in found:
+                found.append(str(candidate))
+    for line in context.ldconfig().splitlines():
+        # Lines look like "\tlibmpi.so.40 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/...".
+        name, _, path = line.strip().partition(" => ")
+        if (
+            name.startswith("libmpi.so")
+            and path
+            and not Path(path).is_relative_to(prefix)
+            and path not in found
+        ):
+            found.append(path)
+    return found
+
+
+def probe_mpi_library(python: str, environ: Mapping[str, str]) -> tuple[str, str]:
+    """Ask a child interpreter which MPI library mpi4py loads: (version line, path).
+
+    Raises:
+        RuntimeError: mpi4py could not load a library; the message has its last error line.
+    """
+    try:
+        result = subprocess.run(
+            [python, "-c", _LIBRARY_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=_PROBE_TIMEOUT_S,
+            env=dict(environ),
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise RuntimeError(str(error)) from None
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"exit code {result.returncode}")
+    version, _, path = result.stdout.strip().partition("\n")
+    return version.strip(), path.strip()
+
+
+def mpi_section(context: CheckContext) -> Section:
+    """mpi4py, the MPI library it loads, the launcher ringrun uses, and conflicts between MPIs."""
+    section = Section("MPI")
+    mpi4py_version = _distribution_version("mpi4py")
+    section.rows.append(("mpi4py", mpi4py_version or "not installed"))
+    if mpi4py_version is not None:
+        try:
+            version, path = probe_mpi_library(context.python, context.environ)
+            section.rows.append(("library", version))
+            section.rows.append(("library path", path or "unknown"))
+        except RuntimeError as error:
+            section.rows.append(("library", f"cannot be loaded: {error}"))
+            section.warnings.append(
+                "mpi4py cannot load an MPI library. Install one with "
+                "`pip install 'ringplug[mpich]'`, or load your cluster's MPI module."
+            )
+    if "MPI4PY_LIBMPI" in context.environ:
+        section.rows.append(("MPI4PY_LIBMPI", context.environ["MPI4PY_LIBMPI"]))
+    try:
+        launcher = find_launcher(context.environ, context.python)
+    except LauncherError as error:
+        section.rows.append(("launcher", f"unusable: {error}"))
+    else:
+        if launcher is None:
+            section.rows.append(("launcher", "not found"))
+            section.warnings.append(
+                "no MPI launcher found: ringrun can only run single-process jobs. Install "
+                "one with `pip install 'ringplug[mpich]'`, or load your cluster's MPI module."
+            )
+        else:
+            section.rows.append(("launcher", launcher.path))
+            section.rows.append(("launcher version", f"{launcher.version} ({launcher.kind})"))
+    wheel = venv_mpi_libraries(context.prefix)
+    system = system_mpi_installations(context)
+    if wheel:
+        section.rows.append(("MPI in virtualenv", ", ".join(wheel)))
+    if system:
+        section.rows.append(("system MPI", ", ".join(system)))
+    if wheel and system:
+        section.warnings.append(
+            "two MPI installations: the pip `mpich` wheel in this virtualenv "
+            f"({wheel[0]}) and a system MPI ({system[0]}). mpi4py loads the virtualenv's "
+            "libmpi first, so ranks started with the system's mpiexec/mpirun would still "
+            "use the wheel's MPICH, which fails or hangs at startup. To use the system MPI "
+            "(usual on clusters, for the fast interconnect), remove the wheel with "
+            "`pip uninstall mpich` or set MPI4PY_LIBMPI to the system's libmpi.so. To use "
+            "the wheel, launch with ringrun (it picks the virtualenv's mpiexec) and keep the "
+            "system MPI module unloaded."
+        )
+    return section
+
+
+def frameworks_section(context: CheckContext) -> Section:
+    """Deep-learning frameworks found, by installed metadata (none is imported)."""
+    rows = [(name, _distribution_version(name) or "not installed") for name in FRAMEWORKS]
+    return Section("Frameworks", rows)
+
+
+SECTIONS: list[Callable[[CheckContext], Section]] = [
+    python_section,
+    ringplug_section,
+    mpi_section,
+    frameworks_section,
+]
+"""Report sections in print order; append a builder here to add one."""
+
+
+def build_report(context: CheckContext | None = None) -> list[Section]:
+    """Gather every section of the report."""
+    context = CheckContext() if context is None else context
+    return [builder(context) for builder in SECTIONS]
+
+
+def format_report(sections: list[Section]) -> str:
+    """The report as text: a block per section, then every warning."""
+    width = max((len(name) for section in sections for name, _ in section.rows), default=0)
+    lines: list[str] = []
+    for section in sections:
+        lines.append(section.title)
+        lines.extend(f"  {name.ljust(width)}  {value}" for name, value in section.rows)
+        lines.append("")
+    warnings = [warning for section in sections for warning in section.warnings]
+    lines.extend(f"WARNING: {warning}" for warning in warnings)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def run_check(context: CheckContext | None = None) -> int:
+    """Print the report; return the exit code for ``ringrun --check`` (always 0)."""
+    sys.stdout.write(format_report(build_report(context)))
+    sys.stdout.flush()
+    return 0

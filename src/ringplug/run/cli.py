@@ -1,0 +1,252 @@
+"""The ``ringrun`` command: start N ranks of a program through the installed MPI launcher.
+
+Example::
+
+    ringrun -np 4 python train.py
+    ringrun -np 4 -H node1:2,node2:2 --network-interface eth0 python train.py
+    ringrun -np 2 --dry-run python train.py     # print the mpiexec line, run nothing
+    ringrun --check                             # what MPI and frameworks ranks would use
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from ringplug.run.check import run_check
+from ringplug.run.configfile import load_config_file
+from ringplug.run.hosts import Host, HostSpecError, parse_host_list, parse_hostfile, total_slots
+from ringplug.run.launcher import run_job
+from ringplug.run.mpi import JobSpec, LauncherError, build_plan, find_launcher
+from ringplug.run.settings import BIND_CHOICES, RunSettings, SettingsError
+from ringplug.run.status import STATUS_DIR_VARIABLE
+
+logger = logging.getLogger(__name__)
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A command line or setting ringrun cannot act on; reported with exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; every flag's help says what it means, not how it is spelled."""
+    parser = argparse.ArgumentParser(
+        prog="ringrun",
+        usage="ringrun -np N [options] [--] command [args...]",
+        description="Run a ringplug program on N ranks through the installed MPI launcher "
+        "(MPICH hydra or Open MPI).",
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "-np",
+        "-n",
+        "--num-proc",
+        dest="np",
+        type=int,
+        metavar="N",
+        help="number of ranks (default: total slots of -H/--hostfile)",
+    )
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument(
+        "-H",
+        "--hosts",
+        metavar="HOST:SLOTS,...",
+        help="hosts and their slot counts, e.g. node1:2,node2:2; ranks fill "
+        "each host before the next",
+    )
+    hosts.add_argument(
+        "--hostfile",
+        metavar="FILE",
+        help="file with one 'host:slots', 'host slots=N' or 'host' per line",
+    )
+    parser.add_argument(
+        "--network-interface",
+        action="append",
+        dest="network_interfaces",
+        metavar="IF",
+        help="network interface for MPI and NCCL traffic (repeatable)",
+    )
+    parser.add_argument(
+        "-p",
+        "--ssh-port",
+        type=int,
+        metavar="PORT",
+        help="ssh port for starting ranks on remote hosts",
+    )
+    parser.add_argument(
+        "-x",
+        action="append",
+        dest="env",
+        metavar="VAR[=VALUE]",
+        help="environment variable for the ranks: VAR=VALUE sets it, VAR "
+        "passes ringrun's own value (repeatable)",
+    )
+    parser.add_argument(
+        "--output-filename",
+        metavar="DIR",
+        help="also write each rank's stdout/stderr to DIR/rank.<rank>/",
+    )
+    parser.add_argument(
+        "--bind-to",
+        choices=BIND_CHOICES,
+        help="pin each rank to a core or socket (default: the launcher's)",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        default=None,
+        help="print the launcher command line before running it",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the launcher command line and exit without running it",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="report Python, MPI and framework setup, with warnings, and exit",
+    )
+    parser.add_argument(
+        "--config-file",
+        metavar="FILE",
+        help="YAML or TOML file with these settings; flags override it",
+    )
+    parser.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="the program to run on every rank, with its arguments",
+    )
+    return parser
+
+
+def _parse_env_flags(values: Sequence[str]) -> dict[str, str | None]:
+    """``["A=1", "B"]`` -> ``{"A": "1", "B": None}`` (``None``: forward ringrun's value)."""
+    env: dict[str, str | None] = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not name:
+            raise UsageError(f"-x {item!r}: expected VAR or VAR=VALUE")
+        env[name] = value if sep else None
+    return env
+
+
+def settings_from_args(args: argparse.Namespace) -> RunSettings:
+    """Merge ``--config-file`` (if any) with the flags; flags win."""
+    flags = RunSettings(
+        np=args.np,
+        hosts=args.hosts,
+        hostfile=args.hostfile,
+        network_interfaces=args.network_interfaces or [],
+        ssh_port=args.ssh_port,
+        env=_parse_env_flags(args.env or []),
+        output_filename=args.output_filename,
+        bind_to=args.bind_to,
+        verbose=bool(args.verbose),
+    )
+    if args.config_file is None:
+        settings = flags
+    else:
+        settings = load_config_file(args.config_file)
+        if args.hosts or args.hostfile:
+            # -H and --hostfile say the same thing; a flag replaces either from the file.
+            settings.hosts = settings.hostfile = None
+        settings = settings.overridden_by(flags)
+    settings.validate()
+    return settings
+
+
+def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
+    """Resolve hosts, rank count and paths into a :class:`JobSpec`."""
+    hosts: list[Host] = []
+    if settings.hosts:
+        hosts = parse_host_list(settings.hosts)
+    elif settings.hostfile:
+        hosts = parse_hostfile(settings.hostfile)
+    np = settings.np
+    if np is None:
+        if not hosts:
+            raise UsageError("say how many ranks to run with -np N (or give hosts with -H)")
+        np = total_slots(hosts)
+    output_dir = None
+    if settings.output_filename is not None:
+        # Absolute, so ranks find it whatever their working directory.
+        output_dir = str(Path(settings.output_filename).resolve())
+    return JobSpec(
+        np=np,
+        command=command,
+        hosts=hosts,
+        network_interfaces=list(settings.network_interfaces),
+        ssh_port=settings.ssh_port,
+        env=dict(settings.env),
+        output_dir=output_dir,
+        bind_to=settings.bind_to,
+    )
+
+
+def _configure_logging(verbose: bool) -> None:
+    """ringrun's own messages go to stderr, prefixed so they stand out from rank output."""
+    level = os.environ.get("RINGPLUG_LOG_LEVEL", "INFO" if verbose else "WARNING").upper()
+    logging.basicConfig(format="ringrun: %(message)s", level=level, stream=sys.stderr)
+
+
+def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
+    """Build the launch plan and print it, or run it and report how the job ended."""
+    launcher = find_launcher()
+    if dry_run:
+        print(build_plan(spec, launcher).shell_line(), flush=True)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="ringrun-status-") as status_dir:
+        environ = {**os.environ, STATUS_DIR_VARIABLE: status_dir}
+        plan = build_plan(spec, launcher, environ=environ)
+        if settings.verbose:
+            print(f"ringrun: {plan.shell_line()}", file=sys.stderr, flush=True)
+        result = run_job(plan, environ=environ, status_dir=status_dir)
+    if result.stopped_by is not None:
+        print("ringrun: stopped; all ranks were terminated", file=sys.stderr, flush=True)
+    elif result.first_failure is not None:
+        print(f"ringrun: {result.first_failure.describe()}", file=sys.stderr, flush=True)
+        if len(result.failures) > 1:
+            print(
+                f"ringrun: {len(result.failures) - 1} more rank(s) failed after it, most "
+                "likely stopped by the teardown",
+                file=sys.stderr,
+                flush=True,
+            )
+    elif result.exit_code != 0:
+        print(
+            f"ringrun: the launcher exited with code {result.launcher_returncode}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return result.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ringrun`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
+    _configure_logging(bool(args.verbose))
+    if args.check:
+        return run_check()
+    try:
+        settings = settings_from_args(args)
+        if not command:
+            raise UsageError("no command given; usage: ringrun -np N [options] command [args...]")
+        spec = job_from_settings(settings, command)
+        return _launch(spec, settings, args.dry_run)
+    except (UsageError, SettingsError, HostSpecError, LauncherError) as error:
+        print(f"ringrun: error: {error}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

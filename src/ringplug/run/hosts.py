@@ -1,0 +1,114 @@
+"""Host lists for ``ringrun``: ``-H a:2,b:2`` and hostfiles, parsed into slots per host."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SLOTS_KEYWORD = re.compile(r"^slots\s*=\s*(\S+)$")
+
+
+class HostSpecError(ValueError):
+    """A host list or hostfile line that cannot be understood."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """One machine and the number of ranks (slots) it should run.
+
+    Args:
+        name: hostname or address, as the MPI launcher should reach it.
+        slots: ranks to place on this host; at least 1.
+    """
+
+    name: str
+    slots: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.slots}"
+
+
+def _parse_slots(text: str, where: str) -> int:
+    """Turn a slot count into an int, with an error that names where it came from."""
+    try:
+        slots = int(text)
+    except ValueError:
+        raise HostSpecError(f"{where}: slot count {text!r} is not a whole number") from None
+    if slots < 1:
+        raise HostSpecError(f"{where}: slot count must be at least 1, got {slots}")
+    return slots
+
+
+def parse_host_entry(entry: str, where: str = "host") -> Host:
+    """Parse one host written as ``host``, ``host:slots`` or ``host slots=N``."""
+    text = entry.strip()
+    if not text:
+        raise HostSpecError(f"{where}: empty host name")
+    parts = text.split()
+    if len(parts) == 2:
+        match = _SLOTS_KEYWORD.match(parts[1])
+        if match is None:
+            raise HostSpecError(f"{where}: expected 'host slots=N', got {text!r}")
+        return Host(parts[0], _parse_slots(match.group(1), where))
+    if len(parts) > 2:
+        raise HostSpecError(
+            f"{where}: expected 'host', 'host:slots' or 'host slots=N', got {text!r}"
+        )
+    if text.count(":") == 1:
+        # Exactly one colon is host:slots; more than one is an IPv6 address without slots.
+        name, slots = text.split(":")
+        if not name:
+            raise HostSpecError(f"{where}: empty host name in {text!r}")
+        return Host(name, _parse_slots(slots, where))
+    return Host(text, 1)
+
+
+def parse_host_list(spec: str | Iterable[str]) -> list[Host]:
+    """Parse ``-H`` style hosts: ``"a:2,b:2"`` or a list such as ``["a:2", "b slots=2"]``."""
+    entries = spec.split(",") if isinstance(spec, str) else list(spec)
+    hosts = [parse_host_entry(entry, where=f"host {entry.strip()!r}") for entry in entries]
+    return merge_duplicates(hosts)
+
+
+def parse_hostfile(path: str | Path) -> list[Host]:
+    """Read a hostfile: one host a line as ``host``, ``host:slots`` or ``host slots=N``.
+
+    ``#`` starts a comment; blank lines are skipped. A host listed twice gets the sum of its
+    slots, as both MPI launchers would do.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise HostSpecError(f"cannot read hostfile {path}: {error.strerror}") from None
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            hosts.append(parse_host_entry(line, where=f"{path}:{number}"))
+    if not hosts:
+        raise HostSpecError(f"hostfile {path} lists no hosts")
+    return merge_duplicates(hosts)
+
+
+def merge_duplicates(hosts: Iterable[Host]) -> list[Host]:
+    """Add up the slots of hosts named more than once, keeping first-seen order."""
+    slots: dict[str, int] = {}
+    for host in hosts:
+        slots[host.name] = slots.get(host.name, 0) + host.slots
+    return [Host(name, count) for name, count in slots.items()]
+
+
+def total_slots(hosts: Iterable[Host]) -> int:
+    """Number of ranks the hosts can hold without oversubscribing."""
+    return sum(host.slots for host in hosts)
+
+
+def format_host_list(hosts: Iterable[Host]) -> str:
+    """The ``a:2,b:2`` form both hydra (``-hosts``) and Open MPI (``-H``) understand."""
+    return ",".join(str(host) for host in hosts)

@@ -1,0 +1,348 @@
+"""Finding the MPI launcher (hydra or Open MPI) and translating ringrun's flags into its own.
+
+The two launchers spell the same ideas differently; this module is the one place that knows
+both spellings. ``build_plan`` turns settings into a :class:`LaunchPlan` (argv plus the
+launcher's own environment) that ``--dry-run`` prints and ``launcher.run_job`` executes, so
+what users see is exactly what runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ringplug.run.hosts import Host, format_host_list, total_slots
+
+logger = logging.getLogger(__name__)
+
+LAUNCHER_VARIABLE = "RINGPLUG_MPIEXEC"
+"""Environment variable that names the launcher to use, overriding the search."""
+
+HYDRA = "hydra"
+OPEN_MPI = "openmpi"
+
+# Variables Open MPI must be told to export; hydra passes the whole environment by default.
+FORWARDED_VARIABLES = (
+    "PATH",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "CONDA_PREFIX",
+    "LD_LIBRARY_PATH",
+)
+FORWARDED_PREFIXES = ("NCCL_", "RINGPLUG_", "MPI4PY_")
+
+_VERSION_TIMEOUT_S = 15.0
+
+
+class LauncherError(RuntimeError):
+    """The MPI launcher is missing or unusable; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class MpiLauncher:
+    """An ``mpiexec`` and what kind it is.
+
+    Args:
+        path: the executable.
+        kind: ``"hydra"`` (MPICH, Intel MPI) or ``"openmpi"`` (Open MPI, PRRTE).
+        version: one line naming the implementation and version, for messages.
+    """
+
+    path: str
+    kind: str
+    version: str
+
+
+@dataclass
+class LaunchPlan:
+    """The exact process ``ringrun`` starts: argv and variables for the launcher itself.
+
+    Args:
+        argv: the command line, launcher first (or the wrapper, when running without MPI).
+        launcher_env: variables set for that process on top of ringrun's environment.
+        launcher: the MPI launcher used, ``None`` when running without one.
+    """
+
+    argv: list[str]
+    launcher_env: dict[str, str] = field(default_factory=dict)
+    launcher: MpiLauncher | None = None
+
+    def shell_line(self) -> str:
+        """The plan as one copy-pasteable POSIX shell line."""
+        assignments = [f"{name}={shlex.quote(value)}" for name, value in self.launcher_env.items()]
+        return " ".join([*assignments, shlex.join(self.argv)])
+
+
+def find_launcher_path(
+    environ: Mapping[str, str] | None = None, python: str | None = None
+) -> str | None:
+    """Locate ``mpiexec``: ``$RINGPLUG_MPIEXEC``, beside ``python``, then on ``PATH``.
+
+    The launcher beside the interpreter comes first because it belongs to the MPI that
+    mpi4py loads from the same virtualenv (the ``mpich`` wheel puts both there).
+
+    Args:
+        environ: environment to read ``RINGPLUG_MPIEXEC`` and ``PATH`` from. Defaults to
+            ``os.environ``.
+        python: the interpreter whose directory is searched first. Defaults to
+            ``sys.executable`` (not resolved: a virtualenv's python is a symlink).
+
+    Raises:
+        LauncherError: ``RINGPLUG_MPIEXEC`` names something that is not an executable.
+    """
+    environ = os.environ if environ is None else environ
+    python = sys.executable if python is None else python
+    search_path = environ.get("PATH", os.defpath)
+    override = environ.get(LAUNCHER_VARIABLE)
+    if override:
+        found = shutil.which(override, path=search_path)
+        if found is None:
+            raise LauncherError(
+                f"{LAUNCHER_VARIABLE}={override} is not an executable. Point it at an "
+                "mpiexec, or unset it to let ringrun search."
+            )
+        return found
+    if python:
+        beside = Path(python).parent / "mpiexec"
+        if beside.is_file() and os.access(beside, os.X_OK):
+            return str(beside)
+    for name in ("mpiexec", "mpirun"):
+        found = shutil.which(name, path=search_path)
+        if found is not None:
+            return found
+    return None
+
+
+def classify_version_output(text: str) -> tuple[str, str]:
+    """Tell hydra from Open MPI by what ``mpiexec --version`` printed; return (kind, version)."""
+    first_line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if re.search(r"Open MPI|OpenRTE|PRRTE|\bprte", text, flags=re.IGNORECASE):
+        return OPEN_MPI, first_line
+    match = re.search(r"^\s*Version:\s*(\S+)", text, flags=re.MULTILINE)
+    if "HYDRA" in text and match:
+        return HYDRA, f"MPICH hydra {match.group(1)}"
+    # Intel MPI and other MPICH derivatives use hydra with the same flags.
+    return HYDRA, first_line or "unknown"
+
+
+def identify_launcher(path: str) -> MpiLauncher:
+    """Run ``path --version`` (bounded) and describe the launcher.
+
+    Raises:
+        LauncherError: it could not be run or did not answer in time.
+    """
+    try:
+        result = subprocess.run(
+            [path, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=_VERSION_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise LauncherError(f"cannot run {path} --version: {error}") from None
+    output = result.stdout + result.stderr
+    kind, version = classify_version_output(output)
+    if kind == HYDRA and "HYDRA" not in output:
+        logger.warning(
+            "could not tell which MPI %s belongs to (it said %r); using MPICH hydra flags",
+            path,
+            version,
+        )
+    return MpiLauncher(path=path, kind=kind, version=version)
+
+
+def find_launcher(
+    environ: Mapping[str, str] | None = None, python: str | None = None
+) -> MpiLauncher | None:
+    """Locate and identify the MPI launcher; ``None`` when there is none."""
+    path = find_launcher_path(environ, python)
+    return None if path is None else identify_launcher(path)
+
+
+def missing_launcher_message(np: int, python: str | None = None) -> str:
+    """What to tell a user who asked for ranks when no MPI launcher exists."""
+    python = sys.executable if python is None else python
+    return (
+        f"no MPI launcher found (looked for mpiexec beside {python}, then mpiexec and mpirun "
+        f"on PATH), and running {np} ranks needs one. Install MPICH from PyPI with "
+        "`pip install 'ringplug[mpich]'`, or on a cluster load its MPI module (for example "
+        f"`module load openmpi`), or set {LAUNCHER_VARIABLE} to the path of an mpiexec."
+    )
+
+
+@dataclass
+class JobSpec:
+    """What to launch, with hosts and environment already worked out from the settings.
+
+    Args:
+        np: number of ranks.
+        command: the user's program and arguments.
+        hosts: hosts to place ranks on, host-major; empty for this machine only.
+        network_interfaces: NICs for MPI (and NCCL) traffic.
+        ssh_port: ssh port for remote hosts, ``None`` for ssh's default.
+        env: variables for the ranks; ``None`` values are forwarded from ringrun's
+            environment.
+        output_dir: absolute directory for per-rank output copies, or ``None``.
+        bind_to: ``"none"``, ``"core"``, ``"socket"`` or ``None`` for the launcher default.
+    """
+
+    np: int
+    command: list[str]
+    hosts: list[Host] = field(default_factory=list)
+    network_interfaces: list[str] = field(default_factory=list)
+    ssh_port: int | None = None
+    env: dict[str, str | None] = field(default_factory=dict)
+    output_dir: str | None = None
+    bind_to: str | None = None
+
+
+def rank_environment(spec: JobSpec, environ: Mapping[str, str]) -> dict[str, str]:
+    """Variables ringrun sets for every rank (beyond what the launcher forwards)."""
+    values: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+    if spec.network_interfaces and "NCCL_SOCKET_IFNAME" not in environ:
+        # NCCL picks its own NIC otherwise, often docker0 or lo on multi-host jobs.
+        values["NCCL_SOCKET_IFNAME"] = ",".join(spec.network_interfaces)
+    values.update({name: value for name, value in spec.env.items() if value is not None})
+    return values
+
+
+def forwarded_names(spec: JobSpec, environ: Mapping[str, str]) -> list[str]:
+    """Names of ringrun's own variables that the ranks must inherit, sorted."""
+    names = {name for name in FORWARDED_VARIABLES if name in environ}
+    names.update(name for name in environ if name.startswith(FORWARDED_PREFIXES))
+    for name, value in spec.env.items():
+        if value is None:
+            if name in environ:
+                names.add(name)
+            else:
+                logger.warning(
+                    "-x %s: %s is not set here, so the ranks will not get it", name, name
+                )
+    return sorted(names)
+
+
+def wrapper_argv(spec: JobSpec, python: str) -> list[str]:
+    """The per-rank command: the wrapper around the user's command."""
+    argv = [python, "-m", "ringplug.run.wrapper"]
+    if spec.output_dir is not None:
+        argv += ["--output-dir", spec.output_dir]
+    return [*argv, "--", *spec.command]
+
+
+def build_plan(
+    spec: JobSpec,
+    launcher: MpiLauncher | None,
+    environ: Mapping[str, str] | None = None,
+    python: str | None = None,
+    is_root: bool | None = None,
+) -> LaunchPlan:
+    """Translate a job into the launcher's command line.
+
+    Args:
+        spec: the job.
+        launcher: the MPI launcher, or ``None`` to run a single rank without MPI.
+        environ: ringrun's environment. Defaults to ``os.environ``.
+        python: interpreter for the wrapper on every rank. Defaults to ``sys.executable``.
+        is_root: whether ringrun runs as root (Open MPI refuses root without a flag).
+            Defaults to checking the effective user id.
+
+    Raises:
+        LauncherError: no launcher, but the job needs more than one rank or remote hosts.
+    """
+    environ = os.environ if environ is None else environ
+    python = sys.executable if python is None else python
+    if is_root is None:
+        is_root = os.geteuid() == 0
+    if spec.hosts and spec.np > total_slots(spec.hosts):
+        logger.warning(
+            "-np %d is more than the %d slots of %s; the launcher will place the extra "
+            "ranks round-robin",
+            spec.np,
+            total_slots(spec.hosts),
+            format_host_list(spec.hosts),
+        )
+    if launcher is None:
+        if spec.np > 1 or spec.hosts:
+            raise LauncherError(missing_launcher_message(spec.np, python))
+        # One local rank needs no MPI launcher: the wrapper runs the command directly.
+        return LaunchPlan(
+            argv=wrapper_argv(spec, python), launcher_env=rank_environment(spec, environ)
+        )
+    if launcher.kind == OPEN_MPI:
+        return _open_mpi_plan(spec, launcher, environ, python, is_root)
+    return _hydra_plan(spec, launcher, environ, python)
+
+
+def _hydra_plan(
+    spec: JobSpec, launcher: MpiLauncher, environ: Mapping[str, str], python: str
+) -> LaunchPlan:
+    """MPICH hydra flags (checked against ``mpiexec -help`` of MPICH 5.0.2)."""
+    argv = [launcher.path, "-n", str(spec.np)]
+    launcher_env: dict[str, str] = {}
+    if spec.hosts:
+        argv += ["-hosts", format_host_list(spec.hosts)]
+    if spec.network_interfaces:
+        if len(spec.network_interfaces) > 1:
+            logger.warning(
+                "hydra takes one network interface; using %s for MPI (NCCL gets all of %s)",
+                spec.network_interfaces[0],
+                ",".join(spec.network_interfaces),
+            )
+        argv += ["-iface", spec.network_interfaces[0]]
+    if spec.ssh_port is not None:
+        # hydra has no flag for ssh options; its ssh launcher appends this variable's words.
+        argv += ["-launcher", "ssh"]
+        extra = environ.get("HYDRA_LAUNCHER_EXTRA_ARGS", "")
+        launcher_env["HYDRA_LAUNCHER_EXTRA_ARGS"] = f"{extra} -p {spec.ssh_port}".strip()
+    if spec.bind_to is not None:
+        argv += ["-bind-to", spec.bind_to]
+    argv.append("-prepend-rank")
+    # hydra passes ringrun's whole environment to every rank (-genvall is its default), so
+    # only the values ringrun adds or overrides need spelling out.
+    for name, value in sorted(rank_environment(spec, environ).items()):
+        argv += ["-genv", name, value]
+    forwarded_names(spec, environ)  # warns about -x names that are not set
+    return LaunchPlan(
+        argv=[*argv, *wrapper_argv(spec, python)], launcher_env=launcher_env, launcher=launcher
+    )
+
+
+def _open_mpi_plan(
+    spec: JobSpec,
+    launcher: MpiLauncher,
+    environ: Mapping[str, str],
+    python: str,
+    is_root: bool,
+) -> LaunchPlan:
+    """Open MPI (4.x ``mpirun``/``mpiexec``, 5.x on PRRTE) flags."""
+    argv = [launcher.path, "-np", str(spec.np)]
+    if is_root:
+        argv.append("--allow-run-as-root")
+    # ringrun's contract is "N ranks, whatever the core count", as with hydra.
+    argv += ["--oversubscribe", "--tag-output"]
+    if spec.hosts:
+        argv += ["-H", format_host_list(spec.hosts)]
+    if spec.bind_to is not None:
+        argv += ["--bind-to", spec.bind_to]
+    if spec.network_interfaces:
+        interfaces = ",".join(spec.network_interfaces)
+        argv += ["--mca", "btl_tcp_if_include", interfaces]
+        argv += ["--mca", "oob_tcp_if_include", interfaces]
+    if spec.ssh_port is not None:
+        argv += ["--mca", "plm_rsh_args", f"-p {spec.ssh_port}"]
+    rank_env = rank_environment(spec, environ)
+    for name in forwarded_names(spec, environ):
+        if name not in rank_env:
+            argv += ["-x", name]
+    for name, value in sorted(rank_env.items()):
+        argv += ["-x", f"{name}={value}"]
+    return LaunchPlan(argv=[*argv, *wrapper_argv(spec, python)], launcher=launcher)

@@ -1,0 +1,147 @@
+"""Launch settings for ``ringrun``: one dataclass shared by the command line and config files."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+BIND_CHOICES = ("none", "core", "socket")
+
+
+class SettingsError(ValueError):
+    """A setting with a value ``ringrun`` cannot use."""
+
+
+@dataclass
+class RunSettings:
+    """Everything that shapes a launch, whether it came from flags or ``--config-file``.
+
+    Every field is also a config-file key of the same name. A field left at its default
+    (``None`` or empty) means "not given", so the command line can override a file field by
+    field. Later features add fields here; the config file picks them up by itself.
+
+    Args:
+        np: number of ranks. Defaults to ``None``: the total slots of ``hosts``, else required.
+        hosts: ``"a:2,b:2"`` or ``["a:2", "b:2"]``. Defaults to ``None`` (this machine).
+        hostfile: path of a hostfile. Defaults to ``None``.
+        network_interfaces: NICs for MPI traffic, e.g. ``["eth0"]``. Defaults to ``[]``.
+        ssh_port: port for ssh to remote hosts. Defaults to ``None`` (ssh's own default).
+        env: variables for the ranks; a ``None`` value forwards ringrun's own value.
+            Defaults to ``{}``.
+        output_filename: directory for per-rank ``stdout``/``stderr`` copies. Defaults to
+            ``None`` (terminal only).
+        bind_to: ``"none"``, ``"core"`` or ``"socket"``. Defaults to ``None`` (launcher's
+            default).
+        verbose: print the launcher command line before running it. Defaults to ``False``.
+    """
+
+    np: int | None = None
+    hosts: str | list[str] | None = None
+    hostfile: str | None = None
+    network_interfaces: list[str] = field(default_factory=list)
+    ssh_port: int | None = None
+    env: dict[str, str | None] = field(default_factory=dict)
+    output_filename: str | None = None
+    bind_to: str | None = None
+    verbose: bool = False
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """Names accepted as config-file keys, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], source: str) -> RunSettings:
+        """Build settings from a parsed config file, checking keys and value types.
+
+        Raises:
+            SettingsError: for an unknown key or a value of the wrong type; the message
+                names ``source``, the key and what was expected.
+        """
+        allowed = cls.keys()
+        unknown = [key for key in values if key not in allowed]
+        if unknown:
+            raise SettingsError(
+                f"{source}: unknown setting {unknown[0]!r}. Allowed settings: {', '.join(allowed)}."
+            )
+        checked: dict[str, Any] = {}
+        for key, value in values.items():
+            checked[key] = _check_value(key, value, source)
+        return cls(**checked)
+
+    def overridden_by(self, other: RunSettings) -> RunSettings:
+        """These settings with every field that ``other`` sets taking precedence.
+
+        ``env`` is merged key by key (``other`` wins on clashes); other fields are replaced
+        whole when ``other`` gives them.
+        """
+        changes: dict[str, Any] = {}
+        defaults = RunSettings()
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "env":
+                changes["env"] = {**mine, **theirs}
+            elif theirs != getattr(defaults, f.name):
+                changes[f.name] = theirs
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        """Check the combination of settings, after config file and flags are merged."""
+        if self.hosts and self.hostfile:
+            raise SettingsError("give hosts (-H) or a hostfile (--hostfile), not both")
+        if self.np is not None and self.np < 1:
+            raise SettingsError(f"-np must be at least 1, got {self.np}")
+        if self.bind_to is not None and self.bind_to not in BIND_CHOICES:
+            raise SettingsError(
+                f"bind_to must be one of {', '.join(BIND_CHOICES)}, got {self.bind_to!r}"
+            )
+        if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
+            raise SettingsError(f"ssh_port must be between 1 and 65535, got {self.ssh_port}")
+
+
+def _check_value(key: str, value: Any, source: str) -> Any:
+    """Return ``value`` in the type field ``key`` wants, or raise naming what was expected."""
+
+    def wrong(expected: str) -> SettingsError:
+        return SettingsError(f"{source}: {key} must be {expected}, got {value!r}")
+
+    # bool is an int subclass; `np: true` is a mistake worth catching.
+    if key in ("np", "ssh_port"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong("a whole number")
+        return value
+    if key == "verbose":
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+        return value
+    if key == "hosts":
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return list(value)
+        raise wrong("a string like 'a:2,b:2' or a list of 'host:slots' strings")
+    if key == "network_interfaces":
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return list(value)
+        raise wrong("a list of interface names")
+    if key == "env":
+        if not isinstance(value, Mapping):
+            raise wrong("a mapping of variable names to values")
+        env: dict[str, str | None] = {}
+        for name, item in value.items():
+            if isinstance(item, (dict, list)):
+                raise SettingsError(f"{source}: env.{name} must be a plain value, got {item!r}")
+            # YAML and TOML give numbers and booleans their own types; the ranks see text.
+            if isinstance(item, bool):
+                item = "1" if item else "0"
+            env[str(name)] = None if item is None else str(item)
+        return env
+    if key in ("hostfile", "output_filename", "bind_to"):
+        if not isinstance(value, str):
+            raise wrong("a string")
+        return value
+    return value

@@ -1,0 +1,295 @@
+"""Per-rank supervisor that ``ringrun`` puts between the MPI launcher and the user's program.
+
+Run as ``python -m ringplug.run.wrapper [--output-dir DIR] -- command [args...]``. It starts
+the command as a child that inherits everything the launcher set up (environment, PMI file
+descriptors), makes sure the child dies with it, forwards SIGTERM/SIGINT, optionally tees the
+child's output into per-rank files, and when the child fails writes a report into
+``$RINGPLUG_RUN_STATUS_DIR`` so ``ringrun`` can name the rank that failed first.
+
+Standard library only: importing mpi4py or ``ringplug.core`` here would initialise MPI in the
+wrapper, which is not a rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+from ringplug.run.status import STATUS_DIR_VARIABLE, RankStatus, signal_name, write_status
+
+logger = logging.getLogger(__name__)
+
+# Checked in this order: MPICH/hydra (and Intel MPI), Open MPI, any PMIx launcher, Slurm.
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+
+_PR_SET_PDEATHSIG = 1
+# How long output pipes may stay open after the child exited (a grandchild may hold them).
+_DRAIN_TIMEOUT_S = 5.0
+# How long a line without its newline is held back before it is shown anyway.
+_PARTIAL_LINE_S = 0.2
+
+
+def rank_from_environment(environ: Mapping[str, str]) -> int | None:
+    """This process's rank as the launcher announced it, or ``None`` if none did."""
+    for name in RANK_VARIABLES:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def size_from_environment(environ: Mapping[str, str]) -> int | None:
+    """The job's size as the launcher announced it, or ``None`` if none did."""
+    for name in SIZE_VARIABLES:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def rank_directory_name(rank: int, size: int | None) -> str:
+    """``rank.07`` style names, padded to the widest rank so that they sort numerically."""
+    width = len(str(size - 1)) if size and size > 1 else 1
+    return f"rank.{rank:0{width}d}"
+
+
+def parent_death_signal(sig: int) -> Callable[[], None] | None:
+    """A function that asks Linux to send ``sig`` to the calling process when its parent dies.
+
+    Returns ``None`` where ``prctl`` does not exist (not Linux); there the wrapper still
+    works, it just cannot guarantee cleanup if it is SIGKILLed itself.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        # The parent may have died between fork and prctl; then no signal would ever come.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return set_death_signal
+
+
+def _protect_against_orphaning() -> None:
+    """Make the wrapper itself die with its parent (the launcher's per-host proxy).
+
+    If the proxy is SIGKILLed during a teardown, the wrapper goes too, and the child follows
+    through its own death signal: no rank is left running without its launcher.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getppid()
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
+
+
+def _pump(source: BinaryIO, terminal_fd: int, copy: BinaryIO | None) -> None:
+    """Copy the child's output to the terminal in whole lines, and raw into ``copy``.
+
+    hydra's ``-prepend-rank`` and Open MPI's ``--tag-output`` tag every chunk they read, so
+    a line written in pieces (unbuffered Python prints word by word) would come out broken
+    and tagged mid-line. Complete lines go out at once; a partial line (a prompt, a progress
+    bar) waits at most ``_PARTIAL_LINE_S`` for its end.
+    """
+    fd = source.fileno()
+    pending = b""
+    while True:
+        if pending:
+            ready, _, _ = select.select([fd], [], [], _PARTIAL_LINE_S)
+            if not ready:
+                _write_all(terminal_fd, pending)
+                pending = b""
+                continue
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        if copy is not None:
+            try:
+                copy.write(chunk)
+                copy.flush()
+            except (OSError, ValueError):
+                # A full disk must not stop the terminal copy.
+                copy = None
+        pending += chunk
+        end = max(pending.rfind(b"\n"), pending.rfind(b"\r"))
+        if end >= 0:
+            for line in pending[: end + 1].splitlines(keepends=True):
+                _write_all(terminal_fd, line)
+            pending = pending[end + 1 :]
+    if pending:
+        _write_all(terminal_fd, pending)
+    source.close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` in full, dropping it if the terminal went away."""
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except OSError:
+            return
+        view = view[written:]
+
+
+class RankWrapper:
+    """Runs one rank's command as a supervised child process.
+
+    Args:
+        command: the program and its arguments.
+        output_dir: directory under which ``rank.<rank>/stdout`` and ``/stderr`` receive a
+            copy of the child's output. Defaults to ``None`` (no copies).
+        environ: the environment to read rank facts from. Defaults to ``os.environ``.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        output_dir: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.command = list(command)
+        self.output_dir = output_dir
+        self.environ = os.environ if environ is None else environ
+        self.rank = rank_from_environment(self.environ)
+        self.child: subprocess.Popen[bytes] | None = None
+        self._pending_signal: int | None = None
+
+    def run(self) -> int:
+        """Start the child, wait for it, report a failure; return the shell-style exit code."""
+        _protect_against_orphaning()
+        files: list[BinaryIO | None] = [None, None]
+        if self.output_dir is not None:
+            files = self._open_output_files()
+        previous = {
+            sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            try:
+                self.child = subprocess.Popen(
+                    self.command,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    # MPICH hands its PMI connection over as an inherited descriptor (PMI_FD);
+                    # Open MPI/PMIx may do the same. Keep every inherited descriptor open.
+                    close_fds=False,
+                    preexec_fn=parent_death_signal(signal.SIGKILL),
+                )
+            except OSError as error:
+                print(
+                    f"ringrun wrapper: cannot start {self.command[0]!r}: {error.strerror}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._report(pid=os.getpid(), returncode=127)
+                return 127
+            if self._pending_signal is not None:
+                # A stop request that arrived while the child was being started.
+                self.child.send_signal(self._pending_signal)
+            assert self.child.stdout is not None and self.child.stderr is not None
+            threads = [
+                threading.Thread(target=_pump, args=(source, terminal, copy), daemon=True)
+                for source, terminal, copy in (
+                    (self.child.stdout, sys.stdout.fileno(), files[0]),
+                    (self.child.stderr, sys.stderr.fileno(), files[1]),
+                )
+            ]
+            for thread in threads:
+                thread.start()
+            returncode = self.child.wait()
+            for thread in threads:
+                thread.join(_DRAIN_TIMEOUT_S)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            for file in files:
+                if file is not None:
+                    file.close()
+        if returncode != 0:
+            self._report(pid=self.child.pid, returncode=returncode)
+        return 128 - returncode if returncode < 0 else returncode
+
+    def _forward(self, signum: int, frame: object) -> None:
+        """Pass SIGTERM/SIGINT on to the child; the wrapper ends when the child does."""
+        if self.child is None:
+            self._pending_signal = signum
+        elif self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def _open_output_files(self) -> list[BinaryIO | None]:
+        """Create ``rank.<rank>/stdout`` and ``stderr`` under the output directory."""
+        assert self.output_dir is not None
+        rank = 0 if self.rank is None else self.rank
+        directory = Path(self.output_dir) / rank_directory_name(
+            rank, size_from_environment(self.environ)
+        )
+        directory.mkdir(parents=True, exist_ok=True)
+        return [(directory / "stdout").open("wb"), (directory / "stderr").open("wb")]
+
+    def _report(self, pid: int, returncode: int) -> None:
+        """Leave a status file for ``ringrun``, if it asked for one and can see it."""
+        directory = self.environ.get(STATUS_DIR_VARIABLE)
+        if not directory:
+            return
+        status = RankStatus(
+            # Without any launcher variables this is a lone process, i.e. rank 0.
+            rank=0 if self.rank is None else self.rank,
+            host=socket.gethostname(),
+            pid=pid,
+            exit_code=returncode if returncode >= 0 else None,
+            signal_name=signal_name(-returncode) if returncode < 0 else None,
+            timestamp=time.time(),
+        )
+        try:
+            write_status(directory, status)
+        except OSError as error:
+            # On another host the directory usually does not exist; ringrun then falls back
+            # to the launcher's exit code.
+            logger.debug("cannot write status into %s: %s", directory, error)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m ringplug.run.wrapper``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ringplug.run.wrapper",
+        description="Supervise one rank's command for ringrun.",
+    )
+    parser.add_argument("--output-dir", help="copy stdout/stderr into DIR/rank.<rank>/")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command [args...]")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given; use: -- command [args...]")
+    return RankWrapper(command, output_dir=args.output_dir).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

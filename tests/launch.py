@@ -1,0 +1,101 @@
+"""Helpers for tests that start ``ringrun``: run it bounded, fake launchers, find leftovers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+RINGRUN = [sys.executable, "-m", "ringplug.run.cli"]
+"""``ringrun`` as this interpreter runs it, so it finds the virtualenv's mpiexec."""
+
+# Found without importing ringplug, so the helpers stay light.
+SOURCE_DIR = str(Path(importlib.util.find_spec("ringplug").origin).resolve().parents[1])
+
+# No test waits longer than this for ringrun; a hang fails the test instead of the suite.
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def run_ringrun(
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    cwd: str | Path | None = None,
+    ringrun: Sequence[str] = RINGRUN,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``ringrun args...`` to completion (bounded by ``timeout``) and capture its output.
+
+    ``env`` replaces the environment; ``extra_env`` adds to it (or to ``os.environ``).
+    """
+    environment = dict(os.environ if env is None else env)
+    if env is None:
+        # A developer's own override must not change what the tests exercise.
+        environment.pop("RINGPLUG_MPIEXEC", None)
+    environment.update(extra_env or {})
+    return subprocess.run(
+        [*ringrun, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment,
+        cwd=cwd,
+        check=False,
+    )
+
+
+def unique_marker(scenario: str) -> str:
+    """A string to put in a rank's argv, so leftover processes can be found by it."""
+    return f"ringrun-test-{scenario}-{uuid.uuid4().hex[:12]}"
+
+
+def processes_matching(marker: str) -> list[str]:
+    """Command lines of running processes whose argv contains ``marker``."""
+    result = subprocess.run(
+        ["pgrep", "-af", marker], capture_output=True, text=True, timeout=10, check=False
+    )
+    return [line for line in result.stdout.splitlines() if line.strip()]
+
+
+def write_executable(path: Path, text: str) -> Path:
+    """Write a script and make it executable."""
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def fake_open_mpi(directory: Path) -> Path:
+    """An ``mpiexec`` that claims to be Open MPI 5.0.3 and runs nothing."""
+    return write_executable(
+        directory / "mpiexec",
+        '#!/bin/sh\nif [ "$1" = "--version" ]; then\n'
+        '  echo "mpiexec (Open MPI) 5.0.3"\n  echo\n'
+        '  echo "Report bugs to https://www.open-mpi.org/community/help/"\n  exit 0\nfi\n'
+        'echo "fake Open MPI cannot run anything" >&2\nexit 1\n',
+    )
+
+
+def python_without_mpi(directory: Path) -> tuple[Path, dict[str, str]]:
+    """An interpreter with ringplug importable but no mpiexec beside it or on ``PATH``.
+
+    Returns the interpreter and an environment to run it with. It is a symlink to the real
+    interpreter in an empty directory, so ringrun's search beside ``sys.executable`` finds
+    nothing; the virtualenv's packages come through ``PYTHONPATH``.
+    """
+    import sysconfig
+
+    bin_dir = directory / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python"
+    python.symlink_to(Path(sys.executable).resolve())
+    env = {
+        "PATH": str(bin_dir),
+        "PYTHONPATH": os.pathsep.join([SOURCE_DIR, sysconfig.get_paths()["purelib"]]),
+        "HOME": os.environ.get("HOME", "/tmp"),
+    }
+    return python, env
