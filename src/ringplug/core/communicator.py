@@ -275,7 +275,7 @@ class Communicator:
                 f"{_what(kind, name, self._seq)}: rank(s) {ranks} rejected their arguments "
                 f"(their own error says why); no rank ran it."
             )
-        raise MismatchError(_mismatch_message(kind, name, self._seq, headers, _MATCH[kind]))
+        raise MismatchError(_mismatch_message(kind, name, self._seq, headers))
 
     # ------------------------------------------------------------------ collectives
     def allreduce(
@@ -617,44 +617,47 @@ def _shape_text(header: np.ndarray) -> str:
     return "(" + ", ".join(map(str, dims)) + ("," if ndim == 1 else "") + ")"
 
 
-def _describe(header: np.ndarray, fields: tuple[str, ...]) -> str:
-    kind = int(header[H_KIND])
-    text = Kind(kind).label if kind in Kind._value2member_map_ else f"an unknown call ({kind})"
+def _describe(header: np.ndarray) -> str:
+    """What one rank's header says it called, with the fields that call must match on."""
     if int(header[H_MAGIC]) != _MAGIC:
         return "a message that is not a ringplug header (mixed ringplug versions?)"
-    parts = [f"{text} #{int(header[H_SEQ])}"]
+    value = int(header[H_KIND])
+    if value not in Kind._value2member_map_:
+        return f"an unknown collective ({value})"
+    kind = Kind(value)
+    fields = _MATCH[kind]
+    parts = [f"{kind.label} #{int(header[H_SEQ])}"]
     if "shape" in fields or "trailing" in fields:
         parts.append(f"with shape {_shape_text(header)}")
     if "dtype" in fields:
         code = int(header[H_DTYPE])
         parts.append(DType(code).label if code in DType._value2member_map_ else "?")
     if "op" in fields:
-        parts.append(f"op={ReduceOp(int(header[H_OP])).name.lower()}")
+        op = int(header[H_OP])
+        parts.append(f"op={ReduceOp(op).name.lower() if op in ReduceOp._value2member_map_ else op}")
     if "root" in fields:
         parts.append(f"root_rank={int(header[H_ROOT])}")
     return " ".join(parts)
 
 
-def _mismatch_message(
-    kind: Kind, name: str | None, seq: int, headers: np.ndarray, fields: tuple[str, ...]
-) -> str:
+def _mismatch_message(kind: Kind, name: str | None, seq: int, headers: np.ndarray) -> str:
     groups: dict[str, list[int]] = {}
     for rank in range(headers.shape[0]):
-        groups.setdefault(_describe(headers[rank], fields), []).append(rank)
+        groups.setdefault(_describe(headers[rank]), []).append(rank)
     lines = [
         f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} called {text}"
         for text, ranks in groups.items()
     ]
-    hint = {
-        Kind.ALLGATHER: "allgather lets the first dimension differ, but not the others or the "
-        "dtype.",
-        Kind.ALLTOALL: "alltoall lets the first dimension differ, but not the others or the dtype.",
-    }.get(kind, "")
+    hint = (
+        f"{kind.label} lets the first dimension differ, but not the others or the dtype. "
+        if kind in (Kind.ALLGATHER, Kind.ALLTOALL)
+        else ""
+    )
     return (
         f"{_what(kind, name, seq)} does not match across ranks: "
         + "; ".join(lines)
         + ". "
-        + (hint + " " if hint else "")
+        + hint
         + "Every rank must call the same collectives in the same order with the same shapes, "
         "dtypes, ops and root ranks; check that every rank builds the same model and reads "
         "the same config."
