@@ -18,14 +18,13 @@ import enum
 import logging
 import pickle
 import struct
-import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from . import reduce, ring
+from . import log, reduce, ring
 from .config import Settings
 from .dtypes import DType
 from .errors import MismatchError, PeerArgumentError
@@ -239,19 +238,15 @@ class Communicator:
             time.sleep(delay)
             delay = min(delay * 2, _MAX_SLEEP_SECONDS)
 
-    def _abort(self, kind: Kind, name: str | None, missing: list[int], waited: float) -> None:
-        from mpi4py import MPI
-
+    def _abort(self, kind: Kind, name: str | None, missing: list[int], waited: float) -> NoReturn:
         message = (
             f"rank {self.rank} waited {waited:.0f} s in {_what(kind, name, self._seq)} for "
             f"rank(s) {', '.join(map(str, sorted(missing)))}, which never called it "
-            f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}). Aborting the job: MPI cannot "
+            f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}). Ending the job: MPI cannot "
             "cancel a collective. Look at what the missing ranks were doing (a stuck data "
             "loader, an uneven number of batches, a branch only some ranks take)."
         )
-        logger.critical(message)
-        print(f"ringplug[{self.rank}] FATAL: {message}", file=sys.stderr, flush=True)
-        MPI.COMM_WORLD.Abort(1)
+        log.end_job(self.rank, message)
 
     def _check(self, kind: Kind, name: str | None, error: BaseException | None) -> None:
         if self.size > 1:

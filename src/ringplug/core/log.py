@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from typing import NoReturn
 
 _HANDLER_NAME = "ringplug"
 
@@ -41,3 +43,16 @@ def configure(rank: int, level: str | None) -> None:
     else:
         logger.setLevel(logging.ERROR)
     logger.propagate = False
+
+
+def end_job(rank: int, message: str) -> NoReturn:
+    """Print a fatal `message` and end this rank without finalizing MPI.
+
+    Not MPI_Abort: it kills the job before this rank's last output reaches the launcher.
+    A rank that leaves without MPI_Finalize makes the launcher (hydra, Open MPI, ringrun)
+    tear the whole job down, after its output is through.
+    """
+    logging.getLogger("ringplug").critical(message)
+    print(f"ringplug[{rank}] FATAL: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)

@@ -164,17 +164,12 @@ def _install_excepthook() -> None:
     ) -> None:
         _state.previous_excepthook(kind, value, traceback)  # type: ignore[misc]
         topology = _state.topology
-        if topology is not None and topology.size > 1 and not issubclass(kind, SystemExit):
-            from mpi4py import MPI
-
-            print(
-                f"ringplug[{topology.rank}] FATAL: uncaught {kind.__name__} on rank "
-                f"{topology.rank}; aborting all {topology.size} ranks.",
-                file=sys.stderr,
-                flush=True,
+        if topology is not None and topology.size > 1:
+            log.end_job(
+                topology.rank,
+                f"uncaught {kind.__name__} on rank {topology.rank}; ending this rank so that "
+                f"the launcher stops all {topology.size} ranks.",
             )
-            sys.stdout.flush()
-            MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_job
 

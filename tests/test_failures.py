@@ -1,0 +1,82 @@
+"""When one rank dies, every rank stops within the bound and the rank is named.
+
+A rank that raises, a rank that is SIGKILLed, and a rank that never arrives while the
+others wait inside a collective. No test waits on a timer: each job ends by itself, and
+`subprocess` bounds are only there so that a regression fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import processes_matching, run_ringrun, unique_marker
+
+pytestmark = pytest.mark.multirank
+
+WORKER = str(Path(__file__).parent / "workers" / "failures.py")
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+# The issue's bound is 10 s from the failure to every rank stopped; the job also needs a
+# couple of seconds to start, so the whole job gets 20 s before it counts as hung.
+JOB_BOUND_S = 20
+
+
+def run_scenario(scenario: str, ranks: int = 2, env: dict[str, str] | None = None):
+    marker = unique_marker(scenario)
+    started = time.monotonic()
+    result = run_ringrun(
+        "-np", str(ranks), sys.executable, WORKER, scenario, marker,
+        extra_env=env, timeout=JOB_BOUND_S,
+    )  # fmt: skip
+    return result, time.monotonic() - started, marker
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_an_exception_on_one_rank_stops_every_rank_and_names_it(ranks):
+    result, _, marker = run_scenario("exception", ranks)
+    assert result.returncode != 0
+    assert "boom: rank 1 failed on purpose" in result.stdout + result.stderr
+    assert "ringrun: rank 1 " in result.stderr
+    assert "exited with code 1" in result.stderr
+    assert processes_matching(marker) == []
+
+
+def test_a_killed_rank_stops_every_rank_and_is_named_with_its_signal():
+    result, _, marker = run_scenario("kill", 3)
+    assert result.returncode != 0
+    assert "ringrun: rank 1 " in result.stderr
+    assert "SIGKILL" in result.stderr
+    assert processes_matching(marker) == []
+
+
+def test_a_rank_that_never_arrives_aborts_the_job_after_the_timeout_naming_it():
+    result, _, marker = run_scenario("absent", 3, env={"RINGPLUG_TIMEOUT": "2"})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    # Ranks 0 and 2 both wait in the same allreduce and both name rank 1 as missing.
+    for waiting in (0, 2):
+        assert f"rank {waiting} waited 2 s in allreduce" in output
+    assert "('stuck') for rank(s) 1, which never called it" in output
+    assert "RINGPLUG_TIMEOUT=2" in output
+    assert processes_matching(marker) == []
+
+
+def test_an_exception_under_plain_mpiexec_aborts_instead_of_hanging():
+    # Without ringrun, hydra alone would leave the other rank waiting forever; ringplug's
+    # exception hook aborts the MPI job.
+    marker = unique_marker("plain-mpiexec")
+    result = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, WORKER, "exception", marker],
+        capture_output=True, text=True, timeout=JOB_BOUND_S, check=False,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert (
+        "FATAL: uncaught RuntimeError on rank 1; ending this rank so that the launcher stops "
+        "all 2 ranks" in output
+    )
+    assert processes_matching(marker) == []
