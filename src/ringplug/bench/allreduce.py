@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             "# memory = one rank's unavoidable local work in a 2-rank ring "
             "(copy S/2 in, add S/2, copy S/2 out)"
         )
-        header = f"{'size':>8} " + "".join(f"| {name + ' us':>13} {'busbw':>6} " for name in impls)
+        header = f"#{'size':>7} " + "".join(f"| {name + ' us':>13} {'busbw':>6} " for name in impls)
         header += "| busbw ratios (ringplug / other)"
         print(header)
     records: list[Record] = []

@@ -1,0 +1,76 @@
+"""`ringplug-bench allreduce` runs every competitor in one job and reports comparable rows.
+
+These tests check what the benchmark reports and how, never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import run_ringrun
+
+pytestmark = pytest.mark.multirank
+
+BENCH = str(Path(sys.executable).parent / "ringplug-bench")
+SIZES = [4096, 8192, 16384]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("bench")
+    result = run_ringrun(
+        "-np", "2", BENCH, "allreduce", "--min-size", "4K", "--max-size", "16K",
+        "--budget", "0.005", "--min-iters", "3", "--warmup", "1",
+        "--json", str(outdir / "allreduce.json"), "--plot", str(outdir / "allreduce.png"),
+        timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, json.loads((outdir / "allreduce.json").read_text()), outdir
+
+
+def test_json_has_one_record_per_implementation_and_size(bench_run):
+    _, document, _ = bench_run
+    assert document["bench"] == "allreduce"
+    seen = {(row["impl"], row["bytes"]) for row in document["results"]}
+    assert seen == {
+        (impl, size) for impl in ("ringplug", "mpi", "gloo", "memory") for size in SIZES
+    }
+    for row in document["results"]:
+        assert (row["op"], row["dtype"], row["ranks"]) == ("sum", "float32", 2)
+        assert row["time_s"] > 0 and row["iterations"] >= 3
+
+
+def test_bandwidths_follow_from_size_and_time(bench_run):
+    _, document, _ = bench_run
+    for row in document["results"]:
+        algbw = row["bytes"] / row["time_s"] / 1e9
+        assert row["algbw_gbs"] == pytest.approx(algbw)
+        # busbw = algbw * 2(n-1)/n for a collective on n ranks; the memory row is local work.
+        factor = 1.0 if row["impl"] == "memory" else 2 * (2 - 1) / 2
+        assert row["busbw_gbs"] == pytest.approx(algbw * factor)
+
+
+def test_env_records_what_makes_runs_comparable(bench_run):
+    _, document, _ = bench_run
+    env = document["env"]
+    assert env["ranks"] == 2
+    assert env["mpi_library"].startswith("MPICH")
+    assert {"numpy", "mpi4py", "torch"} <= set(env["versions"])
+    assert env["ring_threshold"] > 0
+
+
+def test_table_prints_a_row_per_size_with_ratios_on_rank_0_only(bench_run):
+    result, _, _ = bench_run
+    rows = [line for line in result.stdout.splitlines() if line.startswith("[0]    ")]
+    assert [row.split()[1] for row in rows] == ["4K", "8K", "16K"]
+    assert all("mpi " in row and "gloo " in row and "memory " in row for row in rows)
+    assert not any(line.startswith("[1]") for line in result.stdout.splitlines())
+
+
+def test_plot_is_a_png(bench_run):
+    _, _, outdir = bench_run
+    assert (outdir / "allreduce.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

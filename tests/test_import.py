@@ -1,0 +1,35 @@
+"""`import ringplug` stays cheap and framework-free; MPI starts only at init()."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+FRAMEWORKS = ("torch", "tensorflow", "keras", "lightning", "jax", "numpy", "mpi4py")
+
+
+def modules_after(code: str) -> dict:
+    script = code + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    return set(json.loads(result.stdout.splitlines()[-1]))
+
+
+def test_import_ringplug_loads_no_framework_numpy_or_mpi():
+    loaded = modules_after("import ringplug")
+    assert not loaded & set(FRAMEWORKS)
+
+
+def test_the_core_names_load_on_first_use_without_starting_mpi():
+    loaded = modules_after("import ringplug; ringplug.allreduce; ringplug.Sum")
+    assert "numpy" in loaded
+    assert "mpi4py.MPI" not in loaded
+    assert not loaded & {"torch", "tensorflow", "keras", "lightning", "jax"}
+
+
+def test_init_starts_mpi_but_still_no_framework():
+    loaded = modules_after("import ringplug; ringplug.init()")
+    assert "mpi4py.MPI" in loaded
+    assert not loaded & {"torch", "tensorflow", "keras", "lightning", "jax"}
