@@ -140,6 +140,28 @@ def run(args: argparse.Namespace) -> int:
         header = f"#{'size':>7} " + "".join(f"| {name + ' us':>13} {'busbw':>6} " for name in impls)
         header += "| busbw ratios (ringplug / other)"
         print(header)
+    records = _measure_sizes(args, impls, dtype, sizes, bus_factor, leader)
+    if "gloo" in impls:
+        # gloo's threads must stop before the interpreter exits, or the C++ runtime aborts.
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    if leader:
+        _report(args, records, ranks, dtype)
+    return 0
+
+
+def _measure_sizes(
+    args: argparse.Namespace,
+    impls: list[str],
+    dtype: np.dtype,
+    sizes: list[int],
+    bus_factor: float,
+    leader: bool,
+) -> list[Record]:
+    """Verify, then time, every implementation at every size; rank 0 prints each row."""
+    ranks = ringplug.size()
     records: list[Record] = []
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
@@ -182,19 +204,22 @@ def run(args: argparse.Namespace) -> int:
                 ]
                 line += "| " + "  ".join(ratios)
             print(line, flush=True)
-    if leader:
-        settings = ringplug.core.runtime.settings()
-        env = environment(
-            {
-                "eager_threshold": ringplug.core.runtime.world().eager_bytes,
-                "ring_threshold": settings.ring_threshold,
-                "ring_segment": settings.ring_segment,
-            }
-        )
-        if args.json:
-            write_json(args.json, "allreduce", env, records)
-            print(f"# wrote {args.json}")
-        if args.plot:
-            plot_busbw(args.plot, f"allreduce, {ranks} ranks, {dtype.name}", records)
-            print(f"# wrote {args.plot}")
-    return 0
+    return records
+
+
+def _report(args: argparse.Namespace, records: list[Record], ranks: int, dtype: np.dtype) -> None:
+    """Write the JSON and the plot (rank 0)."""
+    settings = ringplug.core.runtime.settings()
+    env = environment(
+        {
+            "eager_threshold": ringplug.core.runtime.world().eager_bytes,
+            "ring_threshold": settings.ring_threshold,
+            "ring_segment": settings.ring_segment,
+        }
+    )
+    if args.json:
+        write_json(args.json, "allreduce", env, records)
+        print(f"# wrote {args.json}")
+    if args.plot:
+        plot_busbw(args.plot, f"allreduce, {ranks} ranks, {dtype.name}", records)
+        print(f"# wrote {args.plot}")
