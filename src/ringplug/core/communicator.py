@@ -443,7 +443,7 @@ class Communicator:
         if op is ReduceOp.AVERAGE:
             postscale = postscale / self.size
         row_elems = send.size // send.shape[0] if send.shape[0] else 0
-        rows = even_rows = ring.even_bounds(send.shape[0], self.size)
+        rows = ring.even_bounds(send.shape[0], self.size)
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
         work = np.empty(send.size, code.storage)
         if self.size == 1 or eager:
@@ -451,11 +451,9 @@ class Communicator:
         else:
             work[...] = send.reshape(-1)
             reduce.scale(work, prescale, code)
-            bounds = [b * row_elems for b in even_rows]
+            bounds = [b * row_elems for b in rows]
             ring.reduce_scatter(self._data, work, bounds, _ring_op(op), code, self._scratch, 1)
-        out = work[lo:hi].reshape(
-            (even_rows[self.rank + 1] - even_rows[self.rank], *send.shape[1:])
-        )
+        out = work[lo:hi].reshape((rows[self.rank + 1] - rows[self.rank], *send.shape[1:]))
         reduce.scale(out.reshape(-1), postscale, code)
         return out
 
