@@ -23,8 +23,10 @@ def test_a_byte_count_that_is_not_one_says_how_to_write_it():
 
 
 def test_unset_variables_give_the_defaults(monkeypatch):
-    for name in ("RINGPLUG_TIMEOUT", "RINGPLUG_EAGER_THRESHOLD", "RINGPLUG_RING_THRESHOLD",
-                 "RINGPLUG_RING_SEGMENT", "RINGPLUG_LOG_LEVEL"):  # fmt: skip
+    for name in ("RINGPLUG_TIMEOUT", "RINGPLUG_RING_THRESHOLD", "RINGPLUG_RING_SEGMENT",
+                 "RINGPLUG_LOG_LEVEL", "RINGPLUG_FUSION_THRESHOLD", "RINGPLUG_CYCLE_TIME",
+                 "RINGPLUG_STALL_CHECK_SECONDS", "RINGPLUG_STALL_SHUTDOWN_SECONDS",
+                 "RINGPLUG_TIMELINE"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     assert read_settings() == Settings()
     assert Settings().timeout == 1800

@@ -13,46 +13,20 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _CORE_NAMES = (
-    "Average", "DType", "Max", "Min", "MismatchError", "NotInitializedError",
-    "PeerArgumentError", "Product", "ReduceOp", "RingplugError", "Sum", "allgather",
-    "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_object",
-    "cross_rank", "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank",
-    "reducescatter", "shutdown", "size",
+    "Average", "DType", "GroupHandle", "Handle", "Max", "Min", "MismatchError",
+    "NotInitializedError", "PeerArgumentError", "Product", "ReduceOp", "RingplugError",
+    "StallError", "Sum", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "allreduce_async", "alltoall", "barrier", "broadcast", "broadcast_async",
+    "broadcast_object", "cross_rank", "cross_size", "grouped_allreduce",
+    "grouped_allreduce_async", "init", "is_initialized", "join", "local_rank", "local_size",
+    "poll", "rank", "reducescatter", "reducescatter_async", "shutdown", "size",
+    "start_timeline", "stop_timeline", "synchronize",
 )  # fmt: skip
 
 __all__ = ["__version__", *_CORE_NAMES]
 
 if TYPE_CHECKING:
-    from .core import (  # noqa: F401
-        Average,
-        DType,
-        Max,
-        Min,
-        MismatchError,
-        NotInitializedError,
-        PeerArgumentError,
-        Product,
-        ReduceOp,
-        RingplugError,
-        Sum,
-        allgather,
-        allgather_object,
-        allreduce,
-        alltoall,
-        barrier,
-        broadcast,
-        broadcast_object,
-        cross_rank,
-        cross_size,
-        init,
-        is_initialized,
-        local_rank,
-        local_size,
-        rank,
-        reducescatter,
-        shutdown,
-        size,
-    )  # fmt: skip
+    from .core import *  # noqa: F403
 
 
 def __getattr__(name: str) -> Any:

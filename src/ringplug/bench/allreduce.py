@@ -212,7 +212,7 @@ def _report(args: argparse.Namespace, records: list[Record], ranks: int, dtype: 
     settings = ringplug.core.runtime.settings()
     env = environment(
         {
-            "eager_threshold": ringplug.core.runtime.world().eager_bytes,
+            "fusion_threshold": settings.fusion_threshold,
             "ring_threshold": settings.ring_threshold,
             "ring_segment": settings.ring_segment,
         }

@@ -1,20 +1,39 @@
-"""ringplug's framework-neutral core: runtime, collectives on CPU buffers, MPI transport.
+"""ringplug's framework-neutral core: runtime, engine, collectives on CPU buffers, MPI transport.
 
 This layer knows buffers, never framework tensor types, and is the only one that talks MPI.
 """
 
 from .collectives import (
+    GroupHandle,
     allgather,
+    allgather_async,
     allgather_object,
     allreduce,
+    allreduce_async,
     alltoall,
     barrier,
     broadcast,
+    broadcast_async,
     broadcast_object,
+    grouped_allreduce,
+    grouped_allreduce_async,
+    join,
+    poll,
     reducescatter,
+    reducescatter_async,
+    start_timeline,
+    stop_timeline,
+    synchronize,
 )
 from .dtypes import DType
-from .errors import MismatchError, NotInitializedError, PeerArgumentError, RingplugError
+from .engine import Handle
+from .errors import (
+    MismatchError,
+    NotInitializedError,
+    PeerArgumentError,
+    RingplugError,
+    StallError,
+)
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
     cross_rank,
@@ -29,32 +48,12 @@ from .runtime import (
 )
 
 __all__ = [
-    "Average",
-    "DType",
-    "Max",
-    "Min",
-    "MismatchError",
-    "NotInitializedError",
-    "PeerArgumentError",
-    "Product",
-    "ReduceOp",
-    "RingplugError",
-    "Sum",
-    "allgather",
-    "allgather_object",
-    "allreduce",
-    "alltoall",
-    "barrier",
-    "broadcast",
-    "broadcast_object",
-    "cross_rank",
-    "cross_size",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "rank",
-    "reducescatter",
-    "shutdown",
-    "size",
-]
+    "Average", "DType", "GroupHandle", "Handle", "Max", "Min", "MismatchError",
+    "NotInitializedError", "PeerArgumentError", "Product", "ReduceOp", "RingplugError",
+    "StallError", "Sum", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "allreduce_async", "alltoall", "barrier", "broadcast", "broadcast_async",
+    "broadcast_object", "cross_rank", "cross_size", "grouped_allreduce",
+    "grouped_allreduce_async", "init", "is_initialized", "join", "local_rank", "local_size",
+    "poll", "rank", "reducescatter", "reducescatter_async", "shutdown", "size",
+    "start_timeline", "stop_timeline", "synchronize",
+]  # fmt: skip

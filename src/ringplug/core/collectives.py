@@ -1,25 +1,42 @@
-"""The collectives users call: `ringplug.allreduce(array)`, `ringplug.broadcast(...)`, ...
+"""The collectives users call: `ringplug.allreduce(array)`, `ringplug.allreduce_async(...)`, ...
 
-They take numpy arrays or anything with the buffer protocol, on every rank of the job.
-Each rank must make the same calls in the same order: when shapes, dtypes, ops or roots
-differ between ranks, every rank raises `ringplug.MismatchError` saying who passed what.
-Bad arguments on one rank raise there and raise `PeerArgumentError` on the others; no
-rank is left waiting.
+They take numpy arrays or anything with the buffer protocol. Each has an async form that
+returns a `Handle` at once; the plain form is the async form followed by `wait()`. Every
+rank must submit the same collectives: matched by `name`, or, for unnamed calls, by the
+order of the calls (they get the names "noname.1", "noname.2", ... on every rank). When
+shapes, dtypes, ops or roots differ between ranks, every rank's handle raises
+`ringplug.MismatchError` saying who passed what. Bad arguments on one rank raise there and
+raise `PeerArgumentError` on the others; no rank is left waiting.
 """
 
 from __future__ import annotations
 
+import itertools
+import pickle
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from . import runtime
-from .communicator import Kind
+from . import reduce, runtime
 from .dtypes import DType, classify, storage_view
+from .engine import Handle, Request
+from .negotiation import CACHEABLE, Kind, Signature
 from .ops import Average, ReduceOp, as_op
 
 ArrayLike = Any  # numpy arrays and anything with the buffer protocol
+
+_unnamed = itertools.count(1)
+_unnamed_lock = threading.Lock()
+
+
+def _name(name: str | None) -> tuple[str, bool]:
+    """The request's name, and whether it was given (only given names are cached)."""
+    if name is not None:
+        return str(name), True
+    with _unnamed_lock:
+        return f"noname.{next(_unnamed)}", False
 
 
 def _as_array(obj: ArrayLike) -> np.ndarray:
@@ -34,17 +51,80 @@ def _as_array(obj: ArrayLike) -> np.ndarray:
         ) from None
 
 
-def _prepare(kind: Kind, array: ArrayLike, dtype: str | DType | None, name: str | None):
-    """View `array` in its storage type, contiguous; on bad input fail on every rank."""
-    comm = runtime.world()
+def _contiguous(array: np.ndarray, code: DType) -> np.ndarray:
+    view = storage_view(array, code)
+    return view if view.flags.c_contiguous else np.ascontiguousarray(view)
+
+
+def _submit(name: str, cacheable: bool, build) -> Handle:
+    """Build the request with `build(name)`; on bad arguments submit an error marker under
+    the same name, so that every other rank's handle fails instead of waiting."""
+    engine = runtime.engine()
     try:
+        request = build(name)
+    except (TypeError, ValueError) as exc:
+        marker = Request(name, Signature(Kind.ERROR), Handle(name), error=exc)
+        return engine.submit(marker)
+    request.cacheable = cacheable and request.signature.kind in CACHEABLE
+    return engine.submit(request)
+
+
+def _result_as(source: np.ndarray, result: np.ndarray) -> np.ndarray:
+    return result.view(source.dtype) if result.dtype != source.dtype else result
+
+
+# ---------------------------------------------------------------------- allreduce
+def allreduce_async(
+    array: ArrayLike,
+    op: ReduceOp | str = Average,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    out: np.ndarray | None = None,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> Handle:
+    """Start an allreduce; the handle's `wait()` returns what `allreduce` returns.
+
+    Don't touch `array` or `out` until the handle is done.
+    """
+    request_name, given = _name(name)
+
+    def build(request_name: str) -> Request:
         source = _as_array(array)
         code = classify(source, dtype)
-    except TypeError as exc:
-        comm.reject(kind, name, exc)
-        raise AssertionError("unreachable") from exc
-    send = storage_view(source, code)
-    return comm, source, code, send if send.flags.c_contiguous else np.ascontiguousarray(send)
+        reduce_op = as_op(op)
+        reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
+        target = np.empty_like(source) if out is None else out
+        if target is not source and (
+            not isinstance(target, np.ndarray)
+            or target.shape != source.shape
+            or target.dtype != source.dtype
+        ):
+            raise ValueError(
+                f"out must be an array of shape {source.shape} and dtype {source.dtype}."
+            )
+        send = _contiguous(source, code)
+        view = storage_view(target, code)
+        work = view if view.flags.c_contiguous else np.empty(view.shape, view.dtype)
+
+        def finish(result: np.ndarray) -> np.ndarray:
+            if work is not view:
+                view[...] = work
+            return target
+
+        return Request(
+            request_name,
+            Signature(Kind.ALLREDUCE, code, reduce_op, -1, tuple(source.shape)),
+            Handle(request_name),
+            send=send,
+            out=work,
+            prescale=float(prescale_factor),
+            postscale=float(postscale_factor),
+            finish=finish,
+        )
+
+    return _submit(request_name, given, build)
 
 
 def allreduce(
@@ -65,7 +145,7 @@ def allreduce(
         prescale_factor: multiply each rank's input by this first (floating types).
         postscale_factor: multiply the result by this (floating types).
         out: where to write the result (same shape and dtype); `out=array` works in place.
-        name: a label for error messages.
+        name: matches this call across ranks (and names it in errors and the timeline).
         dtype: reinterpret the buffer, e.g. ``"bfloat16"`` for raw 16-bit words.
 
     Returns:
@@ -77,42 +157,130 @@ def allreduce(
         >>> ringplug.allreduce(np.ones(3, np.float32), op=ringplug.Sum)  # doctest: +SKIP
         array([2., 2., 2.], dtype=float32)   # on 2 ranks
     """
-    comm, source, code, send = _prepare(Kind.ALLREDUCE, array, dtype, name)
-    try:
-        reduce_op = as_op(op)
-        if out is None:
-            out = np.empty_like(source)
-        elif out is not source and (
-            not isinstance(out, np.ndarray)
-            or out.shape != source.shape
-            or out.dtype != source.dtype
-        ):
-            raise ValueError(
-                f"out must be an array of shape {source.shape} and dtype {source.dtype}."
-            )
-    except (TypeError, ValueError) as exc:
-        comm.reject(Kind.ALLREDUCE, name, exc)
-        raise AssertionError("unreachable") from exc
-    target = send if out is source and send is source else storage_view(out, code)
-    contiguous = target.flags.c_contiguous
-    work = target if contiguous else np.empty(target.shape, target.dtype)
-    comm.allreduce(send, work, reduce_op, code, prescale_factor, postscale_factor, name)
-    if not contiguous:
-        target[...] = work
-    return out
+    return allreduce_async(
+        array, op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        out=out, name=name, dtype=dtype,
+    ).wait()  # fmt: skip
 
 
-def allgather(
+class GroupHandle:
+    """Handles of a grouped allreduce; `wait()` returns the list of results."""
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(handle.done() for handle in self.handles)
+
+    def wait(self, timeout: float | None = None) -> list[np.ndarray]:
+        return [handle.wait(timeout) for handle in self.handles]
+
+    synchronize = wait
+
+
+def grouped_allreduce_async(
+    arrays: Sequence[ArrayLike],
+    op: ReduceOp | str = Average,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+) -> GroupHandle:
+    """Start allreduces of several arrays that are negotiated and fused together."""
+    base, _ = _name(name)
+    return GroupHandle([
+        allreduce_async(array, op, prescale_factor=prescale_factor,
+                        postscale_factor=postscale_factor, name=f"{base}.{index}")
+        for index, array in enumerate(arrays)
+    ])  # fmt: skip
+
+
+def grouped_allreduce(
+    arrays: Sequence[ArrayLike],
+    op: ReduceOp | str = Average,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+) -> list[np.ndarray]:
+    """Allreduce several arrays in one negotiation and one fused pass."""
+    return grouped_allreduce_async(
+        arrays, op, prescale_factor=prescale_factor, postscale_factor=postscale_factor, name=name
+    ).wait()
+
+
+# ---------------------------------------------------------------------- allgather
+def allgather_async(
     array: ArrayLike, *, name: str | None = None, dtype: str | DType | None = None
-) -> np.ndarray:
+) -> Handle:
+    """Start an allgather; the handle's `wait()` returns what `allgather` returns."""
+
+    def build(request_name: str) -> Request:
+        source = _as_array(array)
+        code = classify(source, dtype)
+        send = _contiguous(source.reshape(1) if source.ndim == 0 else source, code)
+        return Request(
+            request_name, Signature(Kind.ALLGATHER, code, -1, -1, tuple(send.shape[1:])),
+            Handle(request_name), extra=send.shape[0], send=send,
+            finish=lambda result: _result_as(source, result),
+        )  # fmt: skip
+
+    request_name, given = _name(name)
+    return _submit(request_name, given, build)
+
+
+def allgather(array: ArrayLike, *, name: str | None = None,
+              dtype: str | DType | None = None) -> np.ndarray:  # fmt: skip
     """Concatenate `array` from every rank along the first dimension, in rank order.
 
     The first dimension may differ between ranks; the other dimensions and the dtype
     must match. A 0-d array counts as one row.
     """
-    comm, source, code, send = _prepare(Kind.ALLGATHER, array, dtype, name)
-    gathered = comm.allgather(send.reshape(1) if send.ndim == 0 else send, code, name)
-    return gathered.view(source.dtype) if gathered.dtype != source.dtype else gathered
+    return allgather_async(array, name=name, dtype=dtype).wait()
+
+
+# ---------------------------------------------------------------------- broadcast
+def broadcast_async(
+    array: ArrayLike,
+    root_rank: int = 0,
+    *,
+    out: np.ndarray | None = None,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> Handle:
+    """Start a broadcast; the handle's `wait()` returns what `broadcast` returns."""
+
+    def build(request_name: str) -> Request:
+        source = _as_array(array)
+        code = classify(source, dtype)
+        root = int(root_rank)
+        size = runtime.size()
+        if not 0 <= root < size:
+            raise ValueError(
+                f"root_rank={root} is not a rank of this job (ranks are 0..{size - 1})."
+            )
+        target = np.array(source, copy=True) if out is None else out
+        if target.shape != source.shape or target.dtype != source.dtype:
+            raise ValueError(
+                f"out must be an array of shape {source.shape} and dtype {source.dtype}."
+            )
+        view = storage_view(target, code)
+        work = view if view.flags.c_contiguous else np.ascontiguousarray(view)
+        if out is not None and target is not source:
+            work[...] = storage_view(source, code)
+
+        def finish(result: np.ndarray) -> np.ndarray:
+            if work is not view:
+                view[...] = work
+            return target
+
+        return Request(
+            request_name, Signature(Kind.BROADCAST, code, -1, root, tuple(source.shape)),
+            Handle(request_name), send=work, out=work, finish=finish,
+        )  # fmt: skip
+
+    request_name, given = _name(name)
+    return _submit(request_name, given, build)
 
 
 def broadcast(
@@ -127,24 +295,38 @@ def broadcast(
 
     Returns a new array, or writes into `out` (``out=array`` broadcasts in place).
     """
-    comm, source, code, send = _prepare(Kind.BROADCAST, array, dtype, name)
-    try:
-        result = send.copy() if out is None else out
-        if result.shape != source.shape or storage_view(result, code).dtype != send.dtype:
-            raise ValueError(
-                f"out must be an array of shape {source.shape} and dtype {source.dtype}."
-            )
-    except (TypeError, ValueError) as exc:
-        comm.reject(Kind.BROADCAST, name, exc)
-        raise AssertionError("unreachable") from exc
-    target = storage_view(result, code)
-    work = target if target.flags.c_contiguous else np.ascontiguousarray(target)
-    if out is not None and work.ctypes.data != send.ctypes.data:
-        work[...] = send
-    comm.broadcast(work, int(root_rank), code, name)
-    if work is not target:
-        target[...] = work
-    return result.view(source.dtype) if out is None and result.dtype != source.dtype else result
+    return broadcast_async(array, root_rank, out=out, name=name, dtype=dtype).wait()
+
+
+# ---------------------------------------------------------------------- reducescatter
+def reducescatter_async(
+    array: ArrayLike,
+    op: ReduceOp | str = Average,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> Handle:
+    """Start a reducescatter; the handle's `wait()` returns what `reducescatter` returns."""
+
+    def build(request_name: str) -> Request:
+        source = _as_array(array)
+        code = classify(source, dtype)
+        reduce_op = as_op(op)
+        if source.ndim == 0:
+            raise ValueError("reducescatter needs an array with at least one dimension to split.")
+        reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
+        return Request(
+            request_name,
+            Signature(Kind.REDUCESCATTER, code, reduce_op, -1, tuple(source.shape)),
+            Handle(request_name), send=_contiguous(source, code),
+            prescale=float(prescale_factor), postscale=float(postscale_factor),
+            finish=lambda result: _result_as(source, result),
+        )  # fmt: skip
+
+    request_name, given = _name(name)
+    return _submit(request_name, given, build)
 
 
 def reducescatter(
@@ -161,18 +343,13 @@ def reducescatter(
     The first dimension is split as evenly as possible: with R rows and N ranks, rank r
     gets R // N rows, and the first R % N ranks one more.
     """
-    comm, source, code, send = _prepare(Kind.REDUCESCATTER, array, dtype, name)
-    try:
-        reduce_op = as_op(op)
-    except ValueError as exc:
-        comm.reject(Kind.REDUCESCATTER, name, exc)
-        raise AssertionError("unreachable") from exc
-    block = comm.reducescatter(
-        send, reduce_op, code, float(prescale_factor), float(postscale_factor), name
-    )
-    return block.view(source.dtype) if block.dtype != source.dtype else block
+    return reducescatter_async(
+        array, op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        name=name, dtype=dtype,
+    ).wait()  # fmt: skip
 
 
+# ---------------------------------------------------------------------- alltoall
 def alltoall(
     array: ArrayLike,
     splits: Sequence[int] | np.ndarray | None = None,
@@ -186,21 +363,117 @@ def alltoall(
     of ranks). Returns the received rows concatenated in rank order, and the number of
     rows received from each rank.
     """
-    comm, source, code, send = _prepare(Kind.ALLTOALL, array, dtype, name)
-    received, rows = comm.alltoall(send, splits, code, name)
-    return (received.view(source.dtype) if received.dtype != source.dtype else received), rows
+
+    def build(request_name: str) -> Request:
+        source = _as_array(array)
+        code = classify(source, dtype)
+        if source.ndim == 0:
+            raise ValueError("alltoall needs an array with at least one dimension.")
+        rows = _alltoall_rows(source.shape[0], splits, runtime.size())
+        return Request(
+            request_name, Signature(Kind.ALLTOALL, code, -1, -1, tuple(source.shape[1:])),
+            Handle(request_name), extra=source.shape[0], send=_contiguous(source, code),
+            splits=rows, finish=lambda result: (_result_as(source, result[0]), result[1]),
+        )  # fmt: skip
+
+    request_name, given = _name(name)
+    return _submit(request_name, given, build).wait()
 
 
+def _alltoall_rows(first: int, splits: Sequence[int] | np.ndarray | None, size: int) -> np.ndarray:
+    if splits is None:
+        if first % size:
+            raise ValueError(
+                f"alltoall without splits divides the first dimension ({first}) evenly over "
+                f"{size} ranks; pass splits= to send uneven blocks."
+            )
+        return np.full(size, first // size, np.int64)
+    rows = np.asarray(splits, dtype=np.int64).reshape(-1)
+    if rows.size != size or (rows < 0).any() or rows.sum() != first:
+        raise ValueError(
+            f"alltoall splits must be {size} non-negative row counts summing to the first "
+            f"dimension ({first}); got {list(map(int, rows))}."
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------- the rest
 def barrier(name: str | None = None) -> None:
     """Wait until every rank has called barrier."""
-    runtime.world().barrier(name)
+    request_name, _ = _name(name)
+    _submit(request_name, False, lambda n: Request(n, Signature(Kind.BARRIER), Handle(n))).wait()
+
+
+def _pickled(obj: Any) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is the caller's bad input
+        raise TypeError(f"Cannot pickle {type(obj).__name__} to send it: {exc}") from exc
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, *, name: str | None = None) -> Any:
     """Root's picklable `obj` on every rank (other ranks' `obj` is ignored)."""
-    return runtime.world().broadcast_object(obj, int(root_rank), name)
+    root = int(root_rank)
+
+    def build(request_name: str) -> Request:
+        size = runtime.size()
+        if not 0 <= root < size:
+            raise ValueError(
+                f"root_rank={root} is not a rank of this job (ranks are 0..{size - 1})."
+            )
+        mine = runtime.rank() == root
+        data = _pickled(obj) if mine else b""
+        return Request(
+            request_name, Signature(Kind.BROADCAST_OBJECT, -1, -1, root), Handle(request_name),
+            extra=len(data), data=data,
+            finish=lambda raw: obj if mine else pickle.loads(raw),
+        )  # fmt: skip
+
+    request_name, given = _name(name)
+    return _submit(request_name, given, build).wait()
 
 
 def allgather_object(obj: Any, *, name: str | None = None) -> list[Any]:
     """A list of every rank's picklable `obj`, in rank order."""
-    return runtime.world().allgather_object(obj, name)
+
+    def build(request_name: str) -> Request:
+        data = _pickled(obj)
+        return Request(
+            request_name, Signature(Kind.ALLGATHER_OBJECT), Handle(request_name),
+            extra=len(data), data=data,
+            finish=lambda parts: [pickle.loads(part) for part in parts],
+        )  # fmt: skip
+
+    request_name, given = _name(name)
+    return _submit(request_name, given, build).wait()
+
+
+def poll(handle: Handle | GroupHandle) -> bool:
+    """Whether the collective behind `handle` has finished; never blocks."""
+    return handle.done()
+
+
+def synchronize(handle: Handle | GroupHandle) -> Any:
+    """Wait for the collective behind `handle`; return its result or raise its error."""
+    return handle.wait()
+
+
+def join() -> int:
+    """Declare that this rank has run out of data, and wait until every rank has.
+
+    Until then this rank takes part in the other ranks' collectives with a contribution
+    that changes nothing (zeros for Sum and Average, which still divides by the full
+    number of ranks; +inf/-inf/1 for Min/Max/Product). Returns the rank that joined last,
+    the same on every rank.
+    """
+    return runtime.engine().join().wait()
+
+
+def start_timeline(path: str) -> None:
+    """Start writing a Chrome trace of the engine to `path` (rank 0 writes it)."""
+    runtime.engine().start_timeline(path)
+
+
+def stop_timeline() -> None:
+    """Finish the timeline file (it is valid JSON from then on)."""
+    runtime.engine().stop_timeline()

@@ -20,3 +20,8 @@ class PeerArgumentError(RingplugError, ValueError):
 
 class NotInitializedError(RingplugError):
     """A collective was called before `ringplug.init()`."""
+
+
+class StallError(RingplugError):
+    """Some ranks waited for a collective that others never submitted, for longer than
+    `RINGPLUG_STALL_SHUTDOWN_SECONDS`; raised on every rank, naming the missing ranks."""

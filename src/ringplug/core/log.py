@@ -52,7 +52,6 @@ def end_job(rank: int, message: str) -> NoReturn:
     A rank that leaves without MPI_Finalize makes the launcher (hydra, Open MPI, ringrun)
     tear the whole job down, after its output is through.
     """
-    logging.getLogger("ringplug").critical(message)
     print(f"ringplug[{rank}] FATAL: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)

@@ -8,6 +8,7 @@ error saying what to install instead of silently training alone.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -16,8 +17,8 @@ import threading
 from types import TracebackType
 
 from . import log
-from .communicator import Communicator
 from .config import Settings, read_settings
+from .engine import Engine
 from .errors import NotInitializedError, RingplugError
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,10 @@ class Topology:
 class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.world: Communicator | None = None
+        self.engine: Engine | None = None
         self.topology: Topology | None = None
         self.previous_excepthook = None
+        self.atexit_registered = False
 
 
 _state = _State()
@@ -105,14 +107,15 @@ def init() -> None:
     ranks talk (thresholds, segment size, timeout) are used on every rank.
     """
     with _state.lock:
-        if _state.world is not None:
+        if _state.engine is not None:
             return
         settings = read_settings()
         mpi = _start_mpi()
         if mpi is None:
             log.configure(0, settings.log_level)
-            _state.world = Communicator(None, settings)
             _state.topology = Topology(0, 1, 0, 1, 0, 1)
+            _state.engine = Engine(None, settings)
+            _register_atexit()
             return
         world = mpi.COMM_WORLD
         announced = launcher_world_size()
@@ -127,9 +130,10 @@ def init() -> None:
         agreed = world.bcast(settings, root=0)
         if agreed != settings:
             logger.warning("RINGPLUG_* settings differ between ranks; using rank 0's: %s", agreed)
-        _state.world = Communicator(world, agreed)
         _state.topology = _topology(mpi, world)
+        _state.engine = Engine(world, agreed)
         _install_excepthook()
+        _register_atexit()
         logger.info("ringplug initialised: %s", _state.topology)
 
 
@@ -174,29 +178,38 @@ def _install_excepthook() -> None:
     sys.excepthook = abort_job
 
 
-def shutdown() -> None:
-    """Leave the job: free ringplug's communicators. `init()` may be called again later.
+def _register_atexit() -> None:
+    """Stop the engine before mpi4py finalizes MPI at exit (atexit runs last-in first-out)."""
+    if not _state.atexit_registered:
+        atexit.register(shutdown)
+        _state.atexit_registered = True
 
-    MPI itself stays initialised until the process exits (MPI cannot be restarted).
+
+def shutdown() -> None:
+    """Leave the job: stop the engine on every rank and free ringplug's communicators.
+
+    Collectives that already finished keep their results; ones still waiting for other
+    ranks fail with an error saying ringplug was shut down. `init()` may be called again
+    later (MPI itself stays initialised until the process exits).
     """
     with _state.lock:
-        if _state.world is not None:
-            _state.world.free()
-        _state.world = None
+        engine, _state.engine = _state.engine, None
         _state.topology = None
+    if engine is not None:
+        engine.stop()
 
 
 def is_initialized() -> bool:
     """Whether `init()` has been called (and `shutdown()` has not)."""
-    return _state.world is not None
+    return _state.engine is not None
 
 
-def world() -> Communicator:
-    """The world communicator; raises if `init()` has not been called."""
-    communicator = _state.world
-    if communicator is None:
+def engine() -> Engine:
+    """The engine; raises if `init()` has not been called."""
+    current = _state.engine
+    if current is None:
         raise NotInitializedError("Call ringplug.init() before using ringplug's collectives.")
-    return communicator
+    return current
 
 
 def topology() -> Topology:
@@ -208,7 +221,7 @@ def topology() -> Topology:
 
 def settings() -> Settings:
     """The settings in force (rank 0's, agreed at `init()`)."""
-    return world().settings
+    return engine().settings
 
 
 def rank() -> int:

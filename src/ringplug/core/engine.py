@@ -1,0 +1,665 @@
+"""The engine: one background thread per process that runs every collective.
+
+Callers (the user's thread, autograd hooks, a Keras step) submit requests and get a
+`Handle`; they keep computing while the engine thread, the only thread that talks to MPI,
+works in cycles:
+
+1. take what was submitted since the last cycle;
+2. negotiate: send every other rank one message with what is ready here (a bit vector
+   for requests agreed before, name and signature for new ones) and receive theirs;
+   `negotiation.decide` turns the messages into the same plan on every rank;
+3. run the plan: allreduces of the same dtype and op are packed into one persistent
+   fusion buffer (up to `RINGPLUG_FUSION_THRESHOLD` bytes) and reduced in one pass; a
+   group of tensors that already lie side by side in one buffer is reduced where it lies;
+4. complete the handles, record the timeline, and check for stalls.
+
+An idle engine sleeps on a condition variable and polls for peers' messages with a
+growing interval (at most 1 ms), so a waiting rank uses almost no CPU; a peer's message
+or a local submission wakes it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import log, reduce
+from .config import Settings
+from .dtypes import DType
+from .errors import MismatchError, PeerArgumentError, RingplugError, StallError
+from .negotiation import Cache, Kind, Message, Plan, Response, Signature, decide
+from .ops import ReduceOp
+from .timeline import Timeline
+from .transport import Transport
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+logger = logging.getLogger(__name__)
+
+_CONTROL_TAG = 7100
+_SPIN_SECONDS = 100e-6
+_MAX_SLEEP_SECONDS = 1e-3
+_CACHE_CAPACITY = 4096
+
+
+class Handle:
+    """A collective in flight. `wait()` returns its result or raises its error.
+
+    Every rank gets the same outcome: the result, or the same error naming the ranks
+    involved.
+    """
+
+    __slots__ = ("name", "_done", "_result", "_error")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the collective has finished (successfully or not); never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the collective finished; return its result or raise its error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    synchronize = wait
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One collective submitted on this rank."""
+
+    name: str
+    signature: Signature
+    handle: Handle
+    cacheable: bool = False
+    extra: int = 0  # first dimension (allgather, alltoall) or byte length (objects)
+    send: np.ndarray | None = None  # contiguous input, storage type
+    out: np.ndarray | None = None  # contiguous output, storage type (allreduce, broadcast)
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: np.ndarray | None = None  # alltoall rows per destination
+    data: bytes = b""  # pickled object
+    error: BaseException | None = None  # Kind.ERROR: what this rank rejected
+    finish: Callable[[Any], Any] | None = None  # turns the raw result into the user's
+    submitted: float = 0.0
+    announced: float = 0.0
+
+
+class Engine:
+    """Negotiates, fuses and runs the collectives of one process, on its own thread."""
+
+    def __init__(self, comm: MPI.Comm | None, settings: Settings) -> None:
+        self.settings = settings
+        self.transport = Transport(comm, settings)
+        self.rank, self.size = self.transport.rank, self.transport.size
+        self._ctrl = comm.Dup() if comm is not None else None
+        self._peers = [(self.rank + d) % self.size for d in range(1, self.size)]
+        self._lock = threading.Condition()
+        self._queue: collections.deque[Request] = collections.deque()
+        self._in_flight: set[str] = set()
+        self._pending: dict[str, Request] = {}  # engine thread only
+        self._cache = Cache(_CACHE_CAPACITY)
+        self._cycle = 0
+        self._fusion = np.empty(0, np.uint8)
+        self._failure: BaseException | None = None
+        self._stop_requested = False
+        self._joined_cycle = 0
+        self._join_handle: Handle | None = None
+        self._partial_since: dict[str, float] = {}
+        self._stall_warned: set[str] = set()
+        self._stall_abort: list[str] = []
+        self._timeline: Timeline | None = None
+        self._timeline_lock = threading.Lock()
+        self.cycles_run = 0
+        self.collectives_run = 0  # fused batches count once (tests count them)
+        if settings.timeline:
+            self.start_timeline(settings.timeline)
+        self._thread = threading.Thread(target=self._main, name="ringplug-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers' side
+    def submit(self, request: Request) -> Handle:
+        """Queue `request` for the engine thread; raise at once if it cannot be queued."""
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            if self._stop_requested:
+                raise RingplugError("ringplug is shutting down; no new collectives can start.")
+            if request.name in self._in_flight:
+                raise ValueError(
+                    f"A collective named {request.name!r} is already in flight on rank "
+                    f"{self.rank}; wait for it before submitting the same name again, or give "
+                    "each tensor its own name."
+                )
+            self._in_flight.add(request.name)
+            request.submitted = time.perf_counter()
+            self._queue.append(request)
+            self._lock.notify()
+        return request.handle
+
+    def join(self) -> Handle:
+        """Declare that this rank has no more data; see `ringplug.join`."""
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            if self._join_handle is not None:
+                raise ValueError("join() is already in progress on this rank.")
+            self._join_handle = Handle("join")
+            self._lock.notify()
+            return self._join_handle
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Shut the engine down on every rank, finishing what already ran. Idempotent."""
+        with self._lock:
+            self._stop_requested = True
+            self._lock.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("the ringplug engine thread did not stop within %.0f s", timeout)
+            return
+        self.stop_timeline()
+        if self._ctrl is not None:
+            self._ctrl.Free()
+            self._ctrl = None
+        self.transport.free()
+
+    def start_timeline(self, path: str) -> None:
+        """Record a timeline to `path` (rank 0 writes; other ranks ignore the call)."""
+        if self.rank != 0:
+            return
+        with self._timeline_lock:
+            if self._timeline is not None:
+                self._timeline.stop()
+            self._timeline = Timeline(path, self.rank)
+
+    def stop_timeline(self) -> None:
+        with self._timeline_lock:
+            if self._timeline is not None:
+                self._timeline.stop()
+                self._timeline = None
+
+    # ------------------------------------------------------------------ engine thread
+    def _main(self) -> None:
+        try:
+            while True:
+                if not self._wait_for_work():
+                    continue
+                if self._run_cycle():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
+            logger.exception("the ringplug engine failed")
+            self._fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
+
+    def _wait_for_work(self) -> bool:
+        """Sleep until there is a reason to run a cycle; False to look again."""
+        delay = 20e-6
+        retry_at = time.monotonic() + self._idle_cycle_period()
+        while True:
+            with self._lock:
+                if self._queue or self._stop_requested:
+                    return True
+                if self._join_handle is not None and not self._joined_cycle:
+                    return True
+            if self._ctrl is not None and self._ctrl.Iprobe(tag=_CONTROL_TAG):
+                return True  # a peer started a cycle
+            if (self._pending or self._joined_cycle) and time.monotonic() >= retry_at:
+                return True  # look again, for the stall inspector
+            if self.size == 1 and not self._pending:
+                with self._lock:
+                    if not (self._queue or self._stop_requested or self._join_handle):
+                        self._lock.wait(0.05)
+                return False
+            with self._lock:
+                if not (self._queue or self._stop_requested):
+                    self._lock.wait(delay)
+            delay = min(delay * 2, _MAX_SLEEP_SECONDS)
+
+    def _idle_cycle_period(self) -> float:
+        settings = self.settings
+        return min(max(min(settings.stall_check_seconds, settings.timeout) / 4, 0.05), 1.0)
+
+    def _run_cycle(self) -> bool:
+        """One negotiation and its plan; True when the engine should stop."""
+        cycle_start = time.perf_counter()
+        if self.settings.cycle_time > 0:
+            time.sleep(self.settings.cycle_time)  # let more requests gather for fusion
+        with self._lock:
+            fresh = list(self._queue)
+            self._queue.clear()
+            stopping = self._stop_requested
+            if self._join_handle is not None and not self._joined_cycle:
+                self._joined_cycle = self._cycle + 1
+        for request in fresh:
+            request.announced = cycle_start
+            self._pending[request.name] = request
+        self._cycle += 1
+        own = self._message(stopping)
+        messages = self._exchange(own)
+        plan = decide(messages, self._cache)
+        self.cycles_run += 1
+        if plan.shutdown_by is not None:
+            self._shut_down(plan.shutdown_by)
+            return True
+        self._cache.learn(plan, {n for n, r in self._pending.items() if r.cacheable})
+        self._execute(plan)
+        self._inspect_stalls(plan)
+        if plan.all_joined:
+            self._finish_join(plan.last_joined)
+        timeline = self._timeline
+        if timeline is not None:
+            timeline.marker(f"cycle {self._cycle}", cycle_start, ran=len(plan.responses))
+            timeline.flush()
+        return False
+
+    def _message(self, stopping: bool) -> Message:
+        message = Message(self._cycle, joined_cycle=self._joined_cycle, shutdown=stopping)
+        for name, request in self._pending.items():
+            slot = self._cache.slot_for(name, request.signature) if request.cacheable else None
+            if slot is not None:
+                message.cached |= 1 << slot
+            else:
+                message.new.append((name, request.signature, request.extra))
+        if self._stall_abort:
+            message.stall_abort, self._stall_abort = self._stall_abort, []
+        return message
+
+    def _exchange(self, own: Message) -> list[Message]:
+        """Send `own` to every peer and receive theirs (this cycle's, in rank order)."""
+        messages: list[Message | None] = [None] * self.size
+        messages[self.rank] = own
+        if self.size == 1:
+            return messages  # type: ignore[return-value]
+        from mpi4py import MPI
+
+        ctrl = self._ctrl
+        payload = bytearray(pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL))
+        sends = [ctrl.Isend([payload, MPI.BYTE], peer, _CONTROL_TAG) for peer in self._peers]
+        waiting = list(self._peers)
+        status = MPI.Status()
+        start = time.perf_counter()
+        deadline = start + self.settings.timeout
+        spin_until = start + _SPIN_SECONDS
+        delay = 20e-6
+        while waiting:
+            for peer in list(waiting):
+                if ctrl.Iprobe(source=peer, tag=_CONTROL_TAG, status=status):
+                    buffer = bytearray(status.Get_count(MPI.BYTE))
+                    ctrl.Recv([buffer, MPI.BYTE], peer, _CONTROL_TAG)
+                    messages[peer] = pickle.loads(buffer)
+                    waiting.remove(peer)
+            if not waiting:
+                break
+            now = time.perf_counter()
+            if now > deadline:
+                self._abort_missing(waiting, now - start)
+            if now > spin_until:
+                # MPI progresses only inside its calls: keep probing, but sleep between probes
+                # so that a rank waiting for a slow peer does not take a core from training.
+                time.sleep(delay)
+                delay = min(delay * 2, _MAX_SLEEP_SECONDS)
+        MPI.Request.Waitall(sends)
+        return messages  # type: ignore[return-value]
+
+    def _abort_missing(self, missing: list[int], waited: float) -> None:
+        waiting_for = sorted(self._pending) or ["(nothing of its own)"]
+        shown = ", ".join(repr(n) for n in waiting_for[:5])
+        log.end_job(
+            self.rank,
+            f"rank {self.rank} waited {waited:.0f} s in engine cycle {self._cycle} (pending here: "
+            f"{shown}) for rank(s) {', '.join(map(str, sorted(missing)))}, which never answered "
+            f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}). Those ranks are stuck without "
+            "reaching ringplug (a hang in user code, a dead process). Ending the job: MPI cannot "
+            "cancel a collective.",
+        )
+
+    # ------------------------------------------------------------------ running a plan
+    def _execute(self, plan: Plan) -> None:
+        for name, message in plan.errors.items():
+            request = self._pending.pop(name, None)
+            if request is not None:
+                self._complete(request, error=_mismatch_error(request, message))
+        batch: list[Response] = []
+        batch_bytes = 0
+        for response in plan.responses:
+            signature = response.signature
+            if signature.kind is Kind.ALLREDUCE:
+                nbytes = (
+                    int(np.prod(signature.shape, dtype=np.int64)) * DType(signature.code).itemsize
+                )
+                if batch and (
+                    batch[0].signature.code != signature.code
+                    or batch[0].signature.op != signature.op
+                    or batch_bytes + nbytes > self.settings.fusion_threshold
+                ):
+                    self._allreduce_batch(batch)
+                    batch, batch_bytes = [], 0
+                batch.append(response)
+                batch_bytes += nbytes
+                continue
+            if batch:
+                self._allreduce_batch(batch)
+                batch, batch_bytes = [], 0
+            self._run_single(response)
+        if batch:
+            self._allreduce_batch(batch)
+
+    def _allreduce_batch(self, batch: list[Response]) -> None:
+        """Reduce the tensors of `batch` (same dtype and op) in one collective."""
+        code, op = DType(batch[0].signature.code), ReduceOp(batch[0].signature.op)
+        requests = [self._pending.pop(r.name, None) for r in batch]
+        counts = [int(np.prod(r.signature.shape, dtype=np.int64)) for r in batch]
+        total = sum(counts)
+        start = time.perf_counter()
+        flat = self._span_in_place(requests, counts, code)
+        in_place = flat is not None
+        if flat is None:
+            if len(batch) == 1 and requests[0] is not None:
+                flat = requests[0].out.reshape(-1)
+                if flat.ctypes.data != requests[0].send.ctypes.data:
+                    np.copyto(flat, requests[0].send.reshape(-1))
+            else:
+                flat = self._fusion_view(code, total)
+                offset = 0
+                for request, count in zip(requests, counts, strict=True):
+                    part = flat[offset : offset + count]
+                    if request is None:
+                        part[...] = _identity(op, code)
+                    else:
+                        part[...] = request.send.reshape(-1)
+                    offset += count
+        offset = 0
+        for request, count in zip(requests, counts, strict=True):
+            if request is not None and request.prescale != 1.0:
+                reduce.scale(flat[offset : offset + count], request.prescale, code)
+            offset += count
+        copied_in = time.perf_counter()
+        self.transport.allreduce(flat, op, code)
+        reduced = time.perf_counter()
+        self.collectives_run += 1
+        offset = 0
+        for request, count in zip(requests, counts, strict=True):
+            part = flat[offset : offset + count]
+            offset += count
+            if request is None:
+                continue
+            target = request.out.reshape(-1)
+            if target.ctypes.data != part.ctypes.data:
+                target[...] = part
+            factor = request.postscale / self.size if op is ReduceOp.AVERAGE else request.postscale
+            reduce.scale(target, factor, code)
+        copied_out = time.perf_counter()
+        for request in requests:
+            if request is not None:
+                self._complete(request, result=request.out)
+        timeline = self._timeline
+        if timeline is not None:
+            for request in requests:
+                if request is None:
+                    continue
+                self._trace_wait(timeline, request, start)
+                if not in_place:
+                    timeline.span(request.name, "COPY_IN", start, copied_in)
+                timeline.span(request.name, "ALLREDUCE", copied_in, reduced,
+                              fused=len(batch), path=self.transport.last_path)  # fmt: skip
+                timeline.span(request.name, "COPY_OUT", reduced, copied_out)
+
+    def _span_in_place(
+        self, requests: list[Request | None], counts: list[int], code: DType
+    ) -> np.ndarray | None:
+        """The flat region that already holds every tensor of the batch in order, reduced in
+        place, or None. (Gradients that live in one registered buffer need no copies.)"""
+        if len(requests) < 2 or any(
+            r is None or r.out.ctypes.data != r.send.ctypes.data for r in requests
+        ):
+            return None
+        first = requests[0].send
+        base = first.base if first.base is not None else first
+        if not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
+            return None
+        address = first.ctypes.data
+        for request, count in zip(requests, counts, strict=True):
+            array = request.send
+            owner = array.base if array.base is not None else array
+            if owner is not base or array.ctypes.data != address:
+                return None
+            address += count * code.itemsize
+        start, misaligned = divmod(first.ctypes.data - base.ctypes.data, code.itemsize)
+        if misaligned or base.nbytes % code.itemsize:
+            return None
+        return base.reshape(-1).view(code.storage)[start : start + sum(counts)]
+
+    def _fusion_view(self, code: DType, count: int) -> np.ndarray:
+        nbytes = count * code.itemsize
+        if self._fusion.nbytes < nbytes:
+            # Grows to the largest batch seen (at most the fusion threshold) and is reused.
+            self._fusion = np.empty(max(nbytes, min(self.settings.fusion_threshold, 4 * nbytes)),
+                                    np.uint8)  # fmt: skip
+        return self._fusion[:nbytes].view(code.storage)
+
+    def _run_single(self, response: Response) -> None:
+        """Run a collective that is not fused (everything but allreduce)."""
+        signature = response.signature
+        request = self._pending.pop(response.name, None)
+        if signature.kind is Kind.ERROR:  # every rank rejected its arguments: each raises its own
+            if request is not None:
+                self._complete(request, error=request.error)
+            return
+        start = time.perf_counter()
+        try:
+            result = self._dispatch(signature, response, request)
+        except (ValueError, TypeError, RingplugError) as exc:
+            if request is not None:
+                self._complete(request, error=exc)
+            return
+        self.collectives_run += 1
+        if request is not None:
+            self._complete(request, result=result)
+            timeline = self._timeline
+            if timeline is not None:
+                self._trace_wait(timeline, request, start)
+                timeline.span(request.name, signature.kind.name, start, time.perf_counter())
+
+    def _dispatch(self, signature: Signature, response: Response, request: Request | None) -> Any:
+        kind, transport = signature.kind, self.transport
+        code = DType(signature.code) if signature.code >= 0 else None
+        if kind is Kind.BARRIER:
+            return None
+        if kind is Kind.BROADCAST:
+            if not response.have[signature.root]:
+                raise RingplugError(f"broadcast {response.name!r}: root rank {signature.root} "
+                                    "has joined and has nothing to send.")  # fmt: skip
+            buf = request.out if request is not None else np.empty(signature.shape, code.storage)
+            transport.broadcast(buf, signature.root)
+            return buf
+        if kind is Kind.ALLGATHER:
+            send = (
+                request.send
+                if request is not None
+                else np.empty((0, *signature.shape), code.storage)
+            )
+            return transport.allgather(send, response.extras)
+        if kind is Kind.REDUCESCATTER:
+            op = ReduceOp(signature.op)
+            send = (
+                request.send
+                if request is not None
+                else np.full(signature.shape, _identity(op, code), code.storage)
+            )
+            block = transport.reducescatter(send, op, code, request.prescale if request else 1.0)
+            if request is not None:
+                factor = (
+                    request.postscale / self.size if op is ReduceOp.AVERAGE else (request.postscale)
+                )
+                reduce.scale(block.reshape(-1), factor, code)
+            return block
+        if kind is Kind.ALLTOALL:
+            if not all(response.have):
+                raise RingplugError(f"alltoall {response.name!r} cannot run after a rank joined.")
+            return transport.alltoall(request.send, request.splits)
+        if kind is Kind.BROADCAST_OBJECT:
+            if not response.have[signature.root]:
+                raise RingplugError(f"broadcast_object {response.name!r}: root rank "
+                                    f"{signature.root} has joined.")  # fmt: skip
+            length = response.extras[signature.root]
+            data = request.data if request is not None else b""
+            return transport.broadcast_bytes(data, length, signature.root)
+        if kind is Kind.ALLGATHER_OBJECT:
+            data = request.data if request is not None else b""
+            return transport.allgather_bytes(data, response.extras)
+        raise RingplugError(f"unknown collective kind {kind}")
+
+    @staticmethod
+    def _trace_wait(timeline: Timeline, request: Request, start: float) -> None:
+        timeline.span(request.name, "QUEUE", request.submitted, request.announced)
+        timeline.span(request.name, "NEGOTIATE", request.announced, start)
+
+    def _complete(
+        self, request: Request, result: Any = None, error: BaseException | None = None
+    ) -> None:
+        if error is None and request.finish is not None:
+            try:
+                result = request.finish(result)
+            except Exception as exc:  # noqa: BLE001 - e.g. unpickling a peer's object
+                error = exc
+        with self._lock:
+            self._in_flight.discard(request.name)
+        request.handle._finish(result, error)
+
+    # ------------------------------------------------------------------ stalls, join, end
+    def _inspect_stalls(self, plan: Plan) -> None:
+        now = time.monotonic()
+        for name in list(self._partial_since):
+            if name not in plan.partial:
+                del self._partial_since[name]
+                self._stall_warned.discard(name)
+        for name in plan.partial:
+            self._partial_since.setdefault(name, now)
+        if plan.stall_abort:
+            self._fail_everything(StallError(self._stall_text(plan, plan.stall_abort, now)))
+            return
+        overdue = [n for n, t in self._partial_since.items()
+                   if n in self._pending and now - t >= self.settings.timeout]  # fmt: skip
+        if overdue:
+            name = overdue[0]
+            missing = [r for r in range(self.size) if r not in plan.partial[name]]
+            kind = self._pending[name].signature.kind.label
+            log.end_job(
+                self.rank,
+                f"rank {self.rank} waited {now - self._partial_since[name]:.0f} s in {kind} "
+                f"{name!r} for rank(s) {_ranks(missing)}, which never submitted it "
+                f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}). Ending the job: MPI cannot "
+                "cancel a collective. Look at what the missing ranks were doing (a stuck data "
+                "loader, an uneven number of batches, a branch only some ranks take).",
+            )
+        if self.rank != 0:
+            return
+        check, shutdown = self.settings.stall_check_seconds, self.settings.stall_shutdown_seconds
+        late = [n for n, t in self._partial_since.items() if now - t >= check]
+        fresh = [n for n in late if n not in self._stall_warned]
+        if fresh:
+            self._stall_warned.update(fresh)
+            logger.warning("%s", self._stall_text(plan, late, now))
+        if shutdown > 0:
+            doomed = [n for n, t in self._partial_since.items() if now - t >= shutdown]
+            if doomed:
+                self._stall_abort = doomed  # sent in the next cycle, so every rank fails alike
+
+    def _stall_text(self, plan: Plan, names: list[str], now: float) -> str:
+        active = range(self.size)
+        parts = []
+        for name in sorted(names)[:20]:
+            holders = plan.partial.get(name, [])
+            missing = [r for r in active if r not in holders]
+            waited = now - self._partial_since.get(name, now)
+            parts.append(f"{name!r} is ready on rank(s) {_ranks(holders)} but not on rank(s) "
+                         f"{_ranks(missing)} (for {waited:.0f} s)")  # fmt: skip
+        return (
+            "Stalled collectives: " + "; ".join(parts) + ". The missing ranks are elsewhere in "
+            "the program: a different number of batches, a branch only some ranks take, or "
+            "tensors submitted in a different set (RINGPLUG_STALL_CHECK_SECONDS="
+            f"{self.settings.stall_check_seconds:g}, RINGPLUG_STALL_SHUTDOWN_SECONDS="
+            f"{self.settings.stall_shutdown_seconds:g})."
+        )
+
+    def _finish_join(self, last: int) -> None:
+        with self._lock:
+            handle, self._join_handle = self._join_handle, None
+            self._joined_cycle = 0
+        if handle is not None:
+            handle._finish(last)
+
+    def _shut_down(self, by: int) -> None:
+        who = "this rank" if by == self.rank else f"rank {by}"
+        self._fail_everything(RingplugError(
+            f"ringplug was shut down (by {who}) before this collective ran on every rank."
+        ))  # fmt: skip
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._lock:
+            self._failure = error
+            requests = list(self._pending.values()) + list(self._queue)
+            self._queue.clear()
+            self._pending.clear()
+            self._in_flight.clear()
+            join, self._join_handle = self._join_handle, None
+        for request in requests:
+            request.handle._finish(None, error)
+        if join is not None:
+            join._finish(None, error)
+
+
+def _ranks(ranks: Any) -> str:
+    return ", ".join(map(str, ranks)) or "none"
+
+
+def _mismatch_error(request: Request, message: str) -> BaseException:
+    if request.error is not None:
+        return request.error
+    if "rejected their arguments" in message:
+        return PeerArgumentError(message)
+    return MismatchError(message)
+
+
+def _identity(op: ReduceOp, code: DType) -> Any:
+    """The value a joined rank contributes, so that it changes nothing."""
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        return 0
+    if code is DType.BOOL:
+        return op in (ReduceOp.PRODUCT, ReduceOp.MIN)
+    if op is ReduceOp.PRODUCT:
+        return _BF16_ONE if code is DType.BFLOAT16 else 1
+    low = op is ReduceOp.MAX
+    if code is DType.BFLOAT16:
+        return _BF16_MINUS_INF if low else _BF16_INF
+    if code.is_floating:
+        return -np.inf if low else np.inf
+    info = np.iinfo(code.storage)
+    return info.min if low else info.max
+
+
+# bfloat16 words of 1.0, +inf and -inf.
+_BF16_ONE = 0x3F80
+_BF16_INF = 0x7F80
+_BF16_MINUS_INF = 0xFF80

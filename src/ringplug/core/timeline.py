@@ -1,0 +1,81 @@
+"""A Chrome trace of what the engine did, one row per tensor (opens in Perfetto).
+
+Spans per request: QUEUE (submitted, waiting for the engine), NEGOTIATE (announced,
+waiting for every rank), COPY_IN, ALLREDUCE/BROADCAST/... (the collective), COPY_OUT;
+plus an instant marker for every engine cycle. Written as a JSON array of trace events,
+flushed every cycle and closed on `stop()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import IO, Any
+
+
+class Timeline:
+    """Collects trace events on the engine thread and appends them to one file."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path
+        self.rank = rank
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        self._file: IO[str] | None = open(path, "w")  # noqa: SIM115 - closed by stop()
+        self._file.write("[\n")
+        self._lock = threading.Lock()
+        self._rows: dict[str, int] = {}
+        self._events: list[dict[str, Any]] = []
+        self._origin = time.perf_counter()
+        self._meta("process_name", 0, {"name": f"ringplug rank {rank}"})
+        self._meta("thread_name", 0, {"name": "engine cycles"})
+
+    def _us(self, seconds: float) -> float:
+        return round((seconds - self._origin) * 1e6, 3)
+
+    def _meta(self, kind: str, tid: int, args: dict[str, Any]) -> None:
+        self._events.append({"name": kind, "ph": "M", "pid": self.rank, "tid": tid, "args": args})
+
+    def _row(self, name: str) -> int:
+        row = self._rows.get(name)
+        if row is None:
+            row = self._rows[name] = len(self._rows) + 1
+            self._meta("thread_name", row, {"name": name})
+            self._meta("thread_sort_index", row, {"sort_index": row})
+        return row
+
+    def span(self, name: str, phase: str, start: float, end: float, **args: Any) -> None:
+        """One phase of one tensor, from `start` to `end` (time.perf_counter seconds)."""
+        event = {"name": phase, "ph": "X", "pid": self.rank, "tid": self._row(name),
+                 "ts": self._us(start), "dur": round(max(end - start, 0.0) * 1e6, 3)}  # fmt: skip
+        if args:
+            event["args"] = args
+        self._events.append(event)
+
+    def marker(self, label: str, when: float, **args: Any) -> None:
+        """An instant event on the engine row (one per cycle)."""
+        self._events.append({"name": label, "ph": "i", "s": "t", "pid": self.rank, "tid": 0,
+                             "ts": self._us(when), "args": args})  # fmt: skip
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._file is None or not self._events:
+                self._events.clear()
+                return
+            self._file.write("".join(json.dumps(e) + ",\n" for e in self._events))
+            self._file.flush()
+            self._events.clear()
+
+    def stop(self) -> None:
+        """Write what is left and close the array, so the file is valid JSON."""
+        self.marker("timeline stopped", time.perf_counter())
+        with self._lock:
+            if self._file is None:
+                return
+            events = [json.dumps(e) for e in self._events]
+            self._events.clear()
+            self._file.write(",\n".join(events) + "\n]\n")
+            self._file.close()
+            self._file = None

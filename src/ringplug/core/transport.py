@@ -1,0 +1,162 @@
+"""The data phase of every collective: moving bytes once the ranks have agreed what to move.
+
+Nothing here checks that ranks agree; the engine's negotiation has done that before any
+of these run, so every argument is the same on every rank (except the data, and the
+per-rank counts of the variable-size collectives, which every rank knows). All buffers are
+flat or row-major contiguous numpy arrays in their storage type. Only the engine thread
+calls a Transport.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import reduce, ring
+from .config import Settings
+from .dtypes import DType
+from .ops import ReduceOp
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+# Types MPI reduces natively (bool as uint8 max/min); 16-bit floats always take the ring.
+_MPI_NATIVE = {DType.FLOAT32, DType.FLOAT64, DType.INT8, DType.INT16, DType.INT32,
+               DType.INT64, DType.UINT8, DType.BOOL}  # fmt: skip
+
+
+def ring_op(op: ReduceOp) -> ReduceOp:
+    """The op the wire reduction uses: Average is a Sum followed by a division."""
+    return ReduceOp.SUM if op is ReduceOp.AVERAGE else op
+
+
+class Transport:
+    """Data movement among the ranks of one MPI communicator (or a world of one)."""
+
+    def __init__(self, comm: MPI.Comm | None, settings: Settings) -> None:
+        self.settings = settings
+        self._comm = comm.Dup() if comm is not None else None
+        self.rank = self._comm.Get_rank() if self._comm is not None else 0
+        self.size = self._comm.Get_size() if self._comm is not None else 1
+        self._scratch = np.empty(settings.ring_segment, np.uint8)
+        self.last_path = ""  # which path the last allreduce took (tests and benchmarks read it)
+
+    def free(self) -> None:
+        if self._comm is not None:
+            self._comm.Free()
+            self._comm = None
+
+    def allreduce(self, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
+        """flat <- reduction over ranks, in place (no scaling; Average is summed here)."""
+        if self.size == 1:
+            self.last_path = "local"
+            return
+        if code in _MPI_NATIVE and flat.nbytes < self.settings.ring_threshold:
+            self.last_path = "mpi"
+            self._mpi_allreduce(flat, op, code)
+        else:
+            self.last_path = "ring"
+            ring.allreduce(self._comm, flat, ring_op(op), code, self._scratch)
+
+    def _mpi_allreduce(self, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
+        from mpi4py import MPI
+
+        if code is DType.BOOL:
+            mpi_op = MPI.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else MPI.MIN
+            flat = flat.view(np.uint8)
+        else:
+            mpi_op = {
+                ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+                ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD,
+            }[op]  # fmt: skip
+        self._comm.Allreduce(MPI.IN_PLACE, flat, mpi_op)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """buf <- root's buf, in place."""
+        if self.size > 1 and buf.nbytes:
+            self._comm.Bcast(buf.reshape(-1).view(np.uint8), root)
+
+    def allgather(self, send: np.ndarray, rows: list[int]) -> np.ndarray:
+        """Concatenate every rank's rows; `rows[r]` is rank r's first dimension."""
+        out = np.empty((sum(rows), *send.shape[1:]), send.dtype)
+        if self.size == 1:
+            out[...] = send
+            return out
+        from mpi4py import MPI
+
+        row_bytes = _row_bytes(send)
+        counts = np.asarray(rows, np.int64) * row_bytes
+        self._comm.Allgatherv(
+            [send.reshape(-1).view(np.uint8), MPI.BYTE],
+            [out.reshape(-1).view(np.uint8), (counts, displacements(counts)), MPI.BYTE],
+        )
+        return out
+
+    def reducescatter(
+        self, send: np.ndarray, op: ReduceOp, code: DType, prescale: float
+    ) -> np.ndarray:
+        """Reduce `send` over ranks and return this rank's block of rows (unscaled result)."""
+        rows = ring.even_bounds(send.shape[0], self.size)
+        row_elems = send.size // send.shape[0] if send.shape[0] else 0
+        work = np.array(send.reshape(-1), copy=True)
+        reduce.scale(work, prescale, code)
+        if self.size > 1:
+            if send.nbytes < self.settings.ring_threshold and code in _MPI_NATIVE:
+                self._mpi_allreduce(work, op, code)
+            else:
+                bounds = [b * row_elems for b in rows]
+                ring.reduce_scatter(self._comm, work, bounds, ring_op(op), code, self._scratch, 1)
+        lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
+        return work[lo:hi].reshape((rows[self.rank + 1] - rows[self.rank], *send.shape[1:]))
+
+    def alltoall(self, send: np.ndarray, send_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows send_rows[i] of `send` go to rank i; returns what arrived and from whom."""
+        if self.size == 1:
+            return send.copy(), send_rows.copy()
+        from mpi4py import MPI
+
+        recv_rows = np.empty(self.size, np.int64)
+        self._comm.Alltoall(send_rows, recv_rows)
+        row_bytes = _row_bytes(send)
+        out = np.empty((int(recv_rows.sum()), *send.shape[1:]), send.dtype)
+        send_counts, recv_counts = send_rows * row_bytes, recv_rows * row_bytes
+        self._comm.Alltoallv(
+            [send.reshape(-1).view(np.uint8), (send_counts, displacements(send_counts)),
+             MPI.BYTE],
+            [out.reshape(-1).view(np.uint8), (recv_counts, displacements(recv_counts)),
+             MPI.BYTE],
+        )  # fmt: skip
+        return out, recv_rows
+
+    def broadcast_bytes(self, data: bytes, length: int, root: int) -> bytes:
+        """Root's `data` (of `length` bytes, known everywhere) on every rank."""
+        if self.size == 1 or length == 0:
+            return data if self.rank == root else b""
+        # mpi4py needs a writable buffer for Bcast, on the root too.
+        buffer = bytearray(data) if self.rank == root else bytearray(length)
+        self._comm.Bcast([buffer, len(buffer)], root)
+        return bytes(buffer)
+
+    def allgather_bytes(self, data: bytes, lengths: list[int]) -> list[bytes]:
+        """Every rank's bytes; `lengths[r]` is the length of rank r's."""
+        if self.size == 1:
+            return [data]
+        from mpi4py import MPI
+
+        counts = np.asarray(lengths, np.int64)
+        buffer = np.empty(int(counts.sum()), np.uint8)
+        displs = displacements(counts)
+        self._comm.Allgatherv(
+            [np.frombuffer(data, np.uint8), MPI.BYTE], [buffer, (counts, displs), MPI.BYTE]
+        )
+        return [buffer[d : d + n].tobytes() for d, n in zip(displs, counts, strict=True)]
+
+
+def _row_bytes(array: np.ndarray) -> int:
+    return int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
+
+
+def displacements(counts: np.ndarray) -> np.ndarray:
+    """Start offsets of consecutive blocks of the given sizes."""
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
