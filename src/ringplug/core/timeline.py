@@ -26,6 +26,7 @@ class Timeline:
         self._file: IO[str] | None = open(path, "w")  # noqa: SIM115 - closed by stop()
         self._file.write("[\n")
         self._lock = threading.Lock()
+        self._first = True
         self._rows: dict[str, int] = {}
         self._events: list[dict[str, Any]] = []
         self._origin = time.perf_counter()
@@ -48,25 +49,33 @@ class Timeline:
 
     def span(self, name: str, phase: str, start: float, end: float, **args: Any) -> None:
         """One phase of one tensor, from `start` to `end` (time.perf_counter seconds)."""
-        event = {"name": phase, "ph": "X", "pid": self.rank, "tid": self._row(name),
-                 "ts": self._us(start), "dur": round(max(end - start, 0.0) * 1e6, 3)}  # fmt: skip
-        if args:
-            event["args"] = args
-        self._events.append(event)
+        with self._lock:
+            duration = round(max(end - start, 0.0) * 1e6, 3)
+            event = {"name": phase, "ph": "X", "pid": self.rank, "tid": self._row(name),
+                     "ts": self._us(start), "dur": duration}  # fmt: skip
+            if args:
+                event["args"] = args
+            self._events.append(event)
 
     def marker(self, label: str, when: float, **args: Any) -> None:
         """An instant event on the engine row (one per cycle)."""
-        self._events.append({"name": label, "ph": "i", "s": "t", "pid": self.rank, "tid": 0,
-                             "ts": self._us(when), "args": args})  # fmt: skip
+        with self._lock:
+            self._events.append({"name": label, "ph": "i", "s": "t", "pid": self.rank,
+                                 "tid": 0, "ts": self._us(when), "args": args})  # fmt: skip
 
     def flush(self) -> None:
+        """Append the events collected so far to the file."""
         with self._lock:
-            if self._file is None or not self._events:
-                self._events.clear()
-                return
-            self._file.write("".join(json.dumps(e) + ",\n" for e in self._events))
+            self._write()
+
+    def _write(self) -> None:
+        if self._file is not None and self._events:
+            separator = ",\n"
+            text = separator.join(json.dumps(event) for event in self._events)
+            self._file.write(("" if self._first else separator) + text)
             self._file.flush()
-            self._events.clear()
+            self._first = False
+        self._events.clear()
 
     def stop(self) -> None:
         """Write what is left and close the array, so the file is valid JSON."""
@@ -74,8 +83,7 @@ class Timeline:
         with self._lock:
             if self._file is None:
                 return
-            events = [json.dumps(e) for e in self._events]
-            self._events.clear()
-            self._file.write(",\n".join(events) + "\n]\n")
+            self._write()
+            self._file.write("\n]\n")
             self._file.close()
             self._file = None

@@ -1,0 +1,144 @@
+"""Multi-rank worker for the engine: async submission, negotiation, fusion, join, stalls.
+
+``python engine.py SCENARIO OUTDIR``; each rank writes OUTDIR/<scenario>-<rank>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import ringplug
+
+
+def tensor(name_index: int, rank: int, step: int) -> np.ndarray:
+    rng = np.random.default_rng([name_index, rank, step])
+    return rng.integers(-50, 50, 1 + name_index * 37).astype(np.float64)
+
+
+def orders(rank: int) -> dict:
+    """Forty named tensors submitted in a different order on every rank, three steps."""
+    size = ringplug.size()
+    engine = ringplug.core.runtime.engine()
+    names = list(range(40))
+    results = {"ok": True, "bad": []}
+    for step in range(3):
+        order = list(np.random.default_rng([rank, step]).permutation(names))
+        handles = {}
+        for i in order:
+            buf = tensor(i, rank, step)
+            handles[i] = (buf, ringplug.allreduce_async(buf, op="sum", name=f"t{i}", out=buf))
+        for i, (buf, handle) in handles.items():
+            result = handle.wait()
+            expected = sum(tensor(i, r, step) for r in range(size))
+            if result is not buf or not np.array_equal(result, expected):
+                results["ok"] = False
+                results["bad"].append([step, i])
+    grouped = ringplug.grouped_allreduce([np.full(3, rank + 1.0), np.full(2, 2.0 * rank)],
+                                         op="sum", name="group")  # fmt: skip
+    results["grouped"] = [g.tolist() for g in grouped]
+    results["cache_slots"] = len(engine._cache.slots)
+    results["collectives"] = engine.collectives_run
+    results["cycles"] = engine.cycles_run
+    return results
+
+
+def duplicate(rank: int) -> dict:
+    first = ringplug.allreduce_async(np.ones(4), name="dup")
+    try:
+        ringplug.allreduce_async(np.ones(4), name="dup")
+        raised = None
+    except ValueError as exc:
+        raised = str(exc)
+    first.wait()
+    return {"raised": raised}
+
+
+def mismatch(rank: int) -> dict:
+    handle = ringplug.allreduce_async(np.ones((3, 2 + rank), np.float32), name="layer1/kernel")
+    other = ringplug.allreduce_async(np.ones(5, np.float64 if rank else np.float32), name="bias")
+    seen = {}
+    for label, h in (("kernel", handle), ("bias", other)):
+        try:
+            h.wait()
+            seen[label] = None
+        except ringplug.MismatchError as exc:
+            seen[label] = str(exc)
+    return seen
+
+
+def join(rank: int) -> dict:
+    """Rank r has r + 1 batches; the others join when they run out."""
+    size = ringplug.size()
+    sums, mins, means = [], [], []
+    for _batch in range(rank + 1):
+        sums.append(ringplug.allreduce(np.full(3, rank + 1.0), op="sum", name="s").tolist())
+        mins.append(ringplug.allreduce(np.full(2, rank + 1.0), op="min", name="m").tolist())
+        means.append(ringplug.allreduce(np.full(2, 6.0), op="average", name="a").tolist())
+    last = ringplug.join()
+    after = ringplug.allreduce(np.ones(2), op="sum").tolist()  # everyone is back in
+    return {"sums": sums, "mins": mins, "means": means, "last": last, "after": after,
+            "size": size}  # fmt: skip
+
+
+def stall(rank: int) -> dict:
+    # Ranks submit different names: each waits for a tensor the other never sends.
+    handle = ringplug.allreduce_async(np.ones(4), name=f"only-on-rank-{rank}")
+    try:
+        handle.wait()
+        return {"error": None}
+    except ringplug.StallError as exc:
+        return {"error": str(exc), "type": type(exc).__name__}
+
+
+def shutdown(rank: int) -> dict:
+    """Shut down with work in flight: finished results stay, the unmatched one fails."""
+    done = ringplug.allreduce_async(np.full(4, rank + 1.0), op="sum", name="finished")
+    kept = done.wait().tolist()
+    lonely = ringplug.allreduce_async(np.ones(4), name="never-matched") if rank == 0 else None
+    ringplug.shutdown()
+    outcome = None
+    if lonely is not None:
+        try:
+            lonely.wait(timeout=30)
+        except ringplug.RingplugError as exc:
+            outcome = str(exc)
+    return {"kept": kept, "lonely": outcome, "done_still": done.wait().tolist(),
+            "initialized": ringplug.is_initialized()}  # fmt: skip
+
+
+def idle_cpu(rank: int) -> dict:
+    """Rank 0 waits about a second for rank 1; how much CPU does the wait cost rank 0?"""
+    ringplug.barrier()
+    if rank == 1:
+        threading.Event().wait(1.0)  # the late rank (the scenario, not a synchronisation)
+    cpu, wall = time.process_time(), time.perf_counter()
+    ringplug.allreduce(np.ones(8), name="late")
+    return {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall}
+
+
+def timeline(rank: int) -> dict:
+    for _step in range(3):
+        handles = [ringplug.allreduce_async(np.ones(1000 * (i + 1)), name=f"grad{i}")
+                   for i in range(4)]  # fmt: skip
+        for h in handles:
+            h.wait()
+        ringplug.broadcast(np.ones(3), 0, name="params")
+    ringplug.stop_timeline()
+    return {}
+
+
+def main(scenario: str, outdir: Path) -> None:
+    ringplug.init()
+    rank = ringplug.rank()
+    result = globals()[scenario](rank)
+    (outdir / f"{scenario}-{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
