@@ -153,3 +153,11 @@ def test_missing_command_is_a_usage_error():
     result = run_ringrun("-np", "2", timeout=30)
     assert result.returncode == 2
     assert "no command given" in result.stderr
+
+
+def test_timeline_flag_hands_the_ranks_an_absolute_trace_path(tmp_path):
+    result = run_ringrun("--dry-run", "-np", "2", "--timeline", "trace.json", "python", "t.py",
+                         cwd=tmp_path, timeout=30)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout.strip())
+    assert follows(words, "-genv", "RINGPLUG_TIMELINE", str(tmp_path.resolve() / "trace.json"))

@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write each rank's stdout/stderr to DIR/rank.<rank>/",
     )
     parser.add_argument(
+        "--timeline",
+        metavar="PATH",
+        help="write a Chrome trace of the engine (negotiation, fusion, collectives) to PATH; "
+        "open it in Perfetto or chrome://tracing",
+    )
+    parser.add_argument(
         "--bind-to",
         choices=BIND_CHOICES,
         help="pin each rank to a core or socket (default: the launcher's)",
@@ -150,6 +156,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         output_filename=args.output_filename,
         bind_to=args.bind_to,
         verbose=bool(args.verbose),
+        timeline=args.timeline,
     )
     if args.config_file is None:
         settings = flags
@@ -175,6 +182,10 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
         if not hosts:
             raise UsageError("say how many ranks to run with -np N (or give hosts with -H)")
         np = total_slots(hosts)
+    env = dict(settings.env)
+    if settings.timeline is not None:
+        # Absolute, so rank 0 writes it where the user asked whatever its working directory.
+        env["RINGPLUG_TIMELINE"] = str(Path(settings.timeline).resolve())
     output_dir = None
     if settings.output_filename is not None:
         # Absolute, so ranks find it whatever their working directory.
@@ -185,7 +196,7 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
         hosts=hosts,
         network_interfaces=list(settings.network_interfaces),
         ssh_port=settings.ssh_port,
-        env=dict(settings.env),
+        env=env,
         output_dir=output_dir,
         bind_to=settings.bind_to,
     )

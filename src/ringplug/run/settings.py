@@ -35,6 +35,8 @@ class RunSettings:
         bind_to: ``"none"``, ``"core"`` or ``"socket"``. Defaults to ``None`` (launcher's
             default).
         verbose: print the launcher command line before running it. Defaults to ``False``.
+        timeline: path of the engine's Chrome trace (sets ``RINGPLUG_TIMELINE`` for the
+            ranks; rank 0 writes it). Defaults to ``None`` (no timeline).
     """
 
     np: int | None = None
@@ -46,6 +48,7 @@ class RunSettings:
     output_filename: str | None = None
     bind_to: str | None = None
     verbose: bool = False
+    timeline: str | None = None
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -140,7 +143,7 @@ def _check_value(key: str, value: Any, source: str) -> Any:
                 item = "1" if item else "0"
             env[str(name)] = None if item is None else str(item)
         return env
-    if key in ("hostfile", "output_filename", "bind_to"):
+    if key in ("hostfile", "output_filename", "bind_to", "timeline"):
         if not isinstance(value, str):
             raise wrong("a string")
         return value
