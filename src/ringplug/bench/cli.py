@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import allreduce
+from . import allreduce, fusion
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,9 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     allreduce.add_arguments(
         commands.add_parser("allreduce", help="allreduce bandwidth and latency, 4 KiB to 256 MiB")
     )
+    fusion.add_arguments(
+        commands.add_parser(
+            "fusion", help="the engine on ResNet-50's gradients, against single/copy/gloo"
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "allreduce":
         return allreduce.run(args)
+    if args.command == "fusion":
+        return fusion.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
