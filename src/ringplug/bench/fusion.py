@@ -156,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         _print(records, ranks, total, len(arrays))
         if args.json:
-            write_json(args.json, "fusion", environment({"tensors": len(arrays),
-                                                         "parameters": total}), records)  # fmt: skip
+            env = environment({"tensors": len(arrays), "parameters": total})
+            write_json(args.json, "fusion", env, records)
             print(f"# wrote {args.json}")
     return 0
 
