@@ -23,8 +23,13 @@ def run(scenario: str, tmp_path: Path, ranks: int = 3, **env: str):
     return reports, result
 
 
-def test_tensors_submitted_in_different_orders_reduce_correctly_and_fuse(tmp_path):
-    reports, _ = run("orders", tmp_path)
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"RINGPLUG_RING_THRESHOLD": "0", "RINGPLUG_RING_SEGMENT": "4K"}],
+    ids=["packed-into-the-fusion-buffer", "ring-over-the-tensors-in-place"],
+)
+def test_tensors_submitted_in_different_orders_reduce_correctly_and_fuse(tmp_path, env):
+    reports, _ = run("orders", tmp_path, **env)
     for report in reports:
         assert report["ok"], report["bad"]
         assert report["grouped"] == [[6.0, 6.0, 6.0], [6.0, 6.0]]  # 1+2+3 and 0+2+4

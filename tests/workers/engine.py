@@ -32,11 +32,19 @@ def orders(rank: int) -> dict:
         handles = {}
         for i in order:
             buf = tensor(i, rank, step)
-            handles[i] = (buf, ringplug.allreduce_async(buf, op="sum", name=f"t{i}", out=buf))
+            if i % 5:  # in place
+                handle = ringplug.allreduce_async(buf, op="sum", name=f"t{i}", out=buf)
+            else:  # out of place, with scaling that cancels out
+                handle = ringplug.allreduce_async(
+                    buf, op="sum", name=f"t{i}", prescale_factor=0.5, postscale_factor=2.0
+                )
+            handles[i] = (buf, handle)
         for i, (buf, handle) in handles.items():
             result = handle.wait()
             expected = sum(tensor(i, r, step) for r in range(size))
-            if result is not buf or not np.array_equal(result, expected):
+            in_place_ok = (result is buf) == bool(i % 5)
+            untouched = i % 5 or np.array_equal(buf, tensor(i, rank, step))
+            if not (in_place_ok and untouched and np.array_equal(result, expected)):
                 results["ok"] = False
                 results["bad"].append([step, i])
     grouped = ringplug.grouped_allreduce([np.full(3, rank + 1.0), np.full(2, 2.0 * rank)],

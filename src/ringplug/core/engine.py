@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import log, reduce
+from . import log, reduce, ring
 from .config import Settings
 from .dtypes import DType
 from .errors import MismatchError, PeerArgumentError, RingplugError, StallError
@@ -366,49 +366,48 @@ class Engine:
             self._allreduce_batch(batch)
 
     def _allreduce_batch(self, batch: list[Response]) -> None:
-        """Reduce the tensors of `batch` (same dtype and op) in one collective."""
+        """Reduce the tensors of `batch` (same dtype and op) in one collective.
+
+        Large batches are reduced where the tensors lie (the ring sends several arrays as
+        one message); small ones, which MPI's own Allreduce handles best, are packed into
+        the fusion buffer first. Tensors that already sit side by side in one buffer are
+        reduced there either way.
+        """
         code, op = DType(batch[0].signature.code), ReduceOp(batch[0].signature.op)
         requests = [self._pending.pop(r.name, None) for r in batch]
         counts = [int(np.prod(r.signature.shape, dtype=np.int64)) for r in batch]
         total = sum(counts)
         start = time.perf_counter()
-        flat = self._span_in_place(requests, counts, code)
-        in_place = flat is not None
-        if flat is None:
-            if len(batch) == 1 and requests[0] is not None:
-                flat = requests[0].out.reshape(-1)
-                if flat.ctypes.data != requests[0].send.ctypes.data:
-                    np.copyto(flat, requests[0].send.reshape(-1))
-            else:
-                flat = self._fusion_view(code, total)
-                offset = 0
-                for request, count in zip(requests, counts, strict=True):
-                    part = flat[offset : offset + count]
-                    if request is None:
-                        part[...] = _identity(op, code)
-                    else:
-                        part[...] = request.send.reshape(-1)
-                    offset += count
-        offset = 0
-        for request, count in zip(requests, counts, strict=True):
+        packed = False
+        span = self._span_in_place(requests, counts, code)
+        if span is not None:
+            parts = _split(span, counts)
+            target: np.ndarray | ring.Pieces = span
+        elif self.transport.uses_ring(total * code.itemsize, code) or len(batch) == 1:
+            parts = [self._own_output(request, count, op, code)
+                     for request, count in zip(requests, counts, strict=True)]  # fmt: skip
+            target = parts[0] if len(parts) == 1 else ring.Pieces(parts)
+        else:
+            packed = True
+            target = self._fusion_view(code, total)
+            parts = _split(target, counts)
+            for request, part in zip(requests, parts, strict=True):
+                part[...] = _identity(op, code) if request is None else request.send.reshape(-1)
+        for request, part in zip(requests, parts, strict=True):
             if request is not None and request.prescale != 1.0:
-                reduce.scale(flat[offset : offset + count], request.prescale, code)
-            offset += count
+                reduce.scale(part, request.prescale, code)
         copied_in = time.perf_counter()
-        self.transport.allreduce(flat, op, code)
+        self.transport.allreduce(target, op, code)
         reduced = time.perf_counter()
         self.collectives_run += 1
-        offset = 0
-        for request, count in zip(requests, counts, strict=True):
-            part = flat[offset : offset + count]
-            offset += count
+        for request, part in zip(requests, parts, strict=True):
             if request is None:
                 continue
-            target = request.out.reshape(-1)
-            if target.ctypes.data != part.ctypes.data:
-                target[...] = part
+            output = request.out.reshape(-1)
+            if packed:
+                output[...] = part
             factor = request.postscale / self.size if op is ReduceOp.AVERAGE else request.postscale
-            reduce.scale(target, factor, code)
+            reduce.scale(output, factor, code)
         copied_out = time.perf_counter()
         for request in requests:
             if request is not None:
@@ -419,11 +418,22 @@ class Engine:
                 if request is None:
                     continue
                 self._trace_wait(timeline, request, start)
-                if not in_place:
+                if copied_in - start > 1e-6:
                     timeline.span(request.name, "COPY_IN", start, copied_in)
                 timeline.span(request.name, "ALLREDUCE", copied_in, reduced,
                               fused=len(batch), path=self.transport.last_path)  # fmt: skip
-                timeline.span(request.name, "COPY_OUT", reduced, copied_out)
+                if packed:
+                    timeline.span(request.name, "COPY_OUT", reduced, copied_out)
+
+    @staticmethod
+    def _own_output(request: Request | None, count: int, op: ReduceOp, code: DType) -> np.ndarray:
+        """The flat array this rank reduces a tensor in: its output (holding its input)."""
+        if request is None:
+            return np.full(count, _identity(op, code), code.storage)
+        output = request.out.reshape(-1)
+        if output.ctypes.data != request.send.ctypes.data:
+            np.copyto(output, request.send.reshape(-1))
+        return output
 
     def _span_in_place(
         self, requests: list[Request | None], counts: list[int], code: DType
@@ -628,6 +638,14 @@ class Engine:
             request.handle._finish(None, error)
         if join is not None:
             join._finish(None, error)
+
+
+def _split(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+    parts, offset = [], 0
+    for count in counts:
+        parts.append(flat[offset : offset + count])
+        offset += count
+    return parts
 
 
 def _ranks(ranks: Any) -> str:

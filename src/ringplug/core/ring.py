@@ -9,6 +9,7 @@ reduced. All buffers here are flat, contiguous arrays in their storage type.
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,13 +35,72 @@ def even_bounds(count: int, parts: int, unit: int = 1) -> list[int]:
     return bounds
 
 
-def _bytes(array: np.ndarray) -> np.ndarray:
-    return array.view(np.uint8)
+class Pieces:
+    """A flat buffer made of several flat arrays of one dtype, in order.
+
+    The ring works on the concatenation without building it: a range that spans several
+    arrays travels as one message per array, so fused tensors are never copied into a
+    fusion buffer.
+    """
+
+    def __init__(self, arrays: list[np.ndarray]) -> None:
+        self.arrays = [a for a in arrays if a.size]
+        self.starts = [0]
+        for array in self.arrays:
+            self.starts.append(self.starts[-1] + array.size)
+        self.size = self.starts[-1]
+        self.dtype = arrays[0].dtype if arrays else np.dtype(np.uint8)
+
+    def views(self, lo: int, hi: int) -> list[np.ndarray]:
+        """The parts of elements [lo, hi) as views into the arrays."""
+        out: list[np.ndarray] = []
+        index = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        while lo < hi and index < len(self.arrays):
+            start = self.starts[index]
+            end = min(hi, self.starts[index + 1])
+            if end > lo:
+                out.append(self.arrays[index][lo - start : end - start])
+                lo = end
+            index += 1
+        return out
+
+
+def _exchange(
+    comm: MPI.Comm, outgoing: list[np.ndarray], incoming: list[np.ndarray], right: int, left: int
+) -> None:
+    """Send `outgoing` to the right neighbour and receive `incoming` from the left one.
+
+    Every rank lays the fused tensors out alike, so both ends of a message cut a range at
+    the same tensor boundaries: one message per piece, each contiguous, and MPI moves it
+    with a single copy (a derived datatype would be packed and unpacked instead).
+    """
+    if len(outgoing) == 1 and len(incoming) == 1:
+        comm.Sendrecv(outgoing[0].view(np.uint8), right, RING_TAG,
+                      incoming[0].view(np.uint8), left, RING_TAG)  # fmt: skip
+        return
+    from mpi4py import MPI
+
+    requests = [comm.Irecv(part.view(np.uint8), left, RING_TAG) for part in incoming]
+    requests += [comm.Isend(part.view(np.uint8), right, RING_TAG) for part in outgoing]
+    MPI.Request.Waitall(requests)
+
+
+def _split_like(flat: np.ndarray, parts: list[np.ndarray]) -> list[np.ndarray]:
+    """`flat` cut into consecutive views with the sizes of `parts`."""
+    out, offset = [], 0
+    for part in parts:
+        out.append(flat[offset : offset + part.size])
+        offset += part.size
+    return out
+
+
+def _as_pieces(buf: np.ndarray | Pieces) -> Pieces:
+    return buf if isinstance(buf, Pieces) else Pieces([buf])
 
 
 def reduce_scatter(
     comm: MPI.Comm,
-    buf: np.ndarray,
+    buf: np.ndarray | Pieces,
     bounds: list[int],
     op: ReduceOp,
     code: DType,
@@ -49,44 +109,57 @@ def reduce_scatter(
 ) -> None:
     """Ring reduce-scatter in place: afterwards chunk (rank + 1 - owner_shift) % n of `buf`
     holds the reduction over all ranks. `scratch` is a uint8 work buffer (one segment)."""
+    pieces = _as_pieces(buf)
     rank, size = comm.Get_rank(), comm.Get_size()
     right, left = (rank + 1) % size, (rank - 1) % size
-    itemsize = buf.dtype.itemsize
+    itemsize = pieces.dtype.itemsize
     segment = max(1, scratch.nbytes // itemsize)
     longest = max(bounds[i + 1] - bounds[i] for i in range(size))
     segments = max(1, -(-longest // segment))  # the same count on every rank
-    work = scratch[: segment * itemsize].view(buf.dtype)
+    work = scratch[: segment * itemsize].view(pieces.dtype)
     for step in range(size - 1):
         send_index = (rank - step - owner_shift) % size
         recv_index = (rank - step - 1 - owner_shift) % size
-        send = buf[bounds[send_index] : bounds[send_index + 1]]
-        recv = buf[bounds[recv_index] : bounds[recv_index + 1]]
+        send_lo, send_hi = bounds[send_index], bounds[send_index + 1]
+        recv_lo, recv_hi = bounds[recv_index], bounds[recv_index + 1]
         for k in range(segments):
-            lo, hi = k * segment, (k + 1) * segment
-            outgoing, incoming = send[lo:hi], recv[lo:hi]
-            landing = work[: len(incoming)]
-            comm.Sendrecv(_bytes(outgoing), right, RING_TAG, _bytes(landing), left, RING_TAG)
-            if len(incoming):
-                combine(incoming, landing, op, code)
+            s_lo, s_hi = (
+                min(send_lo + k * segment, send_hi),
+                min(send_lo + (k + 1) * segment, send_hi),
+            )
+            r_lo, r_hi = (
+                min(recv_lo + k * segment, recv_hi),
+                min(recv_lo + (k + 1) * segment, recv_hi),
+            )
+            landing = work[: r_hi - r_lo]
+            targets = pieces.views(r_lo, r_hi)
+            arrivals = _split_like(landing, targets)
+            _exchange(comm, pieces.views(s_lo, s_hi), arrivals, right, left)
+            for part, arrived in zip(targets, arrivals, strict=True):
+                combine(part, arrived, op, code)
 
 
-def allgather_chunks(comm: MPI.Comm, buf: np.ndarray, bounds: list[int], owner_shift: int) -> None:
+def allgather_chunks(
+    comm: MPI.Comm, buf: np.ndarray | Pieces, bounds: list[int], owner_shift: int
+) -> None:
     """Ring allgather in place: each rank starts owning chunk (rank + 1 - owner_shift) % n
     and ends with every chunk."""
+    pieces = _as_pieces(buf)
     rank, size = comm.Get_rank(), comm.Get_size()
     right, left = (rank + 1) % size, (rank - 1) % size
     for step in range(size - 1):
         send_index = (rank + 1 - owner_shift - step) % size
         recv_index = (rank - owner_shift - step) % size
-        send = buf[bounds[send_index] : bounds[send_index + 1]]
-        recv = buf[bounds[recv_index] : bounds[recv_index + 1]]
-        comm.Sendrecv(_bytes(send), right, RING_TAG, _bytes(recv), left, RING_TAG)
+        outgoing = pieces.views(bounds[send_index], bounds[send_index + 1])
+        incoming = pieces.views(bounds[recv_index], bounds[recv_index + 1])
+        _exchange(comm, outgoing, incoming, right, left)
 
 
 def allreduce(
-    comm: MPI.Comm, buf: np.ndarray, op: ReduceOp, code: DType, scratch: np.ndarray
+    comm: MPI.Comm, buf: np.ndarray | Pieces, op: ReduceOp, code: DType, scratch: np.ndarray
 ) -> None:
-    """Ring allreduce of the flat array `buf` in place."""
-    bounds = even_bounds(buf.size, comm.Get_size())
-    reduce_scatter(comm, buf, bounds, op, code, scratch, owner_shift=0)
-    allgather_chunks(comm, buf, bounds, owner_shift=0)
+    """Ring allreduce in place of a flat array, or of several (`Pieces`) as one."""
+    pieces = _as_pieces(buf)
+    bounds = even_bounds(pieces.size, comm.Get_size())
+    reduce_scatter(comm, pieces, bounds, op, code, scratch, owner_shift=0)
+    allgather_chunks(comm, pieces, bounds, owner_shift=0)

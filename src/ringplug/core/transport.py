@@ -47,17 +47,25 @@ class Transport:
             self._comm.Free()
             self._comm = None
 
-    def allreduce(self, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
-        """flat <- reduction over ranks, in place (no scaling; Average is summed here)."""
+    def uses_ring(self, nbytes: int, code: DType) -> bool:
+        """Whether an allreduce of `nbytes` takes ringplug's ring (else MPI's Allreduce)."""
+        return code not in _MPI_NATIVE or nbytes >= self.settings.ring_threshold
+
+    def allreduce(self, buf: np.ndarray | ring.Pieces, op: ReduceOp, code: DType) -> None:
+        """buf <- reduction over ranks, in place (no scaling; Average is summed here).
+
+        `buf` is a flat array, or several (`ring.Pieces`, only for sizes the ring takes).
+        """
         if self.size == 1:
             self.last_path = "local"
             return
-        if code in _MPI_NATIVE and flat.nbytes < self.settings.ring_threshold:
-            self.last_path = "mpi"
-            self._mpi_allreduce(flat, op, code)
-        else:
+        nbytes = buf.size * code.itemsize
+        if self.uses_ring(nbytes, code):
             self.last_path = "ring"
-            ring.allreduce(self._comm, flat, ring_op(op), code, self._scratch)
+            ring.allreduce(self._comm, buf, ring_op(op), code, self._scratch)
+        else:
+            self.last_path = "mpi"
+            self._mpi_allreduce(buf, op, code)
 
     def _mpi_allreduce(self, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
         from mpi4py import MPI
