@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _CORE_NAMES = (
-    "Average", "DType", "GroupHandle", "Handle", "Max", "Min", "MismatchError",
+    "Average", "DType", "Handle", "Max", "Min", "MismatchError",
     "NotInitializedError", "PeerArgumentError", "Product", "ReduceOp", "RingplugError",
     "StallError", "Sum", "allgather", "allgather_async", "allgather_object", "allreduce",
     "allreduce_async", "alltoall", "barrier", "broadcast", "broadcast_async",

@@ -4,7 +4,6 @@ This layer knows buffers, never framework tensor types, and is the only one that
 """
 
 from .collectives import (
-    GroupHandle,
     allgather,
     allgather_async,
     allgather_object,
@@ -48,7 +47,7 @@ from .runtime import (
 )
 
 __all__ = [
-    "Average", "DType", "GroupHandle", "Handle", "Max", "Min", "MismatchError",
+    "Average", "DType", "Handle", "Max", "Min", "MismatchError",
     "NotInitializedError", "PeerArgumentError", "Product", "ReduceOp", "RingplugError",
     "StallError", "Sum", "allgather", "allgather_async", "allgather_object", "allreduce",
     "allreduce_async", "alltoall", "barrier", "broadcast", "broadcast_async",

@@ -115,10 +115,10 @@ def allreduce_async(
 
         return Request(
             request_name,
-            Signature(Kind.ALLREDUCE, code, reduce_op, -1, tuple(source.shape)),
+            Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape),
             Handle(request_name),
-            send=send,
-            out=work,
+            sends=[send.reshape(-1)],
+            outs=[work.reshape(-1)],
             prescale=float(prescale_factor),
             postscale=float(postscale_factor),
             finish=finish,
@@ -163,21 +163,6 @@ def allreduce(
     ).wait()  # fmt: skip
 
 
-class GroupHandle:
-    """Handles of a grouped allreduce; `wait()` returns the list of results."""
-
-    def __init__(self, handles: list[Handle]) -> None:
-        self.handles = handles
-
-    def done(self) -> bool:
-        return all(handle.done() for handle in self.handles)
-
-    def wait(self, timeout: float | None = None) -> list[np.ndarray]:
-        return [handle.wait(timeout) for handle in self.handles]
-
-    synchronize = wait
-
-
 def grouped_allreduce_async(
     arrays: Sequence[ArrayLike],
     op: ReduceOp | str = Average,
@@ -185,14 +170,40 @@ def grouped_allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     name: str | None = None,
-) -> GroupHandle:
-    """Start allreduces of several arrays that are negotiated and fused together."""
-    base, _ = _name(name)
-    return GroupHandle([
-        allreduce_async(array, op, prescale_factor=prescale_factor,
-                        postscale_factor=postscale_factor, name=f"{base}.{index}")
-        for index, array in enumerate(arrays)
-    ])  # fmt: skip
+) -> Handle:
+    """Start one allreduce of several arrays; `wait()` returns the list of results.
+
+    The group is negotiated as one request and reduced in one fused pass: the cheapest way
+    to reduce many small tensors. Arrays must share a dtype.
+    """
+
+    def build(request_name: str) -> Request:
+        sources = [_as_array(array) for array in arrays]
+        if not sources:
+            raise ValueError("grouped_allreduce needs at least one array.")
+        code = classify(sources[0])
+        if any(source.dtype != sources[0].dtype for source in sources):
+            raise TypeError("grouped_allreduce needs arrays of one dtype; group them by dtype.")
+        reduce_op = as_op(op)
+        reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
+        sends = [_contiguous(source, code).reshape(-1) for source in sources]
+        outs = [np.empty_like(send) for send in sends]
+
+        def finish(result: Any) -> list[np.ndarray]:
+            return [_result_as(source, out.reshape(source.shape))
+                    for source, out in zip(sources, outs, strict=True)]  # fmt: skip
+
+        total = sum(send.size for send in sends)
+        return Request(
+            request_name,
+            Signature(Kind.ALLREDUCE, code, reduce_op, -1, (total,),
+                      tuple(source.shape for source in sources)),
+            Handle(request_name), sends=sends, outs=outs, prescale=float(prescale_factor),
+            postscale=float(postscale_factor), finish=finish,
+        )  # fmt: skip
+
+    request_name, given = _name(name)
+    return _submit(request_name, given, build)
 
 
 def grouped_allreduce(
@@ -203,7 +214,7 @@ def grouped_allreduce(
     postscale_factor: float = 1.0,
     name: str | None = None,
 ) -> list[np.ndarray]:
-    """Allreduce several arrays in one negotiation and one fused pass."""
+    """Allreduce several arrays in one negotiation and one fused pass; returns new arrays."""
     return grouped_allreduce_async(
         arrays, op, prescale_factor=prescale_factor, postscale_factor=postscale_factor, name=name
     ).wait()
@@ -448,12 +459,12 @@ def allgather_object(obj: Any, *, name: str | None = None) -> list[Any]:
     return _submit(request_name, given, build).wait()
 
 
-def poll(handle: Handle | GroupHandle) -> bool:
+def poll(handle: Handle) -> bool:
     """Whether the collective behind `handle` has finished; never blocks."""
     return handle.done()
 
 
-def synchronize(handle: Handle | GroupHandle) -> Any:
+def synchronize(handle: Handle) -> Any:
     """Wait for the collective behind `handle`; return its result or raise its error."""
     return handle.wait()
 

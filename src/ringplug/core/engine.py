@@ -46,9 +46,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _CONTROL_TAG = 7100
-_SPIN_SECONDS = 100e-6
+_SPIN_SECONDS = 200e-6
 _MAX_SLEEP_SECONDS = 1e-3
 _CACHE_CAPACITY = 4096
+
+
+# One signal for every handle of the process: the engine notifies it once per cycle
+# instead of waking one event per tensor.
+_completed = threading.Condition()
 
 
 class Handle:
@@ -62,18 +67,22 @@ class Handle:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._done = threading.Event()
+        self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks."""
-        return self._done.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective finished; return its result or raise its error."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
+        if not self._done:
+            with _completed:
+                if not _completed.wait_for(lambda: self._done, timeout):
+                    raise TimeoutError(
+                        f"collective {self.name!r} did not finish within {timeout} s"
+                    )
         if self._error is not None:
             raise self._error
         return self._result
@@ -81,13 +90,24 @@ class Handle:
     synchronize = wait
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Record the outcome; waiters wake at the engine's next `_wake_waiters()`."""
         self._result, self._error = result, error
-        self._done.set()
+        self._done = True
 
 
-@dataclasses.dataclass(eq=False)
+def _wake_waiters() -> None:
+    with _completed:
+        _completed.notify_all()
+
+
+@dataclasses.dataclass(eq=False, slots=True)
 class Request:
-    """One collective submitted on this rank."""
+    """One collective submitted on this rank.
+
+    An allreduce carries its tensors as flat contiguous arrays in their storage type:
+    `sends[i]` is reduced into `outs[i]` (the same memory when in place). A grouped
+    allreduce has several.
+    """
 
     name: str
     signature: Signature
@@ -95,7 +115,9 @@ class Request:
     cacheable: bool = False
     extra: int = 0  # first dimension (allgather, alltoall) or byte length (objects)
     send: np.ndarray | None = None  # contiguous input, storage type
-    out: np.ndarray | None = None  # contiguous output, storage type (allreduce, broadcast)
+    out: np.ndarray | None = None  # contiguous output, storage type (broadcast)
+    sends: list[np.ndarray] = dataclasses.field(default_factory=list)  # allreduce inputs
+    outs: list[np.ndarray] = dataclasses.field(default_factory=list)  # allreduce outputs
     prescale: float = 1.0
     postscale: float = 1.0
     splits: np.ndarray | None = None  # alltoall rows per destination
@@ -216,6 +238,9 @@ class Engine:
         """Sleep until there is a reason to run a cycle; False to look again."""
         delay = 20e-6
         retry_at = time.monotonic() + self._idle_cycle_period()
+        # Right after a cycle the next request or a peer's message is usually microseconds
+        # away: poll, yielding the GIL, before sleeping (a sleep costs 60+ us to wake from).
+        spin_until = time.perf_counter() + _SPIN_SECONDS
         while True:
             with self._lock:
                 if self._queue or self._stop_requested:
@@ -231,6 +256,9 @@ class Engine:
                     if not (self._queue or self._stop_requested or self._join_handle):
                         self._lock.wait(0.05)
                 return False
+            if time.perf_counter() < spin_until:
+                time.sleep(0)
+                continue
             with self._lock:
                 if not (self._queue or self._stop_requested):
                     self._lock.wait(delay)
@@ -267,6 +295,7 @@ class Engine:
         self._inspect_stalls(plan)
         if plan.all_joined:
             self._finish_join(plan.last_joined)
+        _wake_waiters()
         timeline = self._timeline
         if timeline is not None:
             timeline.marker(f"cycle {self._cycle}", cycle_start, ran=len(plan.responses))
@@ -369,49 +398,62 @@ class Engine:
         """Reduce the tensors of `batch` (same dtype and op) in one collective.
 
         Large batches are reduced where the tensors lie (the ring sends several arrays as
-        one message); small ones, which MPI's own Allreduce handles best, are packed into
-        the fusion buffer first. Tensors that already sit side by side in one buffer are
+        one range); small ones, which MPI's own Allreduce handles best, are packed into the
+        fusion buffer first. Tensors that already sit side by side in one buffer are
         reduced there either way.
         """
         code, op = DType(batch[0].signature.code), ReduceOp(batch[0].signature.op)
         requests = [self._pending.pop(r.name, None) for r in batch]
-        counts = [int(np.prod(r.signature.shape, dtype=np.int64)) for r in batch]
-        total = sum(counts)
+        # One entry per tensor: (request or None for a joined rank, input, output).
+        entries: list[tuple[Request | None, np.ndarray, np.ndarray]] = []
+        for response, request in zip(batch, requests, strict=True):
+            if request is not None:
+                entries.extend((request, s, o) for s, o in zip(request.sends, request.outs,
+                                                                 strict=True))  # fmt: skip
+            else:
+                for shape in response.signature.parts or (response.signature.shape,):
+                    identity = np.full(int(np.prod(shape, dtype=np.int64)), _identity(op, code),
+                                       code.storage)  # fmt: skip
+                    entries.append((None, identity, identity))
+        total = sum(send.size for _, send, _ in entries)
         start = time.perf_counter()
         packed = False
-        span = self._span_in_place(requests, counts, code)
+        span = _span_in_place([(send, out) for _, send, out in entries], code)
         if span is not None:
-            parts = _split(span, counts)
             target: np.ndarray | ring.Pieces = span
-        elif self.transport.uses_ring(total * code.itemsize, code) or len(batch) == 1:
-            parts = [self._own_output(request, count, op, code)
-                     for request, count in zip(requests, counts, strict=True)]  # fmt: skip
+            parts = [out for _, _, out in entries]
+        elif len(entries) == 1 or self.transport.uses_ring(total * code.itemsize, code):
+            parts = []
+            for _, send, out in entries:
+                if out.ctypes.data != send.ctypes.data:
+                    np.copyto(out, send)
+                parts.append(out)
             target = parts[0] if len(parts) == 1 else ring.Pieces(parts)
         else:
             packed = True
             target = self._fusion_view(code, total)
-            parts = _split(target, counts)
-            for request, part in zip(requests, parts, strict=True):
-                part[...] = _identity(op, code) if request is None else request.send.reshape(-1)
-        for request, part in zip(requests, parts, strict=True):
+            np.concatenate([send for _, send, _ in entries], out=target)
+            parts = _split(target, [send.size for _, send, _ in entries])
+        for (request, _, _), part in zip(entries, parts, strict=True):
             if request is not None and request.prescale != 1.0:
                 reduce.scale(part, request.prescale, code)
         copied_in = time.perf_counter()
         self.transport.allreduce(target, op, code)
         reduced = time.perf_counter()
         self.collectives_run += 1
-        for request, part in zip(requests, parts, strict=True):
+        average = op is ReduceOp.AVERAGE
+        for (request, _, out), part in zip(entries, parts, strict=True):
             if request is None:
                 continue
-            output = request.out.reshape(-1)
             if packed:
-                output[...] = part
-            factor = request.postscale / self.size if op is ReduceOp.AVERAGE else request.postscale
-            reduce.scale(output, factor, code)
+                out[...] = part
+            factor = request.postscale / self.size if average else request.postscale
+            if factor != 1.0:
+                reduce.scale(out, factor, code)
         copied_out = time.perf_counter()
         for request in requests:
             if request is not None:
-                self._complete(request, result=request.out)
+                self._complete(request)
         timeline = self._timeline
         if timeline is not None:
             for request in requests:
@@ -424,41 +466,6 @@ class Engine:
                               fused=len(batch), path=self.transport.last_path)  # fmt: skip
                 if packed:
                     timeline.span(request.name, "COPY_OUT", reduced, copied_out)
-
-    @staticmethod
-    def _own_output(request: Request | None, count: int, op: ReduceOp, code: DType) -> np.ndarray:
-        """The flat array this rank reduces a tensor in: its output (holding its input)."""
-        if request is None:
-            return np.full(count, _identity(op, code), code.storage)
-        output = request.out.reshape(-1)
-        if output.ctypes.data != request.send.ctypes.data:
-            np.copyto(output, request.send.reshape(-1))
-        return output
-
-    def _span_in_place(
-        self, requests: list[Request | None], counts: list[int], code: DType
-    ) -> np.ndarray | None:
-        """The flat region that already holds every tensor of the batch in order, reduced in
-        place, or None. (Gradients that live in one registered buffer need no copies.)"""
-        if len(requests) < 2 or any(
-            r is None or r.out.ctypes.data != r.send.ctypes.data for r in requests
-        ):
-            return None
-        first = requests[0].send
-        base = first.base if first.base is not None else first
-        if not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
-            return None
-        address = first.ctypes.data
-        for request, count in zip(requests, counts, strict=True):
-            array = request.send
-            owner = array.base if array.base is not None else array
-            if owner is not base or array.ctypes.data != address:
-                return None
-            address += count * code.itemsize
-        start, misaligned = divmod(first.ctypes.data - base.ctypes.data, code.itemsize)
-        if misaligned or base.nbytes % code.itemsize:
-            return None
-        return base.reshape(-1).view(code.storage)[start : start + sum(counts)]
 
     def _fusion_view(self, code: DType, count: int) -> np.ndarray:
         nbytes = count * code.itemsize
@@ -619,6 +626,7 @@ class Engine:
             self._joined_cycle = 0
         if handle is not None:
             handle._finish(last)
+            _wake_waiters()
 
     def _shut_down(self, by: int) -> None:
         who = "this rank" if by == self.rank else f"rank {by}"
@@ -638,6 +646,30 @@ class Engine:
             request.handle._finish(None, error)
         if join is not None:
             join._finish(None, error)
+        _wake_waiters()
+
+
+def _span_in_place(pairs: list[tuple[np.ndarray, np.ndarray]], code: DType) -> np.ndarray | None:
+    """The flat region that already holds every tensor in order, to reduce in place, or None.
+
+    (Gradients that live in one registered buffer need no copies at all.)
+    """
+    if len(pairs) < 2 or any(out.ctypes.data != send.ctypes.data for send, out in pairs):
+        return None
+    first = pairs[0][0]
+    base = first.base if first.base is not None else first
+    if not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
+        return None
+    address = first.ctypes.data
+    for send, _ in pairs:
+        owner = send.base if send.base is not None else send
+        if owner is not base or send.ctypes.data != address:
+            return None
+        address += send.nbytes
+    start, misaligned = divmod(first.ctypes.data - base.ctypes.data, code.itemsize)
+    if misaligned or base.nbytes % code.itemsize:
+        return None
+    return base.reshape(-1).view(code.storage)[start : start + sum(s.size for s, _ in pairs)]
 
 
 def _split(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:

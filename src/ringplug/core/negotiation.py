@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .dtypes import DType
 from .ops import ReduceOp
@@ -44,22 +45,28 @@ class Kind(enum.IntEnum):
 CACHEABLE = {Kind.ALLREDUCE, Kind.BROADCAST, Kind.REDUCESCATTER}
 
 
-@dataclasses.dataclass(frozen=True)
-class Signature:
+class Signature(NamedTuple):
     """What must be equal on every rank for a request to run. For allgather and alltoall
-    `shape` holds the dimensions after the first, which may differ between ranks."""
+    `shape` holds the dimensions after the first, which may differ between ranks. A grouped
+    allreduce has `shape` (total elements,) and the shape of each of its tensors in `parts`.
+    (A tuple: built for every request, so it must be cheap.)"""
 
     kind: Kind
     code: int = -1
     op: int = -1
     root: int = -1
     shape: tuple[int, ...] = ()
+    parts: tuple[tuple[int, ...], ...] = ()
 
     def describe(self) -> str:
         if self.kind is Kind.ERROR:
             return "invalid arguments (its own error says why)"
         parts = [self.kind.label]
-        if self.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
+        if self.parts:
+            parts.append(f"of {len(self.parts)} tensors with shapes "
+                         + ", ".join(_shape_text(p) for p in self.parts[:8])
+                         + (", ..." if len(self.parts) > 8 else ""))  # fmt: skip
+        elif self.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
             parts.append(f"with rows of shape {_shape_text(self.shape)}")
         elif self.code >= 0:
             parts.append(f"with shape {_shape_text(self.shape)}")
