@@ -119,6 +119,7 @@ def allreduce_async(
             Handle(request_name),
             sends=[send.reshape(-1)],
             outs=[work.reshape(-1)],
+            in_place=work.ctypes.data == send.ctypes.data,
             prescale=float(prescale_factor),
             postscale=float(postscale_factor),
             finish=finish,
@@ -187,19 +188,24 @@ def grouped_allreduce_async(
         reduce_op = as_op(op)
         reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
         sends = [_contiguous(source, code).reshape(-1) for source in sources]
-        outs = [np.empty_like(send) for send in sends]
+        total = sum(send.size for send in sends)
+        # The results are views of one buffer, so the engine reduces the group right there.
+        results = np.empty(total, sends[0].dtype)
+        outs, offset = [], 0
+        for send in sends:
+            outs.append(results[offset : offset + send.size])
+            offset += send.size
 
         def finish(result: Any) -> list[np.ndarray]:
             return [_result_as(source, out.reshape(source.shape))
                     for source, out in zip(sources, outs, strict=True)]  # fmt: skip
 
-        total = sum(send.size for send in sends)
         return Request(
             request_name,
             Signature(Kind.ALLREDUCE, code, reduce_op, -1, (total,),
                       tuple(source.shape for source in sources)),
-            Handle(request_name), sends=sends, outs=outs, prescale=float(prescale_factor),
-            postscale=float(postscale_factor), finish=finish,
+            Handle(request_name), sends=sends, outs=outs, span=results,
+            prescale=float(prescale_factor), postscale=float(postscale_factor), finish=finish,
         )  # fmt: skip
 
     request_name, given = _name(name)

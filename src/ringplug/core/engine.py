@@ -118,6 +118,8 @@ class Request:
     out: np.ndarray | None = None  # contiguous output, storage type (broadcast)
     sends: list[np.ndarray] = dataclasses.field(default_factory=list)  # allreduce inputs
     outs: list[np.ndarray] = dataclasses.field(default_factory=list)  # allreduce outputs
+    in_place: bool = False  # outs are sends (the same memory)
+    span: np.ndarray | None = None  # one flat array whose consecutive views are the outs
     prescale: float = 1.0
     postscale: float = 1.0
     splits: np.ndarray | None = None  # alltoall rows per destination
@@ -418,14 +420,23 @@ class Engine:
         total = sum(send.size for _, send, _ in entries)
         start = time.perf_counter()
         packed = False
-        span = _span_in_place([(send, out) for _, send, out in entries], code)
+        present = [request for request in requests if request is not None]
+        span = None
+        if len(requests) == 1 and present and present[0].span is not None:
+            span = present[0].span  # a grouped allreduce's result buffer
+        elif len(present) == len(requests) and all(r.in_place for r in present):
+            span = _span([out for _, _, out in entries], code)  # e.g. a gradient buffer
         if span is not None:
+            # The outputs lie side by side in one buffer: reduce there, after one copy in
+            # unless the tensors are reduced in place.
             target: np.ndarray | ring.Pieces = span
             parts = [out for _, _, out in entries]
+            if not all(r.in_place for r in present):
+                np.concatenate([send for _, send, _ in entries], out=span)
         elif len(entries) == 1 or self.transport.uses_ring(total * code.itemsize, code):
             parts = []
-            for _, send, out in entries:
-                if out.ctypes.data != send.ctypes.data:
+            for request, send, out in entries:
+                if request is not None and not request.in_place:
                     np.copyto(out, send)
                 parts.append(out)
             target = parts[0] if len(parts) == 1 else ring.Pieces(parts)
@@ -649,27 +660,24 @@ class Engine:
         _wake_waiters()
 
 
-def _span_in_place(pairs: list[tuple[np.ndarray, np.ndarray]], code: DType) -> np.ndarray | None:
-    """The flat region that already holds every tensor in order, to reduce in place, or None.
-
-    (Gradients that live in one registered buffer need no copies at all.)
-    """
-    if len(pairs) < 2 or any(out.ctypes.data != send.ctypes.data for send, out in pairs):
+def _span(arrays: list[np.ndarray], code: DType) -> np.ndarray | None:
+    """The flat region of one buffer that holds `arrays` side by side in order, or None."""
+    if len(arrays) < 2:
         return None
-    first = pairs[0][0]
+    first = arrays[0]
     base = first.base if first.base is not None else first
     if not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
         return None
     address = first.ctypes.data
-    for send, _ in pairs:
-        owner = send.base if send.base is not None else send
-        if owner is not base or send.ctypes.data != address:
+    for array in arrays:
+        owner = array.base if array.base is not None else array
+        if owner is not base or array.ctypes.data != address:
             return None
-        address += send.nbytes
+        address += array.nbytes
     start, misaligned = divmod(first.ctypes.data - base.ctypes.data, code.itemsize)
     if misaligned or base.nbytes % code.itemsize:
         return None
-    return base.reshape(-1).view(code.storage)[start : start + sum(s.size for s, _ in pairs)]
+    return base.reshape(-1).view(code.storage)[start : start + sum(a.size for a in arrays)]
 
 
 def _split(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
