@@ -74,3 +74,20 @@ def test_table_prints_a_row_per_size_with_ratios_on_rank_0_only(bench_run):
 def test_plot_is_a_png(bench_run):
     _, _, outdir = bench_run
     assert (outdir / "allreduce.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fusion_bench_reports_every_implementation_on_resnet50_gradients(tmp_path):
+    result = run_ringrun(
+        "-np", "2", BENCH, "fusion", "--iters", "2", "--warmup", "1",
+        "--impls", "ringplug,ringplug-views,single,copy,gloo,small",
+        "--json", str(tmp_path / "fusion.json"), timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((tmp_path / "fusion.json").read_text())
+    rows = {row["impl"]: row for row in document["results"]}
+    assert set(rows) == {"ringplug", "ringplug-views", "single", "copy", "gloo", "small-1",
+                         "small-1000", "small-1000-grouped", "single-4M"}  # fmt: skip
+    assert document["env"]["tensors"] == 161 and document["env"]["parameters"] == 25_557_032
+    assert rows["ringplug"]["tensors"] == 161 and rows["single"]["tensors"] == 1
+    assert rows["ringplug"]["bytes"] == rows["single"]["bytes"] == 25_557_032 * 4
+    assert "ringplug / (single + copy) =" in result.stdout

@@ -1,0 +1,57 @@
+"""The async forms and handles, in a world of one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringplug
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    ringplug.init()
+    yield
+
+
+def test_async_collectives_return_handles_that_give_the_result():
+    data = np.arange(4.0)
+    handles = [
+        ringplug.allreduce_async(data, op="sum", name="a"),
+        ringplug.allgather_async(data, name="g"),
+        ringplug.broadcast_async(data, 0, name="b"),
+        ringplug.reducescatter_async(data.reshape(2, 2), op="sum", name="r"),
+    ]
+    results = [ringplug.synchronize(handle) for handle in handles]
+    assert all(ringplug.poll(handle) for handle in handles)
+    assert [r.tolist() for r in results] == [
+        [0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [[0.0, 1.0], [2.0, 3.0]],
+    ]  # fmt: skip
+
+
+def test_grouped_allreduce_returns_new_arrays_in_their_shapes():
+    first, second = np.ones((2, 3), np.float32), np.full(5, 2.0, np.float32)
+    results = ringplug.grouped_allreduce([first, second], op="sum", postscale_factor=3.0)
+    assert [r.shape for r in results] == [(2, 3), (5,)]
+    assert results[0].tolist() == [[3.0] * 3] * 2 and results[1].tolist() == [6.0] * 5
+    assert first.tolist() == [[1.0] * 3] * 2  # inputs untouched
+
+
+def test_grouped_allreduce_refuses_mixed_dtypes():
+    with pytest.raises(TypeError, match="arrays of one dtype"):
+        ringplug.grouped_allreduce([np.ones(2, np.float32), np.ones(2)])
+
+
+def test_a_name_still_in_flight_cannot_be_reused():
+    data = np.ones(3)
+    handle = ringplug.allreduce_async(data, name="busy")
+    try:
+        with pytest.raises(ValueError, match="already in flight"):
+            ringplug.allreduce_async(data, name="busy")
+    finally:
+        handle.wait()
+    assert ringplug.allreduce_async(data, name="busy").wait().tolist() == [1.0] * 3
+
+
+def test_join_alone_returns_this_rank():
+    assert ringplug.join() == 0

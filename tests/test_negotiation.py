@@ -1,0 +1,67 @@
+"""`negotiation.decide`: the same messages give every rank the same plan."""
+
+from __future__ import annotations
+
+from ringplug.core.dtypes import DType
+from ringplug.core.negotiation import Cache, Kind, Message, Signature, decide
+from ringplug.core.ops import ReduceOp
+
+W = Signature(Kind.ALLREDUCE, DType.FLOAT32, ReduceOp.AVERAGE, -1, (4, 3))
+B = Signature(Kind.ALLREDUCE, DType.FLOAT32, ReduceOp.AVERAGE, -1, (3,))
+
+
+def new(*items):
+    return [(name, signature, 0) for name, signature in items]
+
+
+def test_requests_ready_everywhere_run_in_the_lowest_active_ranks_order():
+    messages = [Message(1, new=new(("w", W), ("b", B))), Message(1, new=new(("b", B), ("w", W)))]
+    plan = decide(messages, Cache(16))
+    assert [r.name for r in plan.responses] == ["w", "b"]
+    assert plan.partial == {} and plan.errors == {}
+
+
+def test_a_request_missing_on_some_rank_waits_and_is_reported_with_its_holders():
+    messages = [Message(1, new=new(("w", W), ("b", B))), Message(1, new=new(("w", W)))]
+    plan = decide(messages, Cache(16))
+    assert [r.name for r in plan.responses] == ["w"]
+    assert plan.partial == {"b": [0]}
+
+
+def test_different_signatures_under_one_name_fail_with_both_shapes():
+    messages = [Message(1, new=new(("w", W))), Message(1, new=new(("w", B)))]
+    plan = decide(messages, Cache(16))
+    assert plan.responses == []
+    assert "rank 0 submitted allreduce with shape (4, 3) float32" in plan.errors["w"]
+    assert "rank 1 submitted allreduce with shape (3,) float32" in plan.errors["w"]
+
+
+def test_agreed_names_get_cache_slots_and_then_travel_as_bits():
+    cache = Cache(16)
+    first = decide([Message(1, new=new(("w", W))), Message(1, new=new(("w", W)))], cache)
+    cache.learn(first, {"w"})
+    assert cache.slot_for("w", W) == 0
+    # Next step: both ranks send only bit 0, and the plan is the same.
+    again = decide([Message(2, cached=1), Message(2, cached=1)], cache)
+    assert [(r.name, r.signature) for r in again.responses] == [("w", W)]
+
+
+def test_a_cached_name_with_a_new_shape_on_one_rank_is_a_mismatch():
+    cache = Cache(16)
+    cache.learn(decide([Message(1, new=new(("w", W))), Message(1, new=new(("w", W)))], cache),
+                {"w"})  # fmt: skip
+    plan = decide([Message(2, cached=1), Message(2, new=new(("w", B)))], cache)
+    assert "does not match across ranks" in plan.errors["w"]
+
+
+def test_joined_ranks_do_not_hold_others_back_and_the_last_to_join_is_named():
+    messages = [Message(3, joined_cycle=2), Message(3, new=new(("w", W)))]
+    plan = decide(messages, Cache(16))
+    assert [(r.name, r.have) for r in plan.responses] == [("w", [False, True])]
+    done = decide([Message(4, joined_cycle=2), Message(4, joined_cycle=4)], Cache(16))
+    assert done.all_joined and done.last_joined == 1
+
+
+def test_any_rank_shutting_down_stops_everyone():
+    plan = decide([Message(1, new=new(("w", W))), Message(1, shutdown=True)], Cache(16))
+    assert plan.shutdown_by == 1 and plan.responses == []
