@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 _CONTROL_TAG = 7100
 _SPIN_SECONDS = 200e-6
+# After a cycle, the next submission or a peer's next message is usually well under a
+# millisecond away; poll (yielding the GIL and the core) that long before sleeping.
+_POLL_AFTER_CYCLE_SECONDS = 1e-3
 # Sleeps between polls grow to 200 us while the job is busy (a late message costs little)
 # and to 1 ms once nothing has happened for 50 ms (an idle rank costs ~1% of a core).
 _BUSY_SLEEP_SECONDS = 200e-6
@@ -252,7 +255,7 @@ class Engine:
         retry_at = time.monotonic() + self._idle_cycle_period()
         # Right after a cycle the next request or a peer's message is usually microseconds
         # away: poll, yielding the GIL, before sleeping (a sleep costs 60+ us to wake from).
-        spin_until = time.perf_counter() + _SPIN_SECONDS
+        spin_until = time.perf_counter() + _POLL_AFTER_CYCLE_SECONDS
         while True:
             with self._lock:
                 if self._queue or self._stop_requested:
