@@ -1,7 +1,8 @@
 """Local arithmetic of the collectives: combining two buffers, and scaling one.
 
 Every rank runs exactly these kernels on the same inputs in the same order, which is
-why ranks end bitwise identical. 16-bit floats are combined in float32 and rounded once.
+why ranks end bitwise identical. 16-bit floats are combined in float32 and rounded back
+after each combination.
 """
 
 from __future__ import annotations
@@ -58,36 +59,6 @@ def combine(acc: np.ndarray, other: np.ndarray, op: ReduceOp, code: DType) -> No
         acc[...] = wide
     else:
         _UFUNC[op](acc, other, out=acc)
-
-
-def combine_into(
-    out: np.ndarray, first: np.ndarray, second: np.ndarray, op: ReduceOp, code: DType
-) -> None:
-    """out <- first (op) second, for the types numpy reduces natively (not 16-bit floats)."""
-    if code is DType.BOOL:
-        _BOOL_UFUNC[op](first.view(np.uint8), second.view(np.uint8), out=out.view(np.uint8))
-    else:
-        _UFUNC[op](first, second, out=out)
-
-
-def widen(values: np.ndarray, code: DType) -> np.ndarray:
-    """A float32 copy of 16-bit float data (to accumulate several ranks before rounding once)."""
-    if code is DType.BFLOAT16:
-        return bfloat16_to_float32(values)
-    return values.astype(np.float32)
-
-
-def combine_wide(acc: np.ndarray, other: np.ndarray, op: ReduceOp, code: DType) -> None:
-    """acc (float32) <- acc (op) other (16-bit storage)."""
-    _UFUNC[op](acc, widen(other, code), out=acc)
-
-
-def narrow(wide: np.ndarray, out: np.ndarray, code: DType) -> None:
-    """Round a float32 accumulator into 16-bit storage."""
-    if code is DType.BFLOAT16:
-        float32_to_bfloat16(wide, out)
-    else:
-        out[...] = wide
 
 
 def scale(values: np.ndarray, factor: float, code: DType) -> None:
