@@ -60,6 +60,8 @@ _IDLE_AFTER_SECONDS = 50e-3
 def _next_delay(delay: float, quiet_since: float) -> float:
     idle = time.perf_counter() - quiet_since > _IDLE_AFTER_SECONDS
     return min(delay * 2, _IDLE_SLEEP_SECONDS if idle else _BUSY_SLEEP_SECONDS)
+
+
 _CACHE_CAPACITY = 4096
 
 
