@@ -15,7 +15,7 @@ import itertools
 import pickle
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -62,11 +62,23 @@ def _submit(name: str, cacheable: bool, build) -> Handle:
     engine = runtime.engine()
     try:
         request = build(name)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, NotImplementedError) as exc:
         marker = Request(name, Signature(Kind.ERROR), Handle(name), error=exc)
         return engine.submit(marker)
     request.cacheable = cacheable and request.signature.kind in CACHEABLE
     return engine.submit(request)
+
+
+def reject(error: BaseException, name: str | None = None) -> NoReturn:
+    """Fail this call with `error` here, and the matching call on every other rank with
+    `PeerArgumentError`, instead of leaving them waiting (for framework adapters)."""
+
+    def build(_: str) -> Request:
+        raise error
+
+    request_name, _ = _name(name)
+    _submit(request_name, False, build).wait()
+    raise error
 
 
 def _result_as(source: np.ndarray, result: np.ndarray) -> np.ndarray:

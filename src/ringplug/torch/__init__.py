@@ -1,0 +1,51 @@
+"""ringplug for PyTorch: collectives on tensors and starting every rank from the same state.
+
+``import ringplug.torch`` imports torch; ``import ringplug`` alone never does.
+
+Example:
+    >>> import torch, ringplug, ringplug.torch as rpt  # doctest: +SKIP
+    >>> ringplug.init()
+    >>> rpt.broadcast_parameters(model.state_dict(), root_rank=0)
+    >>> rpt.allreduce_(loss_sum, op="sum")
+"""
+
+from ..core import (
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    init,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+from .collectives import (
+    TensorHandle,
+    allgather,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    broadcast,
+    broadcast_,
+    broadcast_async_,
+    reducescatter,
+)
+from .state import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+
+__all__ = [
+    "Average", "Max", "Min", "Product", "Sum", "TensorHandle", "allgather", "allgather_object",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "broadcast",
+    "broadcast_", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "init", "local_rank", "local_size", "rank", "reducescatter",
+    "shutdown", "size",
+]  # fmt: skip

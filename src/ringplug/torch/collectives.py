@@ -1,0 +1,226 @@
+"""ringplug's collectives on torch tensors: the core's, with tensors in and tensors out.
+
+CPU tensors reach the core without a copy: the core works on a numpy view of the tensor's
+memory (bfloat16 as its raw 16-bit words). Non-contiguous tensors go through a contiguous
+copy. The forms ending in ``_`` work in place; the ``_async`` forms return a handle whose
+``wait()`` gives the tensor. Every rank must call the same collectives in the same order
+(or under the same ``name``), as for the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core import collectives as core
+from ..core.engine import Handle
+from ..core.ops import Average, ReduceOp
+
+# torch dtype -> (the dtype the core reads the bytes as, or None to use the tensor's own)
+_SUPPORTED: dict[torch.dtype, str | None] = {
+    torch.float16: None,
+    torch.bfloat16: "bfloat16",
+    torch.float32: None,
+    torch.float64: None,
+    torch.int8: None,
+    torch.int16: None,
+    torch.int32: None,
+    torch.int64: None,
+    torch.uint8: None,
+    torch.bool: None,
+}
+
+
+class TensorHandle:
+    """A collective on tensors in flight; `wait()` returns the tensor result."""
+
+    def __init__(self, handle: Handle, finish: Any) -> None:
+        self._handle = handle
+        self._finish = finish
+
+    def done(self) -> bool:
+        return self._handle.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self._finish(self._handle.wait(timeout))
+
+    synchronize = wait
+
+
+def _check(tensor: torch.Tensor, what: str, name: str | None) -> None:
+    """Refuse what the core cannot take, failing the matching call on every other rank too."""
+    if not isinstance(tensor, torch.Tensor):
+        core.reject(TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}."), name)
+    if tensor.dtype not in _SUPPORTED:
+        names = ", ".join(str(d).removeprefix("torch.") for d in _SUPPORTED)
+        core.reject(TypeError(
+            f"{what}: unsupported dtype {tensor.dtype}; ringplug reduces {names}. "
+            "Convert the tensor first (for example with .float())."
+        ), name)  # fmt: skip
+    if tensor.device.type != "cpu":
+        core.reject(NotImplementedError(
+            f"{what}: tensors on {tensor.device} need ringplug's GPU data plane, which this "
+            "version does not have yet; move the tensor to the CPU (.cpu()) meanwhile."
+        ), name)  # fmt: skip
+
+
+def as_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
+    """A numpy view of a contiguous CPU tensor's memory, and the dtype the core reads it as."""
+    if tensor.dtype is torch.bfloat16:
+        return tensor.detach().view(torch.int16).numpy().view(np.uint16), "bfloat16"
+    return tensor.detach().numpy(), None
+
+
+def from_numpy(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A tensor over `array`'s memory with `like`'s dtype (bfloat16 from its raw words)."""
+    if like.dtype is torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    op: ReduceOp | str = Average,
+    *,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> TensorHandle:
+    """Start an allreduce of `tensor` into a new tensor (the input is not changed)."""
+    _check(tensor, "allreduce", name)
+    result = tensor.detach().clone(memory_format=torch.contiguous_format)
+    return _allreduce_into(result, op, name, prescale_factor, postscale_factor, lambda: result)
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    op: ReduceOp | str = Average,
+    *,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> TensorHandle:
+    """Start an allreduce of `tensor` in place; `wait()` returns `tensor`."""
+    _check(tensor, "allreduce_", name)
+    if tensor.is_contiguous():
+        return _allreduce_into(tensor, op, name, prescale_factor, postscale_factor,
+                               lambda: tensor)  # fmt: skip
+    work = tensor.detach().contiguous()
+
+    def write_back() -> torch.Tensor:
+        with torch.no_grad():
+            tensor.copy_(work)
+        return tensor
+
+    return _allreduce_into(work, op, name, prescale_factor, postscale_factor, write_back)
+
+
+def _allreduce_into(work, op, name, prescale, postscale, finish) -> TensorHandle:
+    array, dtype = as_numpy(work)
+    handle = core.allreduce_async(array, op, out=array, name=name, dtype=dtype,
+                                  prescale_factor=prescale, postscale_factor=postscale)  # fmt: skip
+    return TensorHandle(handle, lambda _: finish())
+
+
+def allreduce(tensor: torch.Tensor, op: ReduceOp | str = Average, **kwargs: Any) -> torch.Tensor:
+    """The elementwise reduction of `tensor` over every rank, as a new tensor."""
+    return allreduce_async(tensor, op, **kwargs).wait()
+
+
+def allreduce_(tensor: torch.Tensor, op: ReduceOp | str = Average, **kwargs: Any) -> torch.Tensor:
+    """Reduce `tensor` over every rank in place; returns `tensor`."""
+    return allreduce_async_(tensor, op, **kwargs).wait()
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, *,
+                     name: str | None = None) -> TensorHandle:  # fmt: skip
+    """Start overwriting `tensor` with root's, in place; `wait()` returns `tensor`."""
+    _check(tensor, "broadcast_", name)
+    work = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
+    array, dtype = as_numpy(work)
+    handle = core.broadcast_async(array, root_rank, out=array, name=name, dtype=dtype)
+
+    def finish(_: Any) -> torch.Tensor:
+        if work.data_ptr() != tensor.data_ptr():
+            with torch.no_grad():
+                tensor.copy_(work)
+        return tensor
+
+    return TensorHandle(handle, finish)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int = 0, *, name: str | None = None):
+    """Overwrite `tensor` with root's on every rank; returns `tensor`."""
+    return broadcast_async_(tensor, root_rank, name=name).wait()
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int = 0, *, name: str | None = None):
+    """Root's `tensor`, as a new tensor on every rank."""
+    return broadcast_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank,
+                      name=name)  # fmt: skip
+
+
+def _allgather(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+    _check(tensor, "allgather", name)
+    array, dtype = as_numpy(tensor.detach().contiguous())
+    gathered = core.allgather(array, name=name, dtype=dtype)
+    return from_numpy(gathered, tensor)
+
+
+class _AllgatherWithGrad(torch.autograd.Function):
+    """allgather whose backward sums every rank's gradient for this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+        rows = tensor.shape[0] if tensor.dim() else 1
+        counts = core.allgather_object(rows, name=None if name is None else f"{name}.rows")
+        ctx.rows = counts
+        ctx.rank = int(np.sum(np.asarray(counts)[: _rank()]))
+        ctx.scalar = tensor.dim() == 0
+        return _allgather(tensor, name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        summed = allreduce(grad.contiguous(), "sum")
+        mine = summed[ctx.rank : ctx.rank + ctx.rows[_rank()]]
+        return (mine.reshape(()) if ctx.scalar else mine), None
+
+
+def _rank() -> int:
+    from ..core import runtime
+
+    return runtime.rank()
+
+
+def allgather(tensor: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """Every rank's `tensor` concatenated on the first dimension (which may differ).
+
+    Differentiable when `tensor` requires grad: the gradient of each rank's rows is the sum
+    of every rank's gradient for them (what Lightning's ``all_gather(sync_grads=True)``
+    expects).
+    """
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllgatherWithGrad.apply(tensor, name)
+    return _allgather(tensor, name)
+
+
+def reducescatter(tensor: torch.Tensor, op: ReduceOp | str = Average, *,
+                  name: str | None = None) -> torch.Tensor:  # fmt: skip
+    """This rank's block of rows of the reduction of `tensor` over every rank."""
+    _check(tensor, "reducescatter", name)
+    array, dtype = as_numpy(tensor.detach().contiguous())
+    return from_numpy(core.reducescatter(array, op, name=name, dtype=dtype), tensor)
+
+
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, *,
+             name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Send rows `splits[i]` of `tensor` to rank i; returns the rows received and their counts."""
+    _check(tensor, "alltoall", name)
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    array, dtype = as_numpy(tensor.detach().contiguous())
+    received, counts = core.alltoall(array, splits, name=name, dtype=dtype)
+    return from_numpy(received, tensor), torch.from_numpy(counts)

@@ -1,0 +1,63 @@
+"""Making every rank start from root's model and optimizer state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ..core import collectives as core
+from ..core import runtime
+from .collectives import TensorHandle, broadcast_async_
+
+
+def broadcast_parameters(
+    params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    root_rank: int = 0,
+) -> None:
+    """Overwrite every rank's parameters (and buffers) with root's, in place.
+
+    Args:
+        params: a ``state_dict()`` or ``named_parameters()``; tensors are matched by name
+            (sorted, so the order they come in does not matter), and every rank must pass
+            the same names with the same shapes.
+        root_rank: the rank whose values everyone gets. Defaults to 0.
+
+    Example:
+        >>> ringplug.torch.broadcast_parameters(model.state_dict(), root_rank=0)  # doctest: +SKIP
+    """
+    items = sorted(params.items() if isinstance(params, Mapping) else params, key=lambda kv: kv[0])
+    handles: list[TensorHandle] = []
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, "
+                            "not a tensor.")  # fmt: skip
+        handles.append(broadcast_async_(tensor.data, root_rank, name=f"broadcast.{name}"))
+    for handle in handles:
+        handle.wait()
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Give every rank root's optimizer state (moments, step counts) and hyperparameters.
+
+    The state travels as one pickled object (an initialisation-time cost), and is loaded
+    with ``load_state_dict``, so every rank must have built the same optimizer over the
+    same parameters.
+    """
+    state = core.broadcast_object(
+        optimizer.state_dict() if runtime.rank() == root_rank else None, root_rank,
+        name="broadcast_optimizer_state",
+    )  # fmt: skip
+    if runtime.rank() != root_rank:
+        optimizer.load_state_dict(state)
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, *, name: str | None = None) -> Any:
+    """Root's picklable `obj` (tensors included) on every rank."""
+    return core.broadcast_object(obj, root_rank, name=name)
+
+
+def allgather_object(obj: Any, *, name: str | None = None) -> list[Any]:
+    """Every rank's picklable `obj`, as a list in rank order."""
+    return core.allgather_object(obj, name=name)

@@ -1,0 +1,133 @@
+"""Multi-rank worker: ringplug.torch on CPU tensors, against references computed here.
+
+``python torch_collectives.py OUTDIR``; each rank writes OUTDIR/torch-<rank>.json with a
+boolean per check (and details for failures).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import ringplug
+import ringplug.torch as rpt
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+          torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]  # fmt: skip
+
+
+def seeded(rank: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * salt + rank)
+    values = torch.randint(0, 2 if dtype is torch.bool else 20, shape, generator=generator)
+    return values.to(dtype)
+
+
+def main(outdir: Path) -> None:
+    ringplug.init()
+    rank, size = ringplug.rank(), ringplug.size()
+    checks: dict[str, bool] = {}
+
+    for salt, dtype in enumerate(DTYPES):
+        inputs = [seeded(r, (3, 5), dtype, salt) for r in range(size)]
+        op = "max" if dtype is torch.bool else "sum"
+        expected = (torch.stack([i.to(torch.float64) for i in inputs]).amax(0) if op == "max"
+                    else sum(i.to(torch.float64) for i in inputs))  # fmt: skip
+        mine = inputs[rank].clone()
+        out = rpt.allreduce(mine, op=op)
+        checks[f"allreduce/{dtype}"] = (
+            out.dtype == dtype and torch.equal(out.to(torch.float64), expected)
+            and torch.equal(mine, inputs[rank])  # the input is left alone
+        )  # fmt: skip
+        in_place = inputs[rank].clone()
+        returned = rpt.allreduce_(in_place, op=op)
+        checks[f"allreduce_/{dtype}"] = returned is in_place and torch.equal(
+            in_place.to(torch.float64), expected
+        )
+
+    base = seeded(rank, (6, 4), torch.float32, 50)
+    strided = base.t()  # not contiguous
+    expected = sum(seeded(r, (6, 4), torch.float32, 50) for r in range(size)).t() / size
+    rpt.allreduce_(strided)
+    checks["allreduce_/non-contiguous-average"] = torch.allclose(strided, expected)
+
+    handles = [rpt.allreduce_async(torch.full((4,), float(rank + i)), op="sum", name=f"h{i}")
+               for i in range(5)]  # fmt: skip
+    results = [h.wait() for h in handles]
+    checks["allreduce_async"] = all(
+        torch.equal(r, torch.full((4,), float(sum(q + i for q in range(size)))))
+        for i, r in enumerate(results)
+    )
+
+    root_value = seeded(size - 1, (2, 3), torch.bfloat16, 60)
+    buf = seeded(rank, (2, 3), torch.bfloat16, 60)
+    rpt.broadcast_(buf, root_rank=size - 1)
+    checks["broadcast_/bfloat16"] = torch.equal(buf, root_value)
+
+    parts = [seeded(r, (r + 1, 2), torch.float32, 70) for r in range(size)]
+    gathered = rpt.allgather(parts[rank])
+    checks["allgather/uneven"] = torch.equal(gathered, torch.cat(parts))
+
+    leaf = torch.full((rank + 1, 2), float(rank + 1), requires_grad=True)
+    together = rpt.allgather(leaf)
+    weights = torch.arange(together.numel(), dtype=torch.float32).reshape(together.shape)
+    (together * weights).sum().backward()
+    start = sum(r + 1 for r in range(rank))
+    # Every rank computed the same loss over the same gathered rows, so the summed gradient
+    # of this rank's rows is size x the weights of those rows.
+    checks["allgather/gradient"] = torch.equal(leaf.grad, size * weights[start : start + rank + 1])
+
+    block = rpt.reducescatter(torch.arange(8.0).reshape(4, 2) * (rank + 1), op="sum")
+    full = torch.arange(8.0).reshape(4, 2) * sum(r + 1 for r in range(size))
+    base, extra = divmod(4, size)  # earlier ranks get one row more
+    start = rank * base + min(rank, extra)
+    checks["reducescatter"] = torch.equal(block, full[start : start + base + (rank < extra)])
+
+    received, counts = rpt.alltoall(torch.arange(size * 2) + 100 * rank)
+    checks["alltoall"] = counts.tolist() == [2] * size and received.tolist() == [
+        v for s in range(size) for v in (100 * s + 2 * rank, 100 * s + 2 * rank + 1)
+    ]
+
+    torch.manual_seed(rank)  # a different initialisation on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    rpt.broadcast_parameters(model.state_dict(), root_rank=0)
+    flat = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
+    everyone = rpt.allgather(flat.unsqueeze(0))
+    checks["broadcast_parameters"] = all(torch.equal(row, everyone[0]) for row in everyone)
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    if rank == 0:  # only root has state
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+    rpt.broadcast_optimizer_state(optimizer, root_rank=0)
+    state = optimizer.state_dict()["state"]
+    moments = torch.cat([s["exp_avg"].reshape(-1) for s in state.values()]) if state else None
+    gathered_moments = rpt.allgather(moments.unsqueeze(0)) if moments is not None else None
+    checks["broadcast_optimizer_state"] = gathered_moments is not None and all(
+        torch.equal(row, gathered_moments[0]) for row in gathered_moments
+    )
+
+    try:
+        rpt.allreduce(torch.zeros(2, dtype=torch.complex64))
+        checks["unsupported-dtype-error"] = False
+    except TypeError as exc:
+        checks["unsupported-dtype-error"] = "unsupported dtype torch.complex64" in str(exc)
+
+    # A bad tensor on one rank fails there and releases the others instead of hanging them.
+    bad = torch.zeros(2, dtype=torch.complex64 if rank == 1 else torch.float32)
+    try:
+        rpt.allreduce(bad)
+        checks["bad-dtype-on-one-rank"] = False
+    except TypeError as exc:
+        checks["bad-dtype-on-one-rank"] = rank == 1 and "complex64" in str(exc)
+    except ringplug.PeerArgumentError as exc:
+        checks["bad-dtype-on-one-rank"] = rank != 1 and "rank(s) 1 rejected" in str(exc)
+    checks["still-in-step"] = rpt.allreduce(torch.ones(2), op="sum").tolist() == [size] * 2
+
+    (outdir / f"torch-{rank}.json").write_text(json.dumps(checks))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
