@@ -35,6 +35,7 @@ from .collectives import (
     broadcast_async_,
     reducescatter,
 )
+from .optimizer import Compression, DistributedOptimizer
 from .state import (
     allgather_object,
     broadcast_object,
@@ -43,7 +44,8 @@ from .state import (
 )
 
 __all__ = [
-    "Average", "Max", "Min", "Product", "Sum", "TensorHandle", "allgather", "allgather_object",
+    "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",
+    "TensorHandle", "allgather", "allgather_object",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "broadcast",
     "broadcast_", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "init", "local_rank", "local_size", "rank", "reducescatter",

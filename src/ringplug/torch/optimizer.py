@@ -1,0 +1,245 @@
+"""DistributedOptimizer: averages gradients over ranks while backward is still running.
+
+Every parameter's gradient lives in a view of a flat per-dtype bucket buffer (the buffers
+are allocated once, as DDP's ``gradient_as_bucket_view``), so a bucket is reduced where
+the gradients already are, with no copy in or out. A post-accumulate-grad hook on each
+parameter marks it ready; when every parameter of a bucket is ready, the bucket's
+allreduce starts at once, while autograd goes on with the layers below. ``step()`` waits
+for the rest. Buckets are filled in reverse registration order, the order backward
+usually produces gradients in, so the first buckets start early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ..core import runtime
+from ..core.ops import Average, ReduceOp, as_op
+from .collectives import TensorHandle, allreduce_async_
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+
+
+class Compression(enum.Enum):
+    """How gradients travel: as they are, or as float16 (half the bytes, less precision)."""
+
+    none = "none"
+    fp16 = "fp16"
+
+
+class _Bucket:
+    """A flat buffer whose views are the gradients of some parameters of one dtype."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter]) -> None:
+        self.index = index
+        self.params = params
+        total = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(total, dtype=params[0].dtype)
+        self.pending = len(params)
+        self.handle: TensorHandle | None = None
+        self.packed: torch.Tensor | None = None
+
+
+class _Distributed:
+    """Mixed into the user's optimizer class (see `DistributedOptimizer`)."""
+
+    def _ringplug_setup(
+        self,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
+        backward_passes_per_step: int,
+        compression: Compression,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        bucket_bytes: int,
+    ) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be at least 1.")
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError("DistributedOptimizer reduces gradients with Average or Sum.")
+        if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor only applies to op=Average.")
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        names = {id(p): f"param.{i}" for i, p in enumerate(params)}
+        if named_parameters is not None:
+            given = {id(p): name for name, p in named_parameters}
+            missing = [names[id(p)] for p in params if id(p) not in given]
+            if missing:
+                raise ValueError(
+                    f"named_parameters does not name {len(missing)} optimizer parameter(s); "
+                    "pass model.named_parameters() of the model the optimizer was built on."
+                )
+            names = {id(p): given[id(p)] for p in params}
+        self._ringplug_names = names
+        self._ringplug_passes = backward_passes_per_step
+        self._ringplug_compression = compression
+        self._ringplug_op = op
+        self._ringplug_predivide = gradient_predivide_factor
+        self._ringplug_counts: dict[int, int] = {id(p): 0 for p in params}
+        self._ringplug_buckets = _make_buckets(list(reversed(params)), bucket_bytes)
+        self._ringplug_bucket_of: dict[int, _Bucket] = {}
+        for bucket in self._ringplug_buckets:
+            offset = 0
+            for p in bucket.params:
+                view = bucket.buffer[offset : offset + p.numel()].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                offset += p.numel()
+                self._ringplug_bucket_of[id(p)] = bucket
+                p.register_post_accumulate_grad_hook(self._ringplug_hook)
+        self._ringplug_synchronized = False
+        self._ringplug_skip = False
+
+    # -------------------------------------------------------------- during backward
+    def _ringplug_hook(self, param: torch.nn.Parameter) -> None:
+        key = id(param)
+        self._ringplug_counts[key] += 1
+        if self._ringplug_counts[key] != self._ringplug_passes:
+            return
+        bucket = self._ringplug_bucket_of[key]
+        bucket.pending -= 1
+        if bucket.pending == 0 and bucket.handle is None:
+            self._ringplug_start(bucket)
+
+    def _ringplug_start(self, bucket: _Bucket) -> None:
+        """Start the bucket's allreduce (in place, or through a float16 copy)."""
+        if bucket.params[0].grad is None or bucket.params[0].grad.data_ptr() != (
+            bucket.buffer.data_ptr()
+        ):
+            self._ringplug_rebind(bucket)
+        average = self._ringplug_op is ReduceOp.AVERAGE
+        prescale = 1.0 / self._ringplug_predivide if average else 1.0
+        postscale = self._ringplug_predivide if average else 1.0
+        target = bucket.buffer
+        if self._ringplug_compression is Compression.fp16 and target.is_floating_point():
+            bucket.packed = target.to(torch.float16)
+            target = bucket.packed
+        bucket.handle = allreduce_async_(
+            target, self._ringplug_op, name=f"gradients.{bucket.index}",
+            prescale_factor=prescale, postscale_factor=postscale,
+        )  # fmt: skip
+
+    def _ringplug_rebind(self, bucket: _Bucket) -> None:
+        """Put gradients back into the bucket if something replaced `.grad` meanwhile."""
+        offset = 0
+        for p in bucket.params:
+            view = bucket.buffer[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+            offset += p.numel()
+
+    # -------------------------------------------------------------- public API
+    def synchronize(self) -> None:
+        """Finish averaging every gradient, so that they can be inspected or clipped.
+
+        Parameters that got no gradient this step are reduced as zeros, so every rank
+        runs the same collectives.
+        """
+        for bucket in self._ringplug_buckets:
+            if bucket.handle is None:
+                self._ringplug_start(bucket)
+        for bucket in self._ringplug_buckets:
+            bucket.handle.wait()
+            if bucket.packed is not None:
+                bucket.buffer.copy_(bucket.packed)
+                bucket.packed = None
+            bucket.handle = None
+            bucket.pending = len(bucket.params)
+        for key in self._ringplug_counts:
+            self._ringplug_counts[key] = 0
+        self._ringplug_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Use when `synchronize()` was called by hand: `step()` inside won't call it again."""
+        self._ringplug_skip = True
+        try:
+            yield
+        finally:
+            self._ringplug_skip = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not self._ringplug_skip and not self._ringplug_synchronized:
+            self.synchronize()
+        self._ringplug_synchronized = False
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients in place: they must stay views of the buckets."""
+        for bucket in self._ringplug_buckets:
+            if bucket.handle is not None:
+                raise RuntimeError(
+                    "zero_grad() while gradients are still being averaged; call step() or "
+                    "synchronize() first (or set backward_passes_per_step for accumulation)."
+                )
+            bucket.buffer.zero_()
+            self._ringplug_rebind(bucket)
+
+
+def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+    """Group parameters (in the given order) into same-dtype buckets of about bucket_bytes."""
+    buckets: list[_Bucket] = []
+    current: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for p in params:
+        group = current.setdefault(p.dtype, [])
+        group.append(p)
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
+        if sizes[p.dtype] >= bucket_bytes:
+            buckets.append(_Bucket(len(buckets), group))
+            current[p.dtype], sizes[p.dtype] = [], 0
+    for group in current.values():
+        if group:
+            buckets.append(_Bucket(len(buckets), group))
+    return buckets
+
+
+def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    backward_passes_per_step: int = 1,
+    compression: Compression = Compression.none,
+    op: ReduceOp | str = Average,
+    gradient_predivide_factor: float = 1.0,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so that its gradients are averaged over every rank before each step.
+
+    Args:
+        optimizer: any torch optimizer, already built over the model's parameters.
+        named_parameters: ``model.named_parameters()``, to name gradients in errors and the
+            timeline. Defaults to ``None`` (named by position).
+        backward_passes_per_step: backward passes whose gradients accumulate locally before
+            one reduction (gradient accumulation). Defaults to 1.
+        compression: `Compression.none` (default) or `Compression.fp16`.
+        op: `Average` (default) or `Sum`.
+        gradient_predivide_factor: divide by this before the sum and by size/this after
+            (Average only), to keep float16 sums in range. Defaults to 1.0.
+        bucket_bytes: size of the gradient buckets reduced as one. Defaults to 25 MiB.
+
+    Returns:
+        An optimizer of a subclass of `optimizer`'s class, with the same parameter groups
+        and state, plus `synchronize()` and `skip_synchronize()`.
+
+    Example:
+        >>> optimizer = ringplug.torch.DistributedOptimizer(  # doctest: +SKIP
+        ...     torch.optim.SGD(model.parameters(), lr=0.1 * ringplug.size()),
+        ...     named_parameters=model.named_parameters())
+    """
+    runtime.engine()  # fail early, with the right message, before init()
+    cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
+    distributed = cls.__new__(cls)
+    distributed.__dict__.update(optimizer.__dict__)  # same param_groups, state and hooks
+    distributed._ringplug_setup(
+        named_parameters, backward_passes_per_step, compression, as_op(op),
+        float(gradient_predivide_factor), int(bucket_bytes),
+    )  # fmt: skip
+    return distributed

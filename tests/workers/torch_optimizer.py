@@ -1,0 +1,93 @@
+"""Multi-rank worker: DistributedOptimizer trains like one process on the union of batches.
+
+``python torch_optimizer.py SCENARIO OUTDIR``. Every rank also trains a plain reference
+model on the whole global batch (1 process x batch 2B), locally, and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import ringplug
+import ringplug.torch as rpt
+
+STEPS, PER_RANK = 5, 8
+
+
+def make_model(unused_branch: bool = False) -> torch.nn.Module:
+    torch.manual_seed(42)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if unused_branch:
+        model.unused = torch.nn.Linear(4, 4)  # never called in forward
+    return model
+
+
+def batches(size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    rows = PER_RANK * size
+    return [
+        (torch.randn(rows, 8, generator=generator), torch.randn(rows, 4, generator=generator))
+        for _ in range(STEPS)
+    ]
+
+
+def train(scenario: str, rank: int, size: int, distributed: bool) -> torch.nn.Module:
+    model = make_model(unused_branch=scenario == "unused")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    passes = 2 if scenario == "accumulate" else 1
+    if distributed:
+        optimizer = rpt.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=passes,
+            compression=rpt.Compression.fp16 if scenario == "fp16" else rpt.Compression.none,
+            gradient_predivide_factor=2.0 if scenario == "predivide" else 1.0,
+        )  # fmt: skip
+    for inputs, targets in batches(size):
+        if distributed:
+            inputs = inputs[rank * PER_RANK : (rank + 1) * PER_RANK]
+            targets = targets[rank * PER_RANK : (rank + 1) * PER_RANK]
+        optimizer.zero_grad()
+        chunks = passes if distributed else 1
+        for x, y in zip(inputs.chunk(chunks), targets.chunk(chunks), strict=True):
+            loss = torch.nn.functional.mse_loss(model(x), y) / chunks
+            loss.backward()
+        if scenario == "clip":
+            if distributed:
+                optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+            if distributed:
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+            else:
+                optimizer.step()
+        else:
+            optimizer.step()
+    return model
+
+
+def main(scenario: str, outdir: Path) -> None:
+    ringplug.init()
+    rank, size = ringplug.rank(), ringplug.size()
+    engine = ringplug.core.runtime.engine()
+    before = engine.collectives_run
+    distributed = train(scenario, rank, size, True)
+    collectives = engine.collectives_run - before
+    reference = train(scenario, rank, size, False)
+    flat = torch.cat([p.detach().reshape(-1) for p in distributed.parameters()])
+    expected = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    everyone = rpt.allgather(flat.unsqueeze(0))
+    tolerance = 1e-2 if scenario == "fp16" else 1e-5
+    report = {
+        "matches_one_process": bool(torch.allclose(flat, expected, atol=tolerance, rtol=0)),
+        "max_difference": float((flat - expected).abs().max()),
+        "ranks_identical": all(torch.equal(row, everyone[0]) for row in everyone),
+        "collectives": collectives,
+    }
+    (outdir / f"{scenario}-{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
