@@ -94,9 +94,19 @@ class _Distributed:
                 p.register_post_accumulate_grad_hook(self._ringplug_hook)
         self._ringplug_synchronized = False
         self._ringplug_skip = False
+        # Set by a framework strategy: skip reducing during accumulation passes, and finish
+        # the averaging before backward() returns (so hooks after it see averaged gradients).
+        self._ringplug_blocked = False
+        self._ringplug_sync_in_backward = False
+        self._ringplug_callback_queued = False
 
     # -------------------------------------------------------------- during backward
     def _ringplug_hook(self, param: torch.nn.Parameter) -> None:
+        if self._ringplug_blocked:
+            return
+        if self._ringplug_sync_in_backward and not self._ringplug_callback_queued:
+            self._ringplug_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._ringplug_end_backward)
         key = id(param)
         self._ringplug_counts[key] += 1
         if self._ringplug_counts[key] != self._ringplug_passes:
@@ -135,6 +145,10 @@ class _Distributed:
                 view.copy_(p.grad)
             p.grad = view
             offset += p.numel()
+
+    def _ringplug_end_backward(self) -> None:
+        self._ringplug_callback_queued = False
+        self.synchronize()
 
     # -------------------------------------------------------------- public API
     def synchronize(self) -> None:

@@ -1,0 +1,191 @@
+"""RingStrategy: data-parallel training in Lightning with gradients averaged by ringplug."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.environments import ClusterEnvironment
+from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from .. import core
+from ..core.ops import ReduceOp
+from ..torch import allgather, allreduce, broadcast_parameters
+from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
+from .environment import RingEnvironment
+
+_OPS = {"mean": "average", "avg": "average", "average": "average", "sum": "sum", "max": "max",
+        "min": "min", "product": "product"}  # fmt: skip
+
+
+class RingStrategy(ParallelStrategy):
+    """Lightning strategy that averages gradients over ranks through ringplug's engine.
+
+    Start the ranks with the MPI launcher (``ringrun -np 4 python train.py``); each rank
+    trains on its shard of the data (Lightning adds the distributed sampler), gradients are
+    averaged in buckets while backward runs, and every rank ends with the same weights.
+
+    Args:
+        accelerator: set by the Trainer. Defaults to ``None``.
+        parallel_devices: set by the Trainer. Defaults to ``None``.
+        cluster_environment: defaults to `RingEnvironment` (the MPI world).
+        checkpoint_io: defaults to Lightning's.
+        precision_plugin: defaults to Lightning's.
+        compression: ``"none"`` (default) or ``"fp16"`` for the gradients on the wire.
+        gradient_predivide_factor: see `ringplug.torch.DistributedOptimizer`. Defaults to 1.0.
+        bucket_bytes: gradient bucket size. Defaults to 25 MiB.
+        timeline: path of a Chrome trace of the engine (rank 0). Defaults to ``None``.
+
+    Example:
+        >>> trainer = Trainer(strategy=RingStrategy(), accelerator="cpu")  # doctest: +SKIP
+    """
+
+    strategy_name = "ring"
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        compression: str = "none",
+        gradient_predivide_factor: float = 1.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeline: str | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment or RingEnvironment(),
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.compression = Compression(compression)
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.bucket_bytes = bucket_bytes
+        self.timeline = timeline
+
+    # ------------------------------------------------------------------ rank facts
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def num_processes(self) -> int:
+        return 1  # one process per device; the launcher decides how many
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        self._launcher = None  # ranks are started by ringrun / mpiexec / srun
+
+    # ------------------------------------------------------------------ set-up
+    def setup_environment(self) -> None:
+        core.init()
+        if self.timeline:
+            core.start_timeline(self.timeline)
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self.optimizers = [self._distribute(optimizer) for optimizer in self.optimizers]
+        self.setup_precision_plugin()
+
+    def _distribute(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        distributed = DistributedOptimizer(
+            optimizer, named_parameters=self.model.named_parameters(),
+            compression=self.compression,
+            gradient_predivide_factor=self.gradient_predivide_factor,
+            bucket_bytes=self.bucket_bytes,
+        )  # fmt: skip
+        distributed._ringplug_sync_in_backward = True
+        for config in self.lr_scheduler_configs:
+            if config.scheduler.optimizer is optimizer:
+                config.scheduler.optimizer = distributed
+        return distributed
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation passes: gradients add up locally and nothing is sent."""
+        for optimizer in self.optimizers:
+            optimizer._ringplug_blocked = True
+        try:
+            yield None
+        finally:
+            for optimizer in self.optimizers:
+                optimizer._ringplug_blocked = False
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None) -> None:
+        core.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return core.broadcast_object(obj, src)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce a tensor over ranks ("mean"/"avg", "sum", "max", "min" or a ReduceOp)."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        op = _op_name(reduce_op)
+        reduced = allreduce(tensor.detach().cpu(), op)
+        return reduced.to(tensor.device)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False):
+        """Every rank's tensor stacked on a new first dimension, as DDP's all_gather."""
+        stacked = tensor.unsqueeze(0)
+        if not sync_grads:
+            stacked = stacked.detach()
+        return allgather(stacked.contiguous())
+
+    def teardown(self) -> None:
+        if self.timeline:
+            core.stop_timeline()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Data-parallel training over ringplug's ring",
+            override=True,
+        )  # fmt: skip
+
+
+def _op_name(reduce_op: Any) -> str:
+    if isinstance(reduce_op, ReduceOp):
+        return reduce_op.name.lower()
+    if isinstance(reduce_op, str):
+        name = _OPS.get(reduce_op.lower())
+        if name is not None:
+            return name
+    name = getattr(reduce_op, "name", str(reduce_op)).lower()  # torch.distributed.ReduceOp
+    for key, value in _OPS.items():
+        if name.endswith(key):
+            return value
+    raise ValueError(f"RingStrategy.reduce: unsupported reduce_op {reduce_op!r}; use 'mean', "
+                     "'sum', 'max' or 'min'.")  # fmt: skip

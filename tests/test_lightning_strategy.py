@@ -1,0 +1,56 @@
+"""RingStrategy under ringrun: Lightning trains like one process on the union of batches."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import run_ringrun
+
+pytest.importorskip("lightning")
+pytestmark = pytest.mark.multirank
+
+WORKER = str(Path(__file__).parent / "workers" / "lightning_fit.py")
+STEPS = 6
+
+
+def fit(scenario: str, tmp_path: Path, ranks: int = 2) -> list[dict]:
+    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, scenario, str(tmp_path),
+                         timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("scenario", ["plain", "by-name"])
+def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(tmp_path, scenario):
+    for report in fit(scenario, tmp_path):
+        assert report["strategy"] == "RingStrategy"
+        assert report["sampler_replicas"] == 2  # Lightning added the distributed sampler
+        assert report["matches_one_process"], report["max_difference"]
+        assert report["ranks_identical"]
+        assert report["logged_equal"]  # self.log(..., sync_dist=True) reduced over ranks
+        assert report["norms_equal"]  # on_after_backward already saw averaged gradients
+
+
+def test_accumulated_batches_send_gradients_once_per_optimizer_step(tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "accumulate").mkdir()
+    plain = fit("plain", tmp_path / "plain")
+    accumulated = fit("accumulate", tmp_path / "accumulate")
+    for report in accumulated:
+        assert report["matches_one_process"], report["max_difference"]
+        assert report["ranks_identical"]
+    # Same logging and set-up collectives; half as many gradient reductions.
+    assert plain[0]["collectives"] - accumulated[0]["collectives"] == STEPS // 2
+
+
+def test_importing_ringplug_lightning_registers_the_strategy_name():
+    code = ("import ringplug.lightning\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
+            "print(StrategyRegistry['ring']['strategy'].__name__)")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=True)  # fmt: skip
+    assert result.stdout.strip() == "RingStrategy"

@@ -1,0 +1,123 @@
+"""Multi-rank worker: Lightning fit with RingStrategy equals one process on the union.
+
+``python lightning_fit.py SCENARIO OUTDIR``. Each rank also trains a plain torch reference
+on the full global batches, locally, and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import ringplug
+import ringplug.lightning  # noqa: F401 - registers strategy="ring"
+import ringplug.torch as rpt
+from ringplug.lightning import RingStrategy
+
+PER_RANK, STEPS = 4, 6
+
+
+class Regressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(ringplug.rank() + 10)  # different on every rank: setup broadcasts
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(),
+                                       torch.nn.Linear(12, 2))  # fmt: skip
+        self.after_backward_norms: list[float] = []
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True, on_step=True)
+        return loss
+
+    def on_after_backward(self) -> None:
+        norm = torch.cat([p.grad.reshape(-1) for p in self.parameters()]).norm()
+        self.after_backward_norms.append(float(norm))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2)
+
+
+def data(size: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(3)
+    rows = PER_RANK * size * STEPS
+    return TensorDataset(torch.randn(rows, 6, generator=generator),
+                         torch.randn(rows, 2, generator=generator))  # fmt: skip
+
+
+def reference(size: int, root_state: dict, accumulate: int) -> torch.nn.Module:
+    """Plain torch, one process: each step's batch is the union of every rank's batch.
+
+    Lightning shuffles the training data with a DistributedSampler (seed 0, epoch 0);
+    torch's sampler gives the same per-rank order here.
+    """
+    net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
+    net.load_state_dict(root_state)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.2)
+    dataset = data(size)
+    orders = [list(DistributedSampler(dataset, num_replicas=size, rank=r, shuffle=True, seed=0))
+              for r in range(size)]  # fmt: skip
+    for step in range(STEPS // accumulate):
+        optimizer.zero_grad()
+        for micro in range(accumulate):
+            k = step * accumulate + micro
+            rows = [i for order in orders for i in order[k * PER_RANK : (k + 1) * PER_RANK]]
+            x, y = dataset[rows]
+            (torch.nn.functional.mse_loss(net(x), y) / accumulate).backward()
+        optimizer.step()
+    return net
+
+
+def main(scenario: str, outdir: Path) -> None:
+    ringplug.init()
+    rank, size = ringplug.rank(), ringplug.size()
+    accumulate = 2 if scenario == "accumulate" else 1
+    model = Regressor()
+    torch.manual_seed(10)  # rank 0's initial weights, for the reference
+    root_state = {
+        k: v.clone()
+        for k, v in torch.nn.Sequential(
+            torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2)
+        )
+        .state_dict()
+        .items()
+    }
+    strategy = "ring" if scenario == "by-name" else RingStrategy()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accumulate_grad_batches=accumulate)  # fmt: skip
+    loader = DataLoader(data(size), batch_size=PER_RANK, shuffle=False)
+    engine = ringplug.core.runtime.engine()
+    before = engine.collectives_run
+    trainer.fit(model, loader)
+    collectives = engine.collectives_run - before
+    flat = torch.cat([p.detach().reshape(-1) for p in model.net.parameters()])
+    expected = torch.cat(
+        [p.detach().reshape(-1) for p in reference(size, root_state, accumulate).parameters()]
+    )
+    everyone = rpt.allgather(flat.unsqueeze(0))
+    logged = float(trainer.callback_metrics["train_loss"])
+    all_logged = ringplug.allgather_object(logged)
+    report = {
+        "matches_one_process": bool(torch.allclose(flat, expected, atol=1e-5, rtol=0)),
+        "max_difference": float((flat - expected).abs().max()),
+        "ranks_identical": all(torch.equal(row, everyone[0]) for row in everyone),
+        "logged_equal": len(set(all_logged)) == 1,
+        "norms_equal": len({tuple(n) for n in ringplug.allgather_object(
+            [round(v, 6) for v in model.after_backward_norms])}) == 1,
+        "strategy": type(trainer.strategy).__name__,
+        "sampler_replicas": trainer.train_dataloader.sampler.num_replicas
+        if hasattr(trainer.train_dataloader, "sampler") else None,
+        "collectives": collectives,
+    }  # fmt: skip
+    (outdir / f"{scenario}-{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
