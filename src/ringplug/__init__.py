@@ -7,7 +7,11 @@ MPI. The core's names (`ringplug.init`, `ringplug.allreduce`, ...) load on first
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -27,6 +31,45 @@ __all__ = ["__version__", *_CORE_NAMES]
 
 if TYPE_CHECKING:
     from .core import *  # noqa: F403
+
+
+class _RegisterWithLightning(importlib.abc.MetaPathFinder):
+    """Registers strategy="ring" once Lightning's strategies module has been imported.
+
+    Lightning has no entry point for strategies, and `import ringplug` must not import
+    Lightning: so the name is registered when the user's own code imports Lightning.
+    """
+
+    target = "lightning.pytorch.strategies"
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.target:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            # A Lightning too old for ringplug: leave the user's import untouched.
+            with contextlib.suppress(ImportError):
+                importlib.import_module(".lightning", __name__)  # registers "ring"
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _register_strategy_name() -> None:
+    if _RegisterWithLightning.target in sys.modules:
+        importlib.import_module(".lightning", __name__)
+    elif not any(isinstance(f, _RegisterWithLightning) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWithLightning())
+
+
+_register_strategy_name()
 
 
 def __getattr__(name: str) -> Any:

@@ -115,6 +115,7 @@ def main(scenario: str, outdir: Path) -> None:
         "sampler_replicas": trainer.train_dataloader.sampler.num_replicas
         if hasattr(trainer.train_dataloader, "sampler") else None,
         "collectives": collectives,
+        "torch_threads": torch.get_num_threads(),
     }  # fmt: skip
     (outdir / f"{scenario}-{rank}.json").write_text(json.dumps(report))
 

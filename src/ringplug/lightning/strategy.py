@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Generator
 from typing import Any
 
@@ -98,6 +99,7 @@ class RingStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
         core.init()
+        _split_threads()
         if self.timeline:
             core.start_timeline(self.timeline)
         super().setup_environment()
@@ -174,6 +176,17 @@ class RingStrategy(ParallelStrategy):
             cls.strategy_name, cls, description="Data-parallel training over ringplug's ring",
             override=True,
         )  # fmt: skip
+
+
+def _split_threads() -> None:
+    """Give each of the N ranks on a host 1/N of its cores for torch's intra-op threads
+    (left alone when OMP_NUM_THREADS says how many)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // core.local_size())
+    if torch.get_num_threads() > share:
+        torch.set_num_threads(share)
 
 
 def _op_name(reduce_op: Any) -> str:
