@@ -45,6 +45,15 @@ def test_an_exception_on_one_rank_stops_every_rank_and_names_it(ranks):
     assert processes_matching(marker) == []
 
 
+def test_the_traceback_survives_torch_distributeds_excepthook():
+    pytest.importorskip("torch")
+    result, _, marker = run_scenario("exception-after-gloo", 2)
+    assert result.returncode != 0
+    assert "RuntimeError: boom: rank 1 failed on purpose" in result.stdout + result.stderr
+    assert "ringrun: rank 1 " in result.stderr
+    assert processes_matching(marker) == []
+
+
 def test_a_killed_rank_stops_every_rank_and_is_named_with_its_signal():
     result, _, marker = run_scenario("kill", 3)
     assert result.returncode != 0

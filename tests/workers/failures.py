@@ -5,6 +5,7 @@ look for leftover processes. Scenarios:
   exception  rank 1 raises after a few collectives
   kill       rank 1 SIGKILLs itself after a few collectives
   absent     rank 1 never arrives (blocks forever outside ringplug); RINGPLUG_TIMEOUT ends it
+  exception-after-gloo  as exception, with a torch.distributed gloo group running
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ import ringplug
 
 def main(scenario: str) -> None:
     ringplug.init()
+    if scenario == "exception-after-gloo":
+        # torch.distributed wraps sys.excepthook and buffers what the hooks print.
+        from ringplug.torch.process_group import init_gloo_group
+
+        init_gloo_group()
+        scenario = "exception"
     rank = ringplug.rank()
     buf = np.ones(1000, np.float32)
     for _ in range(3):

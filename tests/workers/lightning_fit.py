@@ -22,12 +22,15 @@ from ringplug.lightning import RingStrategy
 PER_RANK, STEPS = 4, 6
 
 
+def make_net() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
+
+
 class Regressor(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(ringplug.rank() + 10)  # different on every rank: setup broadcasts
-        self.net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(),
-                                       torch.nn.Linear(12, 2))  # fmt: skip
+        self.net = make_net()
         self.after_backward_norms: list[float] = []
 
     def training_step(self, batch, _):
@@ -57,7 +60,7 @@ def reference(size: int, root_state: dict, accumulate: int) -> torch.nn.Module:
     Lightning shuffles the training data with a DistributedSampler (seed 0, epoch 0);
     torch's sampler gives the same per-rank order here.
     """
-    net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
+    net = make_net()
     net.load_state_dict(root_state)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.2)
     dataset = data(size)
@@ -80,14 +83,7 @@ def main(scenario: str, outdir: Path) -> None:
     accumulate = 2 if scenario == "accumulate" else 1
     model = Regressor()
     torch.manual_seed(10)  # rank 0's initial weights, for the reference
-    root_state = {
-        k: v.clone()
-        for k, v in torch.nn.Sequential(
-            torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2)
-        )
-        .state_dict()
-        .items()
-    }
+    root_state = {k: v.clone() for k, v in make_net().state_dict().items()}
     strategy = "ring" if scenario == "by-name" else RingStrategy()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
@@ -97,10 +93,9 @@ def main(scenario: str, outdir: Path) -> None:
     before = engine.collectives_run
     trainer.fit(model, loader)
     collectives = engine.collectives_run - before
-    flat = torch.cat([p.detach().reshape(-1) for p in model.net.parameters()])
-    expected = torch.cat(
-        [p.detach().reshape(-1) for p in reference(size, root_state, accumulate).parameters()]
-    )
+    flat = torch.cat([t.detach().reshape(-1).float() for t in model.net.state_dict().values()])
+    ref = reference(size, root_state, accumulate)
+    expected = torch.cat([t.detach().reshape(-1).float() for t in ref.state_dict().values()])
     everyone = rpt.allgather(flat.unsqueeze(0))
     logged = float(trainer.callback_metrics["train_loss"])
     all_logged = ringplug.allgather_object(logged)

@@ -9,8 +9,6 @@ ring cannot avoid (copy S/2 in, add S/2, copy S/2 out), timed with numpy.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import socket
 from collections.abc import Callable
 
 import numpy as np
@@ -57,17 +55,9 @@ def _gloo_group():
     """A torch.distributed gloo group over the same ranks, bootstrapped through ringplug."""
     import torch.distributed as dist
 
-    address = None
-    if ringplug.rank() == 0:
-        same_host = ringplug.local_size() == ringplug.size()
-        host = "127.0.0.1" if same_host else socket.gethostbyname(socket.gethostname())
-        with contextlib.closing(socket.socket()) as probe:
-            probe.bind(("", 0))
-            address = f"tcp://{host}:{probe.getsockname()[1]}"
-    address = ringplug.broadcast_object(address, 0)
-    dist.init_process_group(
-        "gloo", init_method=address, rank=ringplug.rank(), world_size=ringplug.size()
-    )
+    from ..torch.process_group import init_gloo_group
+
+    init_gloo_group()
     return dist
 
 

@@ -52,6 +52,7 @@ def end_job(rank: int, message: str) -> NoReturn:
     A rank that leaves without MPI_Finalize makes the launcher (hydra, Open MPI, ringrun)
     tear the whole job down, after its output is through.
     """
-    print(f"ringplug[{rank}] FATAL: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    # The real stderr: a wrapping excepthook may have pointed sys.stderr at a buffer.
+    print(f"ringplug[{rank}] FATAL: {message}", file=sys.__stderr__ or sys.stderr, flush=True)
     os._exit(1)

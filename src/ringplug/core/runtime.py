@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import traceback as traceback_module
 from types import TracebackType
 
 from . import log
@@ -166,14 +167,20 @@ def _install_excepthook() -> None:
     def abort_job(
         kind: type[BaseException], value: BaseException, traceback: TracebackType | None
     ) -> None:
-        _state.previous_excepthook(kind, value, traceback)  # type: ignore[misc]
         topology = _state.topology
-        if topology is not None and topology.size > 1:
-            log.end_job(
-                topology.rank,
-                f"uncaught {kind.__name__} on rank {topology.rank}; ending this rank so that "
-                f"the launcher stops all {topology.size} ranks.",
-            )
+        if topology is None or topology.size == 1:
+            _state.previous_excepthook(kind, value, traceback)  # type: ignore[misc]
+            return
+        # Straight to the real stderr: a hook that wraps this one (torch.distributed's
+        # captures sys.stderr to prefix the lines) would never see its buffer written out.
+        stream = sys.__stderr__ or sys.stderr
+        traceback_module.print_exception(kind, value, traceback, file=stream)
+        stream.flush()
+        log.end_job(
+            topology.rank,
+            f"uncaught {kind.__name__} on rank {topology.rank}; ending this rank so that "
+            f"the launcher stops all {topology.size} ranks.",
+        )
 
     sys.excepthook = abort_job
 

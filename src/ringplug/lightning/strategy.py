@@ -19,6 +19,7 @@ from .. import core
 from ..core.ops import ReduceOp
 from ..torch import allgather, allreduce, broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
+from ..torch.process_group import destroy_gloo_group, init_gloo_group
 from .environment import RingEnvironment
 
 _OPS = {"mean": "average", "avg": "average", "average": "average", "sum": "sum", "max": "max",
@@ -102,11 +103,15 @@ class RingStrategy(ParallelStrategy):
         _split_threads()
         if self.timeline:
             core.start_timeline(self.timeline)
+        # For torchmetrics, SyncBatchNorm and Lightning's own torch.distributed calls.
+        self._owns_process_group = init_gloo_group()
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         broadcast_parameters(self.model.state_dict(), root_rank=0)
@@ -168,6 +173,9 @@ class RingStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self.timeline:
             core.stop_timeline()
+        if getattr(self, "_owns_process_group", False):
+            destroy_gloo_group()
+            self._owns_process_group = False
         super().teardown()
 
     @classmethod
