@@ -72,3 +72,37 @@ def test_importing_ringplug_alone_does_not_import_lightning():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, check=True)  # fmt: skip
     assert result.stdout.strip() == "False False"
+
+
+@pytest.fixture(scope="module")
+def lifecycle(tmp_path_factory) -> list[dict]:
+    outdir = tmp_path_factory.mktemp("lifecycle")
+    worker = str(Path(__file__).parent / "workers" / "lightning_lifecycle.py")
+    result = run_ringrun("-np", "2", sys.executable, worker, str(outdir), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads((outdir / f"lifecycle-{r}.json").read_text()) for r in range(2)]
+
+
+def test_early_stopping_stops_every_rank_at_the_same_epoch(lifecycle):
+    # Only rank 1's (unsynced) signal asks to stop; the decision is shared.
+    assert [report["stopped_epoch"] for report in lifecycle] == [1, 1]
+    assert [report["is_global_zero"] for report in lifecycle] == [True, False]
+
+
+def test_checkpoints_are_written_once_and_resume_keeps_ranks_identical(lifecycle):
+    for report in lifecycle:
+        assert report["checkpoints"] == ["epoch=0-step=5.ckpt", "last.ckpt"]
+        assert report["resumed_identical"]
+        assert report["resumed_epochs"] == 3
+
+
+def test_validate_and_test_report_the_same_synced_values_on_every_rank(lifecycle):
+    assert lifecycle[0]["val_loss"] == lifecycle[1]["val_loss"]
+    assert lifecycle[0]["validate"] == lifecycle[1]["validate"]
+    assert lifecycle[0]["test"] == lifecycle[1]["test"]
+
+
+def test_predict_gives_each_rank_its_own_shard_of_the_data(lifecycle):
+    ids = [set(report["predicted_ids"]) for report in lifecycle]
+    assert not ids[0] & ids[1]
+    assert ids[0] | ids[1] == set(range(40))

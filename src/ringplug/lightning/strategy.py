@@ -160,8 +160,11 @@ class RingStrategy(ParallelStrategy):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         op = _op_name(reduce_op)
-        reduced = allreduce(tensor.detach().cpu(), op)
-        return reduced.to(tensor.device)
+        local = tensor.detach().cpu()
+        if op == "average" and not (local.is_floating_point() or local.is_complex()):
+            # As DDP: the mean of integers (Lightning's batch-size counters) is a float.
+            return (allreduce(local, "sum") / self.world_size).to(tensor.device)
+        return allreduce(local, op).to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False):
         """Every rank's tensor stacked on a new first dimension, as DDP's all_gather."""
