@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import run_ringrun
+from launch import processes_matching, run_ringrun, unique_marker
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.multirank
@@ -106,3 +106,31 @@ def test_predict_gives_each_rank_its_own_shard_of_the_data(lifecycle):
     ids = [set(report["predicted_ids"]) for report in lifecycle]
     assert not ids[0] & ids[1]
     assert ids[0] | ids[1] == set(range(40))
+
+
+SELF_LAUNCH = str(Path(__file__).parent / "workers" / "lightning_selflaunch.py")
+
+
+def test_python_train_py_with_devices_runs_that_many_ranks_of_one_world():
+    result = subprocess.run([sys.executable, SELF_LAUNCH, "2"], capture_output=True, text=True,
+                            timeout=240, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if "fitted" in line)
+    assert lines == ["[0] fitted rank=0 size=2 world=2", "[1] fitted rank=1 size=2 world=2"]
+
+
+def test_a_self_launched_job_exits_with_the_failing_ranks_status():
+    marker = unique_marker("self-launch-fail")
+    result = subprocess.run([sys.executable, SELF_LAUNCH, "2", "fail", marker],
+                            capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert result.returncode != 0
+    assert "rank 1 fails during training" in result.stdout + result.stderr
+    assert "ringrun: rank 1 " in result.stderr
+    assert processes_matching(marker) == []
+
+
+def test_devices_that_contradict_the_launcher_are_an_error_naming_both():
+    result = run_ringrun("-np", "2", sys.executable, SELF_LAUNCH, "3", timeout=240)
+    assert result.returncode != 0
+    assert "devices=3" in result.stdout + result.stderr
+    assert "the MPI launcher started 2" in result.stdout + result.stderr

@@ -17,10 +17,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from .. import core
 from ..core.ops import ReduceOp
+from ..core.runtime import launcher_world_size
 from ..torch import allgather, allreduce, broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
 from ..torch.process_group import destroy_gloo_group, init_gloo_group
 from .environment import RingEnvironment
+from .launcher import RingLauncher
 
 _OPS = {"mean": "average", "avg": "average", "average": "average", "sum": "sum", "max": "max",
         "min": "min", "product": "product"}  # fmt: skip
@@ -84,6 +86,14 @@ class RingStrategy(ParallelStrategy):
         return torch.device("cpu")
 
     @property
+    def num_nodes(self) -> int:
+        return getattr(self, "_num_nodes", 1)
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        self._num_nodes = value
+
+    @property
     def num_processes(self) -> int:
         return 1  # one process per device; the launcher decides how many
 
@@ -95,7 +105,21 @@ class RingStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
-        self._launcher = None  # ranks are started by ringrun / mpiexec / srun
+        requested = len(self.parallel_devices or [])
+        if launcher_world_size() is not None:
+            # Started by ringrun / mpiexec / srun: the launcher's world is the job.
+            if requested > 1 and requested * self.num_nodes != self.world_size:
+                raise ValueError(
+                    f"Trainer(devices={requested}, num_nodes={self.num_nodes}) asks for "
+                    f"{requested * self.num_nodes} ranks, but the MPI launcher started "
+                    f"{self.world_size}. Leave devices and num_nodes at their defaults under "
+                    "ringrun/mpiexec, or start devices x num_nodes ranks."
+                )
+            self._launcher = None
+        elif requested > 1:
+            self._launcher = RingLauncher(requested)  # `python train.py`: start the ranks
+        else:
+            self._launcher = None  # one process: a world of one
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
@@ -173,11 +197,15 @@ class RingStrategy(ParallelStrategy):
             stacked = stacked.detach()
         return allgather(stacked.contiguous())
 
+    def on_exception(self, exception: BaseException) -> None:
+        # This rank is failing: its peers are elsewhere, so teardown must not wait for them.
+        self._failed = True
+
     def teardown(self) -> None:
         if self.timeline:
             core.stop_timeline()
-        if getattr(self, "_owns_process_group", False):
-            destroy_gloo_group()
+        if getattr(self, "_owns_process_group", False) and not getattr(self, "_failed", False):
+            destroy_gloo_group()  # a barrier: every rank together
             self._owns_process_group = False
         super().teardown()
 

@@ -1,0 +1,34 @@
+"""`python lightning_selflaunch.py DEVICES [fail]`: a plain script that asks Lightning for
+DEVICES ranks through strategy="ring"; every rank prints its facts after fit."""
+
+from __future__ import annotations
+
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import ringplug
+
+
+class Model(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, _):
+        if len(sys.argv) > 2 and sys.argv[2] == "fail" and ringplug.rank() == 1:
+            raise RuntimeError("rank 1 fails during training")
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+trainer = L.Trainer(strategy="ring", accelerator="cpu", devices=int(sys.argv[1]), max_epochs=1,
+                    logger=False, enable_progress_bar=False, enable_model_summary=False,
+                    enable_checkpointing=False)  # fmt: skip
+trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=4))
+print(f"fitted rank={ringplug.rank()} size={ringplug.size()} world={trainer.world_size}",
+      flush=True)  # fmt: skip
