@@ -64,3 +64,20 @@ def test_named_parameters_must_cover_the_optimizer():
     with pytest.raises(ValueError, match="does not name 2 optimizer parameter"):
         rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  named_parameters=other.named_parameters())  # fmt: skip
+
+
+def test_detached_hooks_leave_backward_alone():
+    import ringplug
+    import ringplug.torch as rpt
+
+    ringplug.init()
+    engine = ringplug.core.runtime.engine()
+    model = torch.nn.Linear(3, 2)
+    optimizer = rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    before = engine.collectives_run
+    model(torch.ones(1, 3)).sum().backward()  # the hook starts the bucket's allreduce
+    optimizer.step()
+    assert engine.collectives_run == before + 1
+    optimizer.detach_hooks()
+    model(torch.ones(1, 3)).sum().backward()
+    assert engine.collectives_run == before + 1

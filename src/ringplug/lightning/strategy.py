@@ -202,6 +202,9 @@ class RingStrategy(ParallelStrategy):
         self._failed = True
 
     def teardown(self) -> None:
+        for optimizer in self.optimizers:
+            if hasattr(optimizer, "detach_hooks"):
+                optimizer.detach_hooks()  # a later fit of the same model starts afresh
         if self.timeline:
             core.stop_timeline()
         if getattr(self, "_owns_process_group", False) and not getattr(self, "_failed", False):

@@ -82,6 +82,7 @@ class _Distributed:
         self._ringplug_counts: dict[int, int] = {id(p): 0 for p in params}
         self._ringplug_buckets = _make_buckets(list(reversed(params)), bucket_bytes)
         self._ringplug_bucket_of: dict[int, _Bucket] = {}
+        self._ringplug_hooks: list[Any] = []
         for bucket in self._ringplug_buckets:
             offset = 0
             for p in bucket.params:
@@ -91,7 +92,9 @@ class _Distributed:
                 p.grad = view
                 offset += p.numel()
                 self._ringplug_bucket_of[id(p)] = bucket
-                p.register_post_accumulate_grad_hook(self._ringplug_hook)
+                self._ringplug_hooks.append(
+                    p.register_post_accumulate_grad_hook(self._ringplug_hook)
+                )
         self._ringplug_synchronized = False
         self._ringplug_skip = False
         # Set by a framework strategy: skip reducing during accumulation passes, and finish
@@ -170,6 +173,12 @@ class _Distributed:
         for key in self._ringplug_counts:
             self._ringplug_counts[key] = 0
         self._ringplug_synchronized = True
+
+    def detach_hooks(self) -> None:
+        """Stop watching the parameters' gradients (when this optimizer is done with)."""
+        for handle in self._ringplug_hooks:
+            handle.remove()
+        self._ringplug_hooks.clear()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
