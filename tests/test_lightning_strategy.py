@@ -134,3 +134,14 @@ def test_devices_that_contradict_the_launcher_are_an_error_naming_both():
     assert result.returncode != 0
     assert "devices=3" in result.stdout + result.stderr
     assert "the MPI launcher started 2" in result.stdout + result.stderr
+
+
+def test_manual_optimization_two_optimizers_loader_workers_and_torchmetrics(tmp_path):
+    worker = str(Path(__file__).parent / "workers" / "lightning_extras.py")
+    result = run_ringrun("-np", "2", sys.executable, worker, str(tmp_path), timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(2):
+        report = json.loads((tmp_path / f"extras-{rank}.json").read_text())
+        assert report["trained"] and report["ranks_identical"]
+        # torchmetrics summed each rank's half of the ids through the torch.distributed group.
+        assert report["ids_total"] == report["expected_total"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from ..core.ops import Average, ReduceOp, as_op
 from .collectives import TensorHandle, allreduce_async_
 
 DEFAULT_BUCKET_BYTES = 25 << 20
+_OPTIMIZER_IDS = itertools.count()
 
 
 class Compression(enum.Enum):
@@ -75,6 +77,8 @@ class _Distributed:
                 )
             names = {id(p): given[id(p)] for p in params}
         self._ringplug_names = names
+        # Every rank builds its optimizers in the same order, so this names them alike.
+        self._ringplug_prefix = f"gradients.{next(_OPTIMIZER_IDS)}"
         self._ringplug_passes = backward_passes_per_step
         self._ringplug_compression = compression
         self._ringplug_op = op
@@ -133,7 +137,7 @@ class _Distributed:
             bucket.packed = target.to(torch.float16)
             target = bucket.packed
         bucket.handle = allreduce_async_(
-            target, self._ringplug_op, name=f"gradients.{bucket.index}",
+            target, self._ringplug_op, name=f"{self._ringplug_prefix}.{bucket.index}",
             prescale_factor=prescale, postscale_factor=postscale,
         )  # fmt: skip
 
