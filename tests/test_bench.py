@@ -6,6 +6,7 @@ These tests check what the benchmark reports and how, never how fast anything wa
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,3 +92,20 @@ def test_fusion_bench_reports_every_implementation_on_resnet50_gradients(tmp_pat
     assert rows["ringplug"]["tensors"] == 161 and rows["single"]["tensors"] == 1
     assert rows["ringplug"]["bytes"] == rows["single"]["bytes"] == 25_557_032 * 4
     assert "ringplug / (single + copy) =" in result.stdout
+
+
+def test_lightning_bench_runs_ring_and_ddp_in_alternating_pairs(tmp_path):
+    pytest.importorskip("lightning")
+    result = subprocess.run(
+        [BENCH, "lightning", "--pairs", "2", "--steps", "5", "--hidden", "64",
+         "--json", str(tmp_path / "lightning.json")],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((tmp_path / "lightning.json").read_text())
+    impls = [row["impl"] for row in document["results"]]
+    # Two pairs of each comparison, the order flipped in the second pair.
+    assert impls == ["ring", "ddp", "ring-1", "none", "ddp", "ring", "none", "ring-1"]
+    assert all(row["samples_per_s"] > 0 for row in document["results"])
+    assert [row["ranks"] for row in document["results"]] == [2, 2, 1, 1, 2, 2, 1, 1]
+    assert "median RingStrategy / DDP throughput" in result.stdout

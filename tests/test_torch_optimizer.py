@@ -52,7 +52,7 @@ def test_the_wrapper_keeps_the_optimizer_class_and_state():
     wrapped.step()
     assert model.weight.grad.tolist() == [[1.0] * 3] * 2  # one rank: the average is itself
     wrapped.zero_grad()
-    assert model.weight.grad is not None and model.weight.grad.abs().sum() == 0
+    assert model.weight.grad is None  # the next backward hands over fresh gradients
 
 
 def test_named_parameters_must_cover_the_optimizer():

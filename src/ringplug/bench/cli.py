@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import allreduce, fusion
+from . import allreduce, fusion, lightning_compare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,11 +26,18 @@ def main(argv: list[str] | None = None) -> int:
             "fusion", help="the engine on ResNet-50's gradients, against single/copy/gloo"
         )
     )
+    lightning_compare.add_arguments(
+        commands.add_parser(
+            "lightning", help="RingStrategy against DDP (gloo) on CPU; starts every job itself"
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "allreduce":
         return allreduce.run(args)
     if args.command == "fusion":
         return fusion.run(args)
+    if args.command == "lightning":
+        return lightning_compare.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,0 +1,86 @@
+"""`ringplug-bench lightning`: RingStrategy against Lightning's DDPStrategy (gloo) on CPU.
+
+It starts every job itself, in alternating pairs so that drift on a shared machine hits
+both sides alike: 2 ranks with RingStrategy (under ringrun) against 2 ranks of DDP (which
+Lightning starts), and 1 rank with RingStrategy against plain Lightning (the overhead when
+nothing is communicated). Every job uses one torch thread per rank (OMP_NUM_THREADS=1),
+the same MLP, per-rank batch 32 and synthetic data. Reports medians of the pairs' ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .common import Record, write_json
+
+JOB = str(Path(__file__).with_name("lightning_job.py"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pairs", type=int, default=5, help="alternating pairs per comparison")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per job")
+    parser.add_argument("--hidden", type=int, default=4096,
+                        help="MLP width (4096: about 21 M parameters)")  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+
+
+def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict:
+    out = workdir / f"{impl}-{ranks}.json"
+    command = [sys.executable, JOB, impl, str(args.steps), str(args.hidden), str(out)]
+    if impl == "ring":
+        command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *command]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900,
+                            check=False)  # fmt: skip
+    if result.returncode != 0:
+        raise SystemExit(
+            f"ringplug-bench lightning: the {impl} job failed:\n{result.stderr[-3000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+def run(args: argparse.Namespace) -> int:
+    records: list[Record] = []
+    ratios: dict[str, list[float]] = {"ring/ddp": [], "ring-1/none": []}
+    with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
+        workdir = Path(tmp)
+        for pair in range(args.pairs):
+            for (name, first, second, ranks) in (("ring/ddp", "ring", "ddp", 2),
+                                                 ("ring-1/none", "ring", "none", 1)):  # fmt: skip
+                order = (first, second) if pair % 2 == 0 else (second, first)
+                results = {impl: _job(impl, ranks, args, workdir) for impl in order}
+                ratio = results[first]["samples_per_s"] / results[second]["samples_per_s"]
+                ratios[name].append(ratio)
+                for impl, result in results.items():
+                    label = f"{impl}-1" if ranks == 1 and impl == "ring" else impl
+                    records.append(Record(label, "train", "float32", 0, result["ranks"],
+                                          result["seconds"], 0.0, 0.0, result["steps_timed"],
+                                          {"samples_per_s": result["samples_per_s"],
+                                           "pair": pair,
+                                           "parameters": result["parameters"]}))  # fmt: skip
+                print(f"pair {pair}: {name} = {ratio:.3f} ("
+                      + ", ".join(f"{k} {v['samples_per_s']:.1f} samples/s"
+                                  for k, v in results.items()) + ")", flush=True)  # fmt: skip
+    ring_ddp = statistics.median(ratios["ring/ddp"])
+    overhead = 1 - statistics.median(ratios["ring-1/none"])
+    print(f"# median RingStrategy / DDP throughput, 2 ranks: {ring_ddp:.3f}x (target >= 1.3)")
+    print(f"# median RingStrategy overhead with 1 rank: {overhead * 100:.1f}% (target <= 5%)")
+    if args.json:
+        import ringplug
+
+        from .common import environment
+
+        ringplug.init()
+        env = environment({"pairs": args.pairs, "steps": args.steps, "hidden": args.hidden,
+                           "median_ring_over_ddp": ring_ddp,
+                           "median_overhead_1_rank": overhead})  # fmt: skip
+        write_json(args.json, "lightning", env, records)
+        print(f"# wrote {args.json}")
+    return 0

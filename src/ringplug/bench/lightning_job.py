@@ -1,0 +1,85 @@
+"""One training job of `ringplug-bench lightning` (run by it, not by hand).
+
+(No module in this folder may be called `lightning`: the job runs as a script, with this
+folder first on `sys.path`.)
+
+``python lightning_job.py IMPL STEPS HIDDEN OUT`` trains an MLP on synthetic data with
+IMPL = ring (RingStrategy, ranks from the launcher), ddp (Lightning's DDPStrategy on gloo,
+2 processes it starts itself) or none (one process, no strategy), and rank 0 writes the
+throughput measured after warm-up to OUT as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+BATCH = 32
+WARMUP = 3
+
+
+class MLP(L.LightningModule):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(1024, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(), torch.nn.Linear(hidden, 10),
+        )  # fmt: skip
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Clock(L.Callback):
+    """Times the steps after warm-up."""
+
+    def __init__(self) -> None:
+        self.start = self.end = 0.0
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer, *_: object) -> None:
+        self.steps += 1
+        if self.steps == WARMUP:
+            self.start = time.perf_counter()
+        self.end = time.perf_counter()
+
+
+def main(impl: str, steps: int, hidden: int, out: str) -> None:
+    if impl == "ring":
+        from ringplug.lightning import RingStrategy
+
+        strategy, devices = RingStrategy(), 1
+    elif impl == "ddp":
+        strategy, devices = "ddp", 2
+    else:
+        strategy, devices = "auto", 1
+    clock = Clock()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, callbacks=[clock])  # fmt: skip
+    world = trainer.world_size
+    rows = BATCH * world * steps
+    data = TensorDataset(torch.randn(rows, 1024), torch.randint(0, 10, (rows,)))
+    trainer.fit(MLP(hidden), DataLoader(data, batch_size=BATCH))
+    if trainer.global_rank == 0:
+        timed = clock.steps - WARMUP
+        samples = timed * BATCH * world
+        seconds = clock.end - clock.start
+        parameters = sum(p.numel() for p in trainer.lightning_module.parameters())
+        record = {"impl": impl, "ranks": world, "steps_timed": timed, "seconds": seconds,
+                  "samples_per_s": samples / seconds, "parameters": parameters}  # fmt: skip
+        with open(out, "w") as handle:
+            json.dump(record, handle)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
