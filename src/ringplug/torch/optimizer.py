@@ -86,7 +86,10 @@ class _Distributed:
         self._ringplug_op = op
         self._ringplug_predivide = gradient_predivide_factor
         self._ringplug_counts: dict[int, int] = {id(p): 0 for p in params}
-        self._ringplug_buckets = _make_buckets(list(reversed(params)), bucket_bytes)
+        # A world of one has nothing to reduce: no buckets, no hooks, plain steps.
+        alone = runtime.size() == 1
+        self._ringplug_buckets = [] if alone else _make_buckets(list(reversed(params)),
+                                                                bucket_bytes)  # fmt: skip
         self._ringplug_bucket_of: dict[int, _Bucket] = {}
         self._ringplug_hooks: list[Any] = []
         for bucket in self._ringplug_buckets:
@@ -206,6 +209,9 @@ class _Distributed:
         letting autograd add into them (measured: 84 MB of gradients cost a 1-rank step
         about 27% more that way).
         """
+        if not self._ringplug_buckets:
+            super().zero_grad(set_to_none)  # type: ignore[misc]
+            return
         for bucket in self._ringplug_buckets:
             if bucket.handle is not None:
                 raise RuntimeError(
