@@ -461,7 +461,7 @@ class Engine:
             packed = True
             target = self._fusion_view(code, total)
             np.concatenate([send for _, send, _ in entries], out=target)
-            parts = _split(target, [send.size for _, send, _ in entries])
+            parts = ring.split(target, [send.size for _, send, _ in entries])
         for (request, _, _), part in zip(entries, parts, strict=True):
             if request is not None and request.prescale != 1.0:
                 reduce.scale(part, request.prescale, code)
@@ -695,14 +695,6 @@ def _span(arrays: list[np.ndarray], code: DType) -> np.ndarray | None:
     if misaligned or base.nbytes % code.itemsize:
         return None
     return base.reshape(-1).view(code.storage)[start : start + sum(a.size for a in arrays)]
-
-
-def _split(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
-    parts, offset = [], 0
-    for count in counts:
-        parts.append(flat[offset : offset + count])
-        offset += count
-    return parts
 
 
 def _ranks(ranks: Any) -> str:

@@ -85,12 +85,12 @@ def _exchange(
     MPI.Request.Waitall(requests)
 
 
-def _split_like(flat: np.ndarray, parts: list[np.ndarray]) -> list[np.ndarray]:
-    """`flat` cut into consecutive views with the sizes of `parts`."""
+def split(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+    """`flat` cut into consecutive views of `counts` elements each."""
     out, offset = [], 0
-    for part in parts:
-        out.append(flat[offset : offset + part.size])
-        offset += part.size
+    for count in counts:
+        out.append(flat[offset : offset + count])
+        offset += count
     return out
 
 
@@ -133,7 +133,7 @@ def reduce_scatter(
             )
             landing = work[: r_hi - r_lo]
             targets = pieces.views(r_lo, r_hi)
-            arrivals = _split_like(landing, targets)
+            arrivals = split(landing, [part.size for part in targets])
             _exchange(comm, pieces.views(s_lo, s_hi), arrivals, right, left)
             for part, arrived in zip(targets, arrivals, strict=True):
                 combine(part, arrived, op, code)

@@ -110,11 +110,11 @@ class Transport:
         work = np.array(send.reshape(-1), copy=True)
         reduce.scale(work, prescale, code)
         if self.size > 1:
-            if send.nbytes < self.settings.ring_threshold and code in _MPI_NATIVE:
-                self._mpi_allreduce(work, op, code)
-            else:
+            if self.uses_ring(send.nbytes, code):
                 bounds = [b * row_elems for b in rows]
                 ring.reduce_scatter(self._comm, work, bounds, ring_op(op), code, self._scratch, 1)
+            else:  # small: MPI's Allreduce, then keep this rank's rows
+                self._mpi_allreduce(work, op, code)
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
         return work[lo:hi].reshape((rows[self.rank + 1] - rows[self.rank], *send.shape[1:]))
 
