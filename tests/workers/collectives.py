@@ -45,6 +45,7 @@ def expected_case_names(size: int) -> list[str]:
     names = [name for name, *_ in allreduce_cases()]
     names += [f"allreduce-scaled/{d}" for d in DTYPES if is_float(d)]
     names += ["allreduce-inplace", "allreduce-noncontiguous", "allreduce-multidim"]
+    names += ["grouped-inplace-average", "fused-different-scales"]
     names += [f"allgather/{d}/{c}" for d in DTYPES for c in (0, 3, 100_001)]
     names += [f"broadcast/{root}/{d}/{c}" for root in range(size) for d in DTYPES
               for c in (1, 1001, 1_000_003)]  # fmt: skip
@@ -121,6 +122,36 @@ def main(outdir: Path) -> None:
         expected = reduce_reference("min", "int32", inputs).reshape(3, 5, 7)
         record(name, result.shape == (3, 5, 7) and np.array_equal(result, expected))
 
+    def grouped_inplace_average(name):
+        # Separate arrays reduced where they lie (the ring's Pieces), averaged as one.
+        counts = (5, 70_001, 1)
+        inputs = [[values_for("sum", "float64", c, r, 11 + i) for i, c in enumerate(counts)]
+                  for r in range(size)]  # fmt: skip
+        mine = [encode(x, "float64") for x in inputs[rank]]
+        results = ringplug.grouped_allreduce(mine, op="average", out=mine, name=name)
+        ok = all(result is array for result, array in zip(results, mine, strict=True))
+        worst = 0.0
+        for i, result in enumerate(results):
+            expected = reduce_reference("average", "float64", [x[i] for x in inputs])
+            good, err = close(result, expected, "average", "float64")
+            ok, worst = ok and good, max(worst, err)
+        record(name, ok, worst)
+
+    def fused_different_scales(name):
+        # Submitted together, so likely fused in one batch, each with its own postscale.
+        inputs = [values_for("sum", "float64", 4099, r, 14) for r in range(size)]
+        handles = [ringplug.allreduce_async(encode(inputs[rank], "float64"), op="average",
+                                            postscale_factor=f, name=f"{name}/{f}")
+                   for f in (1.0, 3.0)]  # fmt: skip
+        ok, worst = True, 0.0
+        for factor, handle in zip((1.0, 3.0), handles, strict=True):
+            expected = reduce_reference("average", "float64", inputs, post=factor)
+            good, err = close(handle.wait(), expected, "average", "float64")
+            ok, worst = ok and good, max(worst, err)
+        record(name, ok, worst)
+
+    check("grouped-inplace-average", grouped_inplace_average)
+    check("fused-different-scales", fused_different_scales)
     check("allreduce-inplace", inplace)
     check("allreduce-noncontiguous", noncontiguous)
     check("allreduce-multidim", multidim)

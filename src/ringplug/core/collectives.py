@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from . import reduce, runtime
+from . import reduce, ring, runtime
 from .dtypes import DType, classify, storage_view
 from .engine import Handle, Request
 from .negotiation import CACHEABLE, Kind, Signature
@@ -182,41 +182,53 @@ def grouped_allreduce_async(
     *,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    out: Sequence[np.ndarray] | None = None,
     name: str | None = None,
+    dtype: str | DType | None = None,
 ) -> Handle:
     """Start one allreduce of several arrays; `wait()` returns the list of results.
 
     The group is negotiated as one request and reduced in one fused pass: the cheapest way
-    to reduce many small tensors. Arrays must share a dtype.
+    to reduce many small tensors. Arrays must share a dtype. With ``out=arrays`` the group is
+    reduced in place, where the arrays lie (the ring reads and writes them directly: no
+    fusion buffer, no copy); otherwise the results are views of one new buffer.
     """
 
     def build(request_name: str) -> Request:
         sources = [_as_array(array) for array in arrays]
         if not sources:
             raise ValueError("grouped_allreduce needs at least one array.")
-        code = classify(sources[0])
+        code = classify(sources[0], dtype)
         if any(source.dtype != sources[0].dtype for source in sources):
             raise TypeError("grouped_allreduce needs arrays of one dtype; group them by dtype.")
         reduce_op = as_op(op)
         reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
         sends = [_contiguous(source, code).reshape(-1) for source in sources]
-        total = sum(send.size for send in sends)
-        # The results are views of one buffer, so the engine reduces the group right there.
-        results = np.empty(total, sends[0].dtype)
-        outs, offset = [], 0
-        for send in sends:
-            outs.append(results[offset : offset + send.size])
-            offset += send.size
+        if out is None:
+            # The results are views of one buffer, so the engine reduces the group there.
+            span: np.ndarray | None = np.empty(sum(send.size for send in sends), sends[0].dtype)
+            outs = ring.split(span, [send.size for send in sends])
+            targets = [o.reshape(s.shape) for s, o in zip(sources, outs, strict=True)]
+        else:
+            span, targets = None, list(out)
+            if len(targets) != len(sources) or any(
+                not isinstance(t, np.ndarray) or t.shape != s.shape or t.dtype != s.dtype
+                or not t.flags.c_contiguous for t, s in zip(targets, sources, strict=False)
+            ):  # fmt: skip
+                raise ValueError("out must hold one C-contiguous array per input, of the "
+                                 "input's shape and dtype.")  # fmt: skip
+            outs = [storage_view(t, code).reshape(-1) for t in targets]
+        in_place = all(o.ctypes.data == s.ctypes.data for o, s in zip(outs, sends, strict=True))
 
         def finish(result: Any) -> list[np.ndarray]:
-            return [_result_as(source, out.reshape(source.shape))
-                    for source, out in zip(sources, outs, strict=True)]  # fmt: skip
+            return [_result_as(source, target)
+                    for source, target in zip(sources, targets, strict=True)]  # fmt: skip
 
         return Request(
             request_name,
-            Signature(Kind.ALLREDUCE, code, reduce_op, -1, (total,),
+            Signature(Kind.ALLREDUCE, code, reduce_op, -1, (sum(send.size for send in sends),),
                       tuple(source.shape for source in sources)),
-            Handle(request_name), sends=sends, outs=outs, span=results,
+            Handle(request_name), sends=sends, outs=outs, span=span, in_place=in_place,
             prescale=float(prescale_factor), postscale=float(postscale_factor), finish=finish,
         )  # fmt: skip
 
@@ -230,15 +242,18 @@ def grouped_allreduce(
     *,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    out: Sequence[np.ndarray] | None = None,
     name: str | None = None,
+    dtype: str | DType | None = None,
 ) -> list[np.ndarray]:
-    """Allreduce several arrays in one negotiation and one fused pass; returns new arrays."""
+    """Allreduce several arrays in one negotiation and one fused pass; returns the results
+    (new arrays, or ``out``: ``out=arrays`` reduces them in place)."""
     return grouped_allreduce_async(
-        arrays, op, prescale_factor=prescale_factor, postscale_factor=postscale_factor, name=name
-    ).wait()
+        arrays, op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        out=out, name=name, dtype=dtype,
+    ).wait()  # fmt: skip
 
 
-# ---------------------------------------------------------------------- allgather
 def allgather_async(
     array: ArrayLike, *, name: str | None = None, dtype: str | DType | None = None
 ) -> Handle:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .dtypes import DType
 from .ops import ReduceOp
-from .reduce import combine
+from .reduce import combine, scale
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -106,9 +106,11 @@ def reduce_scatter(
     code: DType,
     scratch: np.ndarray,
     owner_shift: int,
+    postscale: float = 1.0,
 ) -> None:
     """Ring reduce-scatter in place: afterwards chunk (rank + 1 - owner_shift) % n of `buf`
-    holds the reduction over all ranks. `scratch` is a uint8 work buffer (one segment)."""
+    holds the reduction over all ranks, times `postscale` (applied to each segment as it is
+    finished, while it is still in cache). `scratch` is a uint8 work buffer (one segment)."""
     pieces = _as_pieces(buf)
     rank, size = comm.Get_rank(), comm.Get_size()
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -135,8 +137,11 @@ def reduce_scatter(
             targets = pieces.views(r_lo, r_hi)
             arrivals = split(landing, [part.size for part in targets])
             _exchange(comm, pieces.views(s_lo, s_hi), arrivals, right, left)
+            last = step == size - 2
             for part, arrived in zip(targets, arrivals, strict=True):
                 combine(part, arrived, op, code)
+                if last and postscale != 1.0:
+                    scale(part, postscale, code)
 
 
 def allgather_chunks(
@@ -156,10 +161,17 @@ def allgather_chunks(
 
 
 def allreduce(
-    comm: MPI.Comm, buf: np.ndarray | Pieces, op: ReduceOp, code: DType, scratch: np.ndarray
+    comm: MPI.Comm,
+    buf: np.ndarray | Pieces,
+    op: ReduceOp,
+    code: DType,
+    scratch: np.ndarray,
+    postscale: float = 1.0,
 ) -> None:
-    """Ring allreduce in place of a flat array, or of several (`Pieces`) as one."""
+    """Ring allreduce in place of a flat array, or of several (`Pieces`) as one; the result
+    is multiplied by `postscale` (by each chunk's owner, before the allgather: no extra pass
+    over the whole buffer)."""
     pieces = _as_pieces(buf)
     bounds = even_bounds(pieces.size, comm.Get_size())
-    reduce_scatter(comm, pieces, bounds, op, code, scratch, owner_shift=0)
+    reduce_scatter(comm, pieces, bounds, op, code, scratch, owner_shift=0, postscale=postscale)
     allgather_chunks(comm, pieces, bounds, owner_shift=0)

@@ -51,21 +51,25 @@ class Transport:
         """Whether an allreduce of `nbytes` takes ringplug's ring (else MPI's Allreduce)."""
         return code not in _MPI_NATIVE or nbytes >= self.settings.ring_threshold
 
-    def allreduce(self, buf: np.ndarray | ring.Pieces, op: ReduceOp, code: DType) -> None:
-        """buf <- reduction over ranks, in place (no scaling; Average is summed here).
+    def allreduce(self, buf: np.ndarray | ring.Pieces, op: ReduceOp, code: DType,
+                  postscale: float = 1.0) -> None:  # fmt: skip
+        """buf <- reduction over ranks times `postscale`, in place (Average is summed here:
+        pass 1/size as `postscale`).
 
         `buf` is a flat array, or several (`ring.Pieces`, only for sizes the ring takes).
         """
         if self.size == 1:
             self.last_path = "local"
-            return
-        nbytes = buf.size * code.itemsize
-        if self.uses_ring(nbytes, code):
+        elif self.uses_ring(buf.size * code.itemsize, code):
             self.last_path = "ring"
-            ring.allreduce(self._comm, buf, ring_op(op), code, self._scratch)
+            ring.allreduce(self._comm, buf, ring_op(op), code, self._scratch, postscale)
+            return
         else:
             self.last_path = "mpi"
             self._mpi_allreduce(buf, op, code)
+        if postscale != 1.0:
+            for array in buf.arrays if isinstance(buf, ring.Pieces) else [buf]:
+                reduce.scale(array, postscale, code)
 
     def _mpi_allreduce(self, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
         from mpi4py import MPI
