@@ -33,6 +33,9 @@ from .collectives import (
     broadcast,
     broadcast_,
     broadcast_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async_,
     reducescatter,
 )
 from .optimizer import Compression, DistributedOptimizer
@@ -42,12 +45,14 @@ from .state import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from .sync_batchnorm import SyncBatchNorm
 
 __all__ = [
     "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",
-    "TensorHandle", "allgather", "allgather_object",
+    "SyncBatchNorm", "TensorHandle", "allgather", "allgather_object",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "broadcast",
     "broadcast_", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "init", "local_rank", "local_size", "rank", "reducescatter",
+    "broadcast_parameters", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async_", "init", "local_rank", "local_size", "rank", "reducescatter",
     "shutdown", "size",
 ]  # fmt: skip

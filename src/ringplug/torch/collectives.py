@@ -135,6 +135,56 @@ def allreduce_(tensor: torch.Tensor, op: ReduceOp | str = Average, **kwargs: Any
     return allreduce_async_(tensor, op, **kwargs).wait()
 
 
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp | str = Average,
+    *,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> TensorHandle:
+    """Start one allreduce of several tensors of one dtype, each in place; `wait()` returns
+    the list. One negotiation and one fused pass, reduced where the tensors lie (no copy
+    into a fusion buffer); non-contiguous tensors go through a contiguous copy."""
+    tensors = list(tensors)
+    for tensor in tensors:
+        _check(tensor, "grouped_allreduce_", name)
+    if not tensors:
+        core.reject(ValueError("grouped_allreduce_ needs at least one tensor."), name)
+    if len({tensor.dtype for tensor in tensors}) > 1:
+        core.reject(TypeError("grouped_allreduce_ needs tensors of one dtype; group them by "
+                              "dtype."), name)  # fmt: skip
+    works = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+    arrays = [as_numpy(work)[0] for work in works]
+    handle = core.grouped_allreduce_async(
+        arrays, op, out=arrays, name=name, dtype=as_numpy(works[0])[1],
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+    )  # fmt: skip
+
+    def write_back(_: Any) -> list[torch.Tensor]:
+        with torch.no_grad():
+            for tensor, work in zip(tensors, works, strict=True):
+                if work.data_ptr() != tensor.data_ptr():
+                    tensor.copy_(work)
+        return tensors
+
+    return TensorHandle(handle, write_back)
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], op: ReduceOp | str = Average,
+                       **kwargs: Any) -> list[torch.Tensor]:  # fmt: skip
+    """Reduce several tensors of one dtype in place, negotiated and fused as one."""
+    return grouped_allreduce_async_(tensors, op, **kwargs).wait()
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], op: ReduceOp | str = Average,
+                      **kwargs: Any) -> list[torch.Tensor]:  # fmt: skip
+    """The reductions of several tensors of one dtype, as new tensors (inputs unchanged)."""
+    copies = [t.detach().clone(memory_format=torch.contiguous_format)
+              if isinstance(t, torch.Tensor) else t for t in tensors]  # fmt: skip
+    return grouped_allreduce_async_(copies, op, **kwargs).wait()
+
+
 def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, *,
                      name: str | None = None) -> TensorHandle:  # fmt: skip
     """Start overwriting `tensor` with root's, in place; `wait()` returns `tensor`."""
