@@ -23,6 +23,8 @@ EXPECTED = {
     "allgather/uneven", "allgather/gradient", "reducescatter", "alltoall",
     "broadcast_parameters", "broadcast_optimizer_state", "unsupported-dtype-error",
     "bad-dtype-on-one-rank", "still-in-step",
+    *(f"sync_batchnorm/{c}" for c in ("output", "input-gradient", "parameter-gradients",
+                                      "running-stats", "eval", "revert", "too-few-values")),
 }  # fmt: skip
 
 

@@ -1,7 +1,9 @@
 """Multi-rank worker: Lightning fit with RingStrategy equals one process on the union.
 
 ``python lightning_fit.py SCENARIO OUTDIR``. Each rank also trains a plain torch reference
-on the full global batches, locally, and compares.
+on the full global batches, locally, and compares. Scenarios: plain, by-name
+(``strategy="ring"``), accumulate (2 micro-batches per step), clip (gradient clipping by
+norm) and batchnorm (``sync_batchnorm=True``: the reference is plain BatchNorm on the union).
 """
 
 from __future__ import annotations
@@ -20,17 +22,21 @@ import ringplug.torch as rpt
 from ringplug.lightning import RingStrategy
 
 PER_RANK, STEPS = 4, 6
+CLIP = 0.05  # well below the gradient norms here, so clipping changes every step
 
 
-def make_net() -> torch.nn.Sequential:
+def make_net(scenario: str) -> torch.nn.Sequential:
+    if scenario == "batchnorm":
+        return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.BatchNorm1d(12),
+                                   torch.nn.Tanh(), torch.nn.Linear(12, 2))  # fmt: skip
     return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
 
 
 class Regressor(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, scenario: str) -> None:
         super().__init__()
         torch.manual_seed(ringplug.rank() + 10)  # different on every rank: setup broadcasts
-        self.net = make_net()
+        self.net = make_net(scenario)
         self.after_backward_norms: list[float] = []
 
     def training_step(self, batch, _):
@@ -54,13 +60,13 @@ def data(size: int) -> TensorDataset:
                          torch.randn(rows, 2, generator=generator))  # fmt: skip
 
 
-def reference(size: int, root_state: dict, accumulate: int) -> torch.nn.Module:
+def reference(scenario: str, size: int, root_state: dict, accumulate: int) -> torch.nn.Module:
     """Plain torch, one process: each step's batch is the union of every rank's batch.
 
     Lightning shuffles the training data with a DistributedSampler (seed 0, epoch 0);
     torch's sampler gives the same per-rank order here.
     """
-    net = make_net()
+    net = make_net(scenario)
     net.load_state_dict(root_state)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.2)
     dataset = data(size)
@@ -73,6 +79,8 @@ def reference(size: int, root_state: dict, accumulate: int) -> torch.nn.Module:
             rows = [i for order in orders for i in order[k * PER_RANK : (k + 1) * PER_RANK]]
             x, y = dataset[rows]
             (torch.nn.functional.mse_loss(net(x), y) / accumulate).backward()
+        if scenario == "clip":
+            torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
         optimizer.step()
     return net
 
@@ -81,20 +89,22 @@ def main(scenario: str, outdir: Path) -> None:
     ringplug.init()
     rank, size = ringplug.rank(), ringplug.size()
     accumulate = 2 if scenario == "accumulate" else 1
-    model = Regressor()
+    model = Regressor(scenario)
     torch.manual_seed(10)  # rank 0's initial weights, for the reference
-    root_state = {k: v.clone() for k, v in make_net().state_dict().items()}
+    root_state = {k: v.clone() for k, v in make_net(scenario).state_dict().items()}
     strategy = "ring" if scenario == "by-name" else RingStrategy()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accumulate_grad_batches=accumulate)  # fmt: skip
+                        enable_model_summary=False, accumulate_grad_batches=accumulate,
+                        gradient_clip_val=CLIP if scenario == "clip" else None,
+                        sync_batchnorm=scenario == "batchnorm")  # fmt: skip
     loader = DataLoader(data(size), batch_size=PER_RANK, shuffle=False)
     engine = ringplug.core.runtime.engine()
     before = engine.collectives_run
     trainer.fit(model, loader)
     collectives = engine.collectives_run - before
     flat = torch.cat([t.detach().reshape(-1).float() for t in model.net.state_dict().values()])
-    ref = reference(size, root_state, accumulate)
+    ref = reference(scenario, size, root_state, accumulate)
     expected = torch.cat([t.detach().reshape(-1).float() for t in ref.state_dict().values()])
     everyone = rpt.allgather(flat.unsqueeze(0))
     logged = float(trainer.callback_metrics["train_loss"])
@@ -111,6 +121,8 @@ def main(scenario: str, outdir: Path) -> None:
         if hasattr(trainer.train_dataloader, "sampler") else None,
         "collectives": collectives,
         "torch_threads": torch.get_num_threads(),
+        # After fit the synchronized layers are plain BatchNorm again (as DDP leaves them).
+        "layer_types": sorted({type(m).__name__ for m in model.net}),
     }  # fmt: skip
     (outdir / f"{scenario}-{rank}.json").write_text(json.dumps(report))
 

@@ -126,7 +126,65 @@ def main(outdir: Path) -> None:
         checks["bad-dtype-on-one-rank"] = rank != 1 and "rank(s) 1 rejected" in str(exc)
     checks["still-in-step"] = rpt.allreduce(torch.ones(2), op="sum").tolist() == [size] * 2
 
+    checks.update(sync_batchnorm_checks(rank, size))
     (outdir / f"torch-{rank}.json").write_text(json.dumps(checks))
+
+
+def sync_batchnorm_checks(rank: int, size: int) -> dict[str, bool]:
+    """ringplug's SyncBatchNorm on uneven shards (rank r has 2r rows: rank 0 none) against
+    torch's BatchNorm2d on the whole batch in one process."""
+    checks: dict[str, bool] = {}
+    generator = torch.Generator().manual_seed(80)
+    shards = [torch.randn(2 * r, 3, 4, 5, generator=generator, dtype=torch.float64) * 3 + 7
+              for r in range(size)]  # fmt: skip
+    weights = [torch.randn(2 * r, 3, 4, 5, generator=generator, dtype=torch.float64)
+               for r in range(size)]  # fmt: skip
+    start = sum(2 * r for r in range(rank))
+    rows = slice(start, start + 2 * rank)
+
+    reference = torch.nn.BatchNorm2d(3).double()
+    with torch.no_grad():
+        reference.weight.copy_(torch.tensor([0.5, 1.5, -2.0]))
+        reference.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    whole = torch.cat(shards).requires_grad_()
+    expected = reference(whole)
+    (expected * torch.cat(weights)).sum().backward()
+
+    layer = rpt.SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm2d(3).double())
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([0.5, 1.5, -2.0]))
+        layer.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    mine = shards[rank].clone().requires_grad_()
+    out = layer(mine)
+    (out * weights[rank]).sum().backward()
+    summed = rpt.allreduce(torch.cat([layer.weight.grad, layer.bias.grad]), op="sum")
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-9)
+
+    checks["sync_batchnorm/output"] = close(out, expected[rows])
+    checks["sync_batchnorm/input-gradient"] = close(mine.grad, whole.grad[rows])
+    # Parameter gradients stay local; summed over ranks they are the whole batch's.
+    checks["sync_batchnorm/parameter-gradients"] = close(
+        summed, torch.cat([reference.weight.grad, reference.bias.grad])
+    )
+    checks["sync_batchnorm/running-stats"] = close(layer.running_mean, reference.running_mean) \
+        and close(layer.running_var, reference.running_var)  # fmt: skip
+    layer.eval()
+    reference.eval()
+    checks["sync_batchnorm/eval"] = close(layer(shards[rank]), reference(shards[rank]))
+
+    reverted = rpt.sync_batchnorm.revert_sync_batchnorm(torch.nn.Sequential(layer))
+    checks["sync_batchnorm/revert"] = (type(reverted[0]) is torch.nn.BatchNorm2d
+                                       and reverted[0].weight is layer.weight)  # fmt: skip
+
+    # One value per channel over all ranks has no variance: every rank raises.
+    try:
+        rpt.SyncBatchNorm(3).train()(torch.ones(1 if rank == 0 else 0, 3))
+        checks["sync_batchnorm/too-few-values"] = False
+    except ValueError as exc:
+        checks["sync_batchnorm/too-few-values"] = "got 1" in str(exc)
+    return checks
 
 
 if __name__ == "__main__":

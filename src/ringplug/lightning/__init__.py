@@ -6,8 +6,8 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .environment import RingEnvironment
-from .strategy import RingStrategy
+from .strategy import RingStrategy, RingSyncBatchNorm
 
 RingStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["RingEnvironment", "RingStrategy"]
+__all__ = ["RingEnvironment", "RingStrategy", "RingSyncBatchNorm"]

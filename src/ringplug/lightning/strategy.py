@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Generator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -21,11 +22,24 @@ from ..core.runtime import launcher_world_size
 from ..torch import allgather, allreduce, broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
 from ..torch.process_group import destroy_gloo_group, init_gloo_group
+from ..torch.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
 from .environment import RingEnvironment
 from .launcher import RingLauncher
 
 _OPS = {"mean": "average", "avg": "average", "average": "average", "sum": "sum", "max": "max",
         "min": "min", "product": "product"}  # fmt: skip
+
+
+class RingSyncBatchNorm(LayerSync):
+    """``Trainer(sync_batchnorm=True)`` under `RingStrategy`: batch statistics over every rank
+    through ringplug (torch's SyncBatchNorm refuses CPU tensors); ``revert`` restores the
+    original layer classes."""
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        return SyncBatchNorm.convert_sync_batchnorm(model)
+
+    def revert(self, model: torch.nn.Module) -> torch.nn.Module:
+        return revert_sync_batchnorm(model)
 
 
 class RingStrategy(ParallelStrategy):
@@ -59,7 +73,7 @@ class RingStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        compression: str = "none",
+        compression: Literal["none", "fp16"] | Compression = "none",
         gradient_predivide_factor: float = 1.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeline: str | None = None,
@@ -75,6 +89,16 @@ class RingStrategy(ParallelStrategy):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.bucket_bytes = bucket_bytes
         self.timeline = timeline
+
+    @property
+    def _layer_sync(self) -> LayerSync | None:
+        return self._ringplug_layer_sync
+
+    @_layer_sync.setter
+    def _layer_sync(self, plugin: LayerSync | None) -> None:
+        # The Trainer hands its default for sync_batchnorm=True; ours works on CPU too.
+        ours = type(plugin) is TorchSyncBatchNorm
+        self._ringplug_layer_sync = RingSyncBatchNorm() if ours else plugin
 
     # ------------------------------------------------------------------ rank facts
     @property
@@ -105,6 +129,13 @@ class RingStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
+        devices = {device.type for device in self.parallel_devices or []}
+        if devices - {"cpu"}:
+            raise NotImplementedError(
+                f"RingStrategy runs on CPU in this version; accelerator={sorted(devices)} "
+                "needs ringplug's GPU data plane (NCCL), which is not there yet. Use "
+                "Trainer(accelerator='cpu', strategy='ring'), or strategy='ddp' on GPUs."
+            )
         requested = len(self.parallel_devices or [])
         if launcher_world_size() is not None:
             # Started by ringrun / mpiexec / srun: the launcher's world is the job.
@@ -202,6 +233,14 @@ class RingStrategy(ParallelStrategy):
         self._failed = True
 
     def teardown(self) -> None:
+        module = self.lightning_module
+        fitted = (
+            module is not None
+            and module._trainer is not None
+            and module._trainer.state.fn == TrainerFn.FITTING
+        )
+        if fitted and self._layer_sync and self.model is not None:
+            self.model = self._layer_sync.revert(self.model)  # as DDP: plain layers after fit
         for optimizer in self.optimizers:
             if hasattr(optimizer, "detach_hooks"):
                 optimizer.detach_hooks()  # a later fit of the same model starts afresh
