@@ -26,7 +26,7 @@ def fit(scenario: str, tmp_path: Path, ranks: int = 2) -> list[dict]:
     return [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
 
 
-@pytest.mark.parametrize("scenario", ["plain", "by-name"])
+@pytest.mark.parametrize("scenario", ["plain", "by-name", "clip", "batchnorm"])
 def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(tmp_path, scenario):
     for report in fit(scenario, tmp_path):
         assert report["strategy"] == "RingStrategy"
@@ -37,6 +37,8 @@ def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(tmp_path, 
         assert report["norms_equal"]  # on_after_backward already saw averaged gradients
         # 2 ranks on this host share its cores instead of each using all of them.
         assert report["torch_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+        if scenario == "batchnorm":  # synchronized while fitting, the original class after
+            assert report["layer_types"] == ["BatchNorm1d", "Linear", "Tanh"]
 
 
 def test_accumulated_batches_send_gradients_once_per_optimizer_step(tmp_path):
@@ -145,3 +147,69 @@ def test_manual_optimization_two_optimizers_loader_workers_and_torchmetrics(tmp_
         assert report["trained"] and report["ranks_identical"]
         # torchmetrics summed each rank's half of the ids through the torch.distributed group.
         assert report["ids_total"] == report["expected_total"]
+
+
+CLI = str(Path(__file__).parent / "workers" / "lightning_cli.py")
+
+
+def test_lightning_cli_yaml_selects_ring_strategy_with_its_arguments(tmp_path):
+    pytest.importorskip("jsonargparse")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n  max_steps: 3\n  logger: false\n  enable_checkpointing: false\n"
+        "  enable_progress_bar: false\n  enable_model_summary: false\n"
+        "  strategy:\n"
+        "    class_path: ringplug.lightning.RingStrategy\n"
+        "    init_args:\n      compression: fp16\n      bucket_bytes: 1048576\n"
+        "  callbacks:\n"
+        "    - class_path: __main__.Report\n"
+        f"      init_args:\n        outdir: {tmp_path}\n"
+    )  # fmt: skip
+    result = run_ringrun("-np", "2", sys.executable, CLI, "fit", "--config", str(config),
+                         timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(2):
+        report = json.loads((tmp_path / f"cli-{rank}.json").read_text())
+        assert report["strategy"] == "ringplug.lightning.strategy.RingStrategy"
+        assert report["compression"] == "Compression.fp16"
+        assert report["bucket_bytes"] == 1048576
+        assert report["world_size"] == 2 and report["steps"] == 3
+        assert report["ranks_identical"]
+
+
+def test_lightning_cli_print_config_shows_every_ring_strategy_argument():
+    pytest.importorskip("jsonargparse")
+    result = subprocess.run(
+        [sys.executable, CLI, "fit", "--trainer.strategy=ringplug.lightning.RingStrategy",
+         "--trainer.strategy.timeline=/tmp/trace.json", "--print_config"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    yaml = pytest.importorskip("yaml")
+    strategy = yaml.safe_load(result.stdout)["trainer"]["strategy"]
+    assert strategy["class_path"] == "ringplug.lightning.RingStrategy"
+    assert strategy["init_args"]["timeline"] == "/tmp/trace.json"
+    assert {"compression", "gradient_predivide_factor", "bucket_bytes", "timeline",
+            "cluster_environment"} <= set(strategy["init_args"])  # fmt: skip
+
+
+def test_lightning_cli_rejects_an_unknown_compression_naming_the_choices():
+    pytest.importorskip("jsonargparse")
+    result = subprocess.run(
+        [sys.executable, CLI, "fit", "--trainer.strategy=ringplug.lightning.RingStrategy",
+         "--trainer.strategy.compression=gzip", "--print_config"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "gzip" in result.stderr and "fp16" in result.stderr
+
+
+def test_gpu_devices_are_refused_with_what_to_use_instead():
+    import torch
+
+    from ringplug.lightning import RingStrategy
+
+    strategy = RingStrategy(parallel_devices=[torch.device("cuda", 0)])
+    with pytest.raises(NotImplementedError, match="accelerator='cpu'"):
+        strategy._configure_launcher()
