@@ -259,3 +259,13 @@ def cross_rank() -> int:
 def cross_size() -> int:
     """Number of hosts (ranks with this process's local rank)."""
     return topology().cross_size
+
+
+def threads_per_rank() -> int | None:
+    """This rank's share of the host's cores (cores // ranks on the host), or None when
+    ``OMP_NUM_THREADS`` already says how many threads to use. Frameworks size their thread
+    pools with it, so that N ranks on one machine do not each use all of its cores."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // local_size())

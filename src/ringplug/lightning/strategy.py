@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Generator
 from typing import Any, Literal
 
@@ -18,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from .. import core
 from ..core.ops import ReduceOp
-from ..core.runtime import launcher_world_size
+from ..core.runtime import launcher_world_size, threads_per_rank
 from ..torch import allgather, allreduce, broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
 from ..torch.process_group import destroy_gloo_group, init_gloo_group
@@ -262,11 +261,8 @@ class RingStrategy(ParallelStrategy):
 def _split_threads() -> None:
     """Give each of the N ranks on a host 1/N of its cores for torch's intra-op threads
     (left alone when OMP_NUM_THREADS says how many)."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = max(1, (cores or 1) // core.local_size())
-    if torch.get_num_threads() > share:
+    share = threads_per_rank()
+    if share is not None and torch.get_num_threads() > share:
         torch.set_num_threads(share)
 
 

@@ -1,0 +1,115 @@
+"""One fused allreduce of a step's gradients, from inside whatever Keras's backend runs.
+
+- TensorFlow: a ``tf.numpy_function(..., stateful=True)`` op in the compiled train step.
+  Stateful ops keep program order, so every rank reduces in the same place of the step
+  (stateless ones were reordered across threads in every trial).
+- torch: eager tensors, reduced through `ringplug.torch`.
+- JAX: an ordered ``io_callback`` inside the jitted step.
+
+Gradients are grouped by dtype; each group is one request named after the optimizer, so
+repeated steps hit the negotiation cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from .. import core
+from ..core.ops import ReduceOp
+
+
+def reduce_numpy(arrays: Sequence[np.ndarray], op: ReduceOp, name: str,
+                 fp16: bool) -> list[np.ndarray]:  # fmt: skip
+    """The reductions of `arrays` (new arrays, same dtypes), one request per dtype."""
+    groups: dict[np.dtype, list[int]] = {}
+    for index, array in enumerate(arrays):
+        groups.setdefault(np.asarray(array).dtype, []).append(index)
+    handles = []
+    for dtype, indices in groups.items():
+        members = [np.ascontiguousarray(arrays[i]) for i in indices]
+        if fp16 and dtype in (np.float32, np.float64):
+            members = [member.astype(np.float16) for member in members]
+        handles.append((indices, core.grouped_allreduce_async(members, op,
+                                                              name=f"{name}.{dtype}")))  # fmt: skip
+    results: list[np.ndarray] = [np.empty(0)] * len(arrays)
+    for indices, handle in handles:
+        for index, result in zip(indices, handle.wait(), strict=True):
+            results[index] = result.astype(np.asarray(arrays[index]).dtype, copy=False)
+    return results
+
+
+def reduce_gradients(grads: list[Any], op: ReduceOp, name: str, fp16: bool,
+                     when: Any = None) -> list[Any]:  # fmt: skip
+    """`grads` (backend tensors, None for no gradient) reduced over every rank; with `when`
+    (a traced JAX boolean, the same on every rank), only where it is true."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present or core.size() == 1:
+        return list(grads)
+    backend = keras.backend.backend()
+    values = [grads[i] for i in present]
+    if backend == "tensorflow":
+        reduced = _tensorflow(values, op, name, fp16)
+    elif backend == "torch":
+        reduced = _torch(values, op, name, fp16)
+    elif backend == "jax":
+        reduced = _jax(values, op, name, fp16, when)
+    else:
+        raise NotImplementedError(f"ringplug.keras supports the tensorflow, torch and jax "
+                                  f"backends, not {backend!r}.")  # fmt: skip
+    out = list(grads)
+    for index, value in zip(present, reduced, strict=True):
+        out[index] = value
+    return out
+
+
+def _tensorflow(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[Any]:
+    import tensorflow as tf
+
+    dense = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) -> dense
+
+    def run(*arrays: np.ndarray) -> list[np.ndarray]:
+        return reduce_numpy(arrays, op, name, fp16)
+
+    reduced = tf.numpy_function(run, dense, Tout=[g.dtype for g in dense], stateful=True,
+                                name="ringplug_allreduce")  # fmt: skip
+    for out, grad in zip(reduced, dense, strict=True):
+        out.set_shape(grad.shape)
+    return list(reduced)
+
+
+def _torch(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[Any]:
+    import torch
+
+    from ..torch.collectives import as_numpy, from_numpy
+
+    if any(g.device.type != "cpu" for g in grads):
+        # Until the GPU data plane exists: through host memory, correct but not fast.
+        host = [g.detach().cpu() for g in grads]
+        return [r.to(g.device) for r, g in zip(_torch(host, op, name, fp16), grads, strict=True)]
+    works = [g.detach().contiguous() for g in grads]
+    if any(w.dtype is torch.bfloat16 for w in works):
+        works = [w.float() if w.dtype is torch.bfloat16 else w for w in works]
+    arrays = [as_numpy(w)[0] for w in works]
+    reduced = reduce_numpy(arrays, op, name, fp16)
+    return [from_numpy(r, w).to(g.dtype) for r, w, g in zip(reduced, works, grads, strict=True)]
+
+
+def _jax(grads: list[Any], op: ReduceOp, name: str, fp16: bool, when: Any) -> list[Any]:
+    import jax
+    from jax.experimental import io_callback
+
+    shapes = [jax.ShapeDtypeStruct(g.shape, g.dtype) for g in grads]
+
+    def run(*arrays: Any) -> list[np.ndarray]:
+        return reduce_numpy([np.asarray(a) for a in arrays], op, name, fp16)
+
+    def reduced(values: list[Any]) -> list[Any]:
+        return list(io_callback(run, shapes, *values, ordered=True))
+
+    if when is None:
+        return reduced(grads)
+    return jax.lax.cond(when, reduced, list, list(grads))

@@ -1,0 +1,244 @@
+"""Keras callbacks: start every rank from root's state, average epoch metrics, warm up the LR.
+
+They communicate, so none of them is marked ``async_safe``: the torch and JAX backends then
+run batch hooks in order on the training thread, as collectives need.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+
+from .. import core
+from .optimizer import is_distributed, reduce_at_the_outermost
+
+
+def broadcast_variables(variables: list[Any], root_rank: int = 0, name: str = "keras") -> None:
+    """Assign root's values to `variables` on every rank (one broadcast per dtype)."""
+    values = [keras.ops.convert_to_numpy(v) for v in variables]
+    groups: dict[np.dtype, list[int]] = {}
+    for index, value in enumerate(values):
+        groups.setdefault(value.dtype, []).append(index)
+    for dtype, indices in groups.items():
+        flat = np.concatenate([values[i].reshape(-1) for i in indices])
+        core.broadcast(flat, root_rank, out=flat, name=f"{name}.broadcast.{dtype}")
+        offset = 0
+        for i in indices:
+            count = values[i].size
+            variables[i].assign(flat[offset : offset + count].reshape(values[i].shape))
+            offset += count
+
+
+class RingBroadcast(keras.callbacks.Callback):
+    """At the start of training, every rank gets root's model weights and optimizer state.
+
+    Put it in every rank's ``fit(callbacks=...)``. The optimizer is built first if it is not
+    yet; a model that only builds on its first batch is broadcast right after that batch.
+    It warns once if the model's optimizer does not average gradients (ranks would drift
+    apart), and moves the reduction outside a LossScaleOptimizer that ``compile()`` added.
+    On TensorFlow, a model compiled with ``jit_compile=True`` trains without XLA (which
+    cannot compile the reduction), with a warning.
+
+    Args:
+        root_rank: the rank whose state everyone starts from. Defaults to 0.
+    """
+
+    def __init__(self, root_rank: int = 0) -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self._done = False
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        core.init()
+        model = self.model
+        reduce_at_the_outermost(model)
+        if keras.backend.backend() == "tensorflow" and getattr(model, "jit_compile", False):
+            # XLA cannot compile the reduction op (a host callback): train without XLA.
+            warnings.warn("ringplug: XLA cannot compile the gradient reduction, so the train "
+                          "step runs with jit_compile=False (compile(jit_compile=False) "
+                          "silences this).", stacklevel=2)  # fmt: skip
+            model.jit_compile = False
+            model.make_train_function(force=True)
+        if core.size() > 1 and not is_distributed(model.optimizer):
+            message = ("ringplug: the model's optimizer is not a ringplug.keras."
+                       "DistributedOptimizer, so gradients are not averaged and the ranks "
+                       "will drift apart. compile(optimizer=ringplug.keras."
+                       "DistributedOptimizer(...)).")  # fmt: skip
+            warnings.warn(message, stacklevel=2)
+            logging.getLogger("ringplug").warning(message)
+        self._done = False
+        if model.built and model.weights:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if not self._done:
+            self._broadcast()  # the model built itself on its first batch
+
+    def _broadcast(self) -> None:
+        model = self.model
+        optimizer = model.optimizer
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        broadcast_variables(list(model.weights) + list(optimizer.variables), self.root_rank)
+        self._done = True
+
+
+class RingMetricAverage(keras.callbacks.Callback):
+    """Average the epoch's metrics in ``logs`` (training and validation) over every rank.
+
+    Put it first in ``callbacks``: Keras hands one ``logs`` dict to the callbacks in order,
+    so EarlyStopping, ReduceLROnPlateau and ModelCheckpoint placed after it decide on the
+    averaged values, the same on every rank.
+
+    The mean of the ranks' means is the global mean when every rank sees the same number of
+    samples (what `shard` arranges) and the metric is a per-sample mean (loss, accuracy, MAE).
+    It is not the global value for metrics that do not average: AUC, precision/recall, F1,
+    or anything computed from a confusion matrix.
+    """
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is None or core.size() == 1:
+            return
+        keys = sorted(k for k, v in logs.items() if _is_number(v))
+        everyone = core.allgather_object(keys, name="keras.metric-names")
+        if any(other != keys for other in everyone):
+            raise ValueError(f"RingMetricAverage: the ranks log different metrics: "
+                             f"{dict(enumerate(everyone))}.")  # fmt: skip
+        values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
+        averaged = core.allreduce(values, "average", name="keras.metrics")
+        for key, value in zip(keys, averaged, strict=True):
+            logs[key] = float(value)
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        return np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.number)
+    except TypeError:
+        return False
+
+
+class RingWarmup(keras.callbacks.Callback):
+    """Gradual learning-rate warmup for the linear scaling rule (Goyal et al., 2017).
+
+    With N ranks the effective batch is N times larger, so the LR should be N times larger
+    too (`scale_lr`); starting there is unstable, so over the first `warmup_epochs` the LR
+    climbs linearly, per batch, from ``initial_lr / N`` to ``initial_lr``, then is left alone.
+
+    Args:
+        warmup_epochs: epochs the warmup lasts. Defaults to 5.
+        initial_lr: the LR at the end of the warmup. Defaults to the optimizer's LR at the
+            start of training (already scaled, e.g. by `scale_lr`).
+        momentum_correction: when the LR changes, rescale SGD's momentum slots by new/old,
+            so that momentum carries the new LR (the paper's correction). Defaults to True.
+        steps_per_epoch: batches per epoch. Defaults to what ``fit`` knows.
+        verbose: 1 prints the end of the warmup on rank 0. Defaults to 0.
+
+    An LR given as a ``LearningRateSchedule`` cannot be set per batch; use `WarmupSchedule`
+    around it instead.
+    """
+
+    def __init__(self, warmup_epochs: float = 5, initial_lr: float | None = None,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
+                 verbose: int = 0) -> None:  # fmt: skip
+        super().__init__()
+        self.warmup_epochs = warmup_epochs
+        self.initial_lr = initial_lr
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self._epoch = 0
+        self._finished = False
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        optimizer = _inner(self.model.optimizer)
+        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            raise TypeError(
+                "RingWarmup sets the learning rate per batch, but this optimizer's is a "
+                "LearningRateSchedule, which cannot be assigned. Wrap the schedule instead: "
+                "learning_rate=ringplug.keras.WarmupSchedule(schedule, warmup_steps=...)."
+            )
+        if self.initial_lr is None:
+            self.initial_lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.steps_per_epoch:
+            raise ValueError("RingWarmup needs the number of batches per epoch: pass "
+                             "steps_per_epoch= (fit does not know it for this data).")  # fmt: skip
+        self._finished = False
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch  # absolute: fit(initial_epoch=...) is respected
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._finished:
+            return
+        progress = (self._epoch + batch / self.steps_per_epoch) / self.warmup_epochs
+        if progress >= 1:
+            self._set(self.initial_lr)
+            self._finished = True
+            if self.verbose and core.rank() == 0:
+                print(f"\nEpoch {self._epoch + 1}: finished the gradual learning rate warmup "
+                      f"to {self.initial_lr:g}.")  # fmt: skip
+            return
+        size = core.size()
+        self._set(self.initial_lr / size * (1 + progress * (size - 1)))
+
+    def _set(self, lr: float) -> None:
+        optimizer = _inner(self.model.optimizer)
+        old = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+        if lr == old:
+            return
+        momentums = getattr(optimizer, "momentums", None)
+        if self.momentum_correction and momentums and old > 0:
+            for slot in momentums:
+                slot.assign(slot * (lr / old))
+        optimizer.learning_rate = lr
+
+
+def _inner(optimizer: Any) -> Any:
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+@keras.saving.register_keras_serializable(package="ringplug")
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A learning-rate schedule with the gradual warmup of `RingWarmup` in front.
+
+    For step < warmup_steps the LR is ``after(step) * (1/N + (1 - 1/N) * step /
+    warmup_steps)``, then ``after(step)``: from 1/N of the target up to it. Serializable, so
+    saved models keep it.
+
+    Args:
+        after: the LR (a float) or schedule to warm up to.
+        warmup_steps: optimizer steps the warmup lasts.
+        size: N, the number of ranks. Defaults to ``ringplug.size()`` when built.
+    """
+
+    def __init__(self, after: float | keras.optimizers.schedules.LearningRateSchedule,
+                 warmup_steps: int, size: int | None = None) -> None:  # fmt: skip
+        self.after = after
+        self.warmup_steps = int(warmup_steps)
+        self.size = int(size) if size is not None else core.size()
+
+    def __call__(self, step: Any) -> Any:
+        ops = keras.ops
+        step = ops.cast(step, "float32")
+        target = self.after(step) if callable(self.after) else ops.cast(self.after, "float32")
+        fraction = ops.minimum(step / max(self.warmup_steps, 1), 1.0)
+        return target * (1.0 / self.size + (1.0 - 1.0 / self.size) * fraction)
+
+    def get_config(self) -> dict[str, Any]:
+        after = self.after
+        if isinstance(after, keras.optimizers.schedules.LearningRateSchedule):
+            after = keras.saving.serialize_keras_object(after)
+        return {"after": after, "warmup_steps": self.warmup_steps, "size": self.size}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> WarmupSchedule:
+        after = config["after"]
+        if isinstance(after, dict):
+            after = keras.saving.deserialize_keras_object(after)
+        return cls(after, config["warmup_steps"], config["size"])

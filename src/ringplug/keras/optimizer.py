@@ -1,0 +1,196 @@
+"""`DistributedOptimizer` for Keras 3: a step's gradients are averaged over every rank,
+in one fused call, before they are clipped and applied.
+
+The hook is the optimizer's ``_clip_gradients``, which Keras 3 calls once per update on
+every backend, right before the update itself: after gradient accumulation (so the
+``gradient_accumulation_steps - 1`` accumulating steps send nothing) and before
+``clipnorm`` / ``global_clipnorm`` (so clipping sees averaged gradients).
+
+Under ``mixed_float16`` Keras wraps the optimizer in a ``LossScaleOptimizer`` that skips the
+inner update when this rank's gradients are not finite. A rank that skipped would leave the
+others waiting in the collective, so for a loss-scale optimizer the reduction moves to its
+``apply``, before the finiteness check: every rank then sees the same averaged gradients and
+makes the same decision. `RingBroadcast` moves it there when ``compile()`` did the wrapping.
+
+The optimizer keeps its class name and module, so a saved model loads with the plain
+optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+from typing import Any
+
+import keras
+
+from .. import core
+from ..core.ops import Average, ReduceOp, as_op
+from ._reduce import reduce_gradients
+
+_IDS = itertools.count()
+
+
+@dataclasses.dataclass
+class _Settings:
+    op: ReduceOp
+    fp16: bool
+    name: str
+    enabled: bool = True
+    warned_mixed: bool = False
+
+
+class _ReduceBeforeClipping:
+    """Mixed into a plain Keras optimizer's class."""
+
+    _ringplug: _Settings
+
+    def _clip_gradients(self, grads: list[Any]) -> list[Any]:
+        settings = self._ringplug
+        if settings.enabled:
+            _warn_if_loss_scaled_elsewhere(settings)
+            grads = reduce_gradients(list(grads), settings.op, settings.name, settings.fp16,
+                                     when=self._ringplug_update_step())  # fmt: skip
+        return super()._clip_gradients(grads)  # type: ignore[misc]
+
+    def _ringplug_update_step(self) -> Any:
+        """On JAX, gradient accumulation clips (and so reduces) on every micro-step and
+        throws the result away on all but the last: there, reduce only on that last one."""
+        steps = getattr(self, "gradient_accumulation_steps", None)
+        if not steps or keras.backend.backend() != "jax":
+            return None
+        return (self._iterations + 1) % steps == 0  # type: ignore[attr-defined]
+
+
+class _ReduceBeforeFinitenessCheck:
+    """Mixed into a LossScaleOptimizer's class."""
+
+    _ringplug: _Settings
+
+    def apply(self, grads: list[Any], trainable_variables: Any = None) -> Any:
+        return super().apply(self._ringplug_reduce(grads), trainable_variables)  # type: ignore[misc]
+
+    def stateless_apply(self, optimizer_variables: Any, grads: list[Any],
+                        trainable_variables: Any) -> Any:  # fmt: skip
+        # The JAX backend's path.
+        return super().stateless_apply(  # type: ignore[misc]
+            optimizer_variables, self._ringplug_reduce(grads), trainable_variables
+        )
+
+    def _ringplug_reduce(self, grads: list[Any]) -> list[Any]:
+        settings = self._ringplug
+        if not settings.enabled:
+            return list(grads)
+        return reduce_gradients(list(grads), settings.op, settings.name, settings.fp16)
+
+
+def _warn_if_loss_scaled_elsewhere(settings: _Settings) -> None:
+    if settings.warned_mixed or keras.config.dtype_policy().name != "mixed_float16":
+        return
+    settings.warned_mixed = True
+    warnings.warn(
+        "ringplug: a mixed_float16 policy is active and this DistributedOptimizer may sit "
+        "inside the LossScaleOptimizer that compile() adds, where a rank with inf gradients "
+        "skips the reduction and the others wait for it. Add ringplug.keras.RingBroadcast() "
+        "to fit's callbacks (it moves the reduction), or wrap it yourself: "
+        "DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer)).",
+        stacklevel=3,
+    )
+
+
+def _class_for(base: type) -> type:
+    if is_distributed_class(base):
+        return base
+    loss_scaled = issubclass(base, keras.optimizers.LossScaleOptimizer)
+    mixin = _ReduceBeforeFinitenessCheck if loss_scaled else _ReduceBeforeClipping
+    # Same name and module as the original, so that saving writes the original class.
+    return type(base.__name__, (mixin, base), {"__module__": base.__module__,
+                                                 "__qualname__": base.__qualname__})  # fmt: skip
+
+
+def is_distributed_class(cls: type) -> bool:
+    return issubclass(cls, (_ReduceBeforeClipping, _ReduceBeforeFinitenessCheck))
+
+
+def is_distributed(optimizer: Any) -> bool:
+    """Whether `optimizer` (or, for a loss-scale optimizer, its inner one) reduces."""
+    if getattr(optimizer, "_ringplug", None) is not None and optimizer._ringplug.enabled:
+        return True
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return inner is not None and is_distributed(inner)
+
+
+def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
+    optimizer: keras.optimizers.Optimizer,
+    op: ReduceOp | str = Average,
+    backward_passes_per_step: int = 1,
+    compression: str | None = None,
+) -> keras.optimizers.Optimizer:
+    """Make `optimizer` average its gradients over every rank before each update.
+
+    Args:
+        optimizer: a Keras 3 optimizer (or a ``LossScaleOptimizer``); changed in place and
+            returned.
+        op: ``Average`` (default) or ``Sum``.
+        backward_passes_per_step: batches whose gradients accumulate locally before one
+            reduction and one update; Keras's own ``gradient_accumulation_steps`` (set it
+            here or there). Defaults to 1.
+        compression: ``None`` (default) or ``"fp16"``: float gradients travel as float16.
+
+    Returns:
+        The same optimizer object, now of a subclass of its class that keeps the class's
+        name, so ``model.save`` writes (and loading gives) the plain optimizer.
+
+    Example:
+        >>> opt = ringplug.keras.DistributedOptimizer(  # doctest: +SKIP
+        ...     keras.optimizers.SGD(ringplug.keras.scale_lr(0.01), momentum=0.9))
+        >>> model.compile(optimizer=opt, loss="mse")
+    """
+    core.runtime.engine()  # fail early, with the right message, before init()
+    reduce_op = as_op(op)
+    if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError("DistributedOptimizer reduces gradients with Average or Sum.")
+    if compression not in (None, "none", "fp16"):
+        raise ValueError(f"compression must be None or 'fp16', not {compression!r}.")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be at least 1.")
+    if backward_passes_per_step > 1:
+        _set_accumulation(optimizer, backward_passes_per_step)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None and getattr(inner, "_ringplug", None) is not None:
+        inner._ringplug.enabled = False  # the loss-scale wrapper reduces instead
+    optimizer.__class__ = _class_for(type(optimizer))
+    optimizer._ringplug = _Settings(reduce_op, compression == "fp16",
+                                    f"keras.gradients.{next(_IDS)}")  # fmt: skip
+    return optimizer
+
+
+def _set_accumulation(optimizer: Any, steps: int) -> None:
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    current = target.gradient_accumulation_steps
+    if current == steps:
+        return
+    if current or target.built:
+        raise ValueError(
+            f"backward_passes_per_step={steps} disagrees with the optimizer's "
+            f"gradient_accumulation_steps={current}"
+            + (" (and the optimizer is already built)" if target.built else "")
+            + "; set one of them, before the optimizer is built."
+        )
+    target.gradient_accumulation_steps = steps
+
+
+def reduce_at_the_outermost(model: keras.Model) -> None:
+    """Move the reduction to a LossScaleOptimizer that ``compile()`` wrapped around a
+    DistributedOptimizer (see the module docstring)."""
+    optimizer = model.optimizer
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is None or getattr(optimizer, "_ringplug", None) is not None:
+        return
+    settings = getattr(inner, "_ringplug", None)
+    if settings is None or not settings.enabled:
+        return
+    optimizer.__class__ = _class_for(type(optimizer))
+    optimizer._ringplug = dataclasses.replace(settings)
+    settings.enabled = False

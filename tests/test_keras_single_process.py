@@ -1,0 +1,104 @@
+"""ringplug.keras pieces that need no second rank: sharding, the warmup schedule, errors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+import ringplug.keras as rk  # noqa: E402
+
+
+def elements(dataset) -> list[int]:
+    return [int(v) for v in dataset.as_numpy_iterator()]
+
+
+@pytest.mark.parametrize("count", [11, 12, 1])
+def test_shard_gives_every_rank_as_many_disjoint_samples(count):
+    size = 3
+    shards = [elements(rk.shard(tf.data.Dataset.range(count), rank=r, size=size))
+              for r in range(size)]  # fmt: skip
+    assert [len(s) for s in shards] == [count // size] * size
+    flat = [v for s in shards for v in s]
+    assert len(set(flat)) == len(flat) and set(flat) <= set(range(count))
+
+
+def test_shard_refuses_a_dataset_of_unknown_length_and_says_what_to_do():
+    unknown = tf.data.Dataset.range(10).filter(lambda v: v % 2 == 0)
+    with pytest.raises(ValueError, match="assert_cardinality"):
+        rk.shard(unknown, rank=0, size=2)
+    known = unknown.apply(tf.data.experimental.assert_cardinality(5))
+    assert elements(rk.shard(known, rank=1, size=2)) == [2, 6]
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count = count
+        self.epochs = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int):
+        return np.full((2, 1), index, np.float32), np.zeros((2, 1), np.float32)
+
+    def on_epoch_end(self) -> None:
+        self.epochs += 1
+
+
+def test_sharded_pydataset_gives_every_rank_the_same_number_of_distinct_batches():
+    base = Batches(7)
+    shards = [rk.ShardedPyDataset(base, rank=r, size=3) for r in range(3)]
+    assert [len(s) for s in shards] == [2, 2, 2]
+    seen = [int(s[i][0][0, 0]) for s in shards for i in range(len(s))]
+    assert sorted(seen) == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(IndexError):
+        shards[0][2]
+    shards[0].on_epoch_end()
+    assert base.epochs == 1
+
+
+def test_warmup_schedule_climbs_from_one_nth_and_survives_serialization():
+    after = keras.optimizers.schedules.ExponentialDecay(0.4, decay_steps=10, decay_rate=0.5)
+    schedule = rk.WarmupSchedule(after, warmup_steps=8, size=4)
+    for step in (0, 4, 8, 20):
+        fraction = min(step / 8, 1.0)
+        expected = float(after(step)) * (0.25 + 0.75 * fraction)
+        assert float(schedule(step)) == pytest.approx(expected, rel=1e-6)
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(schedule))
+    assert isinstance(restored, rk.WarmupSchedule)
+    assert [float(restored(s)) for s in (0, 5, 30)] == pytest.approx(
+        [float(schedule(s)) for s in (0, 5, 30)])  # fmt: skip
+
+
+def test_ring_warmup_explains_what_to_do_with_a_schedule():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+    with pytest.raises(TypeError, match="WarmupSchedule"):
+        model.fit(np.zeros((4, 2)), np.zeros((4, 1)), verbose=0, callbacks=[rk.RingWarmup(1)])
+
+
+def test_distributed_optimizer_refuses_bad_settings():
+    rk.init()
+    with pytest.raises(ValueError, match="compression"):
+        rk.DistributedOptimizer(keras.optimizers.SGD(), compression="gzip")
+    with pytest.raises(ValueError, match="Average or Sum"):
+        rk.DistributedOptimizer(keras.optimizers.SGD(), op="max")
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=3"):
+        rk.DistributedOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=3),
+                                backward_passes_per_step=2)  # fmt: skip
+
+
+def test_world_of_one_helpers():
+    assert rk.scale_lr(0.1) == pytest.approx(0.1)
+    marker = keras.callbacks.Callback()
+    assert rk.on_rank_zero(marker) == [marker]
+    assert rk.verbose(2) == 2
