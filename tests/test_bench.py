@@ -109,3 +109,21 @@ def test_lightning_bench_runs_ring_and_ddp_in_alternating_pairs(tmp_path):
     assert all(row["samples_per_s"] > 0 for row in document["results"])
     assert [row["ranks"] for row in document["results"]] == [2, 2, 1, 1, 2, 2, 1, 1]
     assert "median RingStrategy / DDP throughput" in result.stdout
+
+
+def test_keras_bench_runs_ringplug_and_mwms_in_alternating_pairs(tmp_path):
+    pytest.importorskip("keras")
+    pytest.importorskip("tensorflow")
+    result = subprocess.run(
+        [BENCH, "keras", "--pairs", "2", "--steps", "6", "--hidden", "32",
+         "--json", str(tmp_path / "keras.json")],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((tmp_path / "keras.json").read_text())
+    impls = [row["impl"] for row in document["results"]]
+    assert impls == ["ringplug", "mwms", "ringplug-1", "plain",
+                     "mwms", "ringplug", "plain", "ringplug-1"]  # fmt: skip
+    assert all(row["samples_per_s"] > 0 for row in document["results"])
+    assert [row["ranks"] for row in document["results"]] == [2, 2, 1, 1, 2, 2, 1, 1]
+    assert "median ringplug / MWMS throughput" in result.stdout

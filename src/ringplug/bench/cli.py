@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import allreduce, fusion, lightning_compare
+from . import allreduce, fusion, keras_compare, lightning_compare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
             "lightning", help="RingStrategy against DDP (gloo) on CPU; starts every job itself"
         )
     )
+    keras_compare.add_arguments(
+        commands.add_parser(
+            "keras",
+            help="ringplug against tf.distribute MultiWorkerMirroredStrategy on CPU; "
+            "starts every job itself",
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "allreduce":
         return allreduce.run(args)
@@ -38,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return fusion.run(args)
     if args.command == "lightning":
         return lightning_compare.run(args)
+    if args.command == "keras":
+        return keras_compare.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

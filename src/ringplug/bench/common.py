@@ -142,3 +142,37 @@ def plot_busbw(path: str, title: str, records: list[Record]) -> None:
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def alternating_pairs(
+    pairs: int,
+    comparisons: list[tuple[str, str, str, int]],
+    job: Callable[[str, int], dict],
+    label: Callable[[str, int], str],
+) -> tuple[list[Record], dict[str, list[float]]]:
+    """Run training jobs in alternating pairs, so that drift on a shared machine hits both
+    sides of a comparison alike.
+
+    `comparisons` holds (name, first impl, second impl, ranks); `job(impl, ranks)` runs one
+    job and returns its result (``samples_per_s``, ``seconds``, ``steps_timed``, ``ranks``,
+    ``parameters``). Returns the records (labelled by `label(impl, ranks)`) and, per
+    comparison, the first/second throughput ratio of each pair.
+    """
+    records: list[Record] = []
+    ratios: dict[str, list[float]] = {name: [] for name, *_ in comparisons}
+    for pair in range(pairs):
+        for name, first, second, ranks in comparisons:
+            order = (first, second) if pair % 2 == 0 else (second, first)
+            results = {impl: job(impl, ranks) for impl in order}
+            ratio = results[first]["samples_per_s"] / results[second]["samples_per_s"]
+            ratios[name].append(ratio)
+            for impl, result in results.items():
+                records.append(Record(label(impl, ranks), "train", "float32", 0,
+                                      result["ranks"], result["seconds"], 0.0, 0.0,
+                                      result["steps_timed"],
+                                      {"samples_per_s": result["samples_per_s"], "pair": pair,
+                                       "parameters": result["parameters"]}))  # fmt: skip
+            print(f"pair {pair}: {name} = {ratio:.3f} ("
+                  + ", ".join(f"{k} {v['samples_per_s']:.1f} samples/s"
+                              for k, v in results.items()) + ")", flush=True)  # fmt: skip
+    return records, ratios

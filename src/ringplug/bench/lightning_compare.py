@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import Record, write_json
+from .common import alternating_pairs, write_json
 
 JOB = str(Path(__file__).with_name("lightning_job.py"))
 
@@ -47,27 +47,12 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
-    records: list[Record] = []
-    ratios: dict[str, list[float]] = {"ring/ddp": [], "ring-1/none": []}
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
-        workdir = Path(tmp)
-        for pair in range(args.pairs):
-            for (name, first, second, ranks) in (("ring/ddp", "ring", "ddp", 2),
-                                                 ("ring-1/none", "ring", "none", 1)):  # fmt: skip
-                order = (first, second) if pair % 2 == 0 else (second, first)
-                results = {impl: _job(impl, ranks, args, workdir) for impl in order}
-                ratio = results[first]["samples_per_s"] / results[second]["samples_per_s"]
-                ratios[name].append(ratio)
-                for impl, result in results.items():
-                    label = f"{impl}-1" if ranks == 1 and impl == "ring" else impl
-                    records.append(Record(label, "train", "float32", 0, result["ranks"],
-                                          result["seconds"], 0.0, 0.0, result["steps_timed"],
-                                          {"samples_per_s": result["samples_per_s"],
-                                           "pair": pair,
-                                           "parameters": result["parameters"]}))  # fmt: skip
-                print(f"pair {pair}: {name} = {ratio:.3f} ("
-                      + ", ".join(f"{k} {v['samples_per_s']:.1f} samples/s"
-                                  for k, v in results.items()) + ")", flush=True)  # fmt: skip
+        records, ratios = alternating_pairs(
+            args.pairs, [("ring/ddp", "ring", "ddp", 2), ("ring-1/none", "ring", "none", 1)],
+            lambda impl, ranks: _job(impl, ranks, args, Path(tmp)),
+            lambda impl, ranks: f"{impl}-1" if ranks == 1 and impl == "ring" else impl,
+        )  # fmt: skip
     ring_ddp = statistics.median(ratios["ring/ddp"])
     overhead = 1 - statistics.median(ratios["ring-1/none"])
     print(f"# median RingStrategy / DDP throughput, 2 ranks: {ring_ddp:.3f}x (target >= 1.3)")
