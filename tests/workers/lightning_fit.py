@@ -50,7 +50,11 @@ class Regressor(L.LightningModule):
         self.after_backward_norms.append(float(norm))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.2)
+        # A scheduler made before the strategy wraps the optimizer still steps it, and the
+        # wrapped one (see the reference's schedule).
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.2)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 def data(size: int) -> TensorDataset:
@@ -69,6 +73,7 @@ def reference(scenario: str, size: int, root_state: dict, accumulate: int) -> to
     net = make_net(scenario)
     net.load_state_dict(root_state)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.2)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     dataset = data(size)
     orders = [list(DistributedSampler(dataset, num_replicas=size, rank=r, shuffle=True, seed=0))
               for r in range(size)]  # fmt: skip
@@ -82,6 +87,7 @@ def reference(scenario: str, size: int, root_state: dict, accumulate: int) -> to
         if scenario == "clip":
             torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
         optimizer.step()
+        schedule.step()
     return net
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -261,8 +262,30 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)  # same param_groups, state and hooks
+    _retarget_scheduler_patch(distributed)
     distributed._ringplug_setup(
         named_parameters, backward_passes_per_step, compression, as_op(op),
         float(gradient_predivide_factor), int(bucket_bytes),
     )  # fmt: skip
     return distributed
+
+
+def _retarget_scheduler_patch(distributed: Any) -> None:
+    """An LR scheduler made before wrapping patched the original optimizer's ``step`` (to
+    notice the first call), through a weak reference to that original: copied as it is, it
+    would step the original, past the reduction, or fail once the original is collected.
+    Patch the distributed optimizer's own step the same way instead."""
+    patched = distributed.__dict__.pop("step", None)
+    if patched is None or not getattr(patched, "_wrapped_by_lr_sched", False):
+        if patched is not None:
+            distributed.step = patched  # somebody else's override: keep it
+        return
+    owner = weakref.ref(distributed)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        optimizer = owner()
+        optimizer._opt_called = True  # what the scheduler's patch records
+        return type(optimizer).step(optimizer, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    distributed.step = step
