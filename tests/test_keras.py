@@ -18,7 +18,7 @@ WORKER = str(Path(__file__).parent / "workers" / "keras_fit.py")
 SCENARIOS = ["plain", "clipnorm", "accumulate", "mixed", "warmup", "early_stopping",
              "save_load", "late_build", "undistributed"]  # fmt: skip
 BACKENDS = {
-    "tensorflow": [*SCENARIOS, "steps_per_execution", "xla"],
+    "tensorflow": [*SCENARIOS, "steps_per_execution", "xla", "bucketed"],
     "torch": SCENARIOS,  # Keras's torch backend has no steps_per_execution
     "jax": [*SCENARIOS, "steps_per_execution"],
 }
@@ -121,3 +121,16 @@ def test_an_undistributed_optimizer_is_warned_about(run):
     for report in run["reports"]:
         assert any("not a ringplug.keras.DistributedOptimizer" in w
                    for w in report["undistributed"]["warnings"])  # fmt: skip
+
+
+def test_bucketed_tf_data_keeps_samples_aligned_and_batch_counts_equal(run):
+    if "bucketed" not in run["reports"][0]:
+        pytest.skip("the tf.data pipeline is tested on the TensorFlow backend")
+    reports = [report["bucketed"] for report in run["reports"]]
+    assert all(r["aligned"] and r["identical"] and r["fit_epochs"] == 2 for r in reports)
+    for epoch in range(2):
+        walks = [r["epochs"][epoch] for r in reports]
+        assert walks[0]["batches"] == walks[1]["batches"]
+        ids = walks[0]["ids"] + walks[1]["ids"]
+        assert set(ids) == set(range(101))  # every sample, plus a few repeats at most
+    assert reports[0]["epochs"][0]["ids"] != reports[0]["epochs"][1]["ids"]  # next epoch's order

@@ -219,6 +219,43 @@ def scenario_undistributed() -> dict:
     return {"warnings": [str(w.message) for w in caught if "ringplug" in str(w.message)]}
 
 
+def scenario_bucketed() -> dict:
+    """bucketed_dataset on 101 skewed-length samples: aligned, equal batch counts, fit."""
+    import tensorflow as tf
+
+    lengths = [1 + (i * 7919 % 97) ** 2 // 40 for i in range(101)]
+
+    def load(i: int) -> tuple:
+        return (np.full((2, lengths[i]), i, np.float32),
+                np.full(1 + i % 5, i % 10 + 1, np.int64), i)  # fmt: skip
+
+    signature = (tf.TensorSpec((None, 2, None), tf.float32), tf.TensorSpec((None,), tf.int64),
+                 tf.TensorSpec((None, None), tf.int64), tf.TensorSpec((None,), tf.int64),
+                 tf.TensorSpec((None,), tf.int64))  # fmt: skip
+    dataset = rk.bucketed_dataset(load, lengths, signature, max_tokens=2000, seed=2)
+    epochs, aligned = [], True
+    for _ in range(2):
+        ids, batches = [], 0
+        for inputs, widths, targets, target_lengths, batch_ids in dataset:
+            batches += 1
+            for row, i in enumerate(batch_ids.numpy().tolist()):
+                ids.append(i)
+                aligned &= int(widths[row]) == lengths[i]
+                aligned &= bool((inputs[row, :, : lengths[i]].numpy() == i).all())
+                aligned &= targets[row, : int(target_lengths[row])].numpy().tolist() == [
+                    i % 10 + 1
+                ] * (1 + i % 5)
+        epochs.append({"ids": ids, "batches": batches})
+    # Training on it: one reduction per batch, so unequal counts would hang here.
+    features = dataset.map(lambda x, w, t, tl, i: (tf.reduce_mean(x, axis=[1, 2])[:, None],
+                                                  tf.cast(tl, tf.float32)[:, None]))  # fmt: skip
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(1e-4)), loss="mse")
+    history = model.fit(features, epochs=2, verbose=0, callbacks=[rk.RingBroadcast(0)])
+    return {"epochs": epochs, "aligned": bool(aligned), "fit_epochs": len(history.history["loss"]),
+            "identical": identical_everywhere(flat_weights(model))}  # fmt: skip
+
+
 def main(outdir: Path, scenarios: list[str]) -> None:
     rk.init()
     report = {"backend": keras.backend.backend()}
@@ -234,6 +271,7 @@ def main(outdir: Path, scenarios: list[str]) -> None:
         "early_stopping": lambda: scenario_early_stopping(outdir),
         "save_load": lambda: scenario_save_load(outdir),
         "late_build": scenario_late_build,
+        "bucketed": scenario_bucketed,
         "undistributed": scenario_undistributed,
     }  # fmt: skip
     for name in scenarios or list(runs):

@@ -30,7 +30,7 @@ from .callbacks import (
     WarmupSchedule,
     broadcast_variables,
 )
-from .data import ShardedPyDataset, shard
+from .data import ShardedPyDataset, bucketed_dataset, shard
 from .optimizer import DistributedOptimizer
 
 
@@ -82,6 +82,7 @@ def verbose(level: int | str = "auto") -> Any:
 
 __all__ = [
     "Average", "DistributedOptimizer", "RingBroadcast", "RingMetricAverage", "RingWarmup",
-    "ShardedPyDataset", "Sum", "WarmupSchedule", "broadcast_variables", "init",
+    "ShardedPyDataset", "Sum", "WarmupSchedule", "broadcast_variables", "bucketed_dataset",
+    "init",
     "on_rank_zero", "scale_lr", "shard", "verbose",
 ]  # fmt: skip

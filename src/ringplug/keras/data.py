@@ -6,12 +6,16 @@ gradient reduction.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 
 from .. import core
+from ..data.plan import pad_numpy, plan_batches
 
 
 def shard(dataset: Any, rank: int | None = None, size: int | None = None) -> Any:
@@ -80,3 +84,57 @@ class ShardedPyDataset(keras.utils.PyDataset):
 
     def on_epoch_end(self) -> None:
         self.dataset.on_epoch_end()
+
+
+def bucketed_dataset(
+    load: Callable[[int], tuple],
+    lengths: Sequence[int] | np.ndarray,
+    output_signature: Any,
+    *,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
+    collate: Callable[[list[tuple]], tuple] = pad_numpy,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+) -> Any:
+    """A ``tf.data.Dataset`` of this rank's padded batches of similar lengths, the same
+    number on every rank: `ringplug.data.DistributedBucketSampler`'s plan for tf.data.
+
+    Bucketing after sharding would give each rank its own length mix and so its own batch
+    count (the last reduction would then hang); here the batches are formed from the global
+    index order first and whole batches are dealt to the ranks. Each pass over the dataset
+    (each ``fit`` epoch) takes the next epoch's order.
+
+    Args:
+        load: sample index -> a sample, e.g. ``(image, label_sequence, index)``.
+        lengths: each sample's length (what padding pads).
+        output_signature: the ``tf.TensorSpec`` tuple of one collated batch.
+        batch_size / max_tokens, shuffle, seed, drop_last: as for the sampler.
+        collate: samples -> batch arrays; defaults to `ringplug.data.pad_numpy`
+            ``(inputs, input_lengths, targets, target_lengths, *extras)``.
+
+    With ``batch_size`` the dataset's length is known (the same every epoch). With
+    ``max_tokens`` it varies a little from epoch to epoch (equal on every rank) and is left
+    unknown; Keras then takes the first epoch's count for the later ones, ending an epoch
+    early or leaving its last batches out, alike on every rank (it warns that the input
+    "ran out of data"). Use ``batch_size`` where every epoch must see every sample.
+    """
+    import tensorflow as tf
+
+    replicas, rank = core.size(), core.rank()
+    epochs = itertools.count()
+
+    def plan(epoch: int) -> list[list[int]]:
+        return plan_batches(lengths, batch_size=batch_size, max_tokens=max_tokens,
+                            num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed,
+                            epoch=epoch, drop_last=drop_last).batches  # fmt: skip
+
+    def batches() -> Any:
+        for batch in plan(next(epochs)):
+            yield collate([load(i) for i in batch])
+
+    dataset = tf.data.Dataset.from_generator(batches, output_signature=output_signature)
+    if batch_size is not None:
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(plan(0))))
+    return dataset.prefetch(2)

@@ -163,6 +163,7 @@ class RingStrategy(ParallelStrategy):
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
+        _leave_sharded_loaders_alone(trainer)
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
@@ -256,6 +257,25 @@ class RingStrategy(ParallelStrategy):
             cls.strategy_name, cls, description="Data-parallel training over ringplug's ring",
             override=True,
         )  # fmt: skip
+
+
+def _leave_sharded_loaders_alone(trainer: Any) -> None:
+    """Lightning replaces a DataLoader's sampler with a DistributedSampler and rebuilds
+    custom batch samplers (raising for those made outside a ``*_dataloader`` hook). A batch
+    sampler that already shards by rank (``shards_by_rank``, as ringplug's
+    DistributedBucketSampler) needs neither: its DataLoader is kept as it is."""
+    connector = trainer._data_connector
+    if getattr(connector, "_ringplug_leaves_sharded", False):
+        return
+    prepare = connector._prepare_dataloader
+
+    def prepare_unless_sharded(dataloader: Any, shuffle: bool, mode: Any) -> Any:
+        if getattr(getattr(dataloader, "batch_sampler", None), "shards_by_rank", False):
+            return dataloader
+        return prepare(dataloader, shuffle=shuffle, mode=mode)
+
+    connector._prepare_dataloader = prepare_unless_sharded
+    connector._ringplug_leaves_sharded = True
 
 
 def _split_threads() -> None:
