@@ -188,15 +188,23 @@ class RingWarmup(keras.callbacks.Callback):
         self._set(self.initial_lr / size * (1 + progress * (size - 1)))
 
     def _set(self, lr: float) -> None:
-        optimizer = _inner(self.model.optimizer)
-        old = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-        if lr == old:
-            return
-        momentums = getattr(optimizer, "momentums", None)
-        if self.momentum_correction and momentums and old > 0:
-            for slot in momentums:
-                slot.assign(slot * (lr / old))
-        optimizer.learning_rate = lr
+        set_learning_rate(self.model.optimizer, lr, self.momentum_correction)
+
+
+def set_learning_rate(optimizer: Any, lr: float, momentum_correction: bool = True) -> None:
+    """Assign `lr` to `optimizer` (the inner one of a loss-scale optimizer); with
+    `momentum_correction`, rescale SGD's momentum slots by new/old LR, so that the velocity
+    they carry matches the new rate (Keras bakes ``momentum`` into the trace, so the slots
+    are what can change)."""
+    optimizer = _inner(optimizer)
+    old = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    if lr == old:
+        return
+    momentums = getattr(optimizer, "momentums", None)
+    if momentum_correction and momentums and old > 0:
+        for slot in momentums:
+            slot.assign(slot * (lr / old))
+    optimizer.learning_rate = lr
 
 
 def _inner(optimizer: Any) -> Any:

@@ -25,6 +25,7 @@ from ..core import (
 from .collectives import (
     TensorHandle,
     allgather,
+    allgather_async,
     allreduce,
     allreduce_,
     allreduce_async,
@@ -49,7 +50,7 @@ from .sync_batchnorm import SyncBatchNorm
 
 __all__ = [
     "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",
-    "SyncBatchNorm", "TensorHandle", "allgather", "allgather_object",
+    "SyncBatchNorm", "TensorHandle", "allgather", "allgather_async", "allgather_object",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "broadcast",
     "broadcast_", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "grouped_allreduce", "grouped_allreduce_",

@@ -214,10 +214,15 @@ def broadcast(tensor: torch.Tensor, root_rank: int = 0, *, name: str | None = No
 
 
 def _allgather(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+    return allgather_async(tensor, name=name).wait()
+
+
+def allgather_async(tensor: torch.Tensor, *, name: str | None = None) -> TensorHandle:
+    """Start an allgather; `wait()` returns every rank's `tensor` concatenated (no autograd)."""
     _check(tensor, "allgather", name)
     array, dtype = as_numpy(tensor.detach().contiguous())
-    gathered = core.allgather(array, name=name, dtype=dtype)
-    return from_numpy(gathered, tensor)
+    handle = core.allgather_async(array, name=name, dtype=dtype)
+    return TensorHandle(handle, lambda gathered: from_numpy(gathered, tensor))
 
 
 class _AllgatherWithGrad(torch.autograd.Function):

@@ -1,0 +1,129 @@
+"""What ``ringplug.horovod.torch`` and ``ringplug.horovod.keras`` share: Horovod's basics
+(init, ranks, capability queries, ops, timeline) on ringplug's core."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import core
+from ..core.ops import ReduceOp, as_op
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
+class _Adasum:
+    """Horovod's Adasum op, which ringplug does not implement."""
+
+    name = "ADASUM"
+
+    def __repr__(self) -> str:
+        return "Adasum"
+
+
+Adasum = _Adasum()
+
+
+class _GlobalProcessSet:
+    """All ranks: the only process set ringplug has."""
+
+    process_set_id = 0
+
+    def size(self) -> int:
+        return core.size()
+
+    def rank(self) -> int:
+        return core.rank()
+
+    def included(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "ProcessSet(global)"
+
+
+global_process_set = _GlobalProcessSet()
+
+
+def check_process_set(process_set: Any) -> None:
+    if process_set is not global_process_set and process_set is not None:
+        raise NotImplementedError(
+            "ringplug has no process sets: every collective runs over all ranks. Leave "
+            "process_set at its default (hvd.global_process_set)."
+        )
+
+
+def resolve_op(average: bool | None, op: Any) -> ReduceOp:
+    """Horovod's (average, op) pair -> one op; Average when neither is given."""
+    if op is Adasum:
+        raise NotImplementedError(
+            "ringplug does not implement Adasum; use op=hvd.Average (with the linear "
+            "scaling rule and LR warmup) or hvd.Sum."
+        )
+    if op is not None and average is not None:
+        raise ValueError("give either op= or the deprecated average=, not both.")
+    if op is None:
+        return ReduceOp.SUM if average is False else ReduceOp.AVERAGE
+    return as_op(op)
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Start ringplug (MPI) on all ranks; `comm` and `process_sets` are not supported."""
+    if comm is not None or process_sets not in (None, []):
+        raise NotImplementedError("ringplug.horovod.init() runs over MPI's world; it takes no "
+                                  "communicator or process sets.")  # fmt: skip
+    core.init()
+
+
+shutdown = core.shutdown
+is_initialized = core.is_initialized
+size = core.size
+rank = core.rank
+local_size = core.local_size
+local_rank = core.local_rank
+cross_size = core.cross_size
+cross_rank = core.cross_rank
+
+
+def mpi_threads_supported() -> bool:
+    return True  # ringplug runs MPI at THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    return True
+
+
+def mpi_built() -> bool:
+    return True
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    return 0  # no GPU data plane yet
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Write a Chrome trace of the engine to `file_path` (rank 0)."""
+    core.start_timeline(file_path)
+
+
+def stop_timeline() -> None:
+    core.stop_timeline()

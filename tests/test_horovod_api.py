@@ -1,0 +1,75 @@
+"""Scripts written against Horovod's API (only ``hvd.*`` names) run on ringplug under
+``ringrun -np N``: every collective swept over dtypes and shapes, the errors, join, an
+MNIST-style torch training and a Keras training with Horovod's callbacks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import run_ringrun
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.multirank
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def run(script: str, tmp_path: Path, prefix: str, ranks: int = 2, env: dict | None = None) -> list:
+    result = run_ringrun(
+        "-np",
+        str(ranks),
+        sys.executable,
+        str(WORKERS / script),
+        str(tmp_path),
+        extra_env={"RINGPLUG_TIMEOUT": "60", **(env or {})},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads((tmp_path / f"{prefix}-{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_hvd_collective_matches_numpy_on_every_rank(tmp_path, ranks):
+    reports = run("hvd_collectives.py", tmp_path, "hvd", ranks)
+    for checks in reports:
+        # 7 dtypes x 5 shapes x the ops, plus the rest: nothing may silently go missing.
+        assert len(checks) > 200
+        assert [name for name, ok in checks.items() if not ok] == []
+    assert reports[0].keys() == reports[-1].keys()
+
+
+def test_an_mnist_style_hvd_torch_script_trains_and_keeps_ranks_identical(tmp_path):
+    for report in run("hvd_mnist.py", tmp_path, "mnist"):
+        assert report["ranks_identical"]  # broadcast + DistributedOptimizer (passes_per_step=2)
+        assert report["accuracy"] > 0.9
+
+
+def test_a_horovod_keras_script_with_its_callbacks_runs_on_keras_3(tmp_path):
+    pytest.importorskip("tensorflow")
+    reports = run(
+        "hvd_keras.py",
+        tmp_path,
+        "keras",
+        env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    for report in reports:
+        assert report["ranks_identical"]
+        assert report["loss"][-1] < report["loss"][0]
+        lr, rates = report["scaled_lr"], report["rates"]
+        per_epoch = len(rates) // 4
+        # Warmup from lr/size over 2 epochs, then lr, then x0.1 from epoch 3 (schedule).
+        assert rates[0] == pytest.approx(lr / 2)
+        assert rates[2 * per_epoch] == pytest.approx(lr)
+        assert rates[3 * per_epoch :] == pytest.approx([lr * 0.1] * per_epoch)
+
+
+def test_unsupported_horovod_features_say_so():
+    hvd = pytest.importorskip("ringplug.horovod.torch")
+    with pytest.raises(NotImplementedError, match="process sets"):
+        hvd.allreduce(__import__("torch").ones(1), process_set=object())
+    with pytest.raises(NotImplementedError, match="communicator"):
+        hvd.init(comm=[0, 1])

@@ -1,0 +1,72 @@
+"""A Keras training script as Horovod users write them, using only ``hvd.*`` names and
+Horovod's callbacks, on Keras 3. ``python hvd_keras.py OUTDIR`` writes
+OUTDIR/keras-<rank>.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import ringplug.horovod.tensorflow.keras as hvd  # noqa: E402
+
+
+class LearningRates(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float] = []
+
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        self.seen.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+
+def main(outdir: Path) -> None:
+    hvd.init()
+    keras.utils.set_random_seed(hvd.rank())  # different weights per rank: broadcast fixes it
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = (x.sum(1) > 0).astype("int64")
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)]
+    )
+    scaled_lr = 0.05 * hvd.size()
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(scaled_lr, momentum=0.9))
+    model.compile(
+        optimizer=optimizer,
+        metrics=["accuracy"],
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    rates = LearningRates()
+    callbacks = [
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=2),
+        hvd.callbacks.LearningRateScheduleCallback(
+            initial_lr=scaled_lr, multiplier=0.1, start_epoch=3
+        ),
+        rates,
+    ]
+    history = model.fit(
+        x, y, batch_size=8, epochs=4, callbacks=callbacks, verbose=1 if hvd.rank() == 0 else 0
+    )
+    flat = np.concatenate([np.asarray(w).ravel() for w in model.get_weights()])
+    everyone = hvd.allgather(flat[None, :])
+    report = {
+        "ranks_identical": bool(
+            all(np.array_equal(row, everyone[0]) for row in np.asarray(everyone))
+        ),
+        "loss": history.history["loss"],
+        "rates": rates.seen,
+        "scaled_lr": scaled_lr,
+    }
+    (outdir / f"keras-{hvd.rank()}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
