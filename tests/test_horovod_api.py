@@ -73,3 +73,10 @@ def test_unsupported_horovod_features_say_so():
         hvd.allreduce(__import__("torch").ones(1), process_set=object())
     with pytest.raises(NotImplementedError, match="communicator"):
         hvd.init(comm=[0, 1])
+
+
+def test_broadcast_global_variables_hook_gives_tf1_sessions_roots_values(tmp_path):
+    pytest.importorskip("tensorflow")
+    reports = run("hvd_tf1_hook.py", tmp_path, "hook")
+    # Each rank initialised its variable to rank+1 times [1, 2, 3]: all now hold rank 0's.
+    assert [r["weights"] for r in reports] == [[1.0, 2.0, 3.0]] * 2

@@ -32,9 +32,9 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
         variables = tf.compat.v1.global_variables()
         for index, (variable, value) in enumerate(zip(variables, session.run(variables),
                                                       strict=True)):  # fmt: skip
-            array = np.ascontiguousarray(value)
+            array = np.array(value, copy=True).reshape(-1)  # 0-d values too
             core.broadcast(array, self.root_rank, out=array, name=f"hook.{index}")
-            variable.load(array, session)
+            variable.load(array.reshape(np.shape(value)), session)
 
 
 __all__ = [*_keras_all, "BroadcastGlobalVariablesHook", "keras"]
