@@ -6,6 +6,8 @@ Example::
     ringrun -np 4 -H node1:2,node2:2 --network-interface eth0 python train.py
     ringrun -np 2 --dry-run python train.py     # print the mpiexec line, run nothing
     ringrun --check                             # what MPI and frameworks ranks would use
+
+horovodrun's flags are accepted too (see :mod:`ringplug.run.horovodrun`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import socket
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -20,11 +24,20 @@ from pathlib import Path
 
 from ringplug.run.check import run_check
 from ringplug.run.configfile import load_config_file
-from ringplug.run.hosts import Host, HostSpecError, parse_host_list, parse_hostfile, total_slots
-from ringplug.run.launcher import run_job
+from ringplug.run.horovodrun import TIMELINE_CYCLES_NOTE, add_horovodrun_flags, refusal
+from ringplug.run.hosts import (
+    Host,
+    HostSpecError,
+    parse_host_list,
+    parse_hostfile,
+    rank_hosts,
+    ranks_on_this_machine,
+    total_slots,
+)
+from ringplug.run.launcher import JobResult, StartWatch, run_job
 from ringplug.run.mpi import JobSpec, LauncherError, build_plan, find_launcher
 from ringplug.run.settings import BIND_CHOICES, RunSettings, SettingsError
-from ringplug.run.status import STATUS_DIR_VARIABLE
+from ringplug.run.status import START_MARKERS_VARIABLE, STATUS_DIR_VARIABLE
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs=argparse.REMAINDER,
         help="the program to run on every rank, with its arguments",
     )
+    add_horovodrun_flags(parser)
     return parser
 
 
@@ -142,6 +156,17 @@ def _parse_env_flags(values: Sequence[str]) -> dict[str, str | None]:
             raise UsageError(f"-x {item!r}: expected VAR or VAR=VALUE")
         env[name] = value if sep else None
     return env
+
+
+def _split_mpi_args(values: Sequence[str]) -> list[str]:
+    """``['-ppn 2', "-genv A 'b c'"]`` -> the words a shell would make of them, in order."""
+    words: list[str] = []
+    for value in values:
+        try:
+            words += shlex.split(value)
+        except ValueError as error:
+            raise UsageError(f"--mpi-args {value!r}: cannot split it into words: {error}") from None
+    return words
 
 
 def settings_from_args(args: argparse.Namespace) -> RunSettings:
@@ -157,6 +182,14 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         bind_to=args.bind_to,
         verbose=bool(args.verbose),
         timeline=args.timeline,
+        mpi_args=_split_mpi_args(args.mpi_args or []),
+        start_timeout=args.start_timeout,
+        log_level=args.log_level,
+        fusion_threshold_mb=args.fusion_threshold_mb,
+        cycle_time_ms=args.cycle_time_ms,
+        stall_check=args.stall_check,
+        stall_check_warning_time_seconds=args.stall_check_warning_time_seconds,
+        stall_check_shutdown_time_seconds=args.stall_check_shutdown_time_seconds,
     )
     if args.config_file is None:
         settings = flags
@@ -186,6 +219,16 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
     if settings.timeline is not None:
         # Absolute, so rank 0 writes it where the user asked whatever its working directory.
         env["RINGPLUG_TIMELINE"] = str(Path(settings.timeline).resolve())
+    for name, value in settings.rank_variables().items():
+        if env.get(name, value) != value:
+            logger.warning(
+                "%s=%s from the tuning settings replaces %s=%s from -x or the config file's env",
+                name,
+                value,
+                name,
+                env[name],
+            )
+        env[name] = value
     output_dir = None
     if settings.output_filename is not None:
         # Absolute, so ranks find it whatever their working directory.
@@ -199,7 +242,31 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
         env=env,
         output_dir=output_dir,
         bind_to=settings.bind_to,
+        mpi_args=list(settings.mpi_args),
     )
+
+
+def start_watch(spec: JobSpec, timeout_s: float, environ: dict[str, str]) -> StartWatch | None:
+    """Which ranks ``--start-timeout`` can watch: those on this machine.
+
+    Ranks elsewhere cannot write into ringrun's status directory, which exists only here.
+    """
+    local = ranks_on_this_machine(spec.hosts, spec.np, environ)
+    if local is None:
+        logger.warning(
+            "--start-timeout is ignored: inside a batch allocation without -H or --hostfile, "
+            "ringrun cannot tell which ranks start on this machine; give the hosts to use it"
+        )
+        return None
+    if len(local) < spec.np:
+        logger.warning(
+            "--start-timeout watches only the %d rank(s) on this machine; ranks on other "
+            "hosts cannot report to ringrun",
+            len(local),
+        )
+    if not local:
+        return None
+    return StartWatch(timeout_s=timeout_s, ranks=frozenset(local))
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -216,12 +283,20 @@ def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="ringrun-status-") as status_dir:
         environ = {**os.environ, STATUS_DIR_VARIABLE: status_dir}
+        watch = None
+        if settings.start_timeout is not None:
+            watch = start_watch(spec, settings.start_timeout, environ)
+        if watch is not None:
+            environ[START_MARKERS_VARIABLE] = "1"
         plan = build_plan(spec, launcher, environ=environ)
         if settings.verbose:
             print(f"ringrun: {plan.shell_line()}", file=sys.stderr, flush=True)
-        result = run_job(plan, environ=environ, status_dir=status_dir)
+        result = run_job(plan, environ=environ, status_dir=status_dir, start_watch=watch)
     if result.stopped_by is not None:
         print("ringrun: stopped; all ranks were terminated", file=sys.stderr, flush=True)
+    elif result.not_started:
+        for line in _not_started_lines(result, spec, settings):
+            print(f"ringrun: {line}", file=sys.stderr, flush=True)
     elif result.first_failure is not None:
         print(f"ringrun: {result.first_failure.describe()}", file=sys.stderr, flush=True)
         if len(result.failures) > 1:
@@ -240,10 +315,40 @@ def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
     return result.exit_code
 
 
+def _not_started_lines(result: JobResult, spec: JobSpec, settings: RunSettings) -> list[str]:
+    """What to tell the user when ranks did not start their program in time."""
+    placed = rank_hosts(spec.hosts, spec.np) if spec.hosts else []
+    by_host: dict[str, list[str]] = {}
+    for rank in result.not_started:
+        host = placed[rank] if placed else socket.gethostname()
+        by_host.setdefault(host, []).append(str(rank))
+    where = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)} on host {host}"
+        for host, ranks in by_host.items()
+    )
+    return [
+        f"{where} did not start the program within {settings.start_timeout:g} s "
+        f"(--start-timeout), so ringrun stopped the job",
+        "check that the hosts are reachable and `ssh HOST true` works there without a "
+        "password, that the MPI library the ranks load belongs to the launcher (ringrun "
+        "--check), and that nothing slow runs before the program starts; or give a longer "
+        "--start-timeout",
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ringrun`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Known leftovers are horovodrun flags ringrun refuses with a reason; others are errors.
+    args, unrecognized = parser.parse_known_args(argv)
+    refused = refusal(args, unrecognized)
+    if refused is not None:
+        print(f"ringrun: error: {refused}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
+    if unrecognized:
+        parser.error(f"unrecognized arguments: {' '.join(unrecognized)}")
+    if args.timeline_mark_cycles:
+        print(f"ringrun: note: {TIMELINE_CYCLES_NOTE}", file=sys.stderr, flush=True)
     command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     _configure_logging(bool(args.verbose))
     if args.check:

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+import socket
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _SLOTS_KEYWORD = re.compile(r"^slots\s*=\s*(\S+)$")
+
+# Set inside batch allocations; with them and no -H, the launcher asks the scheduler where
+# to put ranks, and ringrun cannot tell which ranks land on its own machine.
+_ALLOCATION_VARIABLES = (
+    "SLURM_JOB_NODELIST",
+    "PBS_NODEFILE",
+    "LSB_DJOB_HOSTFILE",
+    "LSB_MCPU_HOSTS",
+    "PE_HOSTFILE",
+    "COBALT_NODEFILE",
+)
 
 
 class HostSpecError(ValueError):
@@ -112,3 +124,43 @@ def total_slots(hosts: Iterable[Host]) -> int:
 def format_host_list(hosts: Iterable[Host]) -> str:
     """The ``a:2,b:2`` form both hydra (``-hosts``) and Open MPI (``-H``) understand."""
     return ",".join(str(host) for host in hosts)
+
+
+def rank_hosts(hosts: Sequence[Host], np: int) -> list[str]:
+    """The host each rank is expected on: each host's slots in order, then around again.
+
+    Both hydra (``-hosts``) and Open MPI (``-H``, mapping by slot) place ranks this way.
+    """
+    names = [host.name for host in hosts for _ in range(host.slots)]
+    return [names[rank % len(names)] for rank in range(np)] if names else []
+
+
+def is_this_machine(name: str, hostname: str | None = None) -> bool:
+    """Whether a host name from ``-H`` means the machine ringrun runs on.
+
+    Compares names only (``localhost``, loopback addresses, this host's name, short or
+    qualified); no DNS lookups, which can hang on a broken resolver.
+    """
+    own = (socket.gethostname() if hostname is None else hostname).lower()
+    name = name.lower()
+    if name in ("localhost", "::1") or name.startswith("127."):
+        return True
+    return name == own or name.split(".")[0] == own.split(".")[0]
+
+
+def ranks_on_this_machine(
+    hosts: Sequence[Host], np: int, environ: Mapping[str, str]
+) -> list[int] | None:
+    """Ranks the launcher will start on ringrun's machine; ``None`` when it cannot tell.
+
+    Without hosts every rank runs here, unless a batch scheduler's allocation spans several
+    nodes (then the launcher places ranks from the scheduler's node list).
+    """
+    if hosts:
+        return [rank for rank, name in enumerate(rank_hosts(hosts, np)) if is_this_machine(name)]
+    nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
+    if nodes == "1":
+        return list(range(np))
+    if any(environ.get(name) for name in _ALLOCATION_VARIABLES):
+        return None
+    return list(range(np))

@@ -5,6 +5,10 @@ report failures through status files (see :mod:`ringplug.run.status`); the first
 starts a teardown that is bounded in time: a grace period in which the launcher may end the
 job itself, then SIGTERM to its process group, then SIGKILL. Ranks that outlive their
 launcher die through the wrapper's parent-death signal.
+
+With a :class:`StartWatch`, ranks that have not left a start marker when its timeout ends
+stop the job the same way, without the launcher's grace period (the launcher does not know
+anything is wrong).
 """
 
 from __future__ import annotations
@@ -21,10 +25,19 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from ringplug.run.mpi import LaunchPlan
-from ringplug.run.status import STATUS_DIR_VARIABLE, RankStatus, has_statuses, read_statuses
+from ringplug.run.status import (
+    STATUS_DIR_VARIABLE,
+    RankStatus,
+    has_statuses,
+    read_statuses,
+    started_ranks,
+)
 from ringplug.run.wrapper import parent_death_signal
 
 logger = logging.getLogger(__name__)
+
+START_TIMEOUT_EXIT_CODE = 124
+"""ringrun's exit code when ranks did not start in time (as ``timeout(1)`` uses it)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,21 @@ class Teardown:
     terminate_grace_s: float = 3.0
 
 
+@dataclass(frozen=True)
+class StartWatch:
+    """Ranks that must start their program within a time limit, or the job is stopped.
+
+    Args:
+        timeout_s: seconds from starting the launcher until every rank in ``ranks`` must
+            have started its program.
+        ranks: the ranks to watch: those whose wrapper can write into the status
+            directory, i.e. the ranks on ringrun's own machine.
+    """
+
+    timeout_s: float
+    ranks: frozenset[int]
+
+
 @dataclass
 class JobResult:
     """How a job ended.
@@ -54,6 +82,8 @@ class JobResult:
         failures: every failure reported, earliest first.
         launcher_returncode: the launcher's own exit status (negative: killed by a signal).
         stopped_by: the signal that made ringrun stop the job, or ``None``.
+        not_started: ranks that had not started their program when the start timeout
+            ended, so ringrun stopped the job; empty otherwise.
     """
 
     exit_code: int
@@ -61,6 +91,7 @@ class JobResult:
     failures: list[RankStatus] = field(default_factory=list)
     launcher_returncode: int | None = None
     stopped_by: int | None = None
+    not_started: list[int] = field(default_factory=list)
 
 
 def run_job(
@@ -68,6 +99,7 @@ def run_job(
     environ: Mapping[str, str] | None = None,
     teardown: Teardown | None = None,
     status_dir: str | None = None,
+    start_watch: StartWatch | None = None,
 ) -> JobResult:
     """Run ``plan`` to completion and return how it ended.
 
@@ -78,27 +110,37 @@ def run_job(
         status_dir: directory the ranks report failures into; it must be the one named by
             ``RINGPLUG_RUN_STATUS_DIR`` when the plan was built. Defaults to a fresh
             temporary directory that is removed afterwards.
+        start_watch: ranks that must start in time. Defaults to ``None`` (no limit).
     """
     if status_dir is None:
         with tempfile.TemporaryDirectory(prefix="ringrun-status-") as directory:
-            return run_job(plan, environ, teardown, directory)
+            return run_job(plan, environ, teardown, directory, start_watch)
     environ = os.environ if environ is None else environ
     env = {**environ, **plan.launcher_env, STATUS_DIR_VARIABLE: status_dir}
-    return _JobWatcher(plan, env, teardown or Teardown(), status_dir).run()
+    return _JobWatcher(plan, env, teardown or Teardown(), status_dir, start_watch).run()
 
 
 class _JobWatcher:
     """One launcher process, its status directory and the teardown state machine."""
 
     def __init__(
-        self, plan: LaunchPlan, env: dict[str, str], teardown: Teardown, status_dir: str
+        self,
+        plan: LaunchPlan,
+        env: dict[str, str],
+        teardown: Teardown,
+        status_dir: str,
+        start_watch: StartWatch | None = None,
     ) -> None:
         self.plan = plan
         self.env = env
         self.teardown = teardown
         self.status_dir = status_dir
+        self.start_watch = start_watch
         self.process: subprocess.Popen[bytes] | None = None
         self.stop_signal: int | None = None
+        # When the start markers are due (monotonic clock); None once checked or unwatched.
+        self.start_deadline: float | None = None
+        self.not_started: list[int] = []
         # Set once a teardown starts: when, and whether SIGTERM/SIGKILL went out yet.
         self.teardown_started: float | None = None
         self.terminated_at: float | None = None
@@ -120,6 +162,8 @@ class _JobWatcher:
                 # stops the ranks.
                 preexec_fn=parent_death_signal(signal.SIGTERM),
             )
+            if self.start_watch is not None and self.start_watch.ranks:
+                self.start_deadline = time.monotonic() + self.start_watch.timeout_s
             returncode = self._supervise()
         finally:
             if self.process is not None:
@@ -144,8 +188,21 @@ class _JobWatcher:
                 elif has_statuses(self.status_dir):
                     logger.info("a rank failed; stopping the job")
                     self.teardown_started = now
+                elif self._start_overdue(now):
+                    logger.info("ranks %s did not start in time; stopping", self.not_started)
+                    # The launcher sees nothing wrong and would not end the job: no grace.
+                    self.teardown_started = now - self.teardown.launcher_grace_s
             if self.teardown_started is not None:
                 self._escalate(now)
+
+    def _start_overdue(self, now: float) -> bool:
+        """At the start deadline, note which watched ranks never started; True if any."""
+        if self.start_deadline is None or now < self.start_deadline:
+            return False
+        assert self.start_watch is not None
+        self.start_deadline = None  # checked once: a marker, once written, stays
+        self.not_started = sorted(self.start_watch.ranks - started_ranks(self.status_dir))
+        return bool(self.not_started)
 
     def _escalate(self, now: float) -> None:
         """Send SIGTERM, then SIGKILL, to the launcher's group once each grace period ends."""
@@ -179,6 +236,9 @@ class _JobWatcher:
         first = failures[0] if failures else None
         if self.stop_signal is not None:
             exit_code = 128 + self.stop_signal
+        elif self.not_started:
+            # Ranks that did start were stopped on purpose; their reports are not the cause.
+            exit_code = START_TIMEOUT_EXIT_CODE
         elif first is not None:
             exit_code = first.shell_exit_code
         elif returncode < 0:
@@ -191,4 +251,5 @@ class _JobWatcher:
             failures=failures,
             launcher_returncode=returncode,
             stopped_by=self.stop_signal,
+            not_started=self.not_started,
         )

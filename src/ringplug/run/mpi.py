@@ -193,6 +193,8 @@ class JobSpec:
             environment.
         output_dir: absolute directory for per-rank output copies, or ``None``.
         bind_to: ``"none"``, ``"core"``, ``"socket"`` or ``None`` for the launcher default.
+        mpi_args: extra launcher arguments, passed verbatim after ringrun's own and before
+            the per-rank command.
     """
 
     np: int
@@ -203,6 +205,7 @@ class JobSpec:
     env: dict[str, str | None] = field(default_factory=dict)
     output_dir: str | None = None
     bind_to: str | None = None
+    mpi_args: list[str] = field(default_factory=list)
 
 
 def rank_environment(spec: JobSpec, environ: Mapping[str, str]) -> dict[str, str]:
@@ -273,6 +276,13 @@ def build_plan(
     if launcher is None:
         if spec.np > 1 or spec.hosts:
             raise LauncherError(missing_launcher_message(spec.np, python))
+        if spec.mpi_args:
+            raise LauncherError(
+                f"--mpi-args {shlex.join(spec.mpi_args)!r} are for an MPI launcher, and none "
+                f"was found (looked for mpiexec beside {python}, then mpiexec and mpirun on "
+                "PATH). Drop --mpi-args to run the single rank without MPI, or install MPICH "
+                "with `pip install 'ringplug[mpich]'`."
+            )
         # One local rank needs no MPI launcher: the wrapper runs the command directly.
         return LaunchPlan(
             argv=wrapper_argv(spec, python), launcher_env=rank_environment(spec, environ)
@@ -312,7 +322,9 @@ def _hydra_plan(
         argv += ["-genv", name, value]
     forwarded_names(spec, environ)  # warns about -x names that are not set
     return LaunchPlan(
-        argv=[*argv, *wrapper_argv(spec, python)], launcher_env=launcher_env, launcher=launcher
+        argv=[*argv, *spec.mpi_args, *wrapper_argv(spec, python)],
+        launcher_env=launcher_env,
+        launcher=launcher,
     )
 
 
@@ -345,4 +357,4 @@ def _open_mpi_plan(
             argv += ["-x", name]
     for name, value in sorted(rank_env.items()):
         argv += ["-x", f"{name}={value}"]
-    return LaunchPlan(argv=[*argv, *wrapper_argv(spec, python)], launcher=launcher)
+    return LaunchPlan(argv=[*argv, *spec.mpi_args, *wrapper_argv(spec, python)], launcher=launcher)

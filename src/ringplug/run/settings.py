@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 BIND_CHOICES = ("none", "core", "socket")
+
+# horovodrun's log levels (and Python's CRITICAL) -> the Python logging names that
+# RINGPLUG_LOG_LEVEL takes; Python logging has no TRACE, and FATAL is its CRITICAL.
+LOG_LEVELS = {
+    "TRACE": "DEBUG",
+    "DEBUG": "DEBUG",
+    "INFO": "INFO",
+    "WARNING": "WARNING",
+    "ERROR": "ERROR",
+    "FATAL": "CRITICAL",
+    "CRITICAL": "CRITICAL",
+}
 
 
 class SettingsError(ValueError):
@@ -37,6 +51,24 @@ class RunSettings:
         verbose: print the launcher command line before running it. Defaults to ``False``.
         timeline: path of the engine's Chrome trace (sets ``RINGPLUG_TIMELINE`` for the
             ranks; rank 0 writes it). Defaults to ``None`` (no timeline).
+        mpi_args: extra arguments for the MPI launcher, placed before the per-rank
+            command; a string is split like a shell would. Defaults to ``[]``.
+        start_timeout: seconds within which every rank on this machine must have started
+            its program, or ringrun stops the job. Defaults to ``None`` (no limit).
+        log_level: ringplug's log level on the ranks (``RINGPLUG_LOG_LEVEL``): one of
+            TRACE, DEBUG, INFO, WARNING, ERROR, FATAL or CRITICAL. Defaults to ``None``
+            (ringplug's own default, WARNING).
+        fusion_threshold_mb: MiB of allreduce tensors fused into one buffer
+            (``RINGPLUG_FUSION_THRESHOLD``; 0 turns fusion off). Defaults to ``None`` (64).
+        cycle_time_ms: milliseconds the engine waits for more requests to fuse
+            (``RINGPLUG_CYCLE_TIME``). Defaults to ``None`` (0).
+        stall_check: ``False`` turns off the stall warning and shutdown. Defaults to
+            ``None`` (on).
+        stall_check_warning_time_seconds: seconds before rank 0 warns about collectives
+            some ranks never submitted (``RINGPLUG_STALL_CHECK_SECONDS``). Defaults to
+            ``None`` (60).
+        stall_check_shutdown_time_seconds: seconds before such a stall ends the job
+            (``RINGPLUG_STALL_SHUTDOWN_SECONDS``; 0 never). Defaults to ``None`` (0).
     """
 
     np: int | None = None
@@ -49,6 +81,14 @@ class RunSettings:
     bind_to: str | None = None
     verbose: bool = False
     timeline: str | None = None
+    mpi_args: list[str] = field(default_factory=list)
+    start_timeout: float | None = None
+    log_level: str | None = None
+    fusion_threshold_mb: int | None = None
+    cycle_time_ms: float | None = None
+    stall_check: bool | None = None
+    stall_check_warning_time_seconds: float | None = None
+    stall_check_shutdown_time_seconds: float | None = None
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -102,6 +142,60 @@ class RunSettings:
             )
         if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
             raise SettingsError(f"ssh_port must be between 1 and 65535, got {self.ssh_port}")
+        if self.start_timeout is not None and not self.start_timeout > 0:
+            raise SettingsError(
+                f"start_timeout must be a positive number of seconds, got {self.start_timeout}"
+            )
+        if self.log_level is not None and self.log_level.upper() not in LOG_LEVELS:
+            raise SettingsError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        if self.fusion_threshold_mb is not None and self.fusion_threshold_mb < 0:
+            raise SettingsError(
+                f"fusion_threshold_mb must be 0 (no fusion) or more, got {self.fusion_threshold_mb}"
+            )
+        if self.cycle_time_ms is not None and not self.cycle_time_ms >= 0:
+            raise SettingsError(f"cycle_time_ms must be 0 or more, got {self.cycle_time_ms}")
+        warning = self.stall_check_warning_time_seconds
+        shutdown = self.stall_check_shutdown_time_seconds
+        if warning is not None and not warning > 0:
+            raise SettingsError(
+                "stall_check_warning_time_seconds must be a positive number of seconds, got "
+                f"{warning}; turn the stall check off with --no-stall-check instead"
+            )
+        if shutdown is not None and not shutdown >= 0:
+            raise SettingsError(
+                f"stall_check_shutdown_time_seconds must be 0 (never) or more, got {shutdown}"
+            )
+        if self.stall_check is False and (warning is not None or shutdown is not None):
+            raise SettingsError(
+                "the stall check is turned off (--no-stall-check), so its warning and shutdown "
+                "times would do nothing; give one or the other"
+            )
+
+    def rank_variables(self) -> dict[str, str]:
+        """The ``RINGPLUG_*`` values for the ranks that the tuning settings ask for.
+
+        The names and units are those :mod:`ringplug.core.config` reads.
+        """
+        values: dict[str, str] = {}
+        if self.log_level is not None:
+            values["RINGPLUG_LOG_LEVEL"] = LOG_LEVELS[self.log_level.upper()]
+        if self.fusion_threshold_mb is not None:
+            values["RINGPLUG_FUSION_THRESHOLD"] = f"{self.fusion_threshold_mb}M"
+        if self.cycle_time_ms is not None:
+            values["RINGPLUG_CYCLE_TIME"] = f"{self.cycle_time_ms:g}"
+        if self.stall_check is False:
+            # ringplug has no off switch (0 is refused); a warning time of infinity never
+            # comes, and a shutdown time of 0 means never.
+            values["RINGPLUG_STALL_CHECK_SECONDS"] = "inf"
+            values["RINGPLUG_STALL_SHUTDOWN_SECONDS"] = "0"
+        if self.stall_check_warning_time_seconds is not None:
+            values["RINGPLUG_STALL_CHECK_SECONDS"] = f"{self.stall_check_warning_time_seconds:g}"
+        if self.stall_check_shutdown_time_seconds is not None:
+            seconds = self.stall_check_shutdown_time_seconds
+            values["RINGPLUG_STALL_SHUTDOWN_SECONDS"] = f"{seconds:g}"
+        return values
 
 
 def _check_value(key: str, value: Any, source: str) -> Any:
@@ -111,11 +205,29 @@ def _check_value(key: str, value: Any, source: str) -> Any:
         return SettingsError(f"{source}: {key} must be {expected}, got {value!r}")
 
     # bool is an int subclass; `np: true` is a mistake worth catching.
-    if key in ("np", "ssh_port"):
+    if key in ("np", "ssh_port", "fusion_threshold_mb"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise wrong("a whole number")
         return value
-    if key == "verbose":
+    if key in (
+        "start_timeout",
+        "cycle_time_ms",
+        "stall_check_warning_time_seconds",
+        "stall_check_shutdown_time_seconds",
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise wrong("a number")
+        return float(value)
+    if key == "mpi_args":
+        if isinstance(value, str):
+            try:
+                return shlex.split(value)
+            except ValueError as error:
+                raise wrong(f"arguments a shell can split ({error})") from None
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return list(value)
+        raise wrong("a string of arguments or a list of them")
+    if key in ("verbose", "stall_check"):
         if not isinstance(value, bool):
             raise wrong("true or false")
         return value
@@ -143,7 +255,7 @@ def _check_value(key: str, value: Any, source: str) -> Any:
                 item = "1" if item else "0"
             env[str(name)] = None if item is None else str(item)
         return env
-    if key in ("hostfile", "output_filename", "bind_to", "timeline"):
+    if key in ("hostfile", "output_filename", "bind_to", "timeline", "log_level"):
         if not isinstance(value, str):
             raise wrong("a string")
         return value

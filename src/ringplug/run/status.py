@@ -1,4 +1,9 @@
-"""Rank failure reports: the files the per-rank wrapper writes and ``ringrun`` reads.
+"""Rank reports: the files the per-rank wrapper writes and ``ringrun`` reads.
+
+Two kinds live in a job's status directory: a failure report (``rank-<rank>-<pid>.json``)
+when a rank's program did not exit cleanly, and, when ``ringrun --start-timeout`` asks for
+them, a start marker (``rank-<rank>-<pid>.started``) as soon as the wrapper has started the
+program.
 
 Standard library only: the wrapper imports this inside every rank, before the user's
 program, and must stay light (no mpi4py, no ``ringplug.core``).
@@ -15,7 +20,11 @@ from pathlib import Path
 STATUS_DIR_VARIABLE = "RINGPLUG_RUN_STATUS_DIR"
 """Environment variable naming the directory where ranks report how they failed."""
 
+START_MARKERS_VARIABLE = "RINGPLUG_RUN_START_MARKERS"
+"""Environment variable that, set to ``1``, asks the wrappers for start markers."""
+
 _SUFFIX = ".json"
+_START_SUFFIX = ".started"
 
 
 @dataclass(frozen=True)
@@ -101,3 +110,34 @@ def has_statuses(directory: str | Path) -> bool:
         return any(entry.name.endswith(_SUFFIX) for entry in os.scandir(directory))
     except FileNotFoundError:
         return False
+
+
+def write_start_marker(directory: str | Path, rank: int, host: str, pid: int) -> Path:
+    """Record that ``rank`` started its program on ``host`` as process ``pid``.
+
+    The file's name carries the rank, so :func:`started_ranks` needs no parsing of contents;
+    the contents are there for people looking into the directory.
+    """
+    directory = Path(directory)
+    name = f"rank-{rank}-{pid}"
+    final = directory / (name + _START_SUFFIX)
+    partial = directory / (name + ".partial")
+    partial.write_text(json.dumps({"rank": rank, "host": host, "pid": pid}))
+    os.replace(partial, final)
+    return final
+
+
+def started_ranks(directory: str | Path) -> set[int]:
+    """Ranks that have left a start marker in ``directory`` (cheap enough to poll)."""
+    ranks = set()
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return set()
+    for entry in entries:
+        if not entry.name.endswith(_START_SUFFIX):
+            continue
+        number = entry.name.split("-")[1]
+        if number.isdigit():
+            ranks.add(int(number))
+    return ranks

@@ -3,8 +3,10 @@
 Run as ``python -m ringplug.run.wrapper [--output-dir DIR] -- command [args...]``. It starts
 the command as a child that inherits everything the launcher set up (environment, PMI file
 descriptors), makes sure the child dies with it, forwards SIGTERM/SIGINT, optionally tees the
-child's output into per-rank files, and when the child fails writes a report into
-``$RINGPLUG_RUN_STATUS_DIR`` so ``ringrun`` can name the rank that failed first.
+child's output into per-rank files, and writes into ``$RINGPLUG_RUN_STATUS_DIR``: a start
+marker once the child runs (when ``ringrun --start-timeout`` sets
+``RINGPLUG_RUN_START_MARKERS=1``) and, when the child fails, a report so ``ringrun`` can
+name the rank that failed first.
 
 Standard library only: importing mpi4py or ``ringplug.core`` here would initialise MPI in the
 wrapper, which is not a rank.
@@ -27,7 +29,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from ringplug.run.status import STATUS_DIR_VARIABLE, RankStatus, signal_name, write_status
+from ringplug.run.status import (
+    START_MARKERS_VARIABLE,
+    STATUS_DIR_VARIABLE,
+    RankStatus,
+    signal_name,
+    write_start_marker,
+    write_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +220,7 @@ class RankWrapper:
                 )
                 self._report(pid=os.getpid(), returncode=127)
                 return 127
+            self._mark_started(self.child.pid)
             if self._pending_signal is not None:
                 # A stop request that arrived while the child was being started.
                 self.child.send_signal(self._pending_signal)
@@ -253,6 +263,19 @@ class RankWrapper:
         )
         directory.mkdir(parents=True, exist_ok=True)
         return [(directory / "stdout").open("wb"), (directory / "stderr").open("wb")]
+
+    def _mark_started(self, pid: int) -> None:
+        """Tell ``ringrun`` this rank's program runs, if it asked and can see the directory."""
+        directory = self.environ.get(STATUS_DIR_VARIABLE)
+        if not directory or self.environ.get(START_MARKERS_VARIABLE) != "1":
+            return
+        rank = 0 if self.rank is None else self.rank
+        try:
+            write_start_marker(directory, rank, socket.gethostname(), pid)
+        except OSError as error:
+            # On another host the directory usually does not exist; ringrun watches only
+            # the ranks on its own machine.
+            logger.debug("cannot write start marker into %s: %s", directory, error)
 
     def _report(self, pid: int, returncode: int) -> None:
         """Leave a status file for ``ringrun``, if it asked for one and can see it."""

@@ -1,0 +1,281 @@
+"""horovodrun's flags in ``ringrun``: its spellings of shared flags, its tuning flags, refusals.
+
+People moving from Horovod replace ``horovodrun`` with ``ringrun`` and keep their flags.
+:func:`add_horovodrun_flags` adds the ones ringrun can honour as one ``--help`` group. Flags
+ringplug has no equivalent for are parsed too (so their values are not mistaken for the
+command) but hidden from ``--help``; :func:`refusal` then names the first one given and says
+what to do instead, and ``ringrun`` exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ringplug.run.settings import LOG_LEVELS
+
+REFUSED_DEST = "horovodrun_refused"
+"""Namespace attribute listing the unsupported horovodrun flags given, in order."""
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """horovodrun flags ringrun refuses, and why.
+
+    Args:
+        flags: every spelling of the flags that share this reason.
+        values: how many values each flag takes on horovodrun's command line (0, 1 or 2).
+        reason: what ringplug does instead, and what to do; follows "FLAG is not supported: ".
+    """
+
+    flags: tuple[str, ...]
+    values: int
+    reason: str
+
+
+_ELASTIC = (
+    "ringplug runs a fixed set of ranks (no elastic training); give -np and -H or "
+    "--hostfile, and restart the job from a checkpoint when a host fails"
+)
+_AUTOTUNE = (
+    "ringplug has no autotuner; set --fusion-threshold-mb and --cycle-time-ms yourself "
+    "(ringplug's defaults: 64 MiB and 0 ms)"
+)
+_HIERARCHICAL = (
+    "ringplug's allreduce is one flat ring over all ranks (MPI's own Allreduce below "
+    "RINGPLUG_RING_THRESHOLD) and its allgather is MPI's; drop the flag"
+)
+_DEVICE_OPERATIONS = (
+    "ringplug runs every collective over MPI on the CPU, its only data plane (no NCCL, "
+    "Gloo or oneCCL to choose); drop the flag"
+)
+
+UNSUPPORTED = (
+    Unsupported(
+        ("--gloo",),
+        0,
+        "ringrun always starts ranks through MPI (mpiexec or mpirun), and ringplug runs its "
+        "collectives over MPI on the CPU; drop --gloo",
+    ),
+    Unsupported(
+        ("--jsrun",),
+        0,
+        "ringrun starts ranks with mpiexec or mpirun; start them with jsrun directly "
+        "(`jsrun ... python train.py`, with the MPI library mpi4py uses), or run ringrun "
+        "inside the allocation",
+    ),
+    Unsupported(("--min-np", "--min-num-proc"), 1, _ELASTIC),
+    Unsupported(("--max-np", "--max-num-proc"), 1, _ELASTIC),
+    Unsupported(("--slots-per-host",), 1, _ELASTIC),
+    Unsupported(("--host-discovery-script",), 1, _ELASTIC),
+    Unsupported(("--elastic-timeout",), 1, _ELASTIC),
+    Unsupported(("--reset-limit",), 1, _ELASTIC),
+    Unsupported(("--blacklist-cooldown-range",), 2, _ELASTIC),
+    Unsupported(("--autotune",), 0, _AUTOTUNE),
+    Unsupported(
+        (
+            "--autotune-log-file",
+            "--autotune-warmup-samples",
+            "--autotune-steps-per-sample",
+            "--autotune-bayes-opt-max-samples",
+            "--autotune-gaussian-process-noise",
+        ),
+        1,
+        _AUTOTUNE,
+    ),
+    Unsupported(("--hierarchical-allreduce", "--hierarchical-allgather"), 0, _HIERARCHICAL),
+    Unsupported(
+        ("--cache-capacity",),
+        1,
+        "ringplug's cache of agreed tensor names has a fixed size; drop the flag",
+    ),
+    Unsupported(
+        ("--num-nccl-streams",),
+        1,
+        "ringplug has no GPU (NCCL) data plane yet; its collectives run over MPI on the "
+        "CPU; drop the flag",
+    ),
+    Unsupported(
+        ("--thread-affinity",),
+        1,
+        "ringplug does not pin its engine thread; pin whole ranks with --bind-to core instead",
+    ),
+    Unsupported(
+        (
+            "--gpu-operations",
+            "--gpu-allreduce",
+            "--gpu-allgather",
+            "--gpu-broadcast",
+            "--gpu-alltoall",
+            "--gpu-reducescatter",
+            "--cpu-operations",
+        ),
+        1,
+        _DEVICE_OPERATIONS,
+    ),
+)
+
+# Flags of these families that horovodrun versions added and UNSUPPORTED does not list
+# reach ringrun as unrecognized options; they get the family's reason rather than argparse's
+# "unrecognized arguments".
+_FAMILIES = (
+    ("--autotune-", _AUTOTUNE),
+    ("--elastic-", _ELASTIC),
+    ("--hierarchical-", _HIERARCHICAL),
+    ("--gpu-", _DEVICE_OPERATIONS),
+    ("--cpu-", _DEVICE_OPERATIONS),
+)
+
+TIMELINE_CYCLES_NOTE = (
+    "--timeline-mark-cycles changes nothing: ringplug's timeline always marks every engine cycle"
+)
+
+
+class _SplitAppend(argparse.Action):
+    """Append the comma-separated items of the value to a list shared with other flags."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[str] | None,
+        option_string: str | None = None,
+    ) -> None:
+        items = [item.strip() for item in str(values).split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentError(self, "expected interface names such as eth0,ib0")
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *items])
+
+
+class _Refuse(argparse.Action):
+    """Remember that an unsupported flag was given; :func:`refusal` reports it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[str] | None,
+        option_string: str | None = None,
+    ) -> None:
+        refused = getattr(namespace, self.dest, None) or []
+        setattr(namespace, self.dest, [*refused, option_string or self.option_strings[0]])
+
+
+def add_horovodrun_flags(parser: argparse.ArgumentParser) -> None:
+    """Add horovodrun's flags to ringrun's parser: one help group, refusals hidden."""
+    group = parser.add_argument_group(
+        "horovodrun compatibility",
+        "horovodrun's flags, for scripts that switch to ringrun. Other horovodrun flags "
+        "(--gloo, --jsrun, elastic, autotune, hierarchical, --cache-capacity, "
+        "--num-nccl-streams, --thread-affinity, --gpu-*/--cpu-operations) stop ringrun with "
+        "a note on what to do instead.",
+    )
+    group.add_argument("-hostfile", dest="hostfile", metavar="FILE", help="same as --hostfile")
+    group.add_argument(
+        "--network-interfaces",
+        action=_SplitAppend,
+        dest="network_interfaces",
+        metavar="IF,IF",
+        help="network interfaces as one comma-separated list (adds to --network-interface)",
+    )
+    group.add_argument(
+        "--timeline-filename", dest="timeline", metavar="PATH", help="same as --timeline"
+    )
+    group.add_argument(
+        "--timeline-mark-cycles",
+        action="store_true",
+        help="accepted; ringplug's timeline always marks engine cycles",
+    )
+    group.add_argument(
+        "-cb", "--check-build", dest="check", action="store_true", help="same as --check"
+    )
+    group.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=[level for level in LOG_LEVELS if level != "CRITICAL"],
+        metavar="LEVEL",
+        help="ringplug's log level on the ranks (RINGPLUG_LOG_LEVEL): TRACE (means DEBUG), "
+        "DEBUG, INFO, WARNING, ERROR or FATAL (means CRITICAL)",
+    )
+    group.add_argument(
+        "--mpi-args",
+        action="append",
+        metavar='"ARGS"',
+        help="extra arguments for mpiexec/mpirun, placed before the program; write "
+        "--mpi-args=-flag for a lone flag",
+    )
+    group.add_argument(
+        "--start-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="stop the job if a rank on this machine has not started its program SECONDS "
+        "after launch (default: no limit)",
+    )
+    group.add_argument(
+        "--fusion-threshold-mb",
+        type=int,
+        metavar="MB",
+        help="fuse allreduce tensors into buffers of up to MB MiB (RINGPLUG_FUSION_THRESHOLD; "
+        "0: no fusion; default 64)",
+    )
+    group.add_argument(
+        "--cycle-time-ms",
+        type=float,
+        metavar="MS",
+        help="let the engine wait MS ms for more tensors to fuse (RINGPLUG_CYCLE_TIME; default 0)",
+    )
+    group.add_argument(
+        "--no-stall-check",
+        dest="stall_check",
+        action="store_const",
+        const=False,
+        help="turn off the stall warning and the stall shutdown",
+    )
+    group.add_argument(
+        "--stall-check-warning-time-seconds",
+        type=float,
+        metavar="S",
+        help="warn when some ranks have not submitted a collective after S s "
+        "(RINGPLUG_STALL_CHECK_SECONDS; default 60)",
+    )
+    group.add_argument(
+        "--stall-check-shutdown-time-seconds",
+        type=float,
+        metavar="S",
+        help="end the job when such a stall lasts S s (RINGPLUG_STALL_SHUTDOWN_SECONDS; "
+        "default 0: never)",
+    )
+    group.add_argument("--mpi", action="store_true", help="accepted; MPI is ringrun's only mode")
+    # They ask for what ringplug does anyway.
+    for flag in ("--no-hierarchical-allreduce", "--no-hierarchical-allgather"):
+        group.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for entry in UNSUPPORTED:
+        for flag in entry.flags:
+            group.add_argument(
+                flag,
+                action=_Refuse,
+                dest=REFUSED_DEST,
+                nargs={0: 0, 1: None, 2: 2}[entry.values],
+                default=[],
+                help=argparse.SUPPRESS,
+            )
+
+
+def refusal(args: argparse.Namespace, unrecognized: Sequence[str] = ()) -> str | None:
+    """The line refusing the first unsupported horovodrun flag given, or ``None``.
+
+    Args:
+        args: what ringrun's parser made of the command line.
+        unrecognized: options the parser did not know (``parse_known_args``' leftovers);
+            those of horovodrun's flag families are refused with their family's reason.
+    """
+    reasons = {flag: entry.reason for entry in UNSUPPORTED for flag in entry.flags}
+    for flag in getattr(args, REFUSED_DEST, None) or []:
+        return f"{flag} is not supported: {reasons[flag]}"
+    for option in unrecognized:
+        flag = option.split("=", 1)[0]
+        for prefix, reason in _FAMILIES:
+            if flag.startswith(prefix):
+                return f"{flag} is not supported: {reason}"
+    return None

@@ -1,0 +1,536 @@
+"""horovodrun's flags in ringrun: aliases, tuning flags, --start-timeout, and clear refusals."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import fake_open_mpi, processes_matching, run_ringrun, unique_marker
+from ringplug.run.cli import build_parser, main
+from ringplug.run.configfile import load_config_file
+from ringplug.run.horovodrun import UNSUPPORTED
+from ringplug.run.hosts import Host, rank_hosts, ranks_on_this_machine
+from ringplug.run.launcher import START_TIMEOUT_EXIT_CODE, StartWatch, run_job
+from ringplug.run.mpi import LaunchPlan
+from ringplug.run.settings import LOG_LEVELS
+from ringplug.run.status import started_ranks, write_start_marker
+
+JOB_TIMEOUT_S = 30
+# A job stopped by --start-timeout must end well within this (the ranks never would).
+STOPPED_JOB_TIMEOUT_S = 20
+
+WRAPPER_TAIL = [sys.executable, "-m", "ringplug.run.wrapper", "--"]
+
+
+def dry_run(*args: str, extra_env: dict[str, str] | None = None, cwd: Path | None = None):
+    """The dry-run line for ``args``, split back into words, and ringrun's stderr."""
+    result = run_ringrun("--dry-run", *args, extra_env=extra_env, cwd=cwd, timeout=30)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout
+    return shlex.split(lines[0]), result.stderr
+
+
+def dry_run_words(*args: str, **kwargs) -> list[str]:
+    return dry_run(*args, **kwargs)[0]
+
+
+def follows(words: list[str], *expected: str) -> bool:
+    """Whether ``expected`` occurs in ``words`` as consecutive words."""
+    n = len(expected)
+    return any(tuple(words[i : i + n]) == expected for i in range(len(words) - n + 1))
+
+
+def genv(words: list[str]) -> dict[str, str]:
+    """The ``-genv NAME VALUE`` pairs of a hydra line."""
+    return {words[i + 1]: words[i + 2] for i, word in enumerate(words) if word == "-genv"}
+
+
+def rank_program(body: str, marker: str) -> list[str]:
+    """``python -c`` arguments for a rank; ``marker`` rides along in argv to find leftovers."""
+    code = "import os, sys, threading\nrank = int(os.environ['PMI_RANK'])\n"
+    return [sys.executable, "-c", code + textwrap.dedent(body), marker]
+
+
+# ----------------------------------------------------------------------------- aliases
+def test_single_dash_hostfile_is_the_same_as_hostfile(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=2\nnode2:2\n")
+    horovod = dry_run_words("-np", "4", "-hostfile", str(hostfile), "python", "x.py")
+    ringrun = dry_run_words("-np", "4", "--hostfile", str(hostfile), "python", "x.py")
+    assert horovod == ringrun
+    assert follows(horovod, "-hosts", "node1:2,node2:2")
+
+
+def test_single_dash_hostfile_and_hosts_together_are_refused(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1:2\n")
+    result = run_ringrun("-H", "a:2", "-hostfile", str(hostfile), "python", "x.py", timeout=30)
+    assert result.returncode == 2
+    assert "not both" in result.stderr
+
+
+def test_timeline_filename_is_the_same_as_timeline(tmp_path):
+    horovod = dry_run_words("-np", "2", "--timeline-filename", "t.json", "python", cwd=tmp_path)
+    ringrun = dry_run_words("-np", "2", "--timeline", "t.json", "python", cwd=tmp_path)
+    assert horovod == ringrun
+    assert genv(horovod)["RINGPLUG_TIMELINE"] == str(tmp_path.resolve() / "t.json")
+
+
+@pytest.mark.parametrize("flag", ["--check-build", "-cb"])
+def test_check_build_means_check(flag):
+    assert build_parser().parse_args([flag]).check is True
+
+
+def test_check_build_prints_the_check_report():
+    result = run_ringrun("--check-build", timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert "mpi4py             4." in result.stdout
+    assert "(hydra)" in result.stdout
+
+
+def test_network_interfaces_splits_its_comma_list():
+    horovod = dry_run_words("-np", "2", "--network-interfaces", "eth0,ib0", "python")
+    ringrun = dry_run_words(
+        "-np", "2", "--network-interface", "eth0", "--network-interface", "ib0", "python"
+    )
+    assert horovod == ringrun
+    assert follows(horovod, "-iface", "eth0")
+    assert genv(horovod)["NCCL_SOCKET_IFNAME"] == "eth0,ib0"
+
+
+def test_network_interfaces_adds_to_network_interface_in_order(tmp_path):
+    mpiexec = fake_open_mpi(tmp_path)
+    words = dry_run_words(
+        "-np",
+        "2",
+        "--network-interface",
+        "eth0",
+        "--network-interfaces",
+        "ib0,ib1",
+        "python",
+        extra_env={"RINGPLUG_MPIEXEC": str(mpiexec)},
+    )
+    assert follows(words, "--mca", "btl_tcp_if_include", "eth0,ib0,ib1")
+    assert follows(words, "-x", "NCCL_SOCKET_IFNAME=eth0,ib0,ib1")
+
+
+def test_mpi_is_accepted_silently():
+    horovod, stderr = dry_run("-np", "2", "--mpi", "python", "x.py")
+    assert horovod == dry_run_words("-np", "2", "python", "x.py")
+    assert stderr == ""
+
+
+def test_timeline_mark_cycles_notes_that_cycles_are_always_marked():
+    words, stderr = dry_run("-np", "2", "--timeline-mark-cycles", "python", "x.py")
+    assert words == dry_run_words("-np", "2", "python", "x.py")
+    assert "ringplug's timeline always marks every engine cycle" in stderr
+
+
+# ----------------------------------------------------------------------------- --mpi-args
+def test_mpi_args_go_into_the_launcher_line_before_the_program():
+    words = dry_run_words("-np", "2", "--mpi-args=-ppn 2 -genv NOTE 'two words'", "python")
+    start = words.index(sys.executable)
+    assert words[start - 5 : start] == ["-ppn", "2", "-genv", "NOTE", "two words"]
+    assert words[start:] == [*WRAPPER_TAIL, "python"]
+
+
+def test_mpi_args_go_before_the_program_for_open_mpi_too(tmp_path):
+    mpiexec = fake_open_mpi(tmp_path)
+    words = dry_run_words(
+        "-np",
+        "2",
+        "--mpi-args",
+        "--map-by ppr:1:node",
+        "python",
+        extra_env={"RINGPLUG_MPIEXEC": str(mpiexec)},
+    )
+    start = words.index(sys.executable)
+    assert words[start - 2 : start] == ["--map-by", "ppr:1:node"]
+
+
+def test_mpi_args_that_a_shell_cannot_split_are_a_usage_error():
+    result = run_ringrun("--dry-run", "-np", "2", "--mpi-args=-genv A 'b", "python", timeout=30)
+    assert result.returncode == 2
+    assert "--mpi-args" in result.stderr
+    assert "No closing quotation" in result.stderr
+
+
+@pytest.mark.multirank
+def test_mpi_args_reach_the_launcher_and_show_in_verbose_output():
+    marker = unique_marker("mpiargs")
+    program = rank_program("print(os.environ.get('FROM_MPI_ARGS'))", marker)
+    result = run_ringrun(
+        "-np",
+        "2",
+        "--verbose",
+        "--mpi-args=-genv FROM_MPI_ARGS yes",
+        *program,
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0] yes", "[1] yes"]
+    verbose_line = next(line for line in result.stderr.splitlines() if "mpiexec" in line)
+    assert "-genv FROM_MPI_ARGS yes" in verbose_line
+
+
+# ----------------------------------------------------------------------------- tuning flags
+READ_SETTINGS = """
+from ringplug.core.config import read_settings
+s = read_settings()
+print(os.environ.get('RINGPLUG_LOG_LEVEL'), s.log_level, s.fusion_threshold, s.cycle_time,
+      s.stall_check_seconds, s.stall_shutdown_seconds)
+"""
+
+
+@pytest.mark.multirank
+def test_tuning_flags_reach_every_rank_as_ringplug_settings():
+    marker = unique_marker("tuning")
+    result = run_ringrun(
+        "-np",
+        "2",
+        "--log-level",
+        "FATAL",
+        "--fusion-threshold-mb",
+        "32",
+        "--cycle-time-ms",
+        "2.5",
+        "--stall-check-warning-time-seconds",
+        "30",
+        "--stall-check-shutdown-time-seconds",
+        "90",
+        *rank_program(READ_SETTINGS, marker),
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    expected = f"CRITICAL CRITICAL {32 << 20} 0.0025 30.0 90.0"
+    assert sorted(result.stdout.splitlines()) == [f"[0] {expected}", f"[1] {expected}"]
+
+
+@pytest.mark.multirank
+def test_no_stall_check_gives_the_ranks_a_stall_check_that_never_fires():
+    marker = unique_marker("nostall")
+    result = run_ringrun(
+        "-np",
+        "2",
+        "--no-stall-check",
+        *rank_program(READ_SETTINGS, marker),
+        extra_env={"RINGPLUG_STALL_SHUTDOWN_SECONDS": "5"},  # ringrun's own must not leak
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout
+    for line in lines:
+        *_, check, shutdown = line.split()
+        assert math.isinf(float(check))
+        assert float(shutdown) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("horovod", "python"),
+    [
+        ("TRACE", "DEBUG"),
+        ("debug", "DEBUG"),
+        ("INFO", "INFO"),
+        ("WARNING", "WARNING"),
+        ("ERROR", "ERROR"),
+        ("FATAL", "CRITICAL"),
+    ],
+)
+def test_log_level_maps_horovods_names_to_pythons(horovod, python):
+    words = dry_run_words("-np", "2", "--log-level", horovod, "python")
+    assert genv(words)["RINGPLUG_LOG_LEVEL"] == python
+    logging.getLogger("ringplug.test.level").setLevel(python)  # a name Python logging knows
+
+
+def test_every_log_level_ringrun_maps_is_a_python_logging_level():
+    for value in LOG_LEVELS.values():
+        assert isinstance(logging.getLevelName(value), int), value
+
+
+def test_unknown_log_level_is_a_usage_error():
+    result = run_ringrun("--dry-run", "-np", "2", "--log-level", "LOUD", "python", timeout=30)
+    assert result.returncode == 2
+    assert "--log-level" in result.stderr
+
+
+def test_tuning_flag_wins_over_the_same_variable_from_x_and_says_so():
+    words, stderr = dry_run("-np", "2", "-x", "RINGPLUG_CYCLE_TIME=9", "--cycle-time-ms", "1", "py")
+    assert genv(words)["RINGPLUG_CYCLE_TIME"] == "1"
+    assert "RINGPLUG_CYCLE_TIME=1" in stderr and "RINGPLUG_CYCLE_TIME=9" in stderr
+
+
+def test_no_stall_check_with_stall_times_is_a_usage_error():
+    result = run_ringrun(
+        "--dry-run",
+        "-np",
+        "2",
+        "--no-stall-check",
+        "--stall-check-warning-time-seconds",
+        "10",
+        "python",
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "--no-stall-check" in result.stderr
+
+
+def test_zero_stall_warning_time_points_to_no_stall_check():
+    result = run_ringrun(
+        "--dry-run", "-np", "2", "--stall-check-warning-time-seconds", "0", "python", timeout=30
+    )
+    assert result.returncode == 2
+    assert "--no-stall-check" in result.stderr
+
+
+def test_fusion_threshold_zero_turns_fusion_off():
+    words = dry_run_words("-np", "2", "--fusion-threshold-mb", "0", "python")
+    assert genv(words)["RINGPLUG_FUSION_THRESHOLD"] == "0M"
+
+
+def test_tuning_settings_and_mpi_args_come_from_a_yaml_config_file(tmp_path):
+    config = tmp_path / "launch.yaml"
+    config.write_text(
+        "np: 2\nlog_level: trace\nfusion_threshold_mb: 16\ncycle_time_ms: 3\n"
+        "stall_check_warning_time_seconds: 45\nstall_check_shutdown_time_seconds: 120\n"
+        "mpi_args: -ppn 1\nstart_timeout: 60\n"
+    )
+    settings = load_config_file(config)
+    assert settings.mpi_args == ["-ppn", "1"]
+    assert settings.start_timeout == 60.0
+    words = dry_run_words("--config-file", str(config), "python")
+    assert {name: value for name, value in genv(words).items() if "RINGPLUG" in name} == {
+        "RINGPLUG_LOG_LEVEL": "DEBUG",
+        "RINGPLUG_FUSION_THRESHOLD": "16M",
+        "RINGPLUG_CYCLE_TIME": "3",
+        "RINGPLUG_STALL_CHECK_SECONDS": "45",
+        "RINGPLUG_STALL_SHUTDOWN_SECONDS": "120",
+    }
+    assert follows(words, "-ppn", "1", sys.executable)
+
+
+def test_toml_config_turns_the_stall_check_off_and_flags_win(tmp_path):
+    config = tmp_path / "launch.toml"
+    config.write_text('stall_check = false\nfusion_threshold_mb = 16\nmpi_args = ["-ppn", "1"]\n')
+    words = dry_run_words(
+        "--config-file", str(config), "-np", "2", "--fusion-threshold-mb", "8", "python"
+    )
+    values = genv(words)
+    assert values["RINGPLUG_STALL_CHECK_SECONDS"] == "inf"
+    assert values["RINGPLUG_FUSION_THRESHOLD"] == "8M"
+    assert follows(words, "-ppn", "1", sys.executable)
+
+
+def test_config_file_value_of_the_wrong_type_is_named(tmp_path):
+    config = tmp_path / "launch.yaml"
+    config.write_text("cycle_time_ms: soon\n")
+    result = run_ringrun("--config-file", str(config), "python", timeout=30)
+    assert result.returncode == 2
+    assert "cycle_time_ms must be a number" in result.stderr
+
+
+# ----------------------------------------------------------------------------- refusals
+def _refused_command_lines() -> list[list[str]]:
+    """Each unsupported flag as horovodrun users would write it, with its values."""
+    values = {0: [], 1: ["4"], 2: ["60", "300"]}
+    return [[flag, *values[entry.values]] for entry in UNSUPPORTED for flag in entry.flags]
+
+
+@pytest.mark.parametrize("flag_and_values", _refused_command_lines(), ids=lambda argv: argv[0])
+def test_unsupported_flag_fails_with_one_line_naming_it(flag_and_values, capsys):
+    code = main(["-np", "2", *flag_and_values, "python", "train.py"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"ringrun: error: {flag_and_values[0]} is not supported: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "advice"),
+    [
+        (["--gloo"], "through MPI"),
+        (["--jsrun"], "jsrun directly"),
+        (["--min-np", "2"], "fixed set of ranks"),
+        (["--autotune"], "--fusion-threshold-mb and --cycle-time-ms"),
+        (["--hierarchical-allreduce"], "flat ring"),
+        (["--cache-capacity", "2048"], "fixed size"),
+        (["--num-nccl-streams", "2"], "no GPU (NCCL) data plane"),
+        (["--thread-affinity", "1"], "--bind-to core"),
+        (["--gpu-operations", "NCCL"], "over MPI on the CPU"),
+        (["--cpu-operations", "MPI"], "over MPI on the CPU"),
+    ],
+)
+def test_unsupported_flag_says_what_to_do_instead(argv, advice, capsys):
+    assert main(["-np", "2", *argv, "python"]) == 2
+    assert advice in capsys.readouterr().err
+
+
+def test_unlisted_flag_of_a_refused_family_gets_the_familys_reason(capsys):
+    assert main(["-np", "2", "--autotune-new-knob", "python"]) == 2
+    assert "--autotune-new-knob is not supported: ringplug has no autotuner" in (
+        capsys.readouterr().err
+    )
+
+
+def test_flags_after_the_command_belong_to_the_program():
+    words = dry_run_words("-np", "2", "python", "train.py", "--gloo", "--autotune")
+    assert words[-4:] == ["python", "train.py", "--gloo", "--autotune"]
+
+
+def test_unsupported_flag_exits_2_from_the_command_line():
+    result = run_ringrun("-np", "2", "--gloo", "python", "x.py", timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "ringrun: error: --gloo is not supported: ringrun always starts ranks through MPI "
+        "(mpiexec or mpirun), and ringplug runs its collectives over MPI on the CPU; drop --gloo"
+    ]
+
+
+def test_unknown_flags_outside_horovods_families_are_still_argparse_errors():
+    result = run_ringrun("-np", "2", "--frobnicate", "python", timeout=30)
+    assert result.returncode == 2
+    assert "unrecognized arguments: --frobnicate" in result.stderr
+
+
+def test_help_groups_horovodrun_flags_and_hides_the_refused_ones():
+    text = build_parser().format_help()
+    group = text[text.index("horovodrun compatibility:") :]
+    for flag in (
+        "-hostfile",
+        "--network-interfaces",
+        "--mpi-args",
+        "--start-timeout",
+        "--fusion-threshold-mb",
+        "--no-stall-check",
+        "--log-level",
+    ):
+        assert flag in group
+    assert "--min-np" not in text
+    assert "--autotune-log-file" not in text
+
+
+# ----------------------------------------------------------------------------- start markers
+def run_wrapper(status_dir: Path, rank: int, *command: str, markers: bool = True):
+    """The wrapper as rank ``rank`` of a job that reports into ``status_dir``."""
+    env = {**os.environ, "RINGPLUG_RUN_STATUS_DIR": str(status_dir), "PMI_RANK": str(rank)}
+    if markers:
+        env["RINGPLUG_RUN_START_MARKERS"] = "1"
+    return subprocess.run(
+        [*WRAPPER_TAIL, *command], capture_output=True, text=True, timeout=30, env=env, check=False
+    )
+
+
+def test_wrapper_leaves_a_start_marker_for_its_rank(tmp_path):
+    result = run_wrapper(tmp_path, 3, sys.executable, "-c", "import os; print(os.getpid())")
+    assert result.returncode == 0, result.stderr
+    assert started_ranks(tmp_path) == {3}
+    assert (tmp_path / f"rank-3-{int(result.stdout)}.started").exists()
+
+
+def test_wrapper_leaves_no_start_marker_unless_asked(tmp_path):
+    result = run_wrapper(tmp_path, 3, sys.executable, "-c", "pass", markers=False)
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_program_that_cannot_start_leaves_no_start_marker(tmp_path):
+    run_wrapper(tmp_path, 0, "/nonexistent/program")
+    assert started_ranks(tmp_path) == set()
+    assert list(tmp_path.glob("*.json")), "the failure is reported instead"
+
+
+def test_watcher_stops_a_job_whose_ranks_never_start(tmp_path):
+    write_start_marker(tmp_path, rank=0, host="here", pid=1)
+    # A launcher that never starts rank 1 and never ends by itself.
+    plan = LaunchPlan(argv=[sys.executable, "-c", "import threading; threading.Event().wait()"])
+    began = time.monotonic()
+    result = run_job(plan, status_dir=str(tmp_path), start_watch=StartWatch(0.2, frozenset({0, 1})))
+    assert result.not_started == [1]
+    assert result.exit_code == START_TIMEOUT_EXIT_CODE
+    assert time.monotonic() - began < 10
+
+
+def test_watcher_leaves_a_job_alone_once_every_rank_started(tmp_path):
+    for rank in (0, 1):
+        write_start_marker(tmp_path, rank=rank, host="here", pid=100 + rank)
+    # Outlives the start timeout, then ends on its own.
+    plan = LaunchPlan(argv=[sys.executable, "-c", "import time; time.sleep(1)"])
+    result = run_job(plan, status_dir=str(tmp_path), start_watch=StartWatch(0.1, frozenset({0, 1})))
+    assert result.not_started == []
+    assert result.exit_code == 0
+
+
+def test_ranks_fill_hosts_in_order_and_wrap_around():
+    hosts = [Host("a", 2), Host("b", 1)]
+    assert rank_hosts(hosts, 5) == ["a", "a", "b", "a", "a"]
+
+
+def test_only_ranks_on_this_machine_are_watched():
+    hosts = [Host("localhost", 2), Host("far-away-node", 2)]
+    assert ranks_on_this_machine(hosts, 4, {}) == [0, 1]
+
+
+def test_multi_node_allocation_without_hosts_cannot_be_watched():
+    environ = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
+    assert ranks_on_this_machine([], 4, environ) is None
+    assert ranks_on_this_machine([], 4, {**environ, "SLURM_JOB_NUM_NODES": "1"}) == [0, 1, 2, 3]
+
+
+def blocking_site_directory(directory: Path, rank: int) -> str:
+    """A ``PYTHONPATH`` entry whose ``sitecustomize`` blocks every Python process of ``rank``.
+
+    On that rank the first Python process is ringrun's wrapper, so its program never
+    starts: what a host that cannot start its rank looks like to ringrun.
+    """
+    site = directory / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        f"import os, threading\nif os.environ.get('PMI_RANK') == '{rank}':\n"
+        "    threading.Event().wait()\n"
+    )
+    return os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+
+
+@pytest.mark.multirank
+def test_start_timeout_stops_a_job_whose_rank_never_starts_and_names_it(tmp_path):
+    marker = unique_marker("starttimeout")
+    python_path = blocking_site_directory(tmp_path, rank=1)
+    program = rank_program("print('started', rank, flush=True); threading.Event().wait()", marker)
+    result = run_ringrun(
+        "-np",
+        "2",
+        "--start-timeout",
+        "3",
+        "-x",
+        f"PYTHONPATH={python_path}",
+        *program,
+        timeout=STOPPED_JOB_TIMEOUT_S,
+    )
+    assert result.returncode == START_TIMEOUT_EXIT_CODE
+    assert "[0] started 0" in result.stdout
+    assert "started 1" not in result.stdout
+    first, advice = [line for line in result.stderr.splitlines() if line.startswith("ringrun:")]
+    assert first.startswith("ringrun: rank 1 on host ")
+    assert "within 3 s (--start-timeout)" in first
+    assert "ssh" in advice and "ringrun --check" in advice
+    assert processes_matching(marker) == []
+
+
+@pytest.mark.multirank
+def test_start_timeout_does_not_stop_ranks_that_started_and_run_past_it():
+    marker = unique_marker("startedfine")
+    # The sleep is the job's length, not a wait for something: it outlasts the timeout.
+    program = rank_program("import time; time.sleep(5); print('ran', rank)", marker)
+    result = run_ringrun("-np", "2", "--start-timeout", "3", *program, timeout=JOB_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0] ran 0", "[1] ran 1"]
