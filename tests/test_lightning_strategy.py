@@ -26,6 +26,14 @@ def fit(scenario: str, tmp_path: Path, ranks: int = 2) -> list[dict]:
     return [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
 
 
+def test_buffers_are_rank_zeros_on_every_rank_after_fit(tmp_path):
+    # Plain BatchNorm: each rank's batch moves its own running statistics; as DDP does,
+    # RingStrategy hands rank 0's to every rank, so all evaluate and save one model.
+    reports = fit("buffers", tmp_path)
+    assert all(report["buffers_identical"] for report in reports)
+    assert all(report["ranks_identical"] for report in reports)
+
+
 @pytest.mark.parametrize("scenario", ["plain", "by-name", "clip", "batchnorm"])
 def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(tmp_path, scenario):
     for report in fit(scenario, tmp_path):

@@ -3,7 +3,8 @@
 ``python lightning_fit.py SCENARIO OUTDIR``. Each rank also trains a plain torch reference
 on the full global batches, locally, and compares. Scenarios: plain, by-name
 (``strategy="ring"``), accumulate (2 micro-batches per step), clip (gradient clipping by
-norm) and batchnorm (``sync_batchnorm=True``: the reference is plain BatchNorm on the union).
+norm), batchnorm (``sync_batchnorm=True``: the reference is plain BatchNorm on the union) and
+buffers (plain BatchNorm: only the buffers' agreement is checked).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ CLIP = 0.05  # well below the gradient norms here, so clipping changes every ste
 
 
 def make_net(scenario: str) -> torch.nn.Sequential:
-    if scenario == "batchnorm":
+    if scenario in ("batchnorm", "buffers"):
         return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.BatchNorm1d(12),
                                    torch.nn.Tanh(), torch.nn.Linear(12, 2))  # fmt: skip
     return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
@@ -115,7 +116,12 @@ def main(scenario: str, outdir: Path) -> None:
     everyone = rpt.allgather(flat.unsqueeze(0))
     logged = float(trainer.callback_metrics["train_loss"])
     all_logged = ringplug.allgather_object(logged)
+    buffers = torch.cat([b.detach().reshape(-1).double() for b in model.net.buffers()] or
+                        [torch.zeros(1, dtype=torch.float64)])  # fmt: skip
+    all_buffers = rpt.allgather(buffers.unsqueeze(0))
     report = {
+        # As DDP: rank 0's buffers are handed to every rank (before steps and at the end).
+        "buffers_identical": all(torch.equal(row, all_buffers[0]) for row in all_buffers),
         "matches_one_process": bool(torch.allclose(flat, expected, atol=1e-5, rtol=0)),
         "max_difference": float((flat - expected).abs().max()),
         "ranks_identical": all(torch.equal(row, everyone[0]) for row in everyone),

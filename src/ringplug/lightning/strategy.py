@@ -21,6 +21,7 @@ from ..core.runtime import launcher_world_size, threads_per_rank
 from ..torch import allgather, allreduce, broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
 from ..torch.process_group import destroy_gloo_group, init_gloo_group
+from ..torch.state import broadcast_buffers
 from ..torch.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
 from .environment import RingEnvironment
 from .launcher import RingLauncher
@@ -58,6 +59,10 @@ class RingStrategy(ParallelStrategy):
         gradient_predivide_factor: see `ringplug.torch.DistributedOptimizer`. Defaults to 1.0.
         bucket_bytes: gradient bucket size. Defaults to 25 MiB.
         timeline: path of a Chrome trace of the engine (rank 0). Defaults to ``None``.
+        broadcast_buffers: as DDP's: before each training step, rank 0's buffers (BatchNorm's
+            running statistics) are copied to every rank, and again before evaluating or
+            handing the model back after training, so every rank evaluates and saves the
+            same model. Defaults to True.
 
     Example:
         >>> trainer = Trainer(strategy=RingStrategy(), accelerator="cpu")  # doctest: +SKIP
@@ -76,6 +81,7 @@ class RingStrategy(ParallelStrategy):
         gradient_predivide_factor: float = 1.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeline: str | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -88,6 +94,8 @@ class RingStrategy(ParallelStrategy):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.bucket_bytes = bucket_bytes
         self.timeline = timeline
+        self.broadcast_buffers = broadcast_buffers
+        self._buffers_changed = False
 
     @property
     def _layer_sync(self) -> LayerSync | None:
@@ -203,6 +211,36 @@ class RingStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer._ringplug_blocked = False
 
+    # ------------------------------------------------------------------ steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers(force=True)
+        output = super().training_step(*args, **kwargs)
+        self._buffers_changed = True  # this rank's batch moved its running statistics
+        return output
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers()
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers()
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers()
+        return super().predict_step(*args, **kwargs)
+
+    def _sync_buffers(self, force: bool = False) -> None:
+        """Rank 0's buffers to every rank (one broadcast per dtype), when they may differ."""
+        if not self.broadcast_buffers or not (force or self._buffers_changed):
+            return
+        self._buffers_changed = False
+        if self.model is None or core.size() == 1:
+            return
+        buffers = [b for b in self.model.buffers() if b.numel()]
+        if buffers:
+            broadcast_buffers(buffers, root_rank=0, name="buffers")
+
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:
         core.barrier()
@@ -233,6 +271,8 @@ class RingStrategy(ParallelStrategy):
         self._failed = True
 
     def teardown(self) -> None:
+        if not getattr(self, "_failed", False):
+            self._sync_buffers()  # hand back the same model on every rank
         module = self.lightning_module
         fitted = (
             module is not None

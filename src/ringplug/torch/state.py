@@ -38,6 +38,24 @@ def broadcast_parameters(
         handle.wait()
 
 
+def broadcast_buffers(tensors: Iterable[torch.Tensor], root_rank: int = 0,
+                      name: str = "buffers") -> None:  # fmt: skip
+    """Overwrite `tensors` (every rank passes the same list) with root's values, in place:
+    one broadcast per dtype through a flat copy, cheap for many small tensors (BatchNorm's
+    running statistics, counters)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    for dtype, members in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        broadcast_async_(flat, root_rank, name=f"{name}.{dtype}").wait()
+        offset = 0
+        with torch.no_grad():
+            for tensor in members:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Give every rank root's optimizer state (moments, step counts) and hyperparameters.
 
