@@ -94,36 +94,43 @@ def test_fusion_bench_reports_every_implementation_on_resnet50_gradients(tmp_pat
     assert "ringplug / (single + copy) =" in result.stdout
 
 
-def test_lightning_bench_runs_ring_and_ddp_in_alternating_pairs(tmp_path):
-    pytest.importorskip("lightning")
-    result = subprocess.run(
-        [BENCH, "lightning", "--pairs", "2", "--steps", "5", "--hidden", "64",
-         "--json", str(tmp_path / "lightning.json")],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+def run_bench(tmp_path: Path, name: str, *args: str) -> tuple[str, list[dict]]:
+    """`ringplug-bench NAME ARGS --json ...` as a plain command: its stdout and JSON rows."""
+    out = tmp_path / f"{name}.json"
+    result = subprocess.run([BENCH, name, *args, "--json", str(out)], capture_output=True,
+                            text=True, timeout=600, check=False)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    document = json.loads((tmp_path / "lightning.json").read_text())
-    impls = [row["impl"] for row in document["results"]]
+    document = json.loads(out.read_text())
+    assert document["bench"] == name
+    return result.stdout, document["results"]
+
+
+@pytest.mark.parametrize(
+    ("name", "competitor", "summary"),
+    [("lightning", ["ring", "ddp", "none"], "median RingStrategy / DDP throughput"),
+     ("keras", ["ringplug", "mwms", "plain"], "median ringplug / MWMS throughput")],
+)  # fmt: skip
+def test_training_benches_run_both_sides_in_alternating_pairs(tmp_path, name, competitor,
+                                                              summary):  # fmt: skip
+    pytest.importorskip(name)
+    if name == "keras":
+        pytest.importorskip("tensorflow")
+    ours, theirs, alone = competitor
+    stdout, rows = run_bench(tmp_path, name, "--pairs", "2", "--steps", "6", "--hidden", "32")
     # Two pairs of each comparison, the order flipped in the second pair.
-    assert impls == ["ring", "ddp", "ring-1", "none", "ddp", "ring", "none", "ring-1"]
-    assert all(row["samples_per_s"] > 0 for row in document["results"])
-    assert [row["ranks"] for row in document["results"]] == [2, 2, 1, 1, 2, 2, 1, 1]
-    assert "median RingStrategy / DDP throughput" in result.stdout
+    assert [row["impl"] for row in rows] == [ours, theirs, f"{ours}-1", alone,
+                                             theirs, ours, alone, f"{ours}-1"]  # fmt: skip
+    assert all(row["samples_per_s"] > 0 for row in rows)
+    assert [row["ranks"] for row in rows] == [2, 2, 1, 1, 2, 2, 1, 1]
+    assert summary in stdout
 
 
-def test_keras_bench_runs_ringplug_and_mwms_in_alternating_pairs(tmp_path):
-    pytest.importorskip("keras")
-    pytest.importorskip("tensorflow")
-    result = subprocess.run(
-        [BENCH, "keras", "--pairs", "2", "--steps", "6", "--hidden", "32",
-         "--json", str(tmp_path / "keras.json")],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    document = json.loads((tmp_path / "keras.json").read_text())
-    impls = [row["impl"] for row in document["results"]]
-    assert impls == ["ringplug", "mwms", "ringplug-1", "plain",
-                     "mwms", "ringplug", "plain", "ringplug-1"]  # fmt: skip
-    assert all(row["samples_per_s"] > 0 for row in document["results"])
-    assert [row["ranks"] for row in document["results"]] == [2, 2, 1, 1, 2, 2, 1, 1]
-    assert "median ringplug / MWMS throughput" in result.stdout
+def test_sampler_bench_compares_padding_and_epoch_time(tmp_path):
+    pytest.importorskip("PIL")
+    _, results = run_bench(tmp_path, "sampler", "--samples", "2000", "--timed-samples", "128",
+                           "--repeats", "1")  # fmt: skip
+    rows = {row["impl"]: row for row in results}
+    assert set(rows) == {"bucket", "random"}
+    # Buckets of similar widths pad far less than random batches of the same size.
+    assert rows["bucket"]["padding_per_real"] * 2 <= rows["random"]["padding_per_real"]
+    assert rows["bucket"]["batches_per_rank"] == rows["random"]["batches_per_rank"]

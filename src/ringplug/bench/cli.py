@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import allreduce, fusion, keras_compare, lightning_compare
+from . import allreduce, fusion, keras_compare, lightning_compare, sampler
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
             "starts every job itself",
         )
     )
+    sampler.add_arguments(
+        commands.add_parser(
+            "sampler",
+            help="padding and epoch time: DistributedBucketSampler against "
+            "DistributedSampler + random batches, on the OCR data",
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "allreduce":
         return allreduce.run(args)
@@ -47,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return lightning_compare.run(args)
     if args.command == "keras":
         return keras_compare.run(args)
+    if args.command == "sampler":
+        return sampler.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
