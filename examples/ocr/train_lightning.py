@@ -71,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", type=int, default=8000, help="training lines (all ranks)")
     parser.add_argument("--val-lines", type=int, default=400)
-    parser.add_argument("--epochs", type=int, default=14)
+    parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument(
         "--max-pixels",
         type=int,
