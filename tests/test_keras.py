@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multirank
 
 WORKER = str(Path(__file__).parent / "workers" / "keras_fit.py")
 SCENARIOS = ["plain", "clipnorm", "accumulate", "mixed", "warmup", "early_stopping",
-             "save_load", "late_build", "undistributed"]  # fmt: skip
+             "save_load", "late_build", "undistributed", "statistics"]  # fmt: skip
 BACKENDS = {
     "tensorflow": [*SCENARIOS, "steps_per_execution", "xla", "bucketed"],
     "torch": SCENARIOS,  # Keras's torch backend has no steps_per_execution
@@ -134,3 +134,11 @@ def test_bucketed_tf_data_keeps_samples_aligned_and_batch_counts_equal(run):
         ids = walks[0]["ids"] + walks[1]["ids"]
         assert set(ids) == set(range(101))  # every sample, plus a few repeats at most
     assert reports[0]["epochs"][0]["ids"] != reports[0]["epochs"][1]["ids"]  # next epoch's order
+
+
+def test_ring_broadcast_gives_every_rank_roots_batchnorm_statistics(run):
+    for report in run["reports"]:
+        # Each rank's batches moved its own statistics (the test can tell them apart) ...
+        assert not report["statistics"]["unsynced"]
+        # ... and RingBroadcast handed root's to every rank at the end of training.
+        assert report["statistics"]["synced"]

@@ -108,8 +108,9 @@ class CRNN(keras.Model):
 class CharacterErrorRate(keras.callbacks.Callback):
     """After every epoch, the CER of the validation lines, computed together by all ranks.
 
-    Every rank first takes rank 0's non-trainable weights (batch norm's moving statistics,
-    which each rank updates from its own batches), so that all ranks evaluate one model.
+    RingBroadcast, earlier in the callbacks, has just given every rank rank 0's non-trainable
+    weights (batch norm's moving statistics, which each rank updates from its own batches),
+    so all ranks evaluate one model.
     Each rank decodes its own batches of `dataset` (greedy CTC decoding), the ranks add up
     their edit errors and characters, and rank 0 prints the rate. Every rank puts it in
     ``logs["val_cer"]``. As in the Lightning example, a few lines may count twice: when the
@@ -125,7 +126,6 @@ class CharacterErrorRate(keras.callbacks.Callback):
         self.rate = float("nan")
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        rk.broadcast_variables(self.model.non_trainable_weights, root_rank=0, name="validation")
         errors = chars = 0
         for (images, widths), (targets, target_lengths) in self.dataset.as_numpy_iterator():
             logits = self.model.predict_on_batch((images, widths))  # [B, T, classes]

@@ -256,6 +256,40 @@ def scenario_bucketed() -> dict:
             "identical": identical_everywhere(flat_weights(model))}  # fmt: skip
 
 
+def scenario_statistics() -> dict:
+    """BatchNormalization's moving statistics follow each rank's batches; RingBroadcast
+    hands root's to every rank at the end (and before validation), unless told not to."""
+    found = {}
+    for sync in (True, False):
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(6),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(2),
+            ]
+        )
+        model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+        x, y = my_rows(*data(ringplug.size()))
+        model.fit(
+            x,
+            y,
+            batch_size=B,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[rk.RingBroadcast(0, sync_statistics=sync)],
+        )
+        statistics = np.concatenate(
+            [
+                np.asarray(keras.ops.convert_to_numpy(w), np.float64).ravel()
+                for w in model.non_trainable_weights
+            ]
+        )
+        found["synced" if sync else "unsynced"] = identical_everywhere(statistics)
+    return found
+
+
 def main(outdir: Path, scenarios: list[str]) -> None:
     rk.init()
     report = {"backend": keras.backend.backend()}
@@ -272,6 +306,7 @@ def main(outdir: Path, scenarios: list[str]) -> None:
         "save_load": lambda: scenario_save_load(outdir),
         "late_build": scenario_late_build,
         "bucketed": scenario_bucketed,
+        "statistics": scenario_statistics,
         "undistributed": scenario_undistributed,
     }  # fmt: skip
     for name in scenarios or list(runs):

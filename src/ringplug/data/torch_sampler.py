@@ -78,6 +78,7 @@ class DistributedBucketSampler(BatchSampler):
         self.epoch = 0
         self.repeated_samples = 0
         self._reported = False
+        self._cached: tuple[tuple[int, int, int], Plan] | None = None
         self._plan(0)  # check the arguments now, not at the first batch
 
     def set_epoch(self, epoch: int) -> None:
@@ -93,10 +94,16 @@ class DistributedBucketSampler(BatchSampler):
         return 1, 0
 
     def _plan(self, epoch: int) -> Plan:
+        """The epoch's plan, made once: DataLoaders and Lightning ask for len() often."""
         replicas, rank = self._ranks()
-        return plan_batches(self.lengths, batch_size=self.batch_size, max_tokens=self.max_tokens,
-                            num_replicas=replicas, rank=rank, shuffle=self.shuffle,
-                            seed=self.seed, epoch=epoch, drop_last=self.drop_last)  # fmt: skip
+        key = (epoch, replicas, rank)
+        if self._cached is None or self._cached[0] != key:
+            plan = plan_batches(self.lengths, batch_size=self.batch_size,
+                                max_tokens=self.max_tokens, num_replicas=replicas, rank=rank,
+                                shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+                                drop_last=self.drop_last)  # fmt: skip
+            self._cached = (key, plan)
+        return self._cached[1]
 
     def __iter__(self) -> Iterator[list[int]]:
         plan = self._plan(self.epoch)

@@ -43,13 +43,21 @@ class RingBroadcast(keras.callbacks.Callback):
     On TensorFlow, a model compiled with ``jit_compile=True`` trains without XLA (which
     cannot compile the reduction), with a warning.
 
+    Non-trainable weights (BatchNorm's moving statistics) follow each rank's own batches;
+    with `sync_statistics` root's are given to every rank again before each validation, at
+    each epoch's end (for the callbacks after this one) and at the end of training, as DDP
+    does with buffers, so every rank evaluates and saves the same model.
+
     Args:
         root_rank: the rank whose state everyone starts from. Defaults to 0.
+        sync_statistics: re-broadcast non-trainable weights before validation, at epoch
+            ends and at the end. Defaults to True.
     """
 
-    def __init__(self, root_rank: int = 0) -> None:
+    def __init__(self, root_rank: int = 0, sync_statistics: bool = True) -> None:
         super().__init__()
         self.root_rank = root_rank
+        self.sync_statistics = sync_statistics
         self._done = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -77,6 +85,20 @@ class RingBroadcast(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if not self._done:
             self._broadcast()  # the model built itself on its first batch
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        self._sync_statistics()  # fit's validation: every rank evaluates root's statistics
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._sync_statistics()  # for the epoch-end callbacks after this one
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._sync_statistics()
+
+    def _sync_statistics(self) -> None:
+        statistics = list(self.model.non_trainable_weights)
+        if self.sync_statistics and self._done and statistics and core.size() > 1:
+            broadcast_variables(statistics, self.root_rank, name="keras.statistics")
 
     def _broadcast(self) -> None:
         model = self.model
