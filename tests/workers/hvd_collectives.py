@@ -68,6 +68,26 @@ def sweep(
         )
     root = hvd.broadcast(inputs[rank], root_rank=size - 1)
     checks[f"broadcast/{dtype}/{shape}"] = torch.equal(root, inputs[size - 1])
+    # allgather: ranks contribute different numbers of rows.
+    rows = [x.reshape(-1, *shape[1:])[: r + 1] for r, x in enumerate(inputs)]
+    gathered = hvd.allgather(rows[rank])
+    checks[f"allgather/{dtype}/{shape}"] = torch.equal(gathered, torch.cat(rows))
+    # reducescatter (sum): earlier ranks get a row more when the rows do not divide.
+    block = hvd.reducescatter(inputs[rank], op=hvd.Sum)
+    base, extra = divmod(shape[0], size)
+    start = rank * base + min(rank, extra)
+    expected = stack.sum(0)[start : start + base + (rank < extra)]
+    checks[f"reducescatter/{dtype}/{shape}"] = bool(
+        block.shape == expected.shape and np.allclose(block.double().numpy(), expected)
+    )
+    # alltoall: rank r sends rows [i*k, (i+1)*k) to rank i, k = rows // size.
+    k = shape[0] // size
+    sent = inputs[rank][: k * size]
+    received, splits = hvd.alltoall(sent, splits=[k] * size)
+    expected_rows = torch.cat([inputs[r][rank * k : (rank + 1) * k] for r in range(size)])
+    checks[f"alltoall/{dtype}/{shape}"] = splits.tolist() == [k] * size and torch.equal(
+        received, expected_rows
+    )
 
 
 def main(outdir: Path) -> None:
