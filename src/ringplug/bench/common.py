@@ -119,6 +119,16 @@ def write_json(path: str, bench: str, env: dict, records: list[Record]) -> None:
         handle.write("\n")
 
 
+def write_job_json(path: str, bench: str, extra: dict, records: list[Record]) -> None:
+    """`write_json` for the benches run as plain commands, which start their jobs
+    themselves: this process reads the environment facts as a world of one."""
+    import ringplug
+
+    ringplug.init()
+    write_json(path, bench, environment(extra), records)
+    print(f"# wrote {path}")
+
+
 def plot_busbw(path: str, title: str, records: list[Record]) -> None:
     """Bus bandwidth against message size, one line per implementation."""
     try:

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import alternating_pairs, write_json
+from .common import alternating_pairs, write_job_json
 
 JOB = str(Path(__file__).with_name("keras_job.py"))
 
@@ -86,14 +86,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"# median ringplug / MWMS throughput, 2 ranks: {over_mwms:.3f}x (target >= 1.2)")
     print(f"# median ringplug overhead with 1 rank against plain Keras: {overhead * 100:.1f}%")
     if args.json:
-        import ringplug
-
-        from .common import environment
-
-        ringplug.init()
-        env = environment({"pairs": args.pairs, "steps": args.steps, "hidden": args.hidden,
-                           "median_ringplug_over_mwms": over_mwms,
-                           "median_overhead_1_rank": overhead})  # fmt: skip
-        write_json(args.json, "keras", env, records)
-        print(f"# wrote {args.json}")
+        write_job_json(args.json, "keras",
+                       {"pairs": args.pairs, "steps": args.steps, "hidden": args.hidden,
+                        "median_ringplug_over_mwms": over_mwms,
+                        "median_overhead_1_rank": overhead}, records)  # fmt: skip
     return 0

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import alternating_pairs, write_json
+from .common import alternating_pairs, write_job_json
 
 JOB = str(Path(__file__).with_name("lightning_job.py"))
 
@@ -58,14 +58,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"# median RingStrategy / DDP throughput, 2 ranks: {ring_ddp:.3f}x (target >= 1.3)")
     print(f"# median RingStrategy overhead with 1 rank: {overhead * 100:.1f}% (target <= 5%)")
     if args.json:
-        import ringplug
-
-        from .common import environment
-
-        ringplug.init()
-        env = environment({"pairs": args.pairs, "steps": args.steps, "hidden": args.hidden,
-                           "median_ring_over_ddp": ring_ddp,
-                           "median_overhead_1_rank": overhead})  # fmt: skip
-        write_json(args.json, "lightning", env, records)
-        print(f"# wrote {args.json}")
+        write_job_json(args.json, "lightning",
+                       {"pairs": args.pairs, "steps": args.steps, "hidden": args.hidden,
+                        "median_ring_over_ddp": ring_ddp, "median_overhead_1_rank": overhead},
+                       records)  # fmt: skip
     return 0

@@ -13,7 +13,7 @@ import statistics
 import time
 from collections.abc import Iterable, Sequence
 
-from .common import Record, write_json
+from .common import Record, write_job_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,19 +115,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"# padding: random / bucket = {padding_ratio:.1f}x less with buckets (target >= 2)")
     print(f"# epoch time: random / bucket = {time_ratio:.2f}x")
     if args.json:
-        import ringplug
-
-        from .common import environment
-
-        ringplug.init()
         records = [Record(impl, "epoch", "float32", 0, args.ranks, medians[impl], 0.0, 0.0,
                           args.repeats, {"padding_per_real": padding[impl],
                                          "batches_per_rank": counts[impl],
                                          "epoch_seconds": seconds[impl]})
                    for impl in ("bucket", "random")]  # fmt: skip
-        env = environment({"samples": args.samples, "ranks": args.ranks,
-                           "batch_size": args.batch_size, "padding_ratio": padding_ratio,
-                           "epoch_time_ratio": time_ratio})  # fmt: skip
-        write_json(args.json, "sampler", env, records)
-        print(f"# wrote {args.json}")
+        write_job_json(args.json, "sampler",
+                       {"samples": args.samples, "ranks": args.ranks,
+                        "batch_size": args.batch_size, "padding_ratio": padding_ratio,
+                        "epoch_time_ratio": time_ratio}, records)  # fmt: skip
     return 0

@@ -8,6 +8,15 @@ from typing import Any
 from .. import core
 from ..core.ops import ReduceOp, as_op
 
+# Horovod's basics, the same in ringplug.horovod.torch and ringplug.horovod.keras.
+__all__ = [
+    "Adasum", "Average", "Max", "Min", "Product", "Sum", "cross_rank", "cross_size",
+    "cuda_built", "global_process_set", "gloo_built", "gloo_enabled", "init",
+    "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size",
+    "start_timeline", "stop_timeline",
+]  # fmt: skip
+
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
 Min = ReduceOp.MIN

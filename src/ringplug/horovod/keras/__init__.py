@@ -14,36 +14,9 @@ import keras
 from ... import core
 from ...keras import DistributedOptimizer as _DistributedOptimizer
 from ...keras.callbacks import broadcast_variables as _broadcast_variables
-from .._common import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
-    check_process_set,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    resolve_op,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from .._common import *  # noqa: F403 - Horovod's basics, re-exported
+from .._common import Average, check_process_set, global_process_set, resolve_op
+from .._common import __all__ as _BASICS
 from . import callbacks
 
 
@@ -141,39 +114,6 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
 
 
 __all__ = [
-    "Adasum",
-    "Average",
-    "Compression",
-    "DistributedOptimizer",
-    "Max",
-    "Min",
-    "Product",
-    "Sum",
-    "allgather",
-    "allgather_object",
-    "allreduce",
-    "broadcast",
-    "broadcast_object",
-    "broadcast_variables",
-    "callbacks",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
-    "global_process_set",
-    "gloo_built",
-    "gloo_enabled",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
-    "rank",
-    "rocm_built",
-    "shutdown",
-    "size",
-    "start_timeline",
-    "stop_timeline",
-]
+    *_BASICS, "Compression", "DistributedOptimizer", "allgather", "allgather_object",
+    "allreduce", "broadcast", "broadcast_object", "broadcast_variables", "callbacks",
+]  # fmt: skip
