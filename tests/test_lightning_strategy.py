@@ -213,11 +213,28 @@ def test_lightning_cli_rejects_an_unknown_compression_naming_the_choices():
     assert "gzip" in result.stderr and "fp16" in result.stderr
 
 
-def test_gpu_devices_are_refused_with_what_to_use_instead():
+def test_unsupported_accelerators_are_refused_with_what_to_use_instead():
     import torch
 
     from ringplug.lightning import RingStrategy
 
-    strategy = RingStrategy(parallel_devices=[torch.device("cuda", 0)])
-    with pytest.raises(NotImplementedError, match="accelerator='cpu'"):
+    strategy = RingStrategy(parallel_devices=[torch.device("mps", 0)])
+    with pytest.raises(NotImplementedError, match="accelerator='gpu'"):
         strategy._configure_launcher()
+
+
+def test_each_rank_trains_on_the_gpu_of_its_local_rank(monkeypatch):
+    import torch
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    from ringplug.lightning import RingStrategy
+
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    gpus = [torch.device("cuda", i) for i in range(4)]
+    strategy = RingStrategy(parallel_devices=gpus, cluster_environment=LightningEnvironment())
+    assert strategy.root_device == torch.device("cuda", 2)
+    # A launcher that gives each rank one GPU (CUDA_VISIBLE_DEVICES per rank): device 0.
+    strategy = RingStrategy(parallel_devices=[torch.device("cuda", 0)],
+                            cluster_environment=LightningEnvironment())  # fmt: skip
+    assert strategy.root_device == torch.device("cuda", 0)
+    assert RingStrategy(parallel_devices=[torch.device("cpu")]).root_device.type == "cpu"

@@ -36,6 +36,7 @@ def test_ranks_train_like_one_process_on_the_union_of_their_batches(tmp_path, sc
         # One bucket, one collective per optimizer step: accumulation sends nothing on the
         # first backward pass of each step, and unused parameters don't add collectives.
         assert report["collectives"] == STEPS
+        assert not report["touched_nccl"]
 
 
 def test_the_wrapper_keeps_the_optimizer_class_and_state():

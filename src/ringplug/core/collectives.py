@@ -22,6 +22,7 @@ import numpy as np
 from . import reduce, ring, runtime
 from .dtypes import DType, classify, storage_view
 from .engine import Handle, Request
+from .errors import RingplugError
 from .negotiation import CACHEABLE, Kind, Signature
 from .ops import Average, ReduceOp, as_op
 
@@ -62,7 +63,8 @@ def _submit(name: str, cacheable: bool, build) -> Handle:
     engine = runtime.engine()
     try:
         request = build(name)
-    except (TypeError, ValueError, NotImplementedError) as exc:
+    except (TypeError, ValueError, NotImplementedError, RingplugError) as exc:
+        # RingplugError: e.g. no NCCL or no GPU for a GPU tensor on this rank
         marker = Request(name, Signature(Kind.ERROR), Handle(name), error=exc)
         return engine.submit(marker)
     request.cacheable = cacheable and request.signature.kind in CACHEABLE

@@ -34,14 +34,16 @@ import numpy as np
 from . import log, reduce, ring
 from .config import Settings
 from .dtypes import DType
-from .errors import MismatchError, PeerArgumentError, RingplugError, StallError
-from .negotiation import Cache, Kind, Message, Plan, Response, Signature, decide
+from .errors import CommunicatorFailed, MismatchError, PeerArgumentError, RingplugError, StallError
+from .negotiation import GPU, Cache, Kind, Message, Plan, Response, Signature, decide
 from .ops import ReduceOp
 from .timeline import Timeline
 from .transport import Transport
 
 if TYPE_CHECKING:
     from mpi4py import MPI
+
+    from .gpu import GpuPlane
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +140,9 @@ class Request:
     postscale: float = 1.0
     splits: np.ndarray | None = None  # alltoall rows per destination
     data: bytes = b""  # pickled object
+    # GPU requests (signature.place == GPU) hold DeviceBuffers where host ones hold arrays,
+    # and the event after which the caller's stream has produced the inputs (or None).
+    ready: Any = None
     error: BaseException | None = None  # Kind.ERROR: what this rank rejected
     finish: Callable[[Any], Any] | None = None  # turns the raw result into the user's
     submitted: float = 0.0
@@ -147,8 +152,10 @@ class Request:
 class Engine:
     """Negotiates, fuses and runs the collectives of one process, on its own thread."""
 
-    def __init__(self, comm: MPI.Comm | None, settings: Settings) -> None:
+    def __init__(self, comm: MPI.Comm | None, settings: Settings, local_rank: int = 0) -> None:
         self.settings = settings
+        self.local_rank = local_rank
+        self._gpu: GpuPlane | None = None  # made at the first GPU collective
         self.transport = Transport(comm, settings)
         self.rank, self.size = self.transport.rank, self.transport.size
         self._ctrl = comm.Dup() if comm is not None else None
@@ -219,6 +226,8 @@ class Engine:
             logger.error("the ringplug engine thread did not stop within %.0f s", timeout)
             return
         self.stop_timeline()
+        if self._gpu is not None:
+            self._gpu.close()
         if self._ctrl is not None:
             self._ctrl.Free()
             self._ctrl = None
@@ -248,6 +257,10 @@ class Engine:
                 if self._run_cycle():
                     break
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
+            if isinstance(exc, CommunicatorFailed):
+                logger.error("%s", exc)
+                self._fail_everything(exc)
+                return
             logger.exception("the ringplug engine failed")
             self._fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
 
@@ -407,6 +420,7 @@ class Engine:
                 if batch and (
                     batch[0].signature.code != signature.code
                     or batch[0].signature.op != signature.op
+                    or batch[0].signature.place != signature.place
                     or batch_bytes + nbytes > self.settings.fusion_threshold
                 ):
                     self._allreduce_batch(batch)
@@ -431,6 +445,9 @@ class Engine:
         """
         code, op = DType(batch[0].signature.code), ReduceOp(batch[0].signature.op)
         requests = [self._pending.pop(r.name, None) for r in batch]
+        if batch[0].signature.place == GPU:
+            self._gpu_allreduce_batch(batch, requests, code, op)
+            return
         # One entry per tensor: (request or None for a joined rank, input, output).
         entries: list[tuple[Request | None, np.ndarray, np.ndarray]] = []
         for response, request in zip(batch, requests, strict=True):
@@ -508,6 +525,46 @@ class Engine:
                 if packed:
                     timeline.span(request.name, "COPY_OUT", reduced, copied_out)
 
+    def _gpu_plane(self) -> GpuPlane:
+        if self._gpu is None:
+            from .gpu import GpuPlane  # only GPU jobs load NCCL
+
+            self._gpu = GpuPlane(self.transport, self.settings, self.local_rank)
+        return self._gpu
+
+    def _gpu_allreduce_batch(self, batch: list[Response], requests: list[Request | None],
+                             code: DType, op: ReduceOp) -> None:  # fmt: skip
+        """The GPU form of `_allreduce_batch`: NCCL, with the fusion buffer on the device."""
+        items: list[tuple[Any, Any, float, float]] = []
+        for response, request in zip(batch, requests, strict=True):
+            if request is None:  # joined: identity values from the host
+                for shape in response.signature.parts or (response.signature.shape,):
+                    count = int(np.prod(shape, dtype=np.int64))
+                    items.append((np.full(count, _identity(op, code), code.storage), None,
+                                  1.0, 1.0))  # fmt: skip
+                continue
+            pairs = zip(request.sends, request.outs, strict=True)
+            items.extend((send, out, request.prescale, request.postscale) for send, out in pairs)
+        start = time.perf_counter()
+        try:
+            self._gpu_plane().allreduce(items, code, op, [r.ready for r in requests if r])
+        except CommunicatorFailed as exc:  # these requests left _pending: fail them here
+            for request in requests:
+                if request is not None:
+                    self._complete(request, error=exc)
+            raise
+        done = time.perf_counter()
+        self.collectives_run += 1
+        for request in requests:
+            if request is not None:
+                self._complete(request)
+        timeline = self._timeline
+        if timeline is not None:
+            for request in requests:
+                if request is not None:
+                    self._trace_wait(timeline, request, start)
+                    timeline.span(request.name, "NCCL_ALLREDUCE", start, done, fused=len(batch))
+
     def _fusion_view(self, code: DType, count: int) -> np.ndarray:
         nbytes = count * code.itemsize
         if self._fusion.nbytes < nbytes:
@@ -526,10 +583,15 @@ class Engine:
             return
         start = time.perf_counter()
         try:
-            result = self._dispatch(signature, response, request)
+            if signature.place == GPU:
+                result = self._dispatch_gpu(signature, response, request)
+            else:
+                result = self._dispatch(signature, response, request)
         except (ValueError, TypeError, RingplugError) as exc:
             if request is not None:
                 self._complete(request, error=exc)
+            if isinstance(exc, CommunicatorFailed):
+                raise  # every other GPU collective must fail too
             return
         self.collectives_run += 1
         if request is not None:
@@ -587,6 +649,35 @@ class Engine:
             data = request.data if request is not None else b""
             return transport.allgather_bytes(data, response.extras)
         raise RingplugError(f"unknown collective kind {kind}")
+
+    def _dispatch_gpu(self, signature: Signature, response: Response,
+                      request: Request | None) -> Any:  # fmt: skip
+        """Broadcast, allgather and reducescatter of device buffers (results stay on the GPU)."""
+        kind, plane = signature.kind, self._gpu_plane()
+        code = DType(signature.code)
+        ready = request.ready if request is not None else None
+        if kind is Kind.BROADCAST:
+            if not response.have[signature.root]:
+                raise RingplugError(f"broadcast {response.name!r}: root rank {signature.root} "
+                                    "has joined and has nothing to send.")  # fmt: skip
+            count = int(np.prod(signature.shape, dtype=np.int64))
+            return plane.broadcast(request.out if request else None, count, code,
+                                   signature.root, ready)  # fmt: skip
+        row_elems = int(np.prod(signature.shape[1:] if kind is Kind.REDUCESCATTER
+                                else signature.shape, dtype=np.int64))  # fmt: skip
+        if kind is Kind.ALLGATHER:
+            send, out = (request.send, request.out) if request else (None, None)
+            return plane.allgather(send, response.extras, row_elems, code, ready, out)
+        if kind is Kind.REDUCESCATTER:
+            op = ReduceOp(signature.op)
+            count = int(np.prod(signature.shape, dtype=np.int64))
+            send = request.send if request else np.full(count, _identity(op, code), code.storage)
+            return plane.reducescatter(
+                send, signature.shape[0], row_elems, code, op,
+                request.prescale if request else 1.0, request.postscale if request else 1.0,
+                ready,
+            )  # fmt: skip
+        raise RingplugError(f"{kind.label} is not available for GPU tensors.")
 
     @staticmethod
     def _trace_wait(timeline: Timeline, request: Request, start: float) -> None:

@@ -25,3 +25,16 @@ class NotInitializedError(RingplugError):
 class StallError(RingplugError):
     """Some ranks waited for a collective that others never submitted, for longer than
     `RINGPLUG_STALL_SHUTDOWN_SECONDS`; raised on every rank, naming the missing ranks."""
+
+
+class NcclError(RingplugError):
+    """An NCCL call failed; `code` is NCCL's result, the message has NCCL's own strings."""
+
+    def __init__(self, message: str, code: int = -1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class CommunicatorFailed(NcclError):
+    """The NCCL communicator was aborted (a peer failed, or the timeout passed); every
+    pending and later GPU collective of the process raises this."""

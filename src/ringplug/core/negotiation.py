@@ -41,6 +41,9 @@ class Kind(enum.IntEnum):
         return self.name.lower()
 
 
+# Where a request's buffers live (`Signature.place`): host memory or GPU memory (NCCL).
+HOST, GPU = 0, 1
+
 # Collectives whose signature repeats step after step; only these get cache slots.
 CACHEABLE = {Kind.ALLREDUCE, Kind.BROADCAST, Kind.REDUCESCATTER}
 
@@ -49,7 +52,8 @@ class Signature(NamedTuple):
     """What must be equal on every rank for a request to run. For allgather and alltoall
     `shape` holds the dimensions after the first, which may differ between ranks. A grouped
     allreduce has `shape` (total elements,) and the shape of each of its tensors in `parts`.
-    (A tuple: built for every request, so it must be cheap.)"""
+    `place` is HOST or GPU: ranks must agree on it too. (A tuple: built for every request,
+    so it must be cheap.)"""
 
     kind: Kind
     code: int = -1
@@ -57,6 +61,7 @@ class Signature(NamedTuple):
     root: int = -1
     shape: tuple[int, ...] = ()
     parts: tuple[tuple[int, ...], ...] = ()
+    place: int = HOST
 
     def describe(self) -> str:
         if self.kind is Kind.ERROR:
@@ -76,7 +81,8 @@ class Signature(NamedTuple):
             parts.append(f"op={ReduceOp(self.op).name.lower()}")
         if self.root >= 0 or self.kind in (Kind.BROADCAST, Kind.BROADCAST_OBJECT):
             parts.append(f"root_rank={self.root}")
-        return " ".join(parts)
+        parts.append("on the GPU" if self.place == GPU else "")
+        return " ".join(p for p in parts if p)
 
 
 @dataclasses.dataclass

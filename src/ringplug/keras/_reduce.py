@@ -2,8 +2,9 @@
 
 - TensorFlow: a ``tf.numpy_function(..., stateful=True)`` op in the compiled train step.
   Stateful ops keep program order, so every rank reduces in the same place of the step
-  (stateless ones were reordered across threads in every trial).
-- torch: eager tensors, reduced through `ringplug.torch`.
+  (stateless ones were reordered across threads in every trial). GPU gradients take a
+  ``tf.py_function`` instead and go to NCCL by DLPack (`_tf_gpu`).
+- torch: eager tensors, reduced through `ringplug.torch` (CUDA tensors through NCCL).
 - JAX: an ordered ``io_callback`` inside the jitted step.
 
 Gradients are grouped by dtype; each group is one request named after the optimizer, so
@@ -20,6 +21,7 @@ import numpy as np
 
 from .. import core
 from ..core.ops import ReduceOp
+from . import _tf_gpu
 
 
 def reduce_numpy(arrays: Sequence[np.ndarray], op: ReduceOp, name: str,
@@ -70,6 +72,15 @@ def _tensorflow(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[A
     import tensorflow as tf
 
     dense = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) -> dense
+    if _tf_gpu.on_gpu(dense):
+        # GPU gradients go to NCCL by DLPack; py_function hands over eager device tensors
+        # (numpy_function would copy them to the host) and, being stateful, keeps its place.
+        reduced = tf.py_function(lambda *values: _tf_gpu.reduce_gradients(values, op, name, fp16),
+                                 dense, Tout=[g.dtype for g in dense],
+                                 name="ringplug_allreduce_gpu")  # fmt: skip
+        for out, grad in zip(reduced, dense, strict=True):
+            out.set_shape(grad.shape)
+        return list(reduced)
 
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
         return reduce_numpy(arrays, op, name, fp16)
@@ -84,10 +95,22 @@ def _tensorflow(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[A
 def _torch(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[Any]:
     import torch
 
-    from ..torch.collectives import as_numpy, from_numpy
+    from ..torch.collectives import as_numpy, from_numpy, grouped_allreduce_async_
 
-    if any(g.device.type != "cpu" for g in grads):
-        # Until the GPU data plane exists: through host memory, correct but not fast.
+    if all(g.device.type == "cuda" for g in grads):  # NCCL, one request per dtype
+        works = [g.detach().clone() for g in grads]
+        if fp16:
+            works = [w.half() if w.dtype in (torch.float32, torch.float64) else w for w in works]
+        groups: dict[Any, list[int]] = {}
+        for index, work in enumerate(works):
+            groups.setdefault(work.dtype, []).append(index)
+        handles = [grouped_allreduce_async_([works[i] for i in indices], op,
+                                            name=f"{name}.{dtype}")
+                   for dtype, indices in groups.items()]  # fmt: skip
+        for handle in handles:
+            handle.wait()
+        return [w.to(g.dtype) for w, g in zip(works, grads, strict=True)]
+    if any(g.device.type != "cpu" for g in grads):  # a mix: through host memory
         host = [g.detach().cpu() for g in grads]
         return [r.to(g.device) for r, g in zip(_torch(host, op, name, fp16), grads, strict=True)]
     works = [g.detach().contiguous() for g in grads]

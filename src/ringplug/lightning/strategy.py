@@ -48,6 +48,8 @@ class RingStrategy(ParallelStrategy):
     Start the ranks with the MPI launcher (``ringrun -np 4 python train.py``); each rank
     trains on its shard of the data (Lightning adds the distributed sampler), gradients are
     averaged in buckets while backward runs, and every rank ends with the same weights.
+    On CPUs the gradients take ringplug's MPI ring; with ``accelerator="gpu"`` each rank uses
+    the GPU of its local rank and the gradients take NCCL.
 
     Args:
         accelerator: set by the Trainer. Defaults to ``None``.
@@ -114,7 +116,12 @@ class RingStrategy(ParallelStrategy):
 
     @property
     def root_device(self) -> torch.device:
-        return torch.device("cpu")
+        devices = self.parallel_devices or [torch.device("cpu")]
+        if devices[0].type == "cpu":
+            return torch.device("cpu")
+        # One rank per GPU, as DDP: local rank i takes device i (the only one when the
+        # launcher gave each rank its own CUDA_VISIBLE_DEVICES).
+        return devices[self.local_rank] if len(devices) > 1 else devices[0]
 
     @property
     def num_nodes(self) -> int:
@@ -137,11 +144,10 @@ class RingStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         devices = {device.type for device in self.parallel_devices or []}
-        if devices - {"cpu"}:
+        if devices - {"cpu", "cuda"}:
             raise NotImplementedError(
-                f"RingStrategy runs on CPU in this version; accelerator={sorted(devices)} "
-                "needs ringplug's GPU data plane (NCCL), which is not there yet. Use "
-                "Trainer(accelerator='cpu', strategy='ring'), or strategy='ddp' on GPUs."
+                f"RingStrategy trains on CPUs and CUDA GPUs, not on {sorted(devices)}; use "
+                "Trainer(accelerator='cpu') or accelerator='gpu' with strategy='ring'."
             )
         requested = len(self.parallel_devices or [])
         if launcher_world_size() is not None:
@@ -162,6 +168,8 @@ class RingStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
         core.init()
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)  # NCCL and the caching allocator follow it
         _split_threads()
         if self.timeline:
             core.start_timeline(self.timeline)

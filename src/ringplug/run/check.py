@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ringplug.run.check_gpu import gpu_section
 from ringplug.run.mpi import LauncherError, find_launcher
 
 FRAMEWORKS = ("torch", "lightning", "pytorch-lightning", "tensorflow", "keras")
@@ -213,6 +214,7 @@ SECTIONS: list[Callable[[CheckContext], Section]] = [
     ringplug_section,
     mpi_section,
     frameworks_section,
+    gpu_section,
 ]
 """Report sections in print order; append a builder here to add one."""
 

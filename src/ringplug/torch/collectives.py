@@ -1,8 +1,10 @@
 """ringplug's collectives on torch tensors: the core's, with tensors in and tensors out.
 
 CPU tensors reach the core without a copy: the core works on a numpy view of the tensor's
-memory (bfloat16 as its raw 16-bit words). Non-contiguous tensors go through a contiguous
-copy. The forms ending in ``_`` work in place; the ``_async`` forms return a handle whose
+memory (bfloat16 as its raw 16-bit words). CUDA tensors go to the GPU data plane (NCCL) by
+address, ordered after the work already queued on the caller's current stream; results
+are ready for any stream when `wait()` returns. Non-contiguous tensors go through a
+contiguous copy. The forms ending in ``_`` work in place; the ``_async`` forms return a handle whose
 ``wait()`` gives the tensor. Every rank must call the same collectives in the same order
 (or under the same ``name``), as for the core.
 """
@@ -16,6 +18,9 @@ import numpy as np
 import torch
 
 from ..core import collectives as core
+from ..core import device_collectives as device
+from ..core.device import DeviceBuffer
+from ..core.dtypes import DType
 from ..core.engine import Handle
 from ..core.ops import Average, ReduceOp
 
@@ -31,6 +36,18 @@ _SUPPORTED: dict[torch.dtype, str | None] = {
     torch.int64: None,
     torch.uint8: None,
     torch.bool: None,
+}
+_CODES = {
+    torch.float16: DType.FLOAT16,
+    torch.bfloat16: DType.BFLOAT16,
+    torch.float32: DType.FLOAT32,
+    torch.float64: DType.FLOAT64,
+    torch.int8: DType.INT8,
+    torch.int16: DType.INT16,
+    torch.int32: DType.INT32,
+    torch.int64: DType.INT64,
+    torch.uint8: DType.UINT8,
+    torch.bool: DType.BOOL,
 }
 
 
@@ -60,11 +77,43 @@ def _check(tensor: torch.Tensor, what: str, name: str | None) -> None:
             f"{what}: unsupported dtype {tensor.dtype}; ringplug reduces {names}. "
             "Convert the tensor first (for example with .float())."
         ), name)  # fmt: skip
-    if tensor.device.type != "cpu":
+    if tensor.device.type not in ("cpu", "cuda"):
         core.reject(NotImplementedError(
-            f"{what}: tensors on {tensor.device} need ringplug's GPU data plane, which this "
-            "version does not have yet; move the tensor to the CPU (.cpu()) meanwhile."
+            f"{what}: ringplug reduces CPU and CUDA tensors, not tensors on {tensor.device}; "
+            "move the tensor first (.cpu())."
         ), name)  # fmt: skip
+
+
+def _on_gpu(tensors: Sequence[torch.Tensor], what: str, name: str | None) -> bool:
+    """Whether the request goes to the GPU plane; refuses a mix of CPU and CUDA tensors."""
+    kinds = {tensor.device.type for tensor in tensors}
+    if len(kinds) > 1:
+        core.reject(ValueError(
+            f"{what}: one request mixes CPU and CUDA tensors ({', '.join(sorted(kinds))}); "
+            "the CPU ring and NCCL cannot reduce them together. Move them to one device, or "
+            "make one request per device."
+        ), name)  # fmt: skip
+    return kinds == {"cuda"}
+
+
+def device_buffer(tensor: torch.Tensor) -> DeviceBuffer:
+    """A contiguous CUDA tensor's memory, for the GPU data plane (the tensor is its owner)."""
+    return DeviceBuffer(tensor.data_ptr(), tensor.numel(), _CODES[tensor.dtype],
+                        tensor.device.index, tensor)  # fmt: skip
+
+
+def _ready(tensor: torch.Tensor) -> Any:
+    """An event after the work queued so far on the caller's stream (which made `tensor`)."""
+    return torch.cuda.current_stream(tensor.device).record_event()
+
+
+def tensor_from_buffer(buffer: DeviceBuffer, shape: Sequence[int],
+                       dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """A tensor over device memory the GPU plane allocated (a torch uint8 tensor owns it)."""
+    owner = buffer.owner
+    start = buffer.address - owner.data_ptr()
+    raw = owner.reshape(-1)[start : start + buffer.nbytes]
+    return raw.view(dtype).reshape(tuple(shape))
 
 
 def as_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
@@ -95,6 +144,16 @@ def allreduce_async(
     return _allreduce_into(result, op, name, prescale_factor, postscale_factor, lambda: result)
 
 
+def _device_allreduce(works: list[torch.Tensor], op, name, prescale, postscale,
+                      finish) -> TensorHandle:  # fmt: skip
+    buffers = [device_buffer(work) for work in works]
+    handle = device.allreduce_async(
+        buffers, buffers, [tuple(work.shape) for work in works], op, name=name,
+        prescale_factor=prescale, postscale_factor=postscale, ready=_ready(works[0]),
+    )  # fmt: skip
+    return TensorHandle(handle, finish)
+
+
 def allreduce_async_(
     tensor: torch.Tensor,
     op: ReduceOp | str = Average,
@@ -119,6 +178,8 @@ def allreduce_async_(
 
 
 def _allreduce_into(work, op, name, prescale, postscale, finish) -> TensorHandle:
+    if work.is_cuda:
+        return _device_allreduce([work], op, name, prescale, postscale, lambda _: finish())
     array, dtype = as_numpy(work)
     handle = core.allreduce_async(array, op, out=array, name=name, dtype=dtype,
                                   prescale_factor=prescale, postscale_factor=postscale)  # fmt: skip
@@ -155,11 +216,6 @@ def grouped_allreduce_async_(
         core.reject(TypeError("grouped_allreduce_ needs tensors of one dtype; group them by "
                               "dtype."), name)  # fmt: skip
     works = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
-    arrays = [as_numpy(work)[0] for work in works]
-    handle = core.grouped_allreduce_async(
-        arrays, op, out=arrays, name=name, dtype=as_numpy(works[0])[1],
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-    )  # fmt: skip
 
     def write_back(_: Any) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -168,6 +224,13 @@ def grouped_allreduce_async_(
                     tensor.copy_(work)
         return tensors
 
+    if _on_gpu(tensors, "grouped_allreduce_", name):
+        return _device_allreduce(works, op, name, prescale_factor, postscale_factor, write_back)
+    arrays = [as_numpy(work)[0] for work in works]
+    handle = core.grouped_allreduce_async(
+        arrays, op, out=arrays, name=name, dtype=as_numpy(works[0])[1],
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+    )  # fmt: skip
     return TensorHandle(handle, write_back)
 
 
@@ -190,8 +253,12 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, *,
     """Start overwriting `tensor` with root's, in place; `wait()` returns `tensor`."""
     _check(tensor, "broadcast_", name)
     work = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
-    array, dtype = as_numpy(work)
-    handle = core.broadcast_async(array, root_rank, out=array, name=name, dtype=dtype)
+    if work.is_cuda:
+        handle = device.broadcast_async(device_buffer(work), tuple(work.shape), root_rank,
+                                        name=name, ready=_ready(work))  # fmt: skip
+    else:
+        array, dtype = as_numpy(work)
+        handle = core.broadcast_async(array, root_rank, out=array, name=name, dtype=dtype)
 
     def finish(_: Any) -> torch.Tensor:
         if work.data_ptr() != tensor.data_ptr():
@@ -220,7 +287,18 @@ def _allgather(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
 def allgather_async(tensor: torch.Tensor, *, name: str | None = None) -> TensorHandle:
     """Start an allgather; `wait()` returns every rank's `tensor` concatenated (no autograd)."""
     _check(tensor, "allgather", name)
-    array, dtype = as_numpy(tensor.detach().contiguous())
+    work = tensor.detach().contiguous()
+    if work.is_cuda:
+        shape = tuple(work.shape) or (1,)
+
+        def finish(gathered: DeviceBuffer) -> torch.Tensor:
+            rows = gathered.count // max(1, int(np.prod(shape[1:], dtype=np.int64)))
+            return tensor_from_buffer(gathered, (rows, *shape[1:]), tensor.dtype)
+
+        handle = device.allgather_async(device_buffer(work), shape, name=name,
+                                        ready=_ready(work))  # fmt: skip
+        return TensorHandle(handle, finish)
+    array, dtype = as_numpy(work)
     handle = core.allgather_async(array, name=name, dtype=dtype)
     return TensorHandle(handle, lambda gathered: from_numpy(gathered, tensor))
 
@@ -266,14 +344,30 @@ def reducescatter(tensor: torch.Tensor, op: ReduceOp | str = Average, *,
                   name: str | None = None) -> torch.Tensor:  # fmt: skip
     """This rank's block of rows of the reduction of `tensor` over every rank."""
     _check(tensor, "reducescatter", name)
-    array, dtype = as_numpy(tensor.detach().contiguous())
+    work = tensor.detach().contiguous()
+    if work.is_cuda:
+        if work.dim() == 0:
+            core.reject(ValueError("reducescatter needs a tensor with at least one dimension."),
+                        name)  # fmt: skip
+        block = device.reducescatter_async(device_buffer(work), tuple(work.shape), op, name=name,
+                                           ready=_ready(work)).wait()  # fmt: skip
+        row_elems = max(1, int(np.prod(work.shape[1:], dtype=np.int64)))
+        return tensor_from_buffer(block, (block.count // row_elems, *work.shape[1:]),
+                                  tensor.dtype)  # fmt: skip
+    array, dtype = as_numpy(work)
     return from_numpy(core.reducescatter(array, op, name=name, dtype=dtype), tensor)
 
 
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, *,
              name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Send rows `splits[i]` of `tensor` to rank i; returns the rows received and their counts."""
+    """Send rows `splits[i]` of `tensor` to rank i; returns the rows received and their counts.
+
+    CUDA tensors travel through host memory (NCCL has no alltoall with per-rank splits).
+    """
     _check(tensor, "alltoall", name)
+    if tensor.is_cuda:
+        received, counts = alltoall(tensor.cpu(), splits, name=name)
+        return received.to(tensor.device), counts
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
     array, dtype = as_numpy(tensor.detach().contiguous())

@@ -43,12 +43,12 @@ def broadcast_buffers(tensors: Iterable[torch.Tensor], root_rank: int = 0,
     """Overwrite `tensors` (every rank passes the same list) with root's values, in place:
     one broadcast per dtype through a flat copy, cheap for many small tensors (BatchNorm's
     running statistics, counters)."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
     for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor)
-    for dtype, members in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        groups.setdefault((tensor.device.type, tensor.dtype), []).append(tensor)
+    for (place, dtype), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
         flat = torch.cat([t.detach().reshape(-1) for t in members])
-        broadcast_async_(flat, root_rank, name=f"{name}.{dtype}").wait()
+        broadcast_async_(flat, root_rank, name=f"{name}.{place}.{dtype}").wait()
         offset = 0
         with torch.no_grad():
             for tensor in members:

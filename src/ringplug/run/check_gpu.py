@@ -1,0 +1,60 @@
+"""The ``NCCL and GPUs`` section of ``ringrun --check``: which NCCL ranks would load, its
+version, and the GPUs this host shows (no framework is imported)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ringplug.run.check import CheckContext, Section
+
+
+def _gpu_names(environ: dict[str, str]) -> list[str]:
+    """``nvidia-smi -L`` lines (all GPUs of the host, before CUDA_VISIBLE_DEVICES)."""
+    smi = shutil.which("nvidia-smi", path=environ.get("PATH"))
+    if smi is None:
+        return []
+    try:
+        result = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20,
+                                check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in result.stdout.splitlines() if line.strip()]
+
+
+def gpu_section(context: CheckContext) -> Section:
+    """NCCL's library and version, the CUDA runtime, and the GPUs visible."""
+    from ringplug.core import nccl
+    from ringplug.core.cuda import CudaError, CudaRuntime
+    from ringplug.run.check import Section
+
+    environ = dict(context.environ)
+    section = Section("NCCL and GPUs")
+    try:
+        found = nccl.version(environ)
+        section.rows.append(("NCCL", f"{found} at {found.path} (found in {found.source})"))
+        have_nccl = True
+    except nccl.NcclError as error:
+        section.rows.append(("NCCL", "not found"))
+        missing = str(error)
+        have_nccl = False
+    try:
+        cudart = CudaRuntime(environ)
+        visible = cudart.device_count()
+        section.rows.append(("CUDA runtime", cudart.path))
+    except (CudaError, OSError):
+        visible = 0
+        section.rows.append(("CUDA runtime", "not found"))
+    mask = environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f"{visible}" + (f" (CUDA_VISIBLE_DEVICES={mask})" if mask is not None else "")
+    section.rows.append(("GPUs visible", shown))
+    for index, name in enumerate(_gpu_names(environ)):
+        section.rows.append((f"  nvidia-smi {index}", name))
+    if visible and not have_nccl:
+        section.warnings.append(f"this host has {visible} GPU(s) but no NCCL: {missing}")
+    if not visible:
+        section.rows.append(("note", "CPU tensors take the MPI ring; NCCL is used only for GPU "
+                                     "tensors"))  # fmt: skip
+    return section

@@ -1,0 +1,462 @@
+"""The GPU data plane without a GPU: NCCL's loading order, version, unique ids and errors,
+and the engine's NCCL path end to end against fake NCCL and CUDA runtime libraries.
+
+The fakes (tests/fakes/*.c) have the real libraries' C ABI, so these tests go through the
+same ctypes binding as a GPU job; their "device memory" is host memory. What needs a real
+GPU is in tests/gpu/check_gpu.sh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch import run_ringrun
+
+FAKES = Path(__file__).parent / "fakes"
+WORKERS = Path(__file__).parent / "workers"
+
+
+def _compile(source: Path, target: Path, soname: str) -> None:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the fake NCCL and CUDA runtime")
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", f"-Wl,-soname,{soname}", "-o",
+                    str(target), str(source)], check=True, timeout=120)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def fakes(tmp_path_factory) -> dict[str, str]:
+    """Paths of the fake libnccl.so.2 and libcudart.so.13, built once per session."""
+    directory = tmp_path_factory.mktemp("fake-libs")
+    nccl, cudart = directory / "libnccl.so.2", directory / "libcudart.so.13"
+    _compile(FAKES / "fake_nccl.c", nccl, "libnccl.so.2")
+    _compile(FAKES / "fake_cudart.c", cudart, "libcudart.so.13")
+    return {"nccl": str(nccl), "cudart": str(cudart), "dir": str(directory)}
+
+
+def fake_env(fakes: dict[str, str], **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RINGPLUG_NCCL_LIB=fakes["nccl"], RINGPLUG_CUDART_LIB=fakes["cudart"], **extra)
+    return env
+
+
+def run_python(code: str, env: dict[str, str], timeout: float = 120) -> dict:
+    """Run `code` in a fresh interpreter (its own /proc/self/maps and library loads); it
+    prints one JSON object last."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------- versions and loading
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [(2708, (2, 7, 8)), (21003, (2, 10, 3)), (22703, (2, 27, 3)), (23203, (2, 32, 3))],
+)
+def test_version_codes_of_old_and_new_releases_parse(code, expected):
+    from ringplug.core.nccl import parse_version
+
+    assert parse_version(code) == expected
+
+
+def test_the_explicit_library_is_used_and_reported_with_its_version(fakes, monkeypatch):
+    from ringplug.core import nccl
+
+    monkeypatch.setenv("FAKE_NCCL_VERSION", "22703")
+    found = nccl.version({"RINGPLUG_NCCL_LIB": fakes["nccl"]})
+    assert (found.major, found.minor, found.patch) == (2, 27, 3)
+    assert str(found) == "2.27.3"
+    assert found.path == fakes["nccl"] and "RINGPLUG_NCCL_LIB" in found.source
+    # A folder holding libnccl.so.2 works too.
+    assert nccl.version({"RINGPLUG_NCCL_LIB": fakes["dir"]}).path == fakes["nccl"]
+
+
+def test_a_missing_explicit_library_is_an_error_not_a_silent_fallback(tmp_path):
+    from ringplug.core import nccl
+
+    with pytest.raises(nccl.NcclNotFound) as caught:
+        nccl.version({"RINGPLUG_NCCL_LIB": str(tmp_path / "nope.so")})
+    message = str(caught.value)
+    assert str(tmp_path / "nope.so") in message
+    assert "ringplug[cuda13]" in message and "ringplug[cuda12]" in message
+
+
+def test_a_library_already_loaded_in_the_process_comes_before_the_wheels(fakes, tmp_path):
+    site = _fake_wheel(tmp_path, "nvidia-nccl-cu13", fakes["nccl"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGPLUG_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    preloaded = tmp_path / "preloaded" / "libnccl.so.2"
+    preloaded.parent.mkdir()
+    shutil.copy(fakes["nccl"], preloaded)
+    report = run_python(f"""
+        import ctypes, json
+        from ringplug.core import nccl
+        before = nccl.version()
+        nccl._loaded = None
+        ctypes.CDLL({str(preloaded)!r})  # as `import torch` (CUDA build) does
+        after = nccl.version()
+        print(json.dumps({{"before": [before.source, before.path],
+                          "after": [after.source, after.path]}}))
+    """, env)  # fmt: skip
+    assert report["before"][0] == "the nvidia-nccl-cu13 wheel"
+    assert report["after"] == ["a libnccl already loaded in this process", str(preloaded)]
+
+
+def test_the_cuda13_wheel_is_preferred_to_the_cuda12_wheel(fakes, tmp_path):
+    from ringplug.core import nccl
+
+    cu12 = _fake_wheel(tmp_path / "a", "nvidia-nccl-cu12", fakes["nccl"])
+    cu13 = _fake_wheel(tmp_path / "b", "nvidia-nccl-cu13", fakes["nccl"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGPLUG_")}
+    code = """
+        import json
+        from ringplug.core import nccl
+        print(json.dumps({"source": nccl.version().source}))
+    """
+    env["PYTHONPATH"] = os.pathsep.join([str(cu12), str(cu13)])
+    assert run_python(code, env)["source"] == "the nvidia-nccl-cu13 wheel"
+    env["PYTHONPATH"] = str(cu12)
+    assert run_python(code, env)["source"] == "the nvidia-nccl-cu12 wheel"
+    assert nccl  # imported here only to fail early if the module is broken
+
+
+def test_the_system_library_path_is_searched_last(fakes, tmp_path):
+    if shutil.which("objdump") is None and shutil.which("ld") is None:
+        pytest.skip("ctypes.util.find_library needs binutils to search LD_LIBRARY_PATH")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    shutil.copy(fakes["nccl"], lib / "libnccl.so.2")
+    (lib / "libnccl.so").symlink_to("libnccl.so.2")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGPLUG_")}
+    env["LD_LIBRARY_PATH"] = str(lib)
+    report = run_python("""
+        import json
+        from ringplug.core import nccl
+        places = nccl.candidates()
+        print(json.dumps({"source": nccl.version().source,
+                          "earlier": [p for _, p in places[:-1]]}))
+    """, env)  # fmt: skip
+    if any(report["earlier"]):
+        pytest.skip(f"this machine has another NCCL: {report['earlier']}")
+    assert report["source"].startswith("the system library path")
+
+
+def test_no_library_anywhere_names_every_place_searched_and_how_to_install(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGPLUG_")}
+    env["LD_LIBRARY_PATH"] = str(tmp_path)
+    report = run_python("""
+        import json
+        from ringplug.core import nccl
+        try:
+            nccl.version()
+            print(json.dumps({"found": True}))
+        except nccl.NcclNotFound as error:
+            print(json.dumps({"found": False, "message": str(error)}))
+    """, env)  # fmt: skip
+    if report["found"]:
+        pytest.skip("this machine has an NCCL library installed")
+    message = report["message"]
+    for place in ("already loaded", "nvidia-nccl-cu13", "nvidia-nccl-cu12", "system library path"):
+        assert place in message
+    assert "pip install 'ringplug[cuda13]'" in message and "RINGPLUG_NCCL_LIB" in message
+
+
+def _fake_wheel(site: Path, distribution: str, library: str) -> Path:
+    """A site folder where `distribution` is installed with libnccl.so.2 (as NVIDIA's wheels
+    lay it out)."""
+    target = site / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    target.parent.mkdir(parents=True)
+    shutil.copy(library, target)
+    info = site / f"{distribution.replace('-', '_')}-2.32.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 2.32.3\n"
+    )
+    (info / "RECORD").write_text("nvidia/nccl/lib/libnccl.so.2,,\n")
+    return site
+
+
+# ---------------------------------------------------------------------- ids and errors
+def test_unique_ids_are_128_bytes_and_new_each_time(fakes):
+    from ringplug.core import nccl
+
+    library = nccl.load({"RINGPLUG_NCCL_LIB": fakes["nccl"]})
+    first, second = nccl.unique_id(library), nccl.unique_id(library)
+    assert len(first) == len(second) == nccl.UNIQUE_ID_BYTES
+    assert first != second
+
+
+def test_nccl_results_become_errors_with_nccls_own_strings_and_what_to_do(fakes, monkeypatch):
+    from ringplug.core import nccl
+
+    library = nccl.load({"RINGPLUG_NCCL_LIB": fakes["nccl"]})
+    monkeypatch.setenv("FAKE_NCCL_INIT_ERROR", "1")
+    with pytest.raises(nccl.NcclError) as caught:
+        nccl.Communicator(library, nccl.unique_id(library), 2, 0, 0)
+    error = caught.value
+    assert error.code == 1
+    text = str(error)
+    assert "ncclCommInitRank(rank 0 of 2, GPU 0)" in text
+    assert "ncclUnhandledCudaError" in text and "unhandled cuda error (fake)" in text
+    assert "CUDA driver version is insufficient" in text  # ncclGetLastError
+    assert "nvidia-smi" in text  # the hint
+    with pytest.raises(nccl.NcclError, match="ncclRemoteError.*peer rank failed"):
+        library.check(6, "ncclAllReduce")
+    library.check(nccl.SUCCESS, "ncclAllReduce")  # success raises nothing
+
+
+def test_a_wrong_size_unique_id_is_refused(fakes):
+    from ringplug.core import nccl
+
+    library = nccl.load({"RINGPLUG_NCCL_LIB": fakes["nccl"]})
+    with pytest.raises(ValueError, match="128 bytes"):
+        nccl.Communicator(library, b"short", 1, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "visible", "expected"),
+    [(0, 1, 0), (3, 1, 0), (0, 4, 0), (2, 4, 2)],
+)
+def test_each_local_rank_gets_its_own_gpu(local_rank, visible, expected):
+    from ringplug.core.gpu import device_for_local_rank
+
+    assert device_for_local_rank(local_rank, visible) == expected
+
+
+def test_no_gpu_or_too_few_gpus_are_errors_that_say_what_to_do(monkeypatch):
+    from ringplug.core.cuda import CudaError
+    from ringplug.core.gpu import device_for_local_rank
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(CudaError, match=r"No GPU is visible .*CUDA_VISIBLE_DEVICES=\)"):
+        device_for_local_rank(0, 0)
+    with pytest.raises(CudaError, match="Local rank 4 has no GPU of its own: 4 are visible"):
+        device_for_local_rank(4, 4)
+
+
+def test_nccl_has_no_int16_and_says_what_to_convert_to():
+    from ringplug.core.device import nccl_type
+    from ringplug.core.dtypes import DType
+
+    with pytest.raises(TypeError, match="int32"):
+        nccl_type(DType.INT16)
+    assert nccl_type(DType.BFLOAT16) == 9 and nccl_type(DType.FLOAT32) == 7
+
+
+def test_premultiplied_sum_scalars_have_the_data_type_bytes():
+    from ringplug.core.dtypes import DType
+    from ringplug.core.gpu import scalar_bytes
+
+    assert scalar_bytes(0.5, DType.FLOAT32) == np.float32(0.5).tobytes()
+    assert scalar_bytes(0.25, DType.FLOAT64) == np.float64(0.25).tobytes()
+    assert scalar_bytes(0.5, DType.FLOAT16) == np.float16(0.5).tobytes()
+    assert scalar_bytes(0.5, DType.BFLOAT16) == bytes([0x00, 0x3F])  # 0x3F00 little-endian
+
+
+# ---------------------------------------------------------------------- DLPack
+def test_dlpack_capsules_give_address_type_shape_and_device_without_being_consumed():
+    torch = pytest.importorskip("torch")
+    from torch.utils.dlpack import to_dlpack
+
+    from ringplug.core.device import DL_CPU, read_dlpack
+    from ringplug.core.dtypes import DType
+
+    tensor = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    capsule = to_dlpack(tensor)
+    view = read_dlpack(capsule)
+    assert view.address == tensor.data_ptr()
+    assert (view.code, view.shape, view.device_type) == (DType.BFLOAT16, (3, 4), DL_CPU)
+    assert view.contiguous
+    assert not read_dlpack(to_dlpack(tensor.t())).contiguous
+    assert torch.from_dlpack(capsule).equal(tensor)  # still consumable by its owner
+
+
+def test_host_tensors_are_refused_by_the_nccl_path():
+    torch = pytest.importorskip("torch")
+    from torch.utils.dlpack import to_dlpack
+
+    from ringplug.core.device import from_dlpack
+
+    with pytest.raises(TypeError, match="not in GPU memory"):
+        from_dlpack(to_dlpack(torch.ones(3)))
+
+
+# ---------------------------------------------------------------------- the engine on fakes
+def test_the_engine_reduces_gpu_buffers_through_nccl(fakes):
+    report = run_python(f"""
+        import ctypes, json
+        import numpy as np
+        import ringplug
+        from ringplug.core import device_collectives as dc, runtime
+        from ringplug.core.device import DeviceBuffer
+        from ringplug.core.dtypes import DType
+        from ringplug.core.engine import Request
+
+        ringplug.init()
+        lib = ctypes.CDLL({fakes["nccl"]!r})
+
+        def buf(array, code):
+            return DeviceBuffer(array.ctypes.data, array.size, code, 0, array)
+
+        a = np.arange(6, dtype=np.float32)
+        b = np.full(3, 2.0, np.float32)
+        # A fused group (two tensors, one NCCL call) with scale factors inside NCCL.
+        group = [buf(a, DType.FLOAT32), buf(b, DType.FLOAT32)]
+        dc.allreduce_async(group, group, [(2, 3), (3,)], "sum", prescale_factor=3.0,
+                           postscale_factor=0.5, name="g").wait()
+        # bfloat16 Average with a prescale: NCCL's premultiplied sum in bfloat16.
+        words = (np.array([1.0, 2.0, -4.0], np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        dc.allreduce_async([buf(words, DType.BFLOAT16)], [buf(words, DType.BFLOAT16)], [(3,)],
+                           "average", prescale_factor=0.5, name="bf").wait()
+        widened = (words.astype(np.uint32) << 16).view(np.float32)
+        # Out of place: the input is left alone.
+        src, dst = np.arange(4, dtype=np.float64), np.zeros(4)
+        dc.allreduce_async([buf(src, DType.FLOAT64)], [buf(dst, DType.FLOAT64)], [(4,)], "max",
+                           name="oop").wait()
+        gathered = dc.allgather_async(buf(b, DType.FLOAT32), (3,), name="ag").wait()
+        gathered_values = np.ctypeslib.as_array(
+            (ctypes.c_float * gathered.count).from_address(gathered.address)).tolist()
+        block = dc.reducescatter_async(buf(a, DType.FLOAT32), (6,), "sum", postscale_factor=2.0,
+                                       name="rs").wait()
+        block_values = np.ctypeslib.as_array(
+            (ctypes.c_float * block.count).from_address(block.address)).tolist()
+        engine = runtime.engine()
+        print(json.dumps({{
+            "a": a.tolist(), "b": b.tolist(), "bf16": widened.tolist(),
+            "src": src.tolist(), "dst": dst.tolist(), "gathered": gathered_values,
+            "block": block_values, "live_ops": lib.fakeNcclLivePremulOps(),
+            "groups": lib.fakeNcclMaxGroupDepth(), "device": engine._gpu.device,
+        }}))
+    """, fake_env(fakes))  # fmt: skip
+    assert report["a"] == [0.0, 1.5, 3.0, 4.5, 6.0, 7.5]  # x * 3 * 0.5 over one rank
+    assert report["b"] == [3.0, 3.0, 3.0]
+    assert report["bf16"] == [0.5, 1.0, -2.0]
+    assert report["src"] == [0.0, 1.0, 2.0, 3.0] and report["dst"] == [0.0, 1.0, 2.0, 3.0]
+    assert report["gathered"] == [3.0, 3.0, 3.0]
+    assert report["block"] == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
+    assert report["live_ops"] == 0  # every premultiplied-sum op was destroyed
+    assert report["device"] == 0
+
+
+def test_a_gpu_request_without_a_gpu_fails_on_every_rank_before_nccl(fakes):
+    result = run_ringrun("-np", "2", sys.executable, str(WORKERS / "fake_gpu.py"), "no-gpu",
+                         extra_env=fake_env(fakes, FAKE_CUDA_DEVICES="0"), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if "no-gpu:" in line]
+    assert len(lines) == 2, result.stdout
+    assert all("No GPU is visible" in line for line in lines)
+
+
+def test_ranks_join_one_communicator_with_rank_zeros_unique_id(fakes):
+    result = run_ringrun("-np", "2", sys.executable, str(WORKERS / "fake_gpu.py"), "uid",
+                         extra_env=fake_env(fakes), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = [json.loads(line.split("uid:", 1)[1]) for line in result.stdout.splitlines()
+               if "uid:" in line]  # fmt: skip
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    assert len({r["uid"] for r in reports}) == 1  # the same id on both ranks
+    rank0 = next(r for r in reports if r["rank"] == 0)
+    assert f"pid={rank0['pid']}" in rank0["uid"]  # ...made by rank 0
+    assert all(r["ranks"] == 2 for r in reports)
+    # The fake refuses collectives over 2 ranks: the error reaches the caller with its text.
+    assert all("reduces over one rank only" in r["error"] for r in reports)
+
+
+def test_a_peer_failure_aborts_the_communicator_and_fails_every_gpu_collective(fakes):
+    env = fake_env(fakes, FAKE_CUDA_EVENT_NEVER="1", FAKE_NCCL_ASYNC_ERROR="6")
+    report = run_python(f"""
+        import ctypes, json
+        import numpy as np
+        import ringplug
+        from ringplug.core import device_collectives as dc
+        from ringplug.core.device import DeviceBuffer
+        from ringplug.core.dtypes import DType
+
+        ringplug.init()
+        lib = ctypes.CDLL({fakes["nccl"]!r})
+        a = np.ones(4, np.float32)
+        buffers = [DeviceBuffer(a.ctypes.data, 4, DType.FLOAT32, 0, a)]
+        errors = []
+        for name in ("first", "second"):
+            try:
+                dc.allreduce_async(buffers, buffers, [(4,)], "sum", name=name).wait(timeout=60)
+                errors.append(None)
+            except Exception as error:
+                errors.append([type(error).__name__, str(error)])
+        print(json.dumps({{"errors": errors, "aborts": lib.fakeNcclAborts()}}))
+    """, env)  # fmt: skip
+    first, second = report["errors"]
+    assert first[0] == "CommunicatorFailed"
+    assert "ncclRemoteError" in first[1] and "peer rank 1 closed its connection" in first[1]
+    assert "aborted" in first[1]
+    assert second == first  # the communicator is gone: later GPU collectives fail alike
+    assert report["aborts"] == 1
+
+
+def test_a_collective_that_never_finishes_is_aborted_at_the_timeout(fakes):
+    env = fake_env(fakes, FAKE_CUDA_EVENT_NEVER="1", RINGPLUG_TIMEOUT="1")
+    report = run_python("""
+        import json, time
+        import numpy as np
+        import ringplug
+        from ringplug.core import device_collectives as dc
+        from ringplug.core.device import DeviceBuffer
+        from ringplug.core.dtypes import DType
+
+        ringplug.init()
+        a = np.ones(4, np.float32)
+        buffers = [DeviceBuffer(a.ctypes.data, 4, DType.FLOAT32, 0, a)]
+        start = time.monotonic()
+        try:
+            dc.allreduce_async(buffers, buffers, [(4,)], "sum", name="stuck").wait(timeout=60)
+            print(json.dumps({"error": None}))
+        except Exception as error:
+            print(json.dumps({"error": str(error), "waited": time.monotonic() - start}))
+    """, env)  # fmt: skip
+    assert "did not finish within" in report["error"] and "RINGPLUG_TIMEOUT=1" in report["error"]
+    assert report["waited"] < 30
+
+
+def test_tensorflow_gpu_tensors_go_by_dlpack_into_fresh_result_tensors(fakes):
+    pytest.importorskip("tensorflow")
+    env = fake_env(fakes, TF_CPP_MIN_LOG_LEVEL="3")
+    report = run_python("""
+        import json
+        import tensorflow as tf
+        import ringplug
+        from ringplug.core import device
+        from ringplug.keras import _tf_gpu
+
+        ringplug.init()
+        # The fake CUDA runtime's "device memory" is host memory: let host tensors stand in.
+        device.NCCL_DEVICE_TYPES.add(device.DL_CPU)
+        a = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+        b = tf.constant([10.0, 20.0, 30.0])
+        out = _tf_gpu.allreduce([a, b], "sum", "tf.grads", prescale_factor=2.0)
+        grads = _tf_gpu.reduce_gradients([a, tf.constant([1, 2], tf.int32)], ringplug.Sum,
+                                         "tf.step", fp16=True)
+        addr = lambda t: device.read_dlpack(tf.experimental.dlpack.to_dlpack(t)).address
+        print(json.dumps({
+            "a": a.numpy().tolist(), "out": [o.numpy().tolist() for o in out],
+            "fresh": addr(out[0]) != addr(a) and addr(out[1]) != addr(b),
+            "grads": [g.numpy().tolist() for g in grads],
+            "dtypes": [g.dtype.name for g in grads],
+        }))
+    """, env, timeout=240)  # fmt: skip
+    assert report["a"] == [[1.0, 2.0], [3.0, 4.0]]  # TensorFlow's input is never written
+    assert report["out"] == [[[2.0, 4.0], [6.0, 8.0]], [20.0, 40.0, 60.0]]
+    assert report["fresh"]
+    assert report["grads"] == [[[1.0, 2.0], [3.0, 4.0]], [1, 2]]
+    assert report["dtypes"] == ["float32", "int32"]  # fp16 on the wire, back to float32
