@@ -1,9 +1,13 @@
-"""`ringplug-bench allreduce`: ringplug against MPI's own Allreduce and torch gloo.
+"""`ringplug-bench allreduce`: ringplug against MPI's own Allreduce and torch gloo, or on
+GPUs (``--device cuda``) against torch.distributed's NCCL.
 
 Every implementation reduces the same preallocated buffer in place, at every size, in
 the same run; rows print like nccl-tests (time, algbw, busbw) with ratios at the end.
-The "memory" row is the roofline of this machine: the local work one rank of a 2-rank
-ring cannot avoid (copy S/2 in, add S/2, copy S/2 out), timed with numpy.
+The "memory" row is the roofline of this machine: on CPUs the local work one rank of a
+2-rank ring cannot avoid (copy S/2 in, add S/2, copy S/2 out), timed with numpy; on GPUs
+a device-to-device copy of the buffer. On GPUs every timed call includes waiting for the
+GPU (ringplug's `wait()` returns with the result complete; torch's call is followed by a
+synchronize), so the times compare like for like.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .common import (
 )
 
 IMPLS = ("ringplug", "mpi", "gloo", "memory")
+CUDA_IMPLS = ("ringplug", "nccl", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,9 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-size", default="256M", help="largest message (default 256M)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
     parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cpu: numpy buffers; cuda: torch CUDA tensors through NCCL (one GPU per rank)",
+    )
+    parser.add_argument(
         "--impls",
-        default=",".join(IMPLS),
-        help=f"comma-separated subset of {','.join(IMPLS)} (gloo needs torch)",
+        default=None,
+        help=f"comma-separated subset of {','.join(IMPLS)} (gloo needs torch; default all), "
+        f"or with --device cuda of {','.join(CUDA_IMPLS)}",
     )
     parser.add_argument(
         "--budget",
@@ -90,6 +102,46 @@ def _runners(impls: list[str], buf: np.ndarray) -> dict[str, Callable[[], object
     return runners
 
 
+def _cuda_runners(impls: list[str], tensor) -> dict[str, Callable[[], object]]:
+    import torch
+
+    runners: dict[str, Callable[[], object]] = {}
+    if "ringplug" in impls:
+        import ringplug.torch as rpt
+
+        runners["ringplug"] = lambda: rpt.allreduce_(tensor, "sum", name="bench.allreduce")
+    if "nccl" in impls:
+        import torch.distributed as dist
+
+        def torch_nccl() -> None:
+            dist.all_reduce(tensor)
+            torch.cuda.synchronize()
+
+        runners["nccl"] = torch_nccl
+    if "memory" in impls:
+        copy = torch.empty_like(tensor)
+
+        def device_copy() -> None:
+            copy.copy_(tensor)
+            torch.cuda.synchronize()
+
+        runners["memory"] = device_copy
+    return runners
+
+
+def _verify_cuda(dtype: np.dtype, count: int) -> None:
+    import torch
+
+    import ringplug.torch as rpt
+
+    probe = torch.full((count,), ringplug.rank() + 1, dtype=getattr(torch, dtype.name),
+                       device="cuda")  # fmt: skip
+    rpt.allreduce_(probe, "sum", name="bench.verify")
+    size = ringplug.size()
+    if not bool((probe == size * (size + 1) // 2).all()):
+        raise SystemExit(f"ringplug-bench: wrong GPU allreduce result at {count} elements")
+
+
 def _verify(dtype: np.dtype, count: int) -> None:
     """Check ringplug's answer before timing it: sum of (rank + 1) over all ranks."""
     probe = np.full(count, ringplug.rank() + 1, dtype)
@@ -102,10 +154,13 @@ def _verify(dtype: np.dtype, count: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     ringplug.init()
-    impls = [name.strip() for name in args.impls.split(",") if name.strip()]
-    unknown = sorted(set(impls) - set(IMPLS))
+    known = CUDA_IMPLS if args.device == "cuda" else IMPLS
+    impls = [name.strip() for name in (args.impls or ",".join(known)).split(",") if name.strip()]
+    unknown = sorted(set(impls) - set(known))
     if unknown:
-        raise SystemExit(f"ringplug-bench: unknown impls {unknown}; choose from {IMPLS}")
+        raise SystemExit(f"ringplug-bench: unknown impls {unknown}; choose from {known}")
+    if args.device == "cuda":
+        _start_cuda(impls)
     if "gloo" in impls:
         try:
             _gloo_group()
@@ -120,18 +175,20 @@ def run(args: argparse.Namespace) -> int:
     leader = ringplug.rank() == 0
     if leader:
         print(
-            f"# ringplug-bench allreduce: {ranks} ranks, {dtype.name}, op=sum, in place; "
-            "time = median over iterations of the slowest rank"
+            f"# ringplug-bench allreduce: {ranks} ranks, {dtype.name}, op=sum, in place, on "
+            f"{args.device}; time = median over iterations of the slowest rank"
         )
         print(
-            "# memory = one rank's unavoidable local work in a 2-rank ring "
+            "# memory = a device-to-device copy of the buffer"
+            if args.device == "cuda"
+            else "# memory = one rank's unavoidable local work in a 2-rank ring "
             "(copy S/2 in, add S/2, copy S/2 out)"
         )
         header = f"#{'size':>7} " + "".join(f"| {name + ' us':>13} {'busbw':>6} " for name in impls)
         header += "| busbw ratios (ringplug / other)"
         print(header)
     records = _measure_sizes(args, impls, dtype, sizes, bus_factor, leader)
-    if "gloo" in impls:
+    if "gloo" in impls or "nccl" in impls:
         # gloo's threads must stop before the interpreter exits, or the C++ runtime aborts.
         import torch.distributed as dist
 
@@ -155,10 +212,17 @@ def _measure_sizes(
     records: list[Record] = []
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
-        buf = np.zeros(count, dtype)
-        _verify(dtype, count)
+        if args.device == "cuda":
+            import torch
+
+            _verify_cuda(dtype, count)
+            buffer = torch.zeros(count, dtype=getattr(torch, dtype.name), device="cuda")
+            runners = _cuda_runners(impls, buffer)
+        else:
+            _verify(dtype, count)
+            runners = _runners(impls, np.zeros(count, dtype))
         row: dict[str, Record] = {}
-        for impl, runner in _runners(impls, buf).items():
+        for impl, runner in runners.items():
             times = measure(
                 runner,
                 budget_s=args.budget,
@@ -195,6 +259,23 @@ def _measure_sizes(
                 line += "| " + "  ".join(ratios)
             print(line, flush=True)
     return records
+
+
+def _start_cuda(impls: list[str]) -> None:
+    """Put this rank on the GPU of its local rank, and start torch's NCCL group if asked."""
+    import torch
+
+    from ..core.gpu import device_for_local_rank
+
+    try:
+        device = device_for_local_rank(ringplug.local_rank(), torch.cuda.device_count())
+    except ringplug.RingplugError as error:
+        raise SystemExit(f"ringplug-bench: --device cuda: {error}") from None
+    torch.cuda.set_device(device)
+    if "nccl" in impls:
+        from ..torch.process_group import init_gloo_group
+
+        init_gloo_group(backend="nccl")
 
 
 def _report(args: argparse.Namespace, records: list[Record], ranks: int, dtype: np.dtype) -> None:

@@ -27,7 +27,7 @@ from .dtypes import DType
 from .errors import RingplugError
 
 LIBRARY_VARIABLE = "RINGPLUG_CUDART_LIB"
-_WHEELS = ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12")
+_WHEELS = ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12")  # CUDA 13, CUDA 12
 _NOT_READY = 600  # cudaErrorNotReady
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
 _STREAM_NON_BLOCKING = 1
@@ -95,6 +95,7 @@ class _DeviceArray:
     def __init__(self, address: int, count: int, typestr: str) -> None:
         self.__cuda_array_interface__ = {
             "shape": (count,),
+            "strides": None,
             "typestr": typestr,
             "data": (address, False),
             "version": 3,
@@ -157,7 +158,7 @@ class TorchCuda(DeviceRuntime):
         )
 
     def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        if nbytes:
+        if nbytes and dst != src:
             with self.torch.cuda.stream(stream):
                 self._bytes(dst, nbytes).copy_(self._bytes(src, nbytes), non_blocking=True)
 
@@ -304,7 +305,7 @@ class CudaRuntime(DeviceRuntime):
         return address.value, _Allocation(self, address.value)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        if nbytes:
+        if nbytes and dst != src:
             self.check(
                 self.lib.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream),
                 "cudaMemcpyAsync",

@@ -184,6 +184,10 @@ class GpuPlane:
         assert self.comm is not None
         if op in (ReduceOp.SUM, ReduceOp.AVERAGE) and factor != 1.0:
             return self.comm.premul_sum(scalar_bytes(factor, code), nccl_type(code)), True
+        if code is DType.BOOL:  # as on the CPU: Sum is logical or, Product logical and
+            return {ReduceOp.SUM: nccl.OP_MAX, ReduceOp.PRODUCT: nccl.OP_MIN}.get(
+                op, _NCCL_OPS[op]
+            ), False
         return _NCCL_OPS[op], False
 
     # ------------------------------------------------------------------ collectives

@@ -16,9 +16,10 @@ from ..core import collectives as core
 from ..core import runtime
 
 
-def init_gloo_group() -> bool:
+def init_gloo_group(backend: str = "gloo") -> bool:
     """Start the default torch.distributed group over ringplug's ranks, unless one exists.
 
+    `backend` is gloo (the default) or nccl (benchmarks compare against it on GPUs).
     Returns whether this call created it (and so should destroy it).
     """
     if not dist.is_available() or dist.is_initialized():
@@ -31,7 +32,7 @@ def init_gloo_group() -> bool:
             probe.bind((host, 0))
             address = f"tcp://{host}:{probe.getsockname()[1]}"
     address = core.broadcast_object(address, 0, name="ringplug.gloo-address")
-    dist.init_process_group("gloo", init_method=address, rank=runtime.rank(),
+    dist.init_process_group(backend, init_method=address, rank=runtime.rank(),
                             world_size=runtime.size())  # fmt: skip
     return True
 
