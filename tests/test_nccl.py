@@ -29,8 +29,20 @@ def _compile(source: Path, target: Path, soname: str) -> None:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler to build the fake NCCL and CUDA runtime")
-    subprocess.run([compiler, "-shared", "-fPIC", "-O1", f"-Wl,-soname,{soname}", "-o",
-                    str(target), str(source)], check=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [
+            compiler,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            f"-Wl,-soname,{soname}",
+            "-o",
+            str(target),
+            str(source),
+        ],
+        check=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -54,8 +66,12 @@ def run_python(code: str, env: dict[str, str], timeout: float = 120) -> dict:
     prints one JSON object last."""
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=env, capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -100,7 +116,8 @@ def test_a_library_already_loaded_in_the_process_comes_before_the_wheels(fakes, 
     preloaded = tmp_path / "preloaded" / "libnccl.so.2"
     preloaded.parent.mkdir()
     shutil.copy(fakes["nccl"], preloaded)
-    report = run_python(f"""
+    report = run_python(
+        f"""
         import ctypes, json
         from ringplug.core import nccl
         before = nccl.version()
@@ -109,7 +126,9 @@ def test_a_library_already_loaded_in_the_process_comes_before_the_wheels(fakes, 
         after = nccl.version()
         print(json.dumps({{"before": [before.source, before.path],
                           "after": [after.source, after.path]}}))
-    """, env)  # fmt: skip
+    """,
+        env,
+    )
     assert report["before"][0] == "the nvidia-nccl-cu13 wheel"
     assert report["after"] == ["a libnccl already loaded in this process", str(preloaded)]
 
@@ -141,13 +160,16 @@ def test_the_system_library_path_is_searched_last(fakes, tmp_path):
     (lib / "libnccl.so").symlink_to("libnccl.so.2")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGPLUG_")}
     env["LD_LIBRARY_PATH"] = str(lib)
-    report = run_python("""
+    report = run_python(
+        """
         import json
         from ringplug.core import nccl
         places = nccl.candidates()
         print(json.dumps({"source": nccl.version().source,
                           "earlier": [p for _, p in places[:-1]]}))
-    """, env)  # fmt: skip
+    """,
+        env,
+    )
     if any(report["earlier"]):
         pytest.skip(f"this machine has another NCCL: {report['earlier']}")
     assert report["source"].startswith("the system library path")
@@ -156,7 +178,8 @@ def test_the_system_library_path_is_searched_last(fakes, tmp_path):
 def test_no_library_anywhere_names_every_place_searched_and_how_to_install(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGPLUG_")}
     env["LD_LIBRARY_PATH"] = str(tmp_path)
-    report = run_python("""
+    report = run_python(
+        """
         import json
         from ringplug.core import nccl
         try:
@@ -164,7 +187,9 @@ def test_no_library_anywhere_names_every_place_searched_and_how_to_install(tmp_p
             print(json.dumps({"found": True}))
         except nccl.NcclNotFound as error:
             print(json.dumps({"found": False, "message": str(error)}))
-    """, env)  # fmt: skip
+    """,
+        env,
+    )
     if report["found"]:
         pytest.skip("this machine has an NCCL library installed")
     message = report["message"]
@@ -295,7 +320,8 @@ def test_host_tensors_are_refused_by_the_nccl_path():
 
 # ---------------------------------------------------------------------- the engine on fakes
 def test_the_engine_reduces_gpu_buffers_through_nccl(fakes):
-    report = run_python(f"""
+    report = run_python(
+        f"""
         import ctypes, json
         import numpy as np
         import ringplug
@@ -339,7 +365,9 @@ def test_the_engine_reduces_gpu_buffers_through_nccl(fakes):
             "block": block_values, "live_ops": lib.fakeNcclLivePremulOps(),
             "groups": lib.fakeNcclMaxGroupDepth(), "device": engine._gpu.device,
         }}))
-    """, fake_env(fakes))  # fmt: skip
+    """,
+        fake_env(fakes),
+    )
     assert report["a"] == [0.0, 1.5, 3.0, 4.5, 6.0, 7.5]  # x * 3 * 0.5 over one rank
     assert report["b"] == [3.0, 3.0, 3.0]
     assert report["bf16"] == [0.5, 1.0, -2.0]
@@ -351,8 +379,15 @@ def test_the_engine_reduces_gpu_buffers_through_nccl(fakes):
 
 
 def test_a_gpu_request_without_a_gpu_fails_on_every_rank_before_nccl(fakes):
-    result = run_ringrun("-np", "2", sys.executable, str(WORKERS / "fake_gpu.py"), "no-gpu",
-                         extra_env=fake_env(fakes, FAKE_CUDA_DEVICES="0"), timeout=120)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        str(WORKERS / "fake_gpu.py"),
+        "no-gpu",
+        extra_env=fake_env(fakes, FAKE_CUDA_DEVICES="0"),
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if "no-gpu:" in line]
     assert len(lines) == 2, result.stdout
@@ -360,11 +395,21 @@ def test_a_gpu_request_without_a_gpu_fails_on_every_rank_before_nccl(fakes):
 
 
 def test_ranks_join_one_communicator_with_rank_zeros_unique_id(fakes):
-    result = run_ringrun("-np", "2", sys.executable, str(WORKERS / "fake_gpu.py"), "uid",
-                         extra_env=fake_env(fakes), timeout=120)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        str(WORKERS / "fake_gpu.py"),
+        "uid",
+        extra_env=fake_env(fakes),
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    reports = [json.loads(line.split("uid:", 1)[1]) for line in result.stdout.splitlines()
-               if "uid:" in line]  # fmt: skip
+    reports = [
+        json.loads(line.split("uid:", 1)[1])
+        for line in result.stdout.splitlines()
+        if "uid:" in line
+    ]
     assert sorted(r["rank"] for r in reports) == [0, 1]
     assert len({r["uid"] for r in reports}) == 1  # the same id on both ranks
     rank0 = next(r for r in reports if r["rank"] == 0)
@@ -376,7 +421,8 @@ def test_ranks_join_one_communicator_with_rank_zeros_unique_id(fakes):
 
 def test_a_peer_failure_aborts_the_communicator_and_fails_every_gpu_collective(fakes):
     env = fake_env(fakes, FAKE_CUDA_EVENT_NEVER="1", FAKE_NCCL_ASYNC_ERROR="6")
-    report = run_python(f"""
+    report = run_python(
+        f"""
         import ctypes, json
         import numpy as np
         import ringplug
@@ -396,7 +442,9 @@ def test_a_peer_failure_aborts_the_communicator_and_fails_every_gpu_collective(f
             except Exception as error:
                 errors.append([type(error).__name__, str(error)])
         print(json.dumps({{"errors": errors, "aborts": lib.fakeNcclAborts()}}))
-    """, env)  # fmt: skip
+    """,
+        env,
+    )
     first, second = report["errors"]
     assert first[0] == "CommunicatorFailed"
     assert "ncclRemoteError" in first[1] and "peer rank 1 closed its connection" in first[1]
@@ -407,7 +455,8 @@ def test_a_peer_failure_aborts_the_communicator_and_fails_every_gpu_collective(f
 
 def test_a_collective_that_never_finishes_is_aborted_at_the_timeout(fakes):
     env = fake_env(fakes, FAKE_CUDA_EVENT_NEVER="1", RINGPLUG_TIMEOUT="1")
-    report = run_python("""
+    report = run_python(
+        """
         import json, time
         import numpy as np
         import ringplug
@@ -424,7 +473,9 @@ def test_a_collective_that_never_finishes_is_aborted_at_the_timeout(fakes):
             print(json.dumps({"error": None}))
         except Exception as error:
             print(json.dumps({"error": str(error), "waited": time.monotonic() - start}))
-    """, env)  # fmt: skip
+    """,
+        env,
+    )
     assert "did not finish within" in report["error"] and "RINGPLUG_TIMEOUT=1" in report["error"]
     assert report["waited"] < 30
 
@@ -432,7 +483,8 @@ def test_a_collective_that_never_finishes_is_aborted_at_the_timeout(fakes):
 def test_tensorflow_gpu_tensors_go_by_dlpack_into_fresh_result_tensors(fakes):
     pytest.importorskip("tensorflow")
     env = fake_env(fakes, TF_CPP_MIN_LOG_LEVEL="3")
-    report = run_python("""
+    report = run_python(
+        """
         import json
         import tensorflow as tf
         import ringplug
@@ -454,9 +506,67 @@ def test_tensorflow_gpu_tensors_go_by_dlpack_into_fresh_result_tensors(fakes):
             "grads": [g.numpy().tolist() for g in grads],
             "dtypes": [g.dtype.name for g in grads],
         }))
-    """, env, timeout=240)  # fmt: skip
+    """,
+        env,
+        timeout=240,
+    )
     assert report["a"] == [[1.0, 2.0], [3.0, 4.0]]  # TensorFlow's input is never written
     assert report["out"] == [[[2.0, 4.0], [6.0, 8.0]], [20.0, 40.0, 60.0]]
     assert report["fresh"]
     assert report["grads"] == [[[1.0, 2.0], [3.0, 4.0]], [1, 2]]
     assert report["dtypes"] == ["float32", "int32"]  # fp16 on the wire, back to float32
+
+
+# ---------------------------------------------------------------------- ringrun and NCCL_*
+def test_nccl_variables_reach_every_rank_through_ringrun():
+    code = (
+        "import os; print('rank-env', os.environ.get('NCCL_DEBUG'), os.environ.get('NCCL_IB_HCA'))"
+    )
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        "-c",
+        code,
+        extra_env={"NCCL_DEBUG": "INFO", "NCCL_IB_HCA": "mlx5_0"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("rank-env INFO mlx5_0") == 2, result.stdout
+
+
+def test_open_mpi_is_told_to_forward_nccl_variables(tmp_path):
+    from launch import fake_open_mpi
+
+    mpiexec = fake_open_mpi(tmp_path)
+    result = run_ringrun(
+        "-np",
+        "2",
+        "--dry-run",
+        "python",
+        "x.py",
+        extra_env={"RINGPLUG_MPIEXEC": str(mpiexec), "NCCL_DEBUG": "INFO"},
+    )
+    assert result.returncode == 0, result.stderr
+    words = result.stdout.split()
+    assert "NCCL_DEBUG" in [words[i + 1] for i, w in enumerate(words[:-1]) if w == "-x"]
+
+
+def test_ringrun_check_reports_the_nccl_library_and_its_version(fakes):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGPLUG_")}
+    env.update(
+        RINGPLUG_NCCL_LIB=fakes["nccl"],
+        RINGPLUG_CUDART_LIB=fakes["cudart"],
+        FAKE_NCCL_VERSION="22703",
+        FAKE_CUDA_DEVICES="2",
+    )
+    result = run_ringrun("--check", env=env)
+    assert result.returncode == 0, result.stderr
+    report = result.stdout
+    assert "NCCL and GPUs" in report
+    assert f"2.27.3 at {fakes['nccl']}" in report
+    assert "GPUs visible" in report and "  2" in report.split("GPUs visible", 1)[1].splitlines()[0]
+    env["RINGPLUG_NCCL_LIB"] = "/nonexistent/libnccl.so.2"
+    missing = run_ringrun("--check", env=env).stdout
+    assert "not found" in missing.split("NCCL and GPUs", 1)[1]
+    assert "WARNING: this host has 2 GPU(s) but no NCCL" in missing
+    assert "ringplug[cuda13]" in missing
