@@ -85,8 +85,9 @@ def main(scenario: str, outdir: Path) -> None:
         "max_difference": float((flat - expected).abs().max()),
         "ranks_identical": all(torch.equal(row, everyone[0]) for row in everyone),
         "collectives": collectives,
-        # CPU training must not load NCCL or the GPU plane (nor need them installed).
-        "touched_nccl": "ringplug.core.gpu" in sys.modules
+        # CPU training must not start the GPU plane or load NCCL (nor need it installed).
+        "touched_nccl": engine._gpu is not None
+        or getattr(sys.modules.get("ringplug.core.nccl"), "_loaded", None) is not None
         or "libnccl" in Path("/proc/self/maps").read_text(),
     }
     (outdir / f"{scenario}-{rank}.json").write_text(json.dumps(report))

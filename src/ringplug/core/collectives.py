@@ -83,6 +83,14 @@ def reject(error: BaseException, name: str | None = None) -> NoReturn:
     raise error
 
 
+def check_root(root_rank: int) -> int:
+    """`root_rank` as an int, or ValueError when it is not a rank of this job."""
+    root, size = int(root_rank), runtime.size()
+    if not 0 <= root < size:
+        raise ValueError(f"root_rank={root} is not a rank of this job (ranks are 0..{size - 1}).")
+    return root
+
+
 def _result_as(source: np.ndarray, result: np.ndarray) -> np.ndarray:
     return result.view(source.dtype) if result.dtype != source.dtype else result
 
@@ -299,12 +307,7 @@ def broadcast_async(
     def build(request_name: str) -> Request:
         source = _as_array(array)
         code = classify(source, dtype)
-        root = int(root_rank)
-        size = runtime.size()
-        if not 0 <= root < size:
-            raise ValueError(
-                f"root_rank={root} is not a rank of this job (ranks are 0..{size - 1})."
-            )
+        root = check_root(root_rank)
         target = np.array(source, copy=True) if out is None else out
         if target.shape != source.shape or target.dtype != source.dtype:
             raise ValueError(

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import importlib.metadata
 import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .dtypes import DType
 from .errors import RingplugError
+from .libraries import mapped_library, wheel_library
 
 LIBRARY_VARIABLE = "RINGPLUG_CUDART_LIB"
 _WHEELS = ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12")  # CUDA 13, CUDA 12
@@ -183,35 +182,14 @@ class TorchCuda(DeviceRuntime):
 
 
 # ------------------------------------------------------------------ the CUDA runtime
-def _loaded_cudart() -> str | None:
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and "/libcudart.so" in parts[5] and os.path.exists(parts[5]):
-            return parts[5]
-    return None
-
-
 def cudart_candidates(environ: dict[str, str] | None = None) -> list[tuple[str, str | None]]:
     """The places the CUDA runtime is looked for, in order, with what each gives."""
     environ = dict(os.environ) if environ is None else environ
     explicit = environ.get(LIBRARY_VARIABLE, "")
     if explicit:
         return [(f"{LIBRARY_VARIABLE}={explicit}", explicit if os.path.exists(explicit) else None)]
-    places: list[tuple[str, str | None]] = [("a libcudart already loaded", _loaded_cudart())]
-    for wheel in _WHEELS:
-        found = None
-        try:
-            for file in importlib.metadata.distribution(wheel).files or []:
-                if file.name.startswith("libcudart.so") and Path(file.locate()).exists():
-                    found = str(file.locate())
-                    break
-        except importlib.metadata.PackageNotFoundError:
-            pass
-        places.append((f"the {wheel} wheel", found))
+    places = [("a libcudart already loaded", mapped_library("/libcudart.so"))]
+    places += [(f"the {wheel} wheel", wheel_library(wheel, "libcudart.so")) for wheel in _WHEELS]
     places.append(("the system library path", ctypes.util.find_library("cudart")))
     return places
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import nccl, reduce, runtime
-from .collectives import _name, _submit
+from .collectives import _name, _submit, check_root
 from .cuda import TorchCuda, default_runtime
 from .device import DeviceBuffer, nccl_type
 from .engine import Handle, Request
@@ -21,6 +21,15 @@ from .negotiation import GPU, Kind, Signature
 from .ops import ReduceOp, as_op
 
 Finish = Callable[[Any], Any]
+
+
+def _start(name: str | None, build: Callable[[str], Request]) -> Handle:
+    request_name, given = _name(name)
+    return _submit(request_name, given, build)
+
+
+def _request(request_name: str, signature: Signature, **fields: Any) -> Request:
+    return Request(request_name, signature, Handle(request_name), **fields)
 
 
 def check_buffers(buffers: Sequence[DeviceBuffer], what: str) -> None:
@@ -76,10 +85,9 @@ def allreduce_async(
         _check_scaling(reduce_op, pre, post)
         total = sum(buffer.count for buffer in sends)
         shape, parts = (tuple(shapes[0]), ()) if len(sends) == 1 else ((total,), tuple(shapes))
-        return Request(
+        return _request(
             request_name,
             Signature(Kind.ALLREDUCE, code, reduce_op, -1, shape, parts, GPU),
-            Handle(request_name),
             sends=list(sends),
             outs=list(outs),
             prescale=pre,
@@ -88,8 +96,7 @@ def allreduce_async(
             finish=finish,
         )
 
-    request_name, given = _name(name)
-    return _submit(request_name, given, build)
+    return _start(name, build)
 
 
 def broadcast_async(
@@ -105,23 +112,17 @@ def broadcast_async(
 
     def build(request_name: str) -> Request:
         check_buffers([buffer], "broadcast")
-        root = int(root_rank)
-        if not 0 <= root < runtime.size():
-            raise ValueError(
-                f"root_rank={root} is not a rank of this job (ranks are 0..{runtime.size() - 1})."
-            )
-        return Request(
+        root = check_root(root_rank)
+        return _request(
             request_name,
             Signature(Kind.BROADCAST, buffer.code, -1, root, tuple(shape), (), GPU),
-            Handle(request_name),
             send=buffer,
             out=buffer,
             ready=ready,
             finish=finish,
         )
 
-    request_name, given = _name(name)
-    return _submit(request_name, given, build)
+    return _start(name, build)
 
 
 def allgather_async(
@@ -139,10 +140,9 @@ def allgather_async(
     def build(request_name: str) -> Request:
         check_buffers([send] if out is None else [send, out], "allgather")
         rows = tuple(shape) if shape else (1,)
-        return Request(
+        return _request(
             request_name,
             Signature(Kind.ALLGATHER, send.code, -1, -1, rows[1:], (), GPU),
-            Handle(request_name),
             extra=rows[0],
             send=send,
             out=out,
@@ -150,8 +150,7 @@ def allgather_async(
             finish=finish,
         )
 
-    request_name, given = _name(name)
-    return _submit(request_name, given, build)
+    return _start(name, build)
 
 
 def reducescatter_async(
@@ -175,10 +174,9 @@ def reducescatter_async(
         pre, post = float(prescale_factor), float(postscale_factor)
         reduce.check_op(reduce_op, send.code, pre, post)
         _check_scaling(reduce_op, pre, post)
-        return Request(
+        return _request(
             request_name,
             Signature(Kind.REDUCESCATTER, send.code, reduce_op, -1, tuple(shape), (), GPU),
-            Handle(request_name),
             send=send,
             prescale=pre,
             postscale=post,
@@ -186,5 +184,4 @@ def reducescatter_async(
             finish=finish,
         )
 
-    request_name, given = _name(name)
-    return _submit(request_name, given, build)
+    return _start(name, build)

@@ -509,9 +509,7 @@ class Engine:
             if shared == 1.0 and factor != 1.0:
                 reduce.scale(out, factor, code)
         copied_out = time.perf_counter()
-        for request in requests:
-            if request is not None:
-                self._complete(request)
+        self._complete_each(requests)
         timeline = self._timeline
         if timeline is not None:
             for request in requests:
@@ -549,15 +547,11 @@ class Engine:
         try:
             self._gpu_plane().allreduce(items, code, op, [r.ready for r in requests if r])
         except CommunicatorFailed as exc:  # these requests left _pending: fail them here
-            for request in requests:
-                if request is not None:
-                    self._complete(request, error=exc)
+            self._complete_each(requests, error=exc)
             raise
         done = time.perf_counter()
         self.collectives_run += 1
-        for request in requests:
-            if request is not None:
-                self._complete(request)
+        self._complete_each(requests)
         timeline = self._timeline
         if timeline is not None:
             for request in requests:
@@ -683,6 +677,12 @@ class Engine:
     def _trace_wait(timeline: Timeline, request: Request, start: float) -> None:
         timeline.span(request.name, "QUEUE", request.submitted, request.announced)
         timeline.span(request.name, "NEGOTIATE", request.announced, start)
+
+    def _complete_each(self, requests: list[Request | None],
+                       error: BaseException | None = None) -> None:  # fmt: skip
+        for request in requests:
+            if request is not None:
+                self._complete(request, error=error)
 
     def _complete(
         self, request: Request, result: Any = None, error: BaseException | None = None

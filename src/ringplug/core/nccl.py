@@ -19,12 +19,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
-import importlib.metadata
 import os
 import threading
 from pathlib import Path
 
 from .errors import NcclError
+from .libraries import mapped_library, wheel_library
 
 LIBRARY_VARIABLE = "RINGPLUG_NCCL_LIB"
 _LIBRARY_NAME = "libnccl.so.2"
@@ -102,33 +102,6 @@ def parse_version(code: int) -> tuple[int, int, int]:
 
 
 # ------------------------------------------------------------------ finding the library
-def _loaded_in_process() -> str | None:
-    """The path of a libnccl this process already mapped (e.g. by `import torch`)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        parts = line.split(maxsplit=5)
-        path = parts[5] if len(parts) == 6 else ""
-        if "/libnccl.so" in path and os.path.exists(path):
-            return path
-    return None
-
-
-def _from_wheel(distribution: str) -> str | None:
-    try:
-        files = importlib.metadata.distribution(distribution).files or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for file in files:
-        if file.name.startswith("libnccl.so"):
-            path = Path(file.locate())
-            if path.exists():
-                return str(path)
-    return None
-
-
 def candidates(environ: dict[str, str] | None = None) -> list[tuple[str, str | None]]:
     """Every search place in order, with the library path it gives (None: nothing there)."""
     environ = dict(os.environ) if environ is None else environ
@@ -140,9 +113,9 @@ def candidates(environ: dict[str, str] | None = None) -> list[tuple[str, str | N
             path = path / _LIBRARY_NAME
         places.append((f"{LIBRARY_VARIABLE}={explicit}", str(path) if path.exists() else None))
         return places  # an explicit choice is never silently replaced
-    places.append(("a libnccl already loaded in this process", _loaded_in_process()))
+    places.append(("a libnccl already loaded in this process", mapped_library("/libnccl.so")))
     for wheel in _WHEELS:
-        places.append((f"the {wheel} wheel", _from_wheel(wheel)))
+        places.append((f"the {wheel} wheel", wheel_library(wheel, "libnccl.so")))
     system = ctypes.util.find_library("nccl")
     places.append(("the system library path (LD_LIBRARY_PATH, ld cache)", system))
     return places
