@@ -570,3 +570,15 @@ def test_ringrun_check_reports_the_nccl_library_and_its_version(fakes):
     assert "not found" in missing.split("NCCL and GPUs", 1)[1]
     assert "WARNING: this host has 2 GPU(s) but no NCCL" in missing
     assert "ringplug[cuda13]" in missing
+
+
+def test_horovods_nccl_built_reports_the_version_code_of_the_library_found(fakes):
+    code = """
+        import json
+        import ringplug.horovod.torch as hvd
+        print(json.dumps({"nccl": hvd.nccl_built(), "cuda": hvd.cuda_built()}))
+    """
+    found = run_python(code, fake_env(fakes, FAKE_NCCL_VERSION="22703"))
+    assert found == {"nccl": 22703, "cuda": True}
+    missing = run_python(code, fake_env(fakes, RINGPLUG_NCCL_LIB="/nonexistent/libnccl.so.2"))
+    assert missing == {"nccl": 0, "cuda": False}

@@ -118,11 +118,18 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> int:
-    return 0  # no GPU data plane yet
+    """NCCL's version code (e.g. 23203) when ringplug finds an NCCL library, else 0."""
+    from ..core import nccl
+
+    try:
+        return nccl.version().code
+    except nccl.NcclError:
+        return 0
 
 
 def cuda_built() -> bool:
-    return False
+    """Whether CUDA tensors can be reduced here (an NCCL library is found)."""
+    return nccl_built() > 0
 
 
 def rocm_built() -> bool:
