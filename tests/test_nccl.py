@@ -57,7 +57,8 @@ def fakes(tmp_path_factory) -> dict[str, str]:
 
 def fake_env(fakes: dict[str, str], **extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(RINGPLUG_NCCL_LIB=fakes["nccl"], RINGPLUG_CUDART_LIB=fakes["cudart"], **extra)
+    env.update({"RINGPLUG_NCCL_LIB": fakes["nccl"], "RINGPLUG_CUDART_LIB": fakes["cudart"]})
+    env.update(extra)
     return env
 
 
