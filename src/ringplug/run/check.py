@@ -314,6 +314,12 @@ def network_section(context: CheckContext) -> Section | None:
     if preflight is None:
         return None
     section = Section("Network")
+    if not preflight.probed and not preflight.requested:
+        if len(preflight.participants) < 2:
+            section.rows.append(("hosts", "one machine: its ranks talk over shared memory"))
+        else:
+            section.rows.append(("hosts", "not probed: fewer than two hosts answered"))
+        return section
     how = (
         "named with --network-interface" if preflight.requested else "reached from every other host"
     )

@@ -460,7 +460,27 @@ def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
         _report_problems(result.host_problems, spec, "could not start ranks")
     elif result.exit_code != 0:
         _say(f"the launcher exited with code {result.launcher_returncode}")
+        for line in _never_started_lines(result, spec):
+            _say(line)
     return result.exit_code
+
+
+def _never_started_lines(result: JobResult, spec: JobSpec) -> list[str]:
+    """After a launcher failure: the hosts none of whose ranks started, and what it said."""
+    if not spec.hosts or len(result.started) == spec.np:
+        return []
+    placed = rank_hosts(spec.hosts, spec.np)
+    started_hosts = {placed[rank] for rank in result.started if rank < len(placed)}
+    silent = [host.name for host in spec.hosts if host.name not in started_hosts]
+    if not silent:
+        return []
+    lines = [f"no rank started on host{'s' if len(silent) > 1 else ''} {', '.join(silent)}"]
+    lines += [f"  the launcher said: {line}" for line in result.start_errors]
+    lines.append(
+        "  `ringrun --check -H HOSTS` checks every host (ssh, Python, MPI) and names the one "
+        "that fails, with the fix"
+    )
+    return lines
 
 
 def _describe_failure(status: RankStatus, spec: JobSpec) -> str:

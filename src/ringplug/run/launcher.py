@@ -101,6 +101,8 @@ class JobResult:
         started: the start report of every rank that sent one, by rank.
         host_problems: what ssh said about hosts it could not start ranks on, as the
             launcher passed it on.
+        start_errors: lines of the launcher's output that explain a failed start without
+            naming a host ("No such file or directory" from a remote shell).
     """
 
     exit_code: int
@@ -111,6 +113,7 @@ class JobResult:
     not_started: list[int] = field(default_factory=list)
     started: dict[int, RankStarted] = field(default_factory=dict)
     host_problems: list[HostProblem] = field(default_factory=list)
+    start_errors: list[str] = field(default_factory=list)
 
 
 def run_job(
@@ -364,6 +367,7 @@ class _JobWatcher:
         first = self.failures[0] if self.failures else None
         with self.diagnosis_lock:
             host_problems = list(self.diagnosis.problems)
+            start_errors = list(self.diagnosis.unnamed)
         if self.stop_signal is not None:
             exit_code = 128 + self.stop_signal
         elif self.not_started:
@@ -386,4 +390,5 @@ class _JobWatcher:
             not_started=self.not_started,
             started=dict(self.started),
             host_problems=host_problems,
+            start_errors=start_errors,
         )

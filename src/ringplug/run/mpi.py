@@ -189,6 +189,7 @@ def missing_launcher_message(np: int, python: str | None = None) -> str:
 
 # Variables that tell MPI and NCCL which interfaces to use, per host.
 NCCL_INTERFACES = "NCCL_SOCKET_IFNAME"
+GLOO_INTERFACES = "GLOO_SOCKET_IFNAME"  # torch.distributed's gloo (RingStrategy's helper group)
 UCX_INTERFACES = "UCX_NET_DEVICES"  # MPICH's and Open MPI's UCX transport
 OFI_TCP_INTERFACE = "FI_TCP_IFACE"  # libfabric's tcp provider: MPICH ch4:ofi, Intel MPI
 
@@ -219,7 +220,7 @@ class NetworkChoice:
         if not names:
             return {}
         # "=" makes NCCL match whole names (its default is a prefix match: eth1 ~ eth10).
-        values = {NCCL_INTERFACES: "=" + ",".join(names)}
+        values = {NCCL_INTERFACES: "=" + ",".join(names), GLOO_INTERFACES: ",".join(names)}
         if host not in self.rdma_hosts:
             values[UCX_INTERFACES] = ",".join(names)
         if launcher_kind == HYDRA:
@@ -271,9 +272,10 @@ def rank_environment(spec: JobSpec, environ: Mapping[str, str]) -> dict[str, str
         # NCCL picks its own NIC otherwise, often docker0 or lo on multi-host jobs. Without
         # the hosts' facts the names go to every host (NCCL takes the ones a host has).
         values[NCCL_INTERFACES] = ",".join(spec.network_interfaces)
+        values[GLOO_INTERFACES] = ",".join(spec.network_interfaces)
         if len(spec.network_interfaces) == 1:
             values[UCX_INTERFACES] = spec.network_interfaces[0]
-    for name in (NCCL_INTERFACES, UCX_INTERFACES):
+    for name in (NCCL_INTERFACES, GLOO_INTERFACES, UCX_INTERFACES):
         if name in values and _set_by_user(name, spec, environ):
             del values[name]
     values.update({name: value for name, value in spec.env.items() if value is not None})

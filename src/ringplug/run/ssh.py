@@ -116,8 +116,8 @@ _RULES = [
         re.compile(r"Could not resolve hostname (?P<host>[^:\s]+)"),
         "unknown host name",
         "the name does not resolve to an address",
-        "use the host's address in -H or the hostfile, or add the name to DNS or to "
-        "/etc/hosts on this machine",
+        "give the address of {host} in -H or the hostfile instead, or add {host} to DNS or "
+        "to /etc/hosts on this machine",
     ),
     _Rule(
         re.compile(r"Host key for (?P<host>\S+) has changed"),
@@ -259,9 +259,24 @@ class LaunchDiagnosis:
     """
 
     problems: list[HostProblem] = field(default_factory=list)
+    unnamed: list[str] = field(default_factory=list)
 
     def feed(self, line: str) -> None:
-        """Note the host problem ``line`` reports, if any."""
+        """Note the host problem ``line`` reports, if any.
+
+        Lines that explain a failed start but name no host (a remote shell's "No such file
+        or directory", ssh's "Host key verification failed") are kept in ``unnamed``.
+        """
         problem = diagnose_line(line)
-        if problem is not None and all(known.host != problem.host for known in self.problems):
-            self.problems.append(problem)
+        if problem is not None:
+            if all(known.host != problem.host for known in self.problems):
+                self.problems.append(problem)
+            return
+        text = line.strip()
+        unnamed = (
+            _HOST_KEY_FAILED.search(text)
+            or _MISSING_PROGRAM.search(text)
+            or (_NO_MODULE.search(text) and "ringplug" in text)
+        )
+        if unnamed and text not in self.unnamed:
+            self.unnamed.append(text)
