@@ -30,6 +30,7 @@ from ringplug.run.mpi import (
 from ringplug.run.netinfo import Interface, candidate_interfaces, local_interfaces
 from ringplug.run.preflight import local_host_names, run_preflight
 from ringplug.run.probe import LINE_PREFIX
+from ringplug.run.settings import RunSettings, SettingsError
 from ringplug.run.ssh import LaunchDiagnosis, SshOptions, diagnose
 
 PYTHON = "/venv/bin/python"
@@ -166,6 +167,16 @@ def test_check_with_an_unknown_host_is_not_ready_and_exits_1():
     assert result.returncode == 1
     assert "host no-such-host.invalid: unknown host name" in result.stdout
     assert "fix: give the address of no-such-host.invalid in -H" in result.stdout
+
+
+def test_ssh_and_preflight_settings_are_config_file_keys():
+    settings = RunSettings.from_mapping(
+        {"ssh_identity_file": "~/.ssh/k", "ssh_config_file": "c.conf", "preflight": False,
+         "start_timeout": 0}, source="launch.yaml")  # fmt: skip
+    assert (settings.ssh_identity_file, settings.ssh_config_file) == ("~/.ssh/k", "c.conf")
+    assert settings.preflight is False and settings.effective_start_timeout is None
+    with pytest.raises(SettingsError, match="preflight must be true or false"):
+        RunSettings.from_mapping({"preflight": "no"}, source="launch.yaml")
 
 
 # ------------------------------------------------------------------ choices on the command line

@@ -36,7 +36,7 @@ from typing import Any
 from ringplug.run.hosts import Host, is_this_machine
 from ringplug.run.mpi import NetworkChoice
 from ringplug.run.netinfo import Interface, candidate_interfaces, local_addresses
-from ringplug.run.probe import LINE_PREFIX
+from ringplug.run.probe import LINE_PREFIX, MAX_PARALLEL_CONNECTS
 from ringplug.run.ssh import HostProblem, SshOptions, diagnose
 
 logger = logging.getLogger(__name__)
@@ -410,6 +410,7 @@ def _connection_round(probes: Sequence[_Probe], preflight: Preflight) -> None:
     """Every probe connects to every other probe's candidate addresses; judge each address."""
     by_key = {str(index): probe.report for index, probe in enumerate(probes)}
     by_token = {probe.report.token: probe.report for probe in probes}
+    most = 0
     for index, probe in enumerate(probes):
         targets = [
             {"key": str(other_index), "address": interface.address, "port": other.report.port}
@@ -417,8 +418,12 @@ def _connection_round(probes: Sequence[_Probe], preflight: Preflight) -> None:
             if other_index != index
             for interface in other.report.candidates
         ]
+        most = max(most, len(targets))
         probe.send({"kind": "connect", "targets": targets, "timeout": CONNECT_TIMEOUT_S})
-    deadline = time.monotonic() + CONNECT_TIMEOUT_S + 10.0
+    # A probe tries up to MAX_PARALLEL_CONNECTS addresses at a time, each for at most
+    # CONNECT_TIMEOUT_S; on a big cluster with silent addresses that takes several rounds.
+    rounds = -(-most // MAX_PARALLEL_CONNECTS)
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S * max(1, rounds) + 10.0
     # reached[(target host name, address)] = {source host name: outcome text or None if ok}
     outcomes: dict[tuple[str, str], dict[str, str | None]] = {}
     for probe in probes:

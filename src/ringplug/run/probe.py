@@ -51,7 +51,8 @@ DISTRIBUTIONS = (
 """Installed versions reported for each host (read from metadata; nothing is imported)."""
 
 _CONNECT_TIMEOUT_S = 3.0
-_MAX_PARALLEL_CONNECTS = 64
+MAX_PARALLEL_CONNECTS = 64
+"""How many addresses one probe tries at a time."""
 
 
 def _version(name: str) -> str | None:
@@ -144,7 +145,7 @@ def connect_all(targets: Sequence[dict[str, Any]], timeout_s: float) -> list[dic
         result = connect_once(target["address"], int(target["port"]), timeout_s)
         return {"key": target["key"], "address": target["address"], **result}
 
-    with ThreadPoolExecutor(max_workers=min(len(targets), _MAX_PARALLEL_CONNECTS)) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL_CONNECTS)) as pool:
         return list(pool.map(attempt, targets))
 
 
