@@ -22,12 +22,12 @@ from pathlib import Path
 
 from ringplug.run.hosts import Host, total_slots
 from ringplug.run.mpi import (
-    HYDRA,
     JobSpec,
     LauncherError,
     MpiLauncher,
     build_plan,
     find_launcher,
+    remote_executables,
 )
 from ringplug.run.preflight import HostReport, Preflight, run_preflight
 from ringplug.run.settings import DEFAULT_START_TIMEOUT_S
@@ -92,10 +92,7 @@ class CheckContext:
             return None
         if self._preflight is None:
             launcher = self.launcher()
-            needed = []
-            if launcher is not None and launcher.kind == HYDRA:
-                proxy = Path(launcher.path).parent / "hydra_pmi_proxy"
-                needed = [str(proxy)] if proxy.is_file() else []
+            needed = [] if launcher is None else remote_executables(launcher)
             self._preflight = run_preflight(
                 self.hosts,
                 self.ssh,

@@ -38,12 +38,12 @@ from ringplug.run.hosts import (
 )
 from ringplug.run.launcher import START_FAILED_EXIT_CODE, JobResult, StartWatch, run_job
 from ringplug.run.mpi import (
-    HYDRA,
     JobSpec,
     LauncherError,
     MpiLauncher,
     build_plan,
     find_launcher,
+    remote_executables,
 )
 from ringplug.run.preflight import Preflight, run_preflight
 from ringplug.run.settings import (
@@ -358,15 +358,6 @@ def wants_preflight(spec: JobSpec, settings: RunSettings, environ: Mapping[str, 
     return True
 
 
-def needed_files(launcher: MpiLauncher) -> list[str]:
-    """Executables of the launcher that every host runs at the path they have here."""
-    if launcher.kind == HYDRA:
-        proxy = Path(launcher.path).parent / "hydra_pmi_proxy"
-        if proxy.is_file():
-            return [str(proxy)]
-    return []
-
-
 def _preflight(
     spec: JobSpec, settings: RunSettings, launcher: MpiLauncher, dry_run: bool
 ) -> int | None:
@@ -376,7 +367,7 @@ def _preflight(
         spec.ssh,
         sys.executable,
         timeout_s=settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S,
-        needed_files=needed_files(launcher),
+        needed_files=remote_executables(launcher),
         requested_interfaces=spec.network_interfaces,
     )
     for warning in preflight.warnings:

@@ -176,6 +176,19 @@ def find_launcher(
     return None if path is None else identify_launcher(path)
 
 
+def remote_executables(launcher: MpiLauncher) -> list[str]:
+    """The launcher's own programs that it starts on every host, at the path they have here.
+
+    hydra starts its proxy (``hydra_pmi_proxy``, beside ``mpiexec``) on each host over ssh;
+    Open MPI finds its daemon through ``PATH`` or ``--prefix`` there, so none is listed.
+    """
+    if launcher.kind == HYDRA:
+        proxy = Path(launcher.path).parent / "hydra_pmi_proxy"
+        if proxy.is_file():
+            return [str(proxy)]
+    return []
+
+
 def missing_launcher_message(np: int, python: str | None = None) -> str:
     """What to tell a user who asked for ranks when no MPI launcher exists."""
     python = sys.executable if python is None else python

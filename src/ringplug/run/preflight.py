@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import logging
 import os
 import queue
 import shlex
@@ -38,8 +37,6 @@ from ringplug.run.mpi import NetworkChoice
 from ringplug.run.netinfo import Interface, candidate_interfaces, local_addresses
 from ringplug.run.probe import LINE_PREFIX, MAX_PARALLEL_CONNECTS
 from ringplug.run.ssh import HostProblem, SshOptions, diagnose
-
-logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 3.0
 """How long one probe waits for a TCP connection to another host's address."""
@@ -78,6 +75,8 @@ class HostReport:
         seconds: how long the probe took to answer.
         usable: its addresses that every host it must talk to reached, best first.
         rejected: its other candidate addresses, each with why it was left out.
+        token: the random token its probe answers connections with.
+        port: the port its probe listens on.
     """
 
     name: str
