@@ -66,10 +66,26 @@ def test_hydra_line_translates_hosts_interface_binding_and_variables():
     assert follows(words, "-genv", "NCCL_SOCKET_IFNAME", "eth0")
 
 
-def test_hydra_ssh_port_goes_through_hydras_launcher_variable():
-    words = dry_run("-np", "2", "-H", "a:1,b:1", "-p", "2222", "python", "x.py")
-    assert words[0] == "HYDRA_LAUNCHER_EXTRA_ARGS=-p 2222"
+def test_hydra_ssh_options_go_through_hydras_launcher_variable(tmp_path):
+    words = dry_run("-np", "2", "-H", "a:1,b:1", "-p", "2222", "-i", str(tmp_path / "key"),
+                    "--ssh-config-file", str(tmp_path / "config"), "python", "x.py")  # fmt: skip
+    assert words[0] == (
+        "HYDRA_LAUNCHER_EXTRA_ARGS=-o BatchMode=yes -o ConnectTimeout=10 "
+        f"-F {tmp_path / 'config'} -i {tmp_path / 'key'} -p 2222"
+    )
     assert follows(words, "-launcher", "ssh")
+
+
+def test_remote_hosts_get_ssh_that_never_prompts():
+    # A password prompt nobody sees would hang the job; ssh fails at once instead.
+    words = dry_run("-np", "2", "-H", "a:1,b:1", "python", "x.py")
+    assert words[0] == "HYDRA_LAUNCHER_EXTRA_ARGS=-o BatchMode=yes -o ConnectTimeout=10"
+
+
+def test_hosts_of_this_machine_need_no_ssh():
+    words = dry_run("-np", "2", "-H", "localhost:2", "python", "x.py")
+    assert not words[0].startswith("HYDRA_LAUNCHER_EXTRA_ARGS")
+    assert "-launcher" not in words
 
 
 def test_hostfile_becomes_a_host_list(tmp_path):
@@ -134,7 +150,7 @@ def test_open_mpi_line_translates_hosts_interfaces_ssh_port_binding_and_variable
     assert follows(words, "-H", "node1:2,node2:2")
     assert follows(words, "--mca", "btl_tcp_if_include", "eth0,ib0")
     assert follows(words, "--mca", "oob_tcp_if_include", "eth0,ib0")
-    assert follows(words, "--mca", "plm_rsh_args", "-p 2222")
+    assert follows(words, "--mca", "plm_rsh_args", "-o BatchMode=yes -o ConnectTimeout=10 -p 2222")
     assert follows(words, "--bind-to", "socket")
     assert follows(words, "-x", "FOO=bar")
     assert follows(words, "-x", "FORWARD_ME")

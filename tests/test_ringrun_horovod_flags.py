@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,11 +19,11 @@ from launch import fake_open_mpi, processes_matching, run_ringrun, unique_marker
 from ringplug.run.cli import build_parser, main
 from ringplug.run.configfile import load_config_file
 from ringplug.run.horovodrun import UNSUPPORTED
-from ringplug.run.hosts import Host, rank_hosts, ranks_on_this_machine
+from ringplug.run.hosts import Host, rank_hosts
 from ringplug.run.launcher import START_TIMEOUT_EXIT_CODE, StartWatch, run_job
 from ringplug.run.mpi import LaunchPlan
-from ringplug.run.settings import LOG_LEVELS
-from ringplug.run.status import started_ranks, write_start_marker
+from ringplug.run.settings import LOG_LEVELS, RunSettings
+from ringplug.run.status import RankStarted, event_line
 
 JOB_TIMEOUT_S = 30
 # A job stopped by --start-timeout must end well within this (the ranks never would).
@@ -419,71 +420,83 @@ def test_help_groups_horovodrun_flags_and_hides_the_refused_ones():
     assert "--autotune-log-file" not in text
 
 
-# ----------------------------------------------------------------------------- start markers
-def run_wrapper(status_dir: Path, rank: int, *command: str, markers: bool = True):
-    """The wrapper as rank ``rank`` of a job that reports into ``status_dir``."""
-    env = {**os.environ, "RINGPLUG_RUN_STATUS_DIR": str(status_dir), "PMI_RANK": str(rank)}
-    if markers:
-        env["RINGPLUG_RUN_START_MARKERS"] = "1"
+# ----------------------------------------------------------------------------- start reports
+TOKEN = "feedc0de"
+
+
+def run_wrapper(rank: int, *command: str, token: str | None = TOKEN):
+    """The wrapper as rank ``rank`` of a job whose ringrun asked for events (or did not)."""
+    env = {**os.environ, "PMI_RANK": str(rank)}
+    if token is not None:
+        env["RINGPLUG_RUN_EVENTS"] = token
     return subprocess.run(
         [*WRAPPER_TAIL, *command], capture_output=True, text=True, timeout=30, env=env, check=False
     )
 
 
-def test_wrapper_leaves_a_start_marker_for_its_rank(tmp_path):
-    result = run_wrapper(tmp_path, 3, sys.executable, "-c", "import os; print(os.getpid())")
+def fake_launcher(*started_ranks: int, then: str = "threading.Event().wait()") -> LaunchPlan:
+    """A launcher whose ranks ``started_ranks`` report starting, and that then runs ``then``."""
+    lines = b"".join(
+        event_line(TOKEN, RankStarted(rank=rank, host="here", pid=100 + rank).to_event())
+        for rank in started_ranks
+    )
+    code = f"import sys, threading, time\nsys.stderr.buffer.write({lines!r}); sys.stderr.flush()\n"
+    return LaunchPlan(argv=[sys.executable, "-c", code + then])
+
+
+def test_wrapper_reports_its_rank_started_on_stderr():
+    result = run_wrapper(3, sys.executable, "-c", "import os; print(os.getpid())")
     assert result.returncode == 0, result.stderr
-    assert started_ranks(tmp_path) == {3}
-    assert (tmp_path / f"rank-3-{int(result.stdout)}.started").exists()
+    started = RankStarted(rank=3, host=socket.gethostname(), pid=int(result.stdout))
+    assert result.stderr == event_line(TOKEN, started.to_event()).decode()
 
 
-def test_wrapper_leaves_no_start_marker_unless_asked(tmp_path):
-    result = run_wrapper(tmp_path, 3, sys.executable, "-c", "pass", markers=False)
+def test_wrapper_reports_nothing_unless_asked():
+    result = run_wrapper(3, sys.executable, "-c", "pass", token=None)
     assert result.returncode == 0, result.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert result.stderr == ""
 
 
-def test_a_program_that_cannot_start_leaves_no_start_marker(tmp_path):
-    run_wrapper(tmp_path, 0, "/nonexistent/program")
-    assert started_ranks(tmp_path) == set()
-    assert list(tmp_path.glob("*.json")), "the failure is reported instead"
+def test_a_program_that_cannot_start_reports_no_start():
+    result = run_wrapper(0, "/nonexistent/program")
+    assert '"event":"started"' not in result.stderr
+    assert '"event":"exited"' in result.stderr, "the failure is reported instead"
 
 
-def test_watcher_stops_a_job_whose_ranks_never_start(tmp_path):
-    write_start_marker(tmp_path, rank=0, host="here", pid=1)
+def test_watcher_stops_a_job_whose_ranks_never_start():
     # A launcher that never starts rank 1 and never ends by itself.
-    plan = LaunchPlan(argv=[sys.executable, "-c", "import threading; threading.Event().wait()"])
     began = time.monotonic()
-    result = run_job(plan, status_dir=str(tmp_path), start_watch=StartWatch(0.2, frozenset({0, 1})))
+    result = run_job(fake_launcher(0), events_token=TOKEN,
+                     start_watch=StartWatch(0.5, frozenset({0, 1})))  # fmt: skip
     assert result.not_started == [1]
+    assert set(result.started) == {0}
     assert result.exit_code == START_TIMEOUT_EXIT_CODE
     assert time.monotonic() - began < 10
 
 
-def test_watcher_leaves_a_job_alone_once_every_rank_started(tmp_path):
-    for rank in (0, 1):
-        write_start_marker(tmp_path, rank=rank, host="here", pid=100 + rank)
+def test_watcher_leaves_a_job_alone_once_every_rank_started():
     # Outlives the start timeout, then ends on its own.
-    plan = LaunchPlan(argv=[sys.executable, "-c", "import time; time.sleep(1)"])
-    result = run_job(plan, status_dir=str(tmp_path), start_watch=StartWatch(0.1, frozenset({0, 1})))
+    plan = fake_launcher(0, 1, then="time.sleep(1)")
+    result = run_job(plan, events_token=TOKEN, start_watch=StartWatch(0.1, frozenset({0, 1})))
     assert result.not_started == []
     assert result.exit_code == 0
+
+
+def test_event_lines_do_not_reach_ringruns_output(capfd):
+    plan = fake_launcher(0, then="print('from rank 0', file=sys.stderr)")
+    run_job(plan, events_token=TOKEN)
+    assert capfd.readouterr().err == "from rank 0\n"
+
+
+def test_start_timeout_defaults_to_a_minute_and_zero_turns_it_off():
+    assert RunSettings().effective_start_timeout == 60.0
+    assert RunSettings(start_timeout=0).effective_start_timeout is None
+    assert RunSettings(start_timeout=5).effective_start_timeout == 5.0
 
 
 def test_ranks_fill_hosts_in_order_and_wrap_around():
     hosts = [Host("a", 2), Host("b", 1)]
     assert rank_hosts(hosts, 5) == ["a", "a", "b", "a", "a"]
-
-
-def test_only_ranks_on_this_machine_are_watched():
-    hosts = [Host("localhost", 2), Host("far-away-node", 2)]
-    assert ranks_on_this_machine(hosts, 4, {}) == [0, 1]
-
-
-def test_multi_node_allocation_without_hosts_cannot_be_watched():
-    environ = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
-    assert ranks_on_this_machine([], 4, environ) is None
-    assert ranks_on_this_machine([], 4, {**environ, "SLURM_JOB_NUM_NODES": "1"}) == [0, 1, 2, 3]
 
 
 def blocking_site_directory(directory: Path, rank: int) -> str:

@@ -1,15 +1,16 @@
-"""The per-rank wrapper: exit codes, failure reports, output copies, and staying light."""
+"""The per-rank wrapper: exit codes, rank events, output copies, and staying light."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from ringplug.run.status import read_statuses
+from ringplug.run.status import RankStarted, RankStatus, event_line, parse_event
 from ringplug.run.wrapper import rank_directory_name, rank_from_environment
+
+TOKEN = "0123456789abcdef"
 
 WRAPPER = [sys.executable, "-m", "ringplug.run.wrapper", "--"]
 
@@ -25,6 +26,12 @@ def run_wrapper(*command: str, env: dict[str, str] | None = None, args: tuple[st
         env={**os.environ, **(env or {})},
         check=False,
     )
+
+
+def events(stderr: str) -> list[RankStarted | RankStatus]:
+    """The events among the wrapper's stderr lines, in order."""
+    found = (parse_event(line, TOKEN) for line in stderr.splitlines())
+    return [event for event in found if event is not None]
 
 
 def modules_imported_by_the_wrapper() -> str:
@@ -59,14 +66,15 @@ def test_death_by_signal_becomes_128_plus_the_signal():
     assert result.returncode == 128 + 9
 
 
-def test_failure_is_reported_with_rank_host_pid_and_code(tmp_path):
+def test_failure_is_reported_with_rank_host_pid_and_code():
     result = run_wrapper(
         sys.executable,
         "-c",
         "import os, sys; print(os.getpid()); sys.exit(3)",
-        env={"RINGPLUG_RUN_STATUS_DIR": str(tmp_path), "PMI_RANK": "4"},
+        env={"RINGPLUG_RUN_EVENTS": TOKEN, "PMI_RANK": "4"},
     )
-    (status,) = read_statuses(tmp_path)
+    started, status = events(result.stderr)
+    assert started == RankStarted(rank=4, host=status.host, pid=int(result.stdout))
     assert status.rank == 4
     assert status.pid == int(result.stdout)
     assert status.exit_code == 3
@@ -75,23 +83,50 @@ def test_failure_is_reported_with_rank_host_pid_and_code(tmp_path):
     assert status.describe().startswith("rank 4 on host ")
 
 
-def test_signal_is_reported_by_name(tmp_path):
-    run_wrapper(
+def test_signal_is_reported_by_name():
+    result = run_wrapper(
         sys.executable,
         "-c",
         "import os; os.kill(os.getpid(), 9)",
-        env={"RINGPLUG_RUN_STATUS_DIR": str(tmp_path), "OMPI_COMM_WORLD_RANK": "1"},
+        env={"RINGPLUG_RUN_EVENTS": TOKEN, "OMPI_COMM_WORLD_RANK": "1"},
     )
-    (status_file,) = tmp_path.glob("*.json")
-    report = json.loads(status_file.read_text())
-    assert report["rank"] == 1
-    assert report["signal_name"] == "SIGKILL"
-    assert report["exit_code"] is None
+    (status,) = [event for event in events(result.stderr) if isinstance(event, RankStatus)]
+    assert status.rank == 1
+    assert status.signal_name == "SIGKILL"
+    assert status.exit_code is None
 
 
-def test_success_leaves_no_report(tmp_path):
-    run_wrapper(sys.executable, "-c", "pass", env={"RINGPLUG_RUN_STATUS_DIR": str(tmp_path)})
-    assert list(tmp_path.iterdir()) == []
+def test_success_reports_only_the_start():
+    result = run_wrapper(sys.executable, "-c", "pass", env={"RINGPLUG_RUN_EVENTS": TOKEN})
+    assert [type(event) for event in events(result.stderr)] == [RankStarted]
+
+
+def test_no_events_unless_ringrun_asked():
+    result = run_wrapper(sys.executable, "-c", "import sys; sys.exit(2)")
+    assert result.returncode == 2
+    assert "ringrun-event" not in result.stderr
+
+
+def test_event_line_starts_a_line_of_its_own_after_unfinished_output():
+    # The program's last stderr line has no newline; the report must still be one line.
+    result = run_wrapper(
+        sys.executable,
+        "-c",
+        "import sys; sys.stderr.write('50%'); sys.stderr.flush(); sys.exit(5)",
+        env={"RINGPLUG_RUN_EVENTS": TOKEN},
+    )
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("ringrun-event:")  # started
+    assert lines[1] == "50%"
+    assert parse_event(lines[2], TOKEN).exit_code == 5
+
+
+def test_event_lines_of_another_job_or_mangled_ones_are_not_events():
+    line = event_line(TOKEN, {"event": "exited", "rank": 1}).decode()
+    assert parse_event(line, TOKEN) is None  # fields missing
+    good = event_line(TOKEN, RankStarted(rank=2, host="h", pid=7).to_event()).decode()
+    assert parse_event("[2] " + good, TOKEN) == RankStarted(rank=2, host="h", pid=7)
+    assert parse_event(good, "another-token") is None
 
 
 def test_output_is_copied_per_rank_and_still_printed(tmp_path):
@@ -108,11 +143,12 @@ def test_output_is_copied_per_rank_and_still_printed(tmp_path):
     assert (tmp_path / "rank.03" / "stderr").read_text() == "to err\n"
 
 
-def test_missing_command_exits_127_and_reports_it(tmp_path):
-    result = run_wrapper("/nonexistent/program", env={"RINGPLUG_RUN_STATUS_DIR": str(tmp_path)})
+def test_missing_command_exits_127_and_reports_it_without_a_start():
+    result = run_wrapper("/nonexistent/program", env={"RINGPLUG_RUN_EVENTS": TOKEN})
     assert result.returncode == 127
     assert "cannot start" in result.stderr
-    assert read_statuses(tmp_path)[0].exit_code == 127
+    (status,) = events(result.stderr)
+    assert status.exit_code == 127
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,12 @@
 """``ringrun --check``: a report of the Python, MPI and framework setup ranks will run with.
 
 The report is a list of sections, each built by one function from a :class:`CheckContext`.
-New facts (timeline, GPUs, NCCL) are new functions appended to :data:`SECTIONS`.
+New facts (timeline, GPUs, NCCL) are new functions appended to :data:`SECTIONS`. A section
+may name problems (what would stop a job, each with its fix); they end the report as a
+verdict, and make ``ringrun --check`` exit with 1.
+
+With hosts (``ringrun --check -H a,b``), the preflight of :mod:`ringplug.run.preflight`
+runs once for the whole report, and the "Hosts" and "Network" sections show what it found.
 """
 
 from __future__ import annotations
@@ -16,7 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringplug.run.check_gpu import gpu_section
-from ringplug.run.mpi import LauncherError, find_launcher
+from ringplug.run.hosts import Host, total_slots
+from ringplug.run.mpi import (
+    JobSpec,
+    LauncherError,
+    MpiLauncher,
+    build_plan,
+    find_launcher,
+    remote_executables,
+)
+from ringplug.run.preflight import HostReport, Preflight, run_preflight
+from ringplug.run.settings import DEFAULT_START_TIMEOUT_S
+from ringplug.run.ssh import HostProblem, SshOptions
 
 FRAMEWORKS = ("torch", "lightning", "pytorch-lightning", "tensorflow", "keras")
 
@@ -44,21 +60,61 @@ class CheckContext:
         python: the interpreter the ranks use. Defaults to ``sys.executable``.
         prefix: the virtualenv (or installation) prefix. Defaults to ``sys.prefix``.
         ldconfig: returns ``ldconfig -p`` output. Defaults to running it.
+        hosts: the job's hosts (``-H``, ``--hostfile``) to check too. Defaults to ``[]``
+            (this machine only).
+        ssh: how to reach them. Defaults to ssh's own configuration.
+        network_interfaces: interface names the user gave. Defaults to ``[]`` (probe).
+        host_timeout_s: how long each host gets to answer. Defaults to 60.
     """
 
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     python: str = sys.executable
     prefix: str = sys.prefix
     ldconfig: Callable[[], str] = field(default_factory=lambda: _run_ldconfig)
+    hosts: list[Host] = field(default_factory=list)
+    ssh: SshOptions = field(default_factory=SshOptions)
+    network_interfaces: list[str] = field(default_factory=list)
+    host_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    _preflight: Preflight | None = field(default=None, init=False, repr=False)
+    _launcher: MpiLauncher | None = field(default=None, init=False, repr=False)
+
+    def launcher(self) -> MpiLauncher | None:
+        """The MPI launcher ringrun would use (found once); ``None`` when there is none."""
+        if self._launcher is None:
+            try:
+                self._launcher = find_launcher(self.environ, self.python)
+            except LauncherError:
+                return None
+        return self._launcher
+
+    def preflight(self) -> Preflight | None:
+        """The hosts' preflight, run on first use; ``None`` without hosts."""
+        if not self.hosts:
+            return None
+        if self._preflight is None:
+            launcher = self.launcher()
+            needed = [] if launcher is None else remote_executables(launcher)
+            self._preflight = run_preflight(
+                self.hosts,
+                self.ssh,
+                self.python,
+                timeout_s=self.host_timeout_s,
+                needed_files=needed,
+                requested_interfaces=self.network_interfaces,
+                mpi_library=True,
+                environ=self.environ,
+            )
+        return self._preflight
 
 
 @dataclass
 class Section:
-    """One titled block of the report: facts as (name, value) rows, plus warnings."""
+    """One titled block of the report: facts as (name, value) rows, warnings and problems."""
 
     title: str
     rows: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    problems: list[HostProblem] = field(default_factory=list)
 
 
 def _distribution_version(name: str) -> str | None:
@@ -209,24 +265,114 @@ def frameworks_section(context: CheckContext) -> Section:
     return Section("Frameworks", rows)
 
 
-SECTIONS: list[Callable[[CheckContext], Section]] = [
+def _host_summary(report: HostReport) -> str:
+    """One line of what a host runs: how ssh went, then versions."""
+    if report.facts is None:
+        return f"NOT READY: {report.problem.reason if report.problem else 'no answer'}"
+    facts = report.facts
+    reached = "this machine" if report.local else f"ssh ok ({report.seconds or 0:.1f} s)"
+    versions = facts.get("versions", {})
+    parts = [
+        reached,
+        f"Python {facts.get('python')}",
+        f"ringplug {versions.get('ringplug') or 'missing'}",
+        f"mpi4py {versions.get('mpi4py') or 'missing'}",
+    ]
+    if facts.get("mpi_library"):
+        parts.append(str(facts["mpi_library"]))
+    elif versions.get("mpich"):
+        parts.append(f"mpich {versions['mpich']}")
+    parts += [
+        f"{name} {versions[name]}"
+        for name in ("torch", "lightning", "tensorflow", "keras")
+        if versions.get(name)
+    ]
+    return ", ".join(parts)
+
+
+def hosts_section(context: CheckContext) -> Section | None:
+    """Every host of ``-H``: reached over ssh without a prompt? what does it run?"""
+    preflight = context.preflight()
+    if preflight is None:
+        return None
+    section = Section("Hosts")
+    for report in preflight.participants:
+        name = report.label if report.in_job else f"{report.label} (launches, runs no ranks)"
+        section.rows.append((name, _host_summary(report)))
+    section.warnings += preflight.warnings
+    section.problems += [
+        problem for problem in preflight.problems if problem.reason != "no shared network"
+    ]
+    return section
+
+
+def network_section(context: CheckContext) -> Section | None:
+    """The interfaces that route between all hosts, and what MPI and NCCL would be told."""
+    preflight = context.preflight()
+    if preflight is None:
+        return None
+    section = Section("Network")
+    if not preflight.probed and not preflight.requested:
+        if len(preflight.participants) < 2:
+            section.rows.append(("hosts", "one machine: its ranks talk over shared memory"))
+        else:
+            section.rows.append(("hosts", "not probed: fewer than two hosts answered"))
+        return section
+    how = (
+        "named with --network-interface" if preflight.requested else "reached from every other host"
+    )
+    for report in preflight.participants:
+        if report.facts is None:
+            continue
+        chosen = ", ".join(interface.describe() for interface in report.usable) or "none"
+        section.rows.append((report.label, f"{chosen} ({how})"))
+        for interface, why in report.rejected:
+            section.rows.append(("", f"left out {interface.describe()}: {why}"))
+    choice = preflight.network_choice()
+    launcher = context.launcher()
+    if choice is not None and launcher is not None and not preflight.problems:
+        spec = JobSpec(
+            np=total_slots(context.hosts),
+            command=["PROGRAM"],
+            hosts=list(context.hosts),
+            network_interfaces=list(context.network_interfaces),
+            ssh=context.ssh,
+            network=choice,
+        )
+        section.rows.append(
+            ("launch line", build_plan(spec, launcher, environ=context.environ).shell_line())
+        )
+    section.problems += [
+        problem for problem in preflight.problems if problem.reason == "no shared network"
+    ]
+    return section
+
+
+SECTIONS: list[Callable[[CheckContext], Section | None]] = [
     python_section,
     ringplug_section,
     mpi_section,
     frameworks_section,
     gpu_section,
+    hosts_section,
+    network_section,
 ]
-"""Report sections in print order; append a builder here to add one."""
+"""Report sections in print order; append a builder here to add one (``None``: left out)."""
 
 
 def build_report(context: CheckContext | None = None) -> list[Section]:
     """Gather every section of the report."""
     context = CheckContext() if context is None else context
-    return [builder(context) for builder in SECTIONS]
+    sections = (builder(context) for builder in SECTIONS)
+    return [section for section in sections if section is not None]
 
 
-def format_report(sections: list[Section]) -> str:
-    """The report as text: a block per section, then every warning."""
+def format_report(sections: list[Section], verdict: bool = False) -> str:
+    """The report as text: a block per section, every warning, then the verdict.
+
+    The verdict (problems, each with its fix) is printed when there are problems, or
+    always with ``verdict=True``.
+    """
     width = max((len(name) for section in sections for name, _ in section.rows), default=0)
     lines: list[str] = []
     for section in sections:
@@ -235,11 +381,30 @@ def format_report(sections: list[Section]) -> str:
         lines.append("")
     warnings = [warning for section in sections for warning in section.warnings]
     lines.extend(f"WARNING: {warning}" for warning in warnings)
+    problems = [problem for section in sections for problem in section.problems]
+    if problems:
+        if warnings:
+            lines.append("")
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        lines.append(f"Verdict: NOT READY, {count}")
+        for number, problem in enumerate(problems, start=1):
+            lines.append(f"  {number}. {problem.describe()}")
+            lines.append(f"     fix: {problem.fix}")
+    elif verdict:
+        if warnings:
+            lines.append("")
+        lines.append(
+            "Verdict: READY: every host answered over ssh without a prompt, runs the same "
+            "ringplug and MPI, and the hosts reach each other"
+            + (" (see the warnings above)" if warnings else "")
+        )
     return "\n".join(lines).rstrip() + "\n"
 
 
 def run_check(context: CheckContext | None = None) -> int:
-    """Print the report; return the exit code for ``ringrun --check`` (always 0)."""
-    sys.stdout.write(format_report(build_report(context)))
+    """Print the report; return the exit code for ``ringrun --check``: 1 if it found problems."""
+    context = CheckContext() if context is None else context
+    sections = build_report(context)
+    sys.stdout.write(format_report(sections, verdict=bool(context.hosts)))
     sys.stdout.flush()
-    return 0
+    return 1 if any(section.problems for section in sections) else 0

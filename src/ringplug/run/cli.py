@@ -3,9 +3,10 @@
 Example::
 
     ringrun -np 4 python train.py
-    ringrun -np 4 -H node1:2,node2:2 --network-interface eth0 python train.py
+    ringrun -np 4 -H node1:2,node2:2 python train.py   # interfaces found by probing
     ringrun -np 2 --dry-run python train.py     # print the mpiexec line, run nothing
     ringrun --check                             # what MPI and frameworks ranks would use
+    ringrun --check -H node1,node2              # and whether the hosts are ready
 
 horovodrun's flags are accepted too (see :mod:`ringplug.run.horovodrun`).
 """
@@ -14,30 +15,45 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import secrets
 import shlex
 import socket
 import sys
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ringplug.run.check import run_check
+from ringplug.run.check import CheckContext, run_check
 from ringplug.run.configfile import load_config_file
 from ringplug.run.horovodrun import TIMELINE_CYCLES_NOTE, add_horovodrun_flags, refusal
 from ringplug.run.hosts import (
     Host,
     HostSpecError,
+    in_batch_allocation,
     parse_host_list,
     parse_hostfile,
     rank_hosts,
-    ranks_on_this_machine,
     total_slots,
 )
-from ringplug.run.launcher import JobResult, StartWatch, run_job
-from ringplug.run.mpi import JobSpec, LauncherError, build_plan, find_launcher
-from ringplug.run.settings import BIND_CHOICES, RunSettings, SettingsError
-from ringplug.run.status import START_MARKERS_VARIABLE, STATUS_DIR_VARIABLE
+from ringplug.run.launcher import START_FAILED_EXIT_CODE, JobResult, StartWatch, run_job
+from ringplug.run.mpi import (
+    JobSpec,
+    LauncherError,
+    MpiLauncher,
+    build_plan,
+    find_launcher,
+    remote_executables,
+)
+from ringplug.run.preflight import Preflight, run_preflight
+from ringplug.run.settings import (
+    BIND_CHOICES,
+    DEFAULT_START_TIMEOUT_S,
+    RunSettings,
+    SettingsError,
+)
+from ringplug.run.ssh import DEFAULT_CONNECT_TIMEOUT_S, HostProblem, SshOptions
+from ringplug.run.status import EVENTS_VARIABLE, RankStatus
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         dest="network_interfaces",
         metavar="IF",
-        help="network interface for MPI and NCCL traffic (repeatable)",
+        help="network interface for MPI and NCCL traffic (repeatable; each host uses the "
+        "names it has). Default on several hosts: the interfaces that the preflight finds "
+        "routing between all of them",
     )
     parser.add_argument(
         "-p",
@@ -92,6 +110,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="PORT",
         help="ssh port for starting ranks on remote hosts",
+    )
+    parser.add_argument(
+        "-i",
+        "--ssh-identity-file",
+        metavar="FILE",
+        help="ssh private key for starting ranks on remote hosts",
+    )
+    parser.add_argument(
+        "--ssh-config-file",
+        metavar="FILE",
+        help="ssh configuration file to use instead of ~/.ssh/config (ports, keys, "
+        "known_hosts per host)",
+    )
+    parser.add_argument(
+        "--no-preflight",
+        dest="preflight",
+        action="store_const",
+        const=False,
+        help="do not check the hosts (ssh, Python, versions, interfaces) before a job on "
+        "several hosts",
     )
     parser.add_argument(
         "-x",
@@ -131,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="report Python, MPI and framework setup, with warnings, and exit",
+        help="report Python, MPI and framework setup, with warnings, and exit; with -H or "
+        "--hostfile, also check every host (ssh, versions, interfaces) and give a verdict",
     )
     parser.add_argument(
         "--config-file",
@@ -177,6 +216,8 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         hostfile=args.hostfile,
         network_interfaces=args.network_interfaces or [],
         ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file,
+        ssh_config_file=args.ssh_config_file,
         env=_parse_env_flags(args.env or []),
         output_filename=args.output_filename,
         bind_to=args.bind_to,
@@ -184,6 +225,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         timeline=args.timeline,
         mpi_args=_split_mpi_args(args.mpi_args or []),
         start_timeout=args.start_timeout,
+        preflight=args.preflight,
         log_level=args.log_level,
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
@@ -203,13 +245,33 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     return settings
 
 
+def hosts_from_settings(settings: RunSettings) -> list[Host]:
+    """The hosts of ``-H`` or ``--hostfile``; empty for this machine only."""
+    if settings.hosts:
+        return parse_host_list(settings.hosts)
+    if settings.hostfile:
+        return parse_hostfile(settings.hostfile)
+    return []
+
+
+def ssh_from_settings(settings: RunSettings) -> SshOptions:
+    """ssh options from the settings; ssh's connect timeout stays within the start timeout."""
+    limit = settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S
+    return SshOptions(
+        port=settings.ssh_port,
+        identity_file=_absolute(settings.ssh_identity_file),
+        config_file=_absolute(settings.ssh_config_file),
+        connect_timeout_s=max(1, min(DEFAULT_CONNECT_TIMEOUT_S, math.ceil(limit))),
+    )
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).expanduser().resolve())
+
+
 def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
     """Resolve hosts, rank count and paths into a :class:`JobSpec`."""
-    hosts: list[Host] = []
-    if settings.hosts:
-        hosts = parse_host_list(settings.hosts)
-    elif settings.hostfile:
-        hosts = parse_hostfile(settings.hostfile)
+    hosts = hosts_from_settings(settings)
     np = settings.np
     if np is None:
         if not hosts:
@@ -238,7 +300,7 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
         command=command,
         hosts=hosts,
         network_interfaces=list(settings.network_interfaces),
-        ssh_port=settings.ssh_port,
+        ssh=ssh_from_settings(settings),
         env=env,
         output_dir=output_dir,
         bind_to=settings.bind_to,
@@ -246,27 +308,30 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
     )
 
 
-def start_watch(spec: JobSpec, timeout_s: float, environ: dict[str, str]) -> StartWatch | None:
-    """Which ranks ``--start-timeout`` can watch: those on this machine.
+# Launcher flags that send the ranks' output to files: the wrappers' reports would go there
+# too, and never reach ringrun.
+_OUTPUT_REDIRECTS = (
+    "-outfile-pattern",
+    "-errfile-pattern",
+    "--output-filename",
+    "-output-filename",
+)
 
-    Ranks elsewhere cannot write into ringrun's status directory, which exists only here.
-    """
-    local = ranks_on_this_machine(spec.hosts, spec.np, environ)
-    if local is None:
+
+def start_watch(spec: JobSpec, settings: RunSettings) -> StartWatch | None:
+    """Which ranks ``--start-timeout`` watches: all of them, wherever they run."""
+    timeout = settings.effective_start_timeout
+    if timeout is None:
+        return None
+    redirect = next((arg for arg in spec.mpi_args if arg.split("=")[0] in _OUTPUT_REDIRECTS), None)
+    if redirect is not None:
         logger.warning(
-            "--start-timeout is ignored: inside a batch allocation without -H or --hostfile, "
-            "ringrun cannot tell which ranks start on this machine; give the hosts to use it"
+            "--start-timeout is off: --mpi-args %s sends the ranks' output to files, and "
+            "with it the reports that they started",
+            redirect,
         )
         return None
-    if len(local) < spec.np:
-        logger.warning(
-            "--start-timeout watches only the %d rank(s) on this machine; ranks on other "
-            "hosts cannot report to ringrun",
-            len(local),
-        )
-    if not local:
-        return None
-    return StartWatch(timeout_s=timeout_s, ranks=frozenset(local))
+    return StartWatch(timeout_s=timeout, ranks=frozenset(range(spec.np)))
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -275,65 +340,185 @@ def _configure_logging(verbose: bool) -> None:
     logging.basicConfig(format="ringrun: %(message)s", level=level, stream=sys.stderr)
 
 
+def _say(line: str) -> None:
+    print(f"ringrun: {line}", file=sys.stderr, flush=True)
+
+
+def wants_preflight(spec: JobSpec, settings: RunSettings, environ: Mapping[str, str]) -> bool:
+    """Whether to check the hosts before the job: remote hosts reached over ssh.
+
+    Inside a batch allocation the launchers start ranks through the scheduler, and ssh
+    between its nodes may not even be allowed.
+    """
+    if settings.preflight is False or not spec.remote_hosts:
+        return False
+    if in_batch_allocation(environ) and not spec.ssh.customized:
+        logger.info("inside a batch allocation: no ssh preflight (the scheduler starts ranks)")
+        return False
+    return True
+
+
+def _preflight(
+    spec: JobSpec, settings: RunSettings, launcher: MpiLauncher, dry_run: bool
+) -> int | None:
+    """Check the hosts and settle the interfaces; an exit code if the job cannot start."""
+    preflight = run_preflight(
+        spec.hosts,
+        spec.ssh,
+        sys.executable,
+        timeout_s=settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S,
+        needed_files=remote_executables(launcher),
+        requested_interfaces=spec.network_interfaces,
+    )
+    for warning in preflight.warnings:
+        logger.warning("%s", warning)
+    if preflight.problems and not dry_run:
+        _report_problems(preflight.problems, spec, "cannot start the job")
+        _say(
+            "these checks ran before any rank started; `ringrun --check -H ...` repeats them "
+            "with a full report, and --no-preflight skips them"
+        )
+        return START_FAILED_EXIT_CODE
+    if preflight.problems:
+        for problem in preflight.problems:
+            logger.warning(
+                "%s (a real run would stop here; fix: %s)", problem.describe(), problem.fix
+            )
+    spec.network = preflight.network_choice()
+    if dry_run or settings.verbose:
+        for line in _interface_lines(preflight):
+            _say(line)
+    return None
+
+
+def _interface_lines(preflight: Preflight) -> list[str]:
+    """What the preflight chose per host, for --dry-run and --verbose."""
+    lines = []
+    for report in preflight.participants:
+        if not report.usable and not report.rejected:
+            continue
+        chosen = ", ".join(interface.describe() for interface in report.usable) or "none"
+        left = ", ".join(interface.name for interface, _ in report.rejected)
+        how = "found routing between all hosts" if preflight.probed else "named"
+        lines.append(
+            f"interfaces on {report.label}: {chosen} ({how})"
+            + (f"; left out: {left}" if left else "")
+        )
+    return lines
+
+
+def _report_problems(problems: Sequence[HostProblem], spec: JobSpec, what: str) -> None:
+    """Two lines a problem: what happened on which host (with its ranks), then the fix."""
+    placed = rank_hosts(spec.hosts, spec.np) if spec.hosts else []
+    for problem in problems:
+        ranks = [str(rank) for rank, host in enumerate(placed) if host == problem.host]
+        which = f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})" if ranks else ""
+        _say(f"{what}: host {problem.host}{which}: {problem.reason}: {problem.detail}")
+        _say(f"  fix: {problem.fix}")
+
+
 def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
-    """Build the launch plan and print it, or run it and report how the job ended."""
+    """Check the hosts, build the launch plan and print it, or run it and report the end."""
     launcher = find_launcher()
+    if launcher is not None and wants_preflight(spec, settings, os.environ):
+        code = _preflight(spec, settings, launcher, dry_run)
+        if code is not None:
+            return code
     if dry_run:
         print(build_plan(spec, launcher).shell_line(), flush=True)
         return 0
-    with tempfile.TemporaryDirectory(prefix="ringrun-status-") as status_dir:
-        environ = {**os.environ, STATUS_DIR_VARIABLE: status_dir}
-        watch = None
-        if settings.start_timeout is not None:
-            watch = start_watch(spec, settings.start_timeout, environ)
-        if watch is not None:
-            environ[START_MARKERS_VARIABLE] = "1"
-        plan = build_plan(spec, launcher, environ=environ)
-        if settings.verbose:
-            print(f"ringrun: {plan.shell_line()}", file=sys.stderr, flush=True)
-        result = run_job(plan, environ=environ, status_dir=status_dir, start_watch=watch)
+    token = secrets.token_hex(8)
+    environ = {**os.environ, EVENTS_VARIABLE: token}
+    plan = build_plan(spec, launcher, environ=environ)
+    if settings.verbose:
+        _say(plan.shell_line())
+    result = run_job(
+        plan, environ=environ, events_token=token, start_watch=start_watch(spec, settings)
+    )
     if result.stopped_by is not None:
-        print("ringrun: stopped; all ranks were terminated", file=sys.stderr, flush=True)
+        _say("stopped; all ranks were terminated")
     elif result.not_started:
         for line in _not_started_lines(result, spec, settings):
-            print(f"ringrun: {line}", file=sys.stderr, flush=True)
+            _say(line)
     elif result.first_failure is not None:
-        print(f"ringrun: {result.first_failure.describe()}", file=sys.stderr, flush=True)
+        _say(_describe_failure(result.first_failure, spec))
         if len(result.failures) > 1:
-            print(
-                f"ringrun: {len(result.failures) - 1} more rank(s) failed after it, most "
-                "likely stopped by the teardown",
-                file=sys.stderr,
-                flush=True,
+            _say(
+                f"{len(result.failures) - 1} more rank(s) failed after it, most likely "
+                "stopped by the teardown"
             )
+    elif result.host_problems and result.exit_code != 0:
+        _report_problems(result.host_problems, spec, "could not start ranks")
     elif result.exit_code != 0:
-        print(
-            f"ringrun: the launcher exited with code {result.launcher_returncode}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"the launcher exited with code {result.launcher_returncode}")
+        for line in _never_started_lines(result, spec):
+            _say(line)
     return result.exit_code
+
+
+def _never_started_lines(result: JobResult, spec: JobSpec) -> list[str]:
+    """After a launcher failure: the hosts none of whose ranks started, and what it said."""
+    if not spec.hosts or len(result.started) == spec.np:
+        return []
+    placed = rank_hosts(spec.hosts, spec.np)
+    started_hosts = {placed[rank] for rank in result.started if rank < len(placed)}
+    silent = [host.name for host in spec.hosts if host.name not in started_hosts]
+    if not silent:
+        return []
+    lines = [f"no rank started on host{'s' if len(silent) > 1 else ''} {', '.join(silent)}"]
+    lines += [f"  the launcher said: {line}" for line in result.start_errors]
+    lines.append(
+        "  `ringrun --check -H HOSTS` checks every host (ssh, Python, MPI) and names the one "
+        "that fails, with the fix"
+    )
+    return lines
+
+
+def _describe_failure(status: RankStatus, spec: JobSpec) -> str:
+    """The failed rank, its host (and where -H put it, if named differently), and how it ended."""
+    placed = rank_hosts(spec.hosts, spec.np) if spec.hosts else []
+    if status.rank is not None and status.rank < len(placed) and placed[status.rank] != status.host:
+        where = placed[status.rank]
+        return status.describe().replace(f"(pid {status.pid})", f"(-H {where}, pid {status.pid})")
+    return status.describe()
 
 
 def _not_started_lines(result: JobResult, spec: JobSpec, settings: RunSettings) -> list[str]:
     """What to tell the user when ranks did not start their program in time."""
     placed = rank_hosts(spec.hosts, spec.np) if spec.hosts else []
     by_host: dict[str, list[str]] = {}
+    # Without hosts the ranks run here, unless a batch allocation spreads them.
+    elsewhere = "a host the scheduler chose" if in_batch_allocation(os.environ) else None
     for rank in result.not_started:
-        host = placed[rank] if placed else socket.gethostname()
+        host = placed[rank] if placed else (elsewhere or socket.gethostname())
         by_host.setdefault(host, []).append(str(rank))
-    where = "; ".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)} on host {host}"
-        for host, ranks in by_host.items()
-    )
-    return [
-        f"{where} did not start the program within {settings.start_timeout:g} s "
-        f"(--start-timeout), so ringrun stopped the job",
+    timeout = settings.effective_start_timeout or 0
+    lines = []
+    for host, ranks in by_host.items():
+        plural = "s" if len(ranks) > 1 else ""
+        lines.append(
+            f"rank{plural} {', '.join(ranks)} on host {host} did not start the program within "
+            f"{timeout:g} s (--start-timeout), so ringrun stopped the job"
+        )
+        started_there = [
+            event for event in result.started.values() if placed and placed[event.rank or 0] == host
+        ]
+        problem = next((p for p in result.host_problems if p.host == host), None)
+        if problem is not None:
+            lines.append(f"  host {host}: {problem.reason}: {problem.detail}")
+            lines.append(f"  fix: {problem.fix}")
+        elif placed and not started_there:
+            lines.append(
+                f"  no rank on {host} reported starting: the launcher could not start its "
+                f"process there (check `ssh {host} true` from this machine)"
+            )
+    lines.append(
         "check that the hosts are reachable and `ssh HOST true` works there without a "
         "password, that the MPI library the ranks load belongs to the launcher (ringrun "
-        "--check), and that nothing slow runs before the program starts; or give a longer "
-        "--start-timeout",
-    ]
+        "--check -H HOSTS checks both), and that nothing slow runs before the program "
+        "starts; or raise the limit with --start-timeout SECONDS (0: no limit)"
+    )
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -351,10 +536,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ringrun: note: {TIMELINE_CYCLES_NOTE}", file=sys.stderr, flush=True)
     command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     _configure_logging(bool(args.verbose))
-    if args.check:
-        return run_check()
     try:
         settings = settings_from_args(args)
+        if args.check:
+            return run_check(_check_context(settings))
         if not command:
             raise UsageError("no command given; usage: ringrun -np N [options] command [args...]")
         spec = job_from_settings(settings, command)
@@ -362,6 +547,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, SettingsError, HostSpecError, LauncherError) as error:
         print(f"ringrun: error: {error}", file=sys.stderr, flush=True)
         return USAGE_ERROR
+
+
+def _check_context(settings: RunSettings) -> CheckContext:
+    """What ``ringrun --check`` looks at: this machine, and the hosts if any were given."""
+    return CheckContext(
+        hosts=hosts_from_settings(settings),
+        ssh=ssh_from_settings(settings),
+        network_interfaces=list(settings.network_interfaces),
+        host_timeout_s=settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S,
+    )
 
 
 if __name__ == "__main__":

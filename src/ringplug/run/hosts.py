@@ -13,8 +13,8 @@ logger = logging.getLogger(__name__)
 
 _SLOTS_KEYWORD = re.compile(r"^slots\s*=\s*(\S+)$")
 
-# Set inside batch allocations; with them and no -H, the launcher asks the scheduler where
-# to put ranks, and ringrun cannot tell which ranks land on its own machine.
+# Set inside batch allocations; there the launcher asks the scheduler where to put ranks and
+# starts them through it, not through ssh.
 _ALLOCATION_VARIABLES = (
     "SLURM_JOB_NODELIST",
     "PBS_NODEFILE",
@@ -148,19 +148,9 @@ def is_this_machine(name: str, hostname: str | None = None) -> bool:
     return name == own or name.split(".")[0] == own.split(".")[0]
 
 
-def ranks_on_this_machine(
-    hosts: Sequence[Host], np: int, environ: Mapping[str, str]
-) -> list[int] | None:
-    """Ranks the launcher will start on ringrun's machine; ``None`` when it cannot tell.
+def in_batch_allocation(environ: Mapping[str, str]) -> bool:
+    """Whether ringrun runs inside a batch scheduler's allocation (Slurm, PBS, LSF, ...).
 
-    Without hosts every rank runs here, unless a batch scheduler's allocation spans several
-    nodes (then the launcher places ranks from the scheduler's node list).
+    There the MPI launchers start ranks through the scheduler rather than ssh.
     """
-    if hosts:
-        return [rank for rank, name in enumerate(rank_hosts(hosts, np)) if is_this_machine(name)]
-    nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
-    if nodes == "1":
-        return list(range(np))
-    if any(environ.get(name) for name in _ALLOCATION_VARIABLES):
-        return None
-    return list(range(np))
+    return any(environ.get(name) for name in _ALLOCATION_VARIABLES)

@@ -1,14 +1,20 @@
-"""Running a launch plan: start the MPI launcher, watch for failed ranks, tear the job down.
+"""Running a launch plan: start the MPI launcher, watch its ranks, tear the job down.
 
-The launcher runs in its own session so ringrun can signal its whole process group. Ranks
-report failures through status files (see :mod:`ringplug.run.status`); the first report
-starts a teardown that is bounded in time: a grace period in which the launcher may end the
-job itself, then SIGTERM to its process group, then SIGKILL. Ranks that outlive their
-launcher die through the wrapper's parent-death signal.
+The launcher runs in its own session so ringrun can signal its whole process group. Its
+stdout and stderr come back to ringrun through pipes: ringrun passes the output on, takes
+out the rank events the wrappers write (see :mod:`ringplug.run.status`), and reads ssh's
+complaints about hosts. The launcher carries all of it from every host, so a rank on another
+machine reports like a local one, with no shared filesystem.
 
-With a :class:`StartWatch`, ranks that have not left a start marker when its timeout ends
-stop the job the same way, without the launcher's grace period (the launcher does not know
-anything is wrong).
+The first failure a rank reports starts a teardown that is bounded in time: a grace period
+in which the launcher may end the job itself, then SIGTERM to its process group, then
+SIGKILL. Ranks that outlive their launcher die through the wrapper's parent-death signal, and
+those on other hosts with the launcher's proxies there, which end when the launcher's
+connection to them closes.
+
+With a :class:`StartWatch`, ranks that have not reported starting their program when its
+timeout ends stop the job the same way, without the launcher's grace period (the launcher
+does not know anything is wrong).
 """
 
 from __future__ import annotations
@@ -16,22 +22,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import select
 import signal
 import subprocess
-import tempfile
+import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import BinaryIO
 
 from ringplug.run.mpi import LaunchPlan
-from ringplug.run.status import (
-    STATUS_DIR_VARIABLE,
-    RankStatus,
-    has_statuses,
-    read_statuses,
-    started_ranks,
-)
+from ringplug.run.ssh import HostProblem, LaunchDiagnosis
+from ringplug.run.status import EVENT_MARK, RankStarted, RankStatus, parse_event
 from ringplug.run.wrapper import parent_death_signal
 
 logger = logging.getLogger(__name__)
@@ -39,13 +44,22 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_EXIT_CODE = 124
 """ringrun's exit code when ranks did not start in time (as ``timeout(1)`` uses it)."""
 
+START_FAILED_EXIT_CODE = 255
+"""ringrun's exit code when ranks could not be started on a host (as ssh uses it)."""
+
+# How long a line without its newline is held back before it is passed on anyway.
+_PARTIAL_LINE_S = 0.2
+# How long the output may keep flowing after the launcher exited (a helper may hold it).
+_DRAIN_TIMEOUT_S = 5.0
+
 
 @dataclass(frozen=True)
 class Teardown:
     """How patiently a failed job is stopped; the sum bounds the time to stop every rank.
 
     Args:
-        poll_interval_s: how often the status directory is checked. Defaults to 0.1.
+        poll_interval_s: how often the launcher and the rank events are checked.
+            Defaults to 0.1.
         launcher_grace_s: time the launcher gets to end the job itself after the first
             failure (Open MPI does; hydra waits for the remaining ranks). Defaults to 2.0.
         terminate_grace_s: time between SIGTERM and SIGKILL to the launcher's process
@@ -63,9 +77,9 @@ class StartWatch:
 
     Args:
         timeout_s: seconds from starting the launcher until every rank in ``ranks`` must
-            have started its program.
-        ranks: the ranks to watch: those whose wrapper can write into the status
-            directory, i.e. the ranks on ringrun's own machine.
+            have reported that its wrapper started the program (before the program's own
+            imports: slow imports do not count).
+        ranks: the ranks to watch, normally all of them.
     """
 
     timeout_s: float
@@ -78,12 +92,17 @@ class JobResult:
 
     Args:
         exit_code: what ringrun should exit with.
-        first_failure: the earliest rank failure reported, or ``None``.
-        failures: every failure reported, earliest first.
+        first_failure: the first rank failure reported, or ``None``.
+        failures: every failure reported, in the order the reports arrived.
         launcher_returncode: the launcher's own exit status (negative: killed by a signal).
         stopped_by: the signal that made ringrun stop the job, or ``None``.
         not_started: ranks that had not started their program when the start timeout
             ended, so ringrun stopped the job; empty otherwise.
+        started: the start report of every rank that sent one, by rank.
+        host_problems: what ssh said about hosts it could not start ranks on, as the
+            launcher passed it on.
+        start_errors: lines of the launcher's output that explain a failed start without
+            naming a host ("No such file or directory" from a remote shell).
     """
 
     exit_code: int
@@ -92,13 +111,16 @@ class JobResult:
     launcher_returncode: int | None = None
     stopped_by: int | None = None
     not_started: list[int] = field(default_factory=list)
+    started: dict[int, RankStarted] = field(default_factory=dict)
+    host_problems: list[HostProblem] = field(default_factory=list)
+    start_errors: list[str] = field(default_factory=list)
 
 
 def run_job(
     plan: LaunchPlan,
     environ: Mapping[str, str] | None = None,
     teardown: Teardown | None = None,
-    status_dir: str | None = None,
+    events_token: str | None = None,
     start_watch: StartWatch | None = None,
 ) -> JobResult:
     """Run ``plan`` to completion and return how it ended.
@@ -107,38 +129,115 @@ def run_job(
         plan: what to start.
         environ: base environment for the launcher. Defaults to ``os.environ``.
         teardown: timing of failure handling. Defaults to ``Teardown()``.
-        status_dir: directory the ranks report failures into; it must be the one named by
-            ``RINGPLUG_RUN_STATUS_DIR`` when the plan was built. Defaults to a fresh
-            temporary directory that is removed afterwards.
-        start_watch: ranks that must start in time. Defaults to ``None`` (no limit).
+        events_token: the token the ranks' wrappers mark their event lines with (the
+            value of ``RINGPLUG_RUN_EVENTS`` they were given), or ``None`` when they
+            report nothing.
+        start_watch: ranks that must start in time. Defaults to ``None`` (no limit); it
+            needs ``events_token``.
     """
-    if status_dir is None:
-        with tempfile.TemporaryDirectory(prefix="ringrun-status-") as directory:
-            return run_job(plan, environ, teardown, directory, start_watch)
     environ = os.environ if environ is None else environ
-    env = {**environ, **plan.launcher_env, STATUS_DIR_VARIABLE: status_dir}
-    return _JobWatcher(plan, env, teardown or Teardown(), status_dir, start_watch).run()
+    env = {**environ, **plan.launcher_env}
+    return _JobWatcher(plan, env, teardown or Teardown(), events_token, start_watch).run()
+
+
+def _fileno(stream: object, default: int) -> int:
+    """The descriptor behind ``stream``, or ``default`` when it has none (a test's capture)."""
+    try:
+        return stream.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return default
+
+
+class _Relay(threading.Thread):
+    """Copies one of the launcher's output streams to one of ringrun's, taking events out.
+
+    Whole lines go out at once (the launcher already tagged them with their rank); a line
+    without its end (a prompt, a progress bar) waits at most ``_PARTIAL_LINE_S`` for it.
+    """
+
+    def __init__(
+        self,
+        source: BinaryIO,
+        sink_fd: int,
+        token: str | None,
+        on_event: Callable[[RankStatus | RankStarted], None],
+        on_line: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(daemon=True)
+        self.source = source
+        self.sink_fd = sink_fd
+        self.token = token
+        self.on_event = on_event
+        self.on_line = on_line
+
+    def run(self) -> None:
+        fd = self.source.fileno()
+        pending = b""
+        while True:
+            if pending:
+                ready, _, _ = select.select([fd], [], [], _PARTIAL_LINE_S)
+                if not ready:
+                    self._line(pending)
+                    pending = b""
+                    continue
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk
+            end = max(pending.rfind(b"\n"), pending.rfind(b"\r"))
+            if end >= 0:
+                for line in pending[: end + 1].splitlines(keepends=True):
+                    self._line(line)
+                pending = pending[end + 1 :]
+        if pending:
+            self._line(pending)
+        self.source.close()
+
+    def _line(self, line: bytes) -> None:
+        text = line.decode(errors="replace")
+        if self.token is not None and EVENT_MARK in text:
+            event = parse_event(text, self.token)
+            if event is not None:
+                self.on_event(event)
+                return
+        if self.on_line is not None:
+            self.on_line(text)
+        view = memoryview(line)
+        while view:
+            try:
+                written = os.write(self.sink_fd, view)
+            except OSError:
+                return  # ringrun's own output went away; keep draining the launcher's
+            view = view[written:]
 
 
 class _JobWatcher:
-    """One launcher process, its status directory and the teardown state machine."""
+    """One launcher process, the rank events from its output, and the teardown state machine."""
 
     def __init__(
         self,
         plan: LaunchPlan,
         env: dict[str, str],
         teardown: Teardown,
-        status_dir: str,
+        events_token: str | None,
         start_watch: StartWatch | None = None,
     ) -> None:
         self.plan = plan
         self.env = env
         self.teardown = teardown
-        self.status_dir = status_dir
-        self.start_watch = start_watch
+        self.events_token = events_token
+        self.start_watch = start_watch if events_token is not None else None
         self.process: subprocess.Popen[bytes] | None = None
+        self.events: queue.SimpleQueue[RankStatus | RankStarted] = queue.SimpleQueue()
+        self.diagnosis = LaunchDiagnosis()
+        self.diagnosis_lock = threading.Lock()
+        self.failures: list[RankStatus] = []
+        self.started: dict[int, RankStarted] = {}
         self.stop_signal: int | None = None
-        # When the start markers are due (monotonic clock); None once checked or unwatched.
+        # When the start reports are due (monotonic clock); None once checked or unwatched.
         self.start_deadline: float | None = None
         self.not_started: list[int] = []
         # Set once a teardown starts: when, and whether SIGTERM/SIGKILL went out yet.
@@ -151,10 +250,13 @@ class _JobWatcher:
         handlers = {
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
         }
+        relays: list[_Relay] = []
         try:
             self.process = subprocess.Popen(
                 self.plan.argv,
                 env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 # Its own session: ringrun can signal the launcher and its helpers as a group,
                 # and a Ctrl-C in the terminal reaches ringrun alone, which decides.
                 start_new_session=True,
@@ -162,6 +264,14 @@ class _JobWatcher:
                 # stops the ranks.
                 preexec_fn=parent_death_signal(signal.SIGTERM),
             )
+            assert self.process.stdout is not None and self.process.stderr is not None
+            token, put = self.events_token, self.events.put
+            relays = [
+                _Relay(self.process.stdout, _fileno(sys.stdout, 1), token, put),
+                _Relay(self.process.stderr, _fileno(sys.stderr, 2), token, put, self._diagnose),
+            ]
+            for relay in relays:
+                relay.start()
             if self.start_watch is not None and self.start_watch.ranks:
                 self.start_deadline = time.monotonic() + self.start_watch.timeout_s
             returncode = self._supervise()
@@ -170,7 +280,28 @@ class _JobWatcher:
                 self._signal_group(signal.SIGKILL)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+        drain_until = time.monotonic() + _DRAIN_TIMEOUT_S
+        for relay in relays:
+            relay.join(max(0.0, drain_until - time.monotonic()))
+        self._take_events()
         return self._result(returncode)
+
+    def _diagnose(self, line: str) -> None:
+        with self.diagnosis_lock:
+            self.diagnosis.feed(line)
+
+    def _take_events(self) -> None:
+        """Move the events that arrived into the failure list and the start reports."""
+        while True:
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(event, RankStarted):
+                if event.rank is not None:
+                    self.started.setdefault(event.rank, event)
+            else:
+                self.failures.append(event)
 
     def _supervise(self) -> int:
         """Wait for the launcher, escalating the teardown once a rank failed or on a signal."""
@@ -180,12 +311,13 @@ class _JobWatcher:
                 return self.process.wait(timeout=self.teardown.poll_interval_s)
             except subprocess.TimeoutExpired:
                 pass
+            self._take_events()
             now = time.monotonic()
             if self.teardown_started is None:
                 if self.stop_signal is not None:
                     # The user asked to stop: no grace for the launcher, terminate now.
                     self.teardown_started = now - self.teardown.launcher_grace_s
-                elif has_statuses(self.status_dir):
+                elif self.failures:
                     logger.info("a rank failed; stopping the job")
                     self.teardown_started = now
                 elif self._start_overdue(now):
@@ -200,8 +332,8 @@ class _JobWatcher:
         if self.start_deadline is None or now < self.start_deadline:
             return False
         assert self.start_watch is not None
-        self.start_deadline = None  # checked once: a marker, once written, stays
-        self.not_started = sorted(self.start_watch.ranks - started_ranks(self.status_dir))
+        self.start_deadline = None  # checked once: a rank, once started, stays started
+        self.not_started = sorted(self.start_watch.ranks - set(self.started))
         return bool(self.not_started)
 
     def _escalate(self, now: float) -> None:
@@ -232,8 +364,10 @@ class _JobWatcher:
 
     def _result(self, returncode: int) -> JobResult:
         """Decide the exit code from the signal, the rank reports and the launcher's status."""
-        failures = read_statuses(self.status_dir)
-        first = failures[0] if failures else None
+        first = self.failures[0] if self.failures else None
+        with self.diagnosis_lock:
+            host_problems = list(self.diagnosis.problems)
+            start_errors = list(self.diagnosis.unnamed)
         if self.stop_signal is not None:
             exit_code = 128 + self.stop_signal
         elif self.not_started:
@@ -241,6 +375,8 @@ class _JobWatcher:
             exit_code = START_TIMEOUT_EXIT_CODE
         elif first is not None:
             exit_code = first.shell_exit_code
+        elif host_problems and returncode != 0:
+            exit_code = START_FAILED_EXIT_CODE
         elif returncode < 0:
             exit_code = 128 - returncode
         else:
@@ -248,8 +384,11 @@ class _JobWatcher:
         return JobResult(
             exit_code=exit_code,
             first_failure=first,
-            failures=failures,
+            failures=list(self.failures),
             launcher_returncode=returncode,
             stopped_by=self.stop_signal,
             not_started=self.not_started,
+            started=dict(self.started),
+            host_problems=host_problems,
+            start_errors=start_errors,
         )

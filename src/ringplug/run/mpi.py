@@ -19,7 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringplug.run.hosts import Host, format_host_list, total_slots
+from ringplug.run.hosts import (
+    Host,
+    format_host_list,
+    in_batch_allocation,
+    is_this_machine,
+    rank_hosts,
+    total_slots,
+)
+from ringplug.run.ssh import SshOptions
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +176,19 @@ def find_launcher(
     return None if path is None else identify_launcher(path)
 
 
+def remote_executables(launcher: MpiLauncher) -> list[str]:
+    """The launcher's own programs that it starts on every host, at the path they have here.
+
+    hydra starts its proxy (``hydra_pmi_proxy``, beside ``mpiexec``) on each host over ssh;
+    Open MPI finds its daemon through ``PATH`` or ``--prefix`` there, so none is listed.
+    """
+    if launcher.kind == HYDRA:
+        proxy = Path(launcher.path).parent / "hydra_pmi_proxy"
+        if proxy.is_file():
+            return [str(proxy)]
+    return []
+
+
 def missing_launcher_message(np: int, python: str | None = None) -> str:
     """What to tell a user who asked for ranks when no MPI launcher exists."""
     python = sys.executable if python is None else python
@@ -179,6 +200,47 @@ def missing_launcher_message(np: int, python: str | None = None) -> str:
     )
 
 
+# Variables that tell MPI and NCCL which interfaces to use, per host.
+NCCL_INTERFACES = "NCCL_SOCKET_IFNAME"
+GLOO_INTERFACES = "GLOO_SOCKET_IFNAME"  # torch.distributed's gloo (RingStrategy's helper group)
+UCX_INTERFACES = "UCX_NET_DEVICES"  # MPICH's and Open MPI's UCX transport
+OFI_TCP_INTERFACE = "FI_TCP_IFACE"  # libfabric's tcp provider: MPICH ch4:ofi, Intel MPI
+
+
+@dataclass(frozen=True)
+class NetworkChoice:
+    """Which interfaces ranks use on each host, as the preflight found (or was told) them.
+
+    Args:
+        per_host: interface names per host (as named in ``-H``), best first; empty when
+            the ranks do not talk across hosts.
+        launcher_interface: the interface of ringrun's machine that every host reached, for
+            hydra's ``-iface`` (its proxies connect back to it), or ``None``.
+        subnets: the networks of the chosen interfaces in CIDR form, for Open MPI's include
+            lists (which, unlike names, mean the same on every host).
+        rdma_hosts: hosts with InfiniBand/RoCE devices: there UCX keeps choosing its own
+            devices, so that it does not fall back from the fabric to TCP.
+    """
+
+    per_host: dict[str, list[str]] = field(default_factory=dict)
+    launcher_interface: str | None = None
+    subnets: list[str] = field(default_factory=list)
+    rdma_hosts: frozenset[str] = frozenset()
+
+    def variables(self, host: str, launcher_kind: str) -> dict[str, str]:
+        """The interface variables for ranks on ``host``."""
+        names = self.per_host.get(host)
+        if not names:
+            return {}
+        # "=" makes NCCL match whole names (its default is a prefix match: eth1 ~ eth10).
+        values = {NCCL_INTERFACES: "=" + ",".join(names), GLOO_INTERFACES: ",".join(names)}
+        if host not in self.rdma_hosts:
+            values[UCX_INTERFACES] = ",".join(names)
+        if launcher_kind == HYDRA:
+            values[OFI_TCP_INTERFACE] = names[0]
+        return values
+
+
 @dataclass
 class JobSpec:
     """What to launch, with hosts and environment already worked out from the settings.
@@ -187,35 +249,107 @@ class JobSpec:
         np: number of ranks.
         command: the user's program and arguments.
         hosts: hosts to place ranks on, host-major; empty for this machine only.
-        network_interfaces: NICs for MPI (and NCCL) traffic.
-        ssh_port: ssh port for remote hosts, ``None`` for ssh's default.
+        network_interfaces: NICs for MPI (and NCCL) traffic, as the user named them.
+        ssh: how to reach remote hosts.
         env: variables for the ranks; ``None`` values are forwarded from ringrun's
             environment.
         output_dir: absolute directory for per-rank output copies, or ``None``.
         bind_to: ``"none"``, ``"core"``, ``"socket"`` or ``None`` for the launcher default.
         mpi_args: extra launcher arguments, passed verbatim after ringrun's own and before
             the per-rank command.
+        network: the interfaces per host the preflight settled on, or ``None`` (then
+            ``network_interfaces``, if given, apply to every host alike).
     """
 
     np: int
     command: list[str]
     hosts: list[Host] = field(default_factory=list)
     network_interfaces: list[str] = field(default_factory=list)
-    ssh_port: int | None = None
+    ssh: SshOptions = field(default_factory=SshOptions)
     env: dict[str, str | None] = field(default_factory=dict)
     output_dir: str | None = None
     bind_to: str | None = None
     mpi_args: list[str] = field(default_factory=list)
+    network: NetworkChoice | None = None
+
+    @property
+    def remote_hosts(self) -> list[Host]:
+        """The hosts that are not, by name, the machine ringrun runs on."""
+        return [host for host in self.hosts if not is_this_machine(host.name)]
 
 
 def rank_environment(spec: JobSpec, environ: Mapping[str, str]) -> dict[str, str]:
     """Variables ringrun sets for every rank (beyond what the launcher forwards)."""
     values: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
-    if spec.network_interfaces and "NCCL_SOCKET_IFNAME" not in environ:
-        # NCCL picks its own NIC otherwise, often docker0 or lo on multi-host jobs.
-        values["NCCL_SOCKET_IFNAME"] = ",".join(spec.network_interfaces)
+    if spec.network_interfaces and not (spec.network and spec.network.per_host):
+        # NCCL picks its own NIC otherwise, often docker0 or lo on multi-host jobs. Without
+        # the hosts' facts the names go to every host (NCCL takes the ones a host has).
+        values[NCCL_INTERFACES] = ",".join(spec.network_interfaces)
+        values[GLOO_INTERFACES] = ",".join(spec.network_interfaces)
+        if len(spec.network_interfaces) == 1:
+            values[UCX_INTERFACES] = spec.network_interfaces[0]
+    for name in (NCCL_INTERFACES, GLOO_INTERFACES, UCX_INTERFACES):
+        if name in values and _set_by_user(name, spec, environ):
+            del values[name]
     values.update({name: value for name, value in spec.env.items() if value is not None})
     return values
+
+
+def _set_by_user(name: str, spec: JobSpec, environ: Mapping[str, str]) -> bool:
+    """Whether the user chose ``name`` (in ringrun's environment or with ``-x``)."""
+    return name in environ or name in spec.env
+
+
+def host_variables(
+    spec: JobSpec, environ: Mapping[str, str], launcher_kind: str
+) -> dict[str, dict[str, str]]:
+    """Per host, the interface variables its ranks get (what the user set is left alone)."""
+    if spec.network is None or not spec.network.per_host:
+        return {}
+    return {
+        host.name: {
+            name: value
+            for name, value in spec.network.variables(host.name, launcher_kind).items()
+            if not _set_by_user(name, spec, environ)
+        }
+        for host in spec.hosts
+    }
+
+
+def rank_segments(
+    spec: JobSpec, per_host: Mapping[str, dict[str, str]]
+) -> list[tuple[int, dict[str, str]]]:
+    """The job as runs of consecutive ranks that get the same variables: (count, variables).
+
+    Ranks fill the hosts in ``-H`` order (see :func:`ringplug.run.hosts.rank_hosts`), so
+    when the hosts need different values (interfaces named differently), each run of ranks
+    on one host becomes one part of an MPMD command line (``-n 2 -env ... : -n 2 ...``);
+    when every host gets the same values, the whole job is one part.
+    """
+    if not per_host or len({tuple(sorted(values.items())) for values in per_host.values()}) <= 1:
+        common = next(iter(per_host.values()), {})
+        return [(spec.np, dict(common))]
+    segments: list[tuple[int, dict[str, str]]] = []
+    previous = None
+    for host in rank_hosts(spec.hosts, spec.np):
+        if host == previous:
+            count, values = segments[-1]
+            segments[-1] = (count + 1, values)
+        else:
+            segments.append((1, dict(per_host.get(host, {}))))
+        previous = host
+    return segments
+
+
+def ssh_launch(spec: JobSpec, environ: Mapping[str, str]) -> bool:
+    """Whether ringrun tells the launcher to start remote ranks with ssh and its options.
+
+    Inside a batch allocation the launchers start ranks through the scheduler (srun, ...),
+    unless the user gave ssh options; elsewhere ssh is what they would use anyway.
+    """
+    if spec.ssh.customized:
+        return True
+    return bool(spec.remote_hosts) and not in_batch_allocation(environ)
 
 
 def forwarded_names(spec: JobSpec, environ: Mapping[str, str]) -> list[str]:
@@ -296,23 +430,23 @@ def _hydra_plan(
     spec: JobSpec, launcher: MpiLauncher, environ: Mapping[str, str], python: str
 ) -> LaunchPlan:
     """MPICH hydra flags (checked against ``mpiexec -help`` of MPICH 5.0.2)."""
-    argv = [launcher.path, "-n", str(spec.np)]
+    argv = [launcher.path]
     launcher_env: dict[str, str] = {}
     if spec.hosts:
         argv += ["-hosts", format_host_list(spec.hosts)]
-    if spec.network_interfaces:
-        if len(spec.network_interfaces) > 1:
-            logger.warning(
-                "hydra takes one network interface; using %s for MPI (NCCL gets all of %s)",
-                spec.network_interfaces[0],
-                ",".join(spec.network_interfaces),
-            )
-        argv += ["-iface", spec.network_interfaces[0]]
-    if spec.ssh_port is not None:
-        # hydra has no flag for ssh options; its ssh launcher appends this variable's words.
+    interface = _launcher_interface(spec)
+    if interface is not None:
+        # hydra resolves this name on the launching machine only: its proxies connect back
+        # to that address. (With MPICH's ch3 it also named the ranks' interface; ch4 takes
+        # the interface from UCX_NET_DEVICES / FI_TCP_IFACE, set per host below.)
+        argv += ["-iface", interface]
+    if ssh_launch(spec, environ):
+        # hydra has no flag for ssh options; its ssh launcher appends this variable's words
+        # (split at spaces) to every ssh command line.
         argv += ["-launcher", "ssh"]
         extra = environ.get("HYDRA_LAUNCHER_EXTRA_ARGS", "")
-        launcher_env["HYDRA_LAUNCHER_EXTRA_ARGS"] = f"{extra} -p {spec.ssh_port}".strip()
+        words = " ".join(spec.ssh.arguments())
+        launcher_env["HYDRA_LAUNCHER_EXTRA_ARGS"] = f"{extra} {words}".strip()
     if spec.bind_to is not None:
         argv += ["-bind-to", spec.bind_to]
     argv.append("-prepend-rank")
@@ -321,11 +455,38 @@ def _hydra_plan(
     for name, value in sorted(rank_environment(spec, environ).items()):
         argv += ["-genv", name, value]
     forwarded_names(spec, environ)  # warns about -x names that are not set
-    return LaunchPlan(
-        argv=[*argv, *spec.mpi_args, *wrapper_argv(spec, python)],
-        launcher_env=launcher_env,
-        launcher=launcher,
-    )
+    segments = rank_segments(spec, host_variables(spec, environ, HYDRA))
+    if len(segments) == 1:
+        count, values = segments[0]
+        for name, value in sorted(values.items()):
+            argv += ["-genv", name, value]
+        argv = [argv[0], "-n", str(count), *argv[1:], *spec.mpi_args, *wrapper_argv(spec, python)]
+        return LaunchPlan(argv=argv, launcher_env=launcher_env, launcher=launcher)
+    argv += spec.mpi_args
+    for index, (count, values) in enumerate(segments):
+        if index:
+            argv.append(":")
+        argv += ["-n", str(count)]
+        for name, value in sorted(values.items()):
+            argv += ["-env", name, value]
+        argv += wrapper_argv(spec, python)
+    return LaunchPlan(argv=argv, launcher_env=launcher_env, launcher=launcher)
+
+
+def _launcher_interface(spec: JobSpec) -> str | None:
+    """The interface name for hydra's ``-iface``: the launching machine's own."""
+    if spec.network is not None and spec.network.launcher_interface is not None:
+        return spec.network.launcher_interface
+    if not spec.network_interfaces:
+        return None
+    if len(spec.network_interfaces) > 1:
+        logger.info(
+            "hydra takes one network interface; using %s for its own connections (MPI and "
+            "NCCL get all of %s)",
+            spec.network_interfaces[0],
+            ",".join(spec.network_interfaces),
+        )
+    return spec.network_interfaces[0]
 
 
 def _open_mpi_plan(
@@ -336,7 +497,7 @@ def _open_mpi_plan(
     is_root: bool,
 ) -> LaunchPlan:
     """Open MPI (4.x ``mpirun``/``mpiexec``, 5.x on PRRTE) flags."""
-    argv = [launcher.path, "-np", str(spec.np)]
+    argv = [launcher.path]
     if is_root:
         argv.append("--allow-run-as-root")
     # ringrun's contract is "N ranks, whatever the core count", as with hydra.
@@ -345,16 +506,39 @@ def _open_mpi_plan(
         argv += ["-H", format_host_list(spec.hosts)]
     if spec.bind_to is not None:
         argv += ["--bind-to", spec.bind_to]
-    if spec.network_interfaces:
-        interfaces = ",".join(spec.network_interfaces)
-        argv += ["--mca", "btl_tcp_if_include", interfaces]
-        argv += ["--mca", "oob_tcp_if_include", interfaces]
-    if spec.ssh_port is not None:
-        argv += ["--mca", "plm_rsh_args", f"-p {spec.ssh_port}"]
+    includes = _open_mpi_includes(spec)
+    if includes:
+        # Subnets in CIDR form mean the same on every host, whatever its interfaces' names.
+        argv += ["--mca", "btl_tcp_if_include", includes]
+        argv += ["--mca", "oob_tcp_if_include", includes]
+    if ssh_launch(spec, environ):
+        argv += ["--mca", "plm_rsh_args", " ".join(spec.ssh.arguments())]
     rank_env = rank_environment(spec, environ)
     for name in forwarded_names(spec, environ):
         if name not in rank_env:
             argv += ["-x", name]
     for name, value in sorted(rank_env.items()):
         argv += ["-x", f"{name}={value}"]
-    return LaunchPlan(argv=[*argv, *spec.mpi_args, *wrapper_argv(spec, python)], launcher=launcher)
+    segments = rank_segments(spec, host_variables(spec, environ, OPEN_MPI))
+    if len(segments) == 1:
+        count, values = segments[0]
+        for name, value in sorted(values.items()):
+            argv += ["-x", f"{name}={value}"]
+        argv = [argv[0], "-np", str(count), *argv[1:], *spec.mpi_args, *wrapper_argv(spec, python)]
+        return LaunchPlan(argv=argv, launcher=launcher)
+    argv += spec.mpi_args
+    for index, (count, values) in enumerate(segments):
+        if index:
+            argv.append(":")
+        argv += ["-np", str(count)]
+        for name, value in sorted(values.items()):
+            argv += ["-x", f"{name}={value}"]
+        argv += wrapper_argv(spec, python)
+    return LaunchPlan(argv=argv, launcher=launcher)
+
+
+def _open_mpi_includes(spec: JobSpec) -> str:
+    """Open MPI's TCP include list: the chosen subnets, or the names the user gave."""
+    if spec.network is not None and spec.network.subnets:
+        return ",".join(spec.network.subnets)
+    return ",".join(spec.network_interfaces)

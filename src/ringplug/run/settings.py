@@ -11,6 +11,9 @@ from typing import Any
 
 BIND_CHOICES = ("none", "core", "socket")
 
+DEFAULT_START_TIMEOUT_S = 60.0
+"""Seconds every rank gets to start its program when ``start_timeout`` is not given."""
+
 # horovodrun's log levels (and Python's CRITICAL) -> the Python logging names that
 # RINGPLUG_LOG_LEVEL takes; Python logging has no TRACE, and FATAL is its CRITICAL.
 LOG_LEVELS = {
@@ -42,6 +45,10 @@ class RunSettings:
         hostfile: path of a hostfile. Defaults to ``None``.
         network_interfaces: NICs for MPI traffic, e.g. ``["eth0"]``. Defaults to ``[]``.
         ssh_port: port for ssh to remote hosts. Defaults to ``None`` (ssh's own default).
+        ssh_identity_file: private key for ssh to remote hosts. Defaults to ``None``
+            (ssh's own choice).
+        ssh_config_file: ssh configuration file to use instead of ``~/.ssh/config``.
+            Defaults to ``None``.
         env: variables for the ranks; a ``None`` value forwards ringrun's own value.
             Defaults to ``{}``.
         output_filename: directory for per-rank ``stdout``/``stderr`` copies. Defaults to
@@ -53,8 +60,11 @@ class RunSettings:
             ranks; rank 0 writes it). Defaults to ``None`` (no timeline).
         mpi_args: extra arguments for the MPI launcher, placed before the per-rank
             command; a string is split like a shell would. Defaults to ``[]``.
-        start_timeout: seconds within which every rank on this machine must have started
-            its program, or ringrun stops the job. Defaults to ``None`` (no limit).
+        start_timeout: seconds within which every rank, on every host, must have started
+            its program (before the program's imports), or ringrun stops the job; ``0``
+            means no limit. Defaults to ``None`` (60 s, :data:`DEFAULT_START_TIMEOUT_S`).
+        preflight: ``False`` skips the check of remote hosts (ssh, Python, versions,
+            interfaces) before a multi-host job. Defaults to ``None`` (check).
         log_level: ringplug's log level on the ranks (``RINGPLUG_LOG_LEVEL``): one of
             TRACE, DEBUG, INFO, WARNING, ERROR, FATAL or CRITICAL. Defaults to ``None``
             (ringplug's own default, WARNING).
@@ -76,6 +86,8 @@ class RunSettings:
     hostfile: str | None = None
     network_interfaces: list[str] = field(default_factory=list)
     ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    ssh_config_file: str | None = None
     env: dict[str, str | None] = field(default_factory=dict)
     output_filename: str | None = None
     bind_to: str | None = None
@@ -83,6 +95,7 @@ class RunSettings:
     timeline: str | None = None
     mpi_args: list[str] = field(default_factory=list)
     start_timeout: float | None = None
+    preflight: bool | None = None
     log_level: str | None = None
     fusion_threshold_mb: int | None = None
     cycle_time_ms: float | None = None
@@ -142,9 +155,10 @@ class RunSettings:
             )
         if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
             raise SettingsError(f"ssh_port must be between 1 and 65535, got {self.ssh_port}")
-        if self.start_timeout is not None and not self.start_timeout > 0:
+        if self.start_timeout is not None and not self.start_timeout >= 0:
             raise SettingsError(
-                f"start_timeout must be a positive number of seconds, got {self.start_timeout}"
+                "start_timeout must be a number of seconds, or 0 for no limit, got "
+                f"{self.start_timeout}"
             )
         if self.log_level is not None and self.log_level.upper() not in LOG_LEVELS:
             raise SettingsError(
@@ -172,6 +186,13 @@ class RunSettings:
                 "the stall check is turned off (--no-stall-check), so its warning and shutdown "
                 "times would do nothing; give one or the other"
             )
+
+    @property
+    def effective_start_timeout(self) -> float | None:
+        """The start limit in seconds, ``None`` for none (``start_timeout: 0``)."""
+        if self.start_timeout is None:
+            return DEFAULT_START_TIMEOUT_S
+        return self.start_timeout or None
 
     def rank_variables(self) -> dict[str, str]:
         """The ``RINGPLUG_*`` values for the ranks that the tuning settings ask for.
@@ -227,7 +248,7 @@ def _check_value(key: str, value: Any, source: str) -> Any:
         if isinstance(value, list) and all(isinstance(item, str) for item in value):
             return list(value)
         raise wrong("a string of arguments or a list of them")
-    if key in ("verbose", "stall_check"):
+    if key in ("verbose", "stall_check", "preflight"):
         if not isinstance(value, bool):
             raise wrong("true or false")
         return value
@@ -255,7 +276,15 @@ def _check_value(key: str, value: Any, source: str) -> Any:
                 item = "1" if item else "0"
             env[str(name)] = None if item is None else str(item)
         return env
-    if key in ("hostfile", "output_filename", "bind_to", "timeline", "log_level"):
+    if key in (
+        "hostfile",
+        "output_filename",
+        "bind_to",
+        "timeline",
+        "log_level",
+        "ssh_identity_file",
+        "ssh_config_file",
+    ):
         if not isinstance(value, str):
             raise wrong("a string")
         return value

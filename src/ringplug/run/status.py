@@ -1,9 +1,15 @@
-"""Rank reports: the files the per-rank wrapper writes and ``ringrun`` reads.
+"""Rank events: what the per-rank wrapper tells ``ringrun``, and how it travels.
 
-Two kinds live in a job's status directory: a failure report (``rank-<rank>-<pid>.json``)
-when a rank's program did not exit cleanly, and, when ``ringrun --start-timeout`` asks for
-them, a start marker (``rank-<rank>-<pid>.started``) as soon as the wrapper has started the
-program.
+The wrapper reports two things: that it started the rank's program, and, when the program
+did not exit cleanly, how it ended. Both travel as one line on the wrapper's stderr, which
+the MPI launcher carries back to ``ringrun`` from every host, over the same connections
+that carry the ranks' output. Nothing is written to disk, so ranks on other hosts report
+exactly as local ones do, without a shared filesystem.
+
+An event line reads ``ringrun-event:<token> {json}``. The token is random per job (ringrun
+hands it to the ranks in :data:`EVENTS_VARIABLE`), so a program that prints something
+similar is never mistaken for the wrapper; the launcher may put its rank prefix (``[3] ``)
+in front. ringrun removes event lines from the output it passes on.
 
 Standard library only: the wrapper imports this inside every rank, before the user's
 program, and must stay light (no mpi4py, no ``ringplug.core``).
@@ -12,19 +18,17 @@ program, and must stay light (no mpi4py, no ``ringplug.core``).
 from __future__ import annotations
 
 import json
-import os
 import signal
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
-STATUS_DIR_VARIABLE = "RINGPLUG_RUN_STATUS_DIR"
-"""Environment variable naming the directory where ranks report how they failed."""
+EVENTS_VARIABLE = "RINGPLUG_RUN_EVENTS"
+"""Environment variable with the job's event token; the wrapper reports only when it is set."""
 
-START_MARKERS_VARIABLE = "RINGPLUG_RUN_START_MARKERS"
-"""Environment variable that, set to ``1``, asks the wrappers for start markers."""
+EVENT_MARK = "ringrun-event:"
 
-_SUFFIX = ".json"
-_START_SUFFIX = ".started"
+STARTED = "started"
+EXITED = "exited"
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,8 @@ class RankStatus:
         pid: process id of the user's program (not the wrapper).
         exit_code: its exit code, or ``None`` when a signal ended it.
         signal_name: ``"SIGKILL"`` and the like when a signal ended it, else ``None``.
-        timestamp: seconds since the epoch when the wrapper saw it end.
+        timestamp: seconds since the epoch when the wrapper saw it end (by that host's
+            clock: ringrun orders failures by when their reports arrive instead).
     """
 
     rank: int | None
@@ -66,6 +71,69 @@ class RankStatus:
                 return 1
         return self.exit_code if self.exit_code else 1
 
+    def to_event(self) -> dict[str, Any]:
+        """The ``exited`` event that carries this status."""
+        return {
+            "event": EXITED,
+            "rank": self.rank,
+            "host": self.host,
+            "pid": self.pid,
+            "exit_code": self.exit_code,
+            "signal_name": self.signal_name,
+            "timestamp": self.timestamp,
+        }
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> RankStatus:
+        """The status an ``exited`` event carries.
+
+        Raises:
+            ValueError: the event lacks a field or has one of the wrong type.
+        """
+        try:
+            return cls(
+                rank=None if event["rank"] is None else int(event["rank"]),
+                host=str(event["host"]),
+                pid=int(event["pid"]),
+                exit_code=None if event["exit_code"] is None else int(event["exit_code"]),
+                signal_name=None if event["signal_name"] is None else str(event["signal_name"]),
+                timestamp=float(event["timestamp"]),
+            )
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a rank status: {event!r}") from error
+
+
+@dataclass(frozen=True)
+class RankStarted:
+    """A rank whose wrapper has started the program.
+
+    Args:
+        rank: the rank's number in the job, ``None`` when the launcher did not say.
+        host: hostname of the machine it runs on.
+        pid: process id of the user's program.
+    """
+
+    rank: int | None
+    host: str
+    pid: int
+
+    def to_event(self) -> dict[str, Any]:
+        """The ``started`` event that carries this fact."""
+        return {"event": STARTED, "rank": self.rank, "host": self.host, "pid": self.pid}
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> RankStarted:
+        """The fact a ``started`` event carries.
+
+        Raises:
+            ValueError: the event lacks a field or has one of the wrong type.
+        """
+        try:
+            rank = event["rank"]
+            return cls(None if rank is None else int(rank), str(event["host"]), int(event["pid"]))
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a start report: {event!r}") from error
+
 
 def signal_name(number: int) -> str:
     """``9`` -> ``"SIGKILL"``; numbers without a name become ``"signal 42"``."""
@@ -75,69 +143,29 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def write_status(directory: str | Path, status: RankStatus) -> Path:
-    """Write ``status`` into ``directory`` so a reader never sees a half-written file."""
-    directory = Path(directory)
-    name = f"rank-{status.rank if status.rank is not None else 'unknown'}-{status.pid}"
-    final = directory / (name + _SUFFIX)
-    partial = directory / (name + ".partial")
-    partial.write_text(json.dumps(asdict(status)))
-    os.replace(partial, final)
-    return final
+def event_line(token: str, event: dict[str, Any]) -> bytes:
+    """The line the wrapper writes for ``event``, newline included."""
+    return f"{EVENT_MARK}{token} {json.dumps(event, separators=(',', ':'))}\n".encode()
 
 
-def read_statuses(directory: str | Path) -> list[RankStatus]:
-    """All complete reports in ``directory``, earliest first."""
-    statuses = []
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        if not entry.name.endswith(_SUFFIX):
-            continue
-        try:
-            statuses.append(RankStatus(**json.loads(Path(entry.path).read_text())))
-        except (OSError, ValueError, TypeError):
-            # A report we cannot read must not hide the ones we can.
-            continue
-    return sorted(statuses, key=lambda status: status.timestamp)
+def parse_event(line: str, token: str) -> RankStatus | RankStarted | None:
+    """The event in ``line`` if it is one of this job's event lines, else ``None``.
 
-
-def has_statuses(directory: str | Path) -> bool:
-    """Whether any rank has reported a failure yet (cheap enough to poll)."""
-    try:
-        return any(entry.name.endswith(_SUFFIX) for entry in os.scandir(directory))
-    except FileNotFoundError:
-        return False
-
-
-def write_start_marker(directory: str | Path, rank: int, host: str, pid: int) -> Path:
-    """Record that ``rank`` started its program on ``host`` as process ``pid``.
-
-    The file's name carries the rank, so :func:`started_ranks` needs no parsing of contents;
-    the contents are there for people looking into the directory.
+    The line may carry a launcher's rank prefix before the mark. A line with the mark and
+    token but an unreadable event is also ``None``; ringrun passes it on like output.
     """
-    directory = Path(directory)
-    name = f"rank-{rank}-{pid}"
-    final = directory / (name + _START_SUFFIX)
-    partial = directory / (name + ".partial")
-    partial.write_text(json.dumps({"rank": rank, "host": host, "pid": pid}))
-    os.replace(partial, final)
-    return final
-
-
-def started_ranks(directory: str | Path) -> set[int]:
-    """Ranks that have left a start marker in ``directory`` (cheap enough to poll)."""
-    ranks = set()
+    mark = f"{EVENT_MARK}{token} "
+    start = line.find(mark)
+    if start < 0:
+        return None
     try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return set()
-    for entry in entries:
-        if not entry.name.endswith(_START_SUFFIX):
-            continue
-        number = entry.name.split("-")[1]
-        if number.isdigit():
-            ranks.add(int(number))
-    return ranks
+        event = json.loads(line[start + len(mark) :])
+        if not isinstance(event, dict):
+            return None
+        if event.get("event") == STARTED:
+            return RankStarted.from_event(event)
+        if event.get("event") == EXITED:
+            return RankStatus.from_event(event)
+    except ValueError:
+        return None
+    return None

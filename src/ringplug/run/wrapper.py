@@ -3,10 +3,9 @@
 Run as ``python -m ringplug.run.wrapper [--output-dir DIR] -- command [args...]``. It starts
 the command as a child that inherits everything the launcher set up (environment, PMI file
 descriptors), makes sure the child dies with it, forwards SIGTERM/SIGINT, optionally tees the
-child's output into per-rank files, and writes into ``$RINGPLUG_RUN_STATUS_DIR``: a start
-marker once the child runs (when ``ringrun --start-timeout`` sets
-``RINGPLUG_RUN_START_MARKERS=1``) and, when the child fails, a report so ``ringrun`` can
-name the rank that failed first.
+child's output into per-rank files, and, when ``ringrun`` set ``RINGPLUG_RUN_EVENTS``, tells
+it through its stderr (which the launcher carries back from every host) that the program
+started and, if the program fails, how it ended (see :mod:`ringplug.run.status`).
 
 Standard library only: importing mpi4py or ``ringplug.core`` here would initialise MPI in the
 wrapper, which is not a rank.
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import logging
 import os
 import select
 import signal
@@ -30,15 +28,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ringplug.run.status import (
-    START_MARKERS_VARIABLE,
-    STATUS_DIR_VARIABLE,
+    EVENTS_VARIABLE,
+    RankStarted,
     RankStatus,
+    event_line,
     signal_name,
-    write_start_marker,
-    write_status,
 )
-
-logger = logging.getLogger(__name__)
 
 # Checked in this order: MPICH/hydra (and Intel MPI), Open MPI, any PMIx launcher, Slurm.
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -117,7 +112,32 @@ def _protect_against_orphaning() -> None:
         os._exit(128 + signal.SIGKILL)
 
 
-def _pump(source: BinaryIO, terminal_fd: int, copy: BinaryIO | None) -> None:
+class _Terminal:
+    """One of the wrapper's own output descriptors, written a whole piece at a time.
+
+    Remembers whether the last byte written ended a line, so that an event line written
+    while the program's output is mid-line starts on a line of its own.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.lock = threading.Lock()
+        self.at_line_start = True
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            _write_all(self.fd, data)
+            if data:
+                self.at_line_start = data.endswith((b"\n", b"\r"))
+
+    def write_line(self, line: bytes) -> None:
+        """Write a complete line, starting a new line first if the output is mid-line."""
+        with self.lock:
+            _write_all(self.fd, line if self.at_line_start else b"\n" + line)
+            self.at_line_start = True
+
+
+def _pump(source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None) -> None:
     """Copy the child's output to the terminal in whole lines, and raw into ``copy``.
 
     hydra's ``-prepend-rank`` and Open MPI's ``--tag-output`` tag every chunk they read, so
@@ -131,7 +151,7 @@ def _pump(source: BinaryIO, terminal_fd: int, copy: BinaryIO | None) -> None:
         if pending:
             ready, _, _ = select.select([fd], [], [], _PARTIAL_LINE_S)
             if not ready:
-                _write_all(terminal_fd, pending)
+                terminal.write(pending)
                 pending = b""
                 continue
         try:
@@ -151,10 +171,10 @@ def _pump(source: BinaryIO, terminal_fd: int, copy: BinaryIO | None) -> None:
         end = max(pending.rfind(b"\n"), pending.rfind(b"\r"))
         if end >= 0:
             for line in pending[: end + 1].splitlines(keepends=True):
-                _write_all(terminal_fd, line)
+                terminal.write(line)
             pending = pending[end + 1 :]
     if pending:
-        _write_all(terminal_fd, pending)
+        terminal.write(pending)
     source.close()
 
 
@@ -191,6 +211,9 @@ class RankWrapper:
         self.rank = rank_from_environment(self.environ)
         self.child: subprocess.Popen[bytes] | None = None
         self._pending_signal: int | None = None
+        self._stdout = _Terminal(sys.stdout.fileno())
+        self._stderr = _Terminal(sys.stderr.fileno())
+        self._events_token = self.environ.get(EVENTS_VARIABLE) or None
 
     def run(self) -> int:
         """Start the child, wait for it, report a failure; return the shell-style exit code."""
@@ -228,8 +251,8 @@ class RankWrapper:
             threads = [
                 threading.Thread(target=_pump, args=(source, terminal, copy), daemon=True)
                 for source, terminal, copy in (
-                    (self.child.stdout, sys.stdout.fileno(), files[0]),
-                    (self.child.stderr, sys.stderr.fileno(), files[1]),
+                    (self.child.stdout, self._stdout, files[0]),
+                    (self.child.stderr, self._stderr, files[1]),
                 )
             ]
             for thread in threads:
@@ -265,23 +288,12 @@ class RankWrapper:
         return [(directory / "stdout").open("wb"), (directory / "stderr").open("wb")]
 
     def _mark_started(self, pid: int) -> None:
-        """Tell ``ringrun`` this rank's program runs, if it asked and can see the directory."""
-        directory = self.environ.get(STATUS_DIR_VARIABLE)
-        if not directory or self.environ.get(START_MARKERS_VARIABLE) != "1":
-            return
+        """Tell ``ringrun`` this rank's program runs, if it asked."""
         rank = 0 if self.rank is None else self.rank
-        try:
-            write_start_marker(directory, rank, socket.gethostname(), pid)
-        except OSError as error:
-            # On another host the directory usually does not exist; ringrun watches only
-            # the ranks on its own machine.
-            logger.debug("cannot write start marker into %s: %s", directory, error)
+        self._send_event(RankStarted(rank=rank, host=socket.gethostname(), pid=pid).to_event())
 
     def _report(self, pid: int, returncode: int) -> None:
-        """Leave a status file for ``ringrun``, if it asked for one and can see it."""
-        directory = self.environ.get(STATUS_DIR_VARIABLE)
-        if not directory:
-            return
+        """Tell ``ringrun`` how the program failed, if it asked."""
         status = RankStatus(
             # Without any launcher variables this is a lone process, i.e. rank 0.
             rank=0 if self.rank is None else self.rank,
@@ -291,12 +303,11 @@ class RankWrapper:
             signal_name=signal_name(-returncode) if returncode < 0 else None,
             timestamp=time.time(),
         )
-        try:
-            write_status(directory, status)
-        except OSError as error:
-            # On another host the directory usually does not exist; ringrun then falls back
-            # to the launcher's exit code.
-            logger.debug("cannot write status into %s: %s", directory, error)
+        self._send_event(status.to_event())
+
+    def _send_event(self, event: dict[str, object]) -> None:
+        if self._events_token is not None:
+            self._stderr.write_line(event_line(self._events_token, event))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,189 @@
+"""The host side of ringrun's preflight: ``python -m ringplug.run.probe``, one per host.
+
+ringrun starts one probe on every host of a job (over ssh, or directly on its own machine)
+and talks to it in JSON lines on stdin/stdout, each prefixed with :data:`LINE_PREFIX` so
+anything else a login shell prints is told apart:
+
+1. The probe listens on a TCP port on all its addresses and answers every connection with a
+   random token, then prints a ``hello``: the token and port, and the host's facts (hostname,
+   interfaces, Python, versions, files the job needs).
+2. ringrun sends ``connect`` with the addresses and ports of every other host's probe. The
+   probe tries them all at once and reports, per address, whether it connected and which
+   token answered. A token from another host than the one expected means the address is
+   not that host's (``docker0``'s ``172.17.0.1`` exists on every Docker host; connecting to
+   it reaches one's own bridge), so an address only counts when the expected host answers.
+3. End of input ends the probe.
+
+Standard library only, and nothing heavy imported: it must start fast on every host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import secrets
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ringplug.run.netinfo import local_interfaces, rdma_devices
+
+LINE_PREFIX = "ringplug-probe "
+"""Every line the probe prints for ringrun starts with this."""
+
+DISTRIBUTIONS = (
+    "ringplug",
+    "mpi4py",
+    "mpich",
+    "torch",
+    "lightning",
+    "pytorch-lightning",
+    "tensorflow",
+    "keras",
+)
+"""Installed versions reported for each host (read from metadata; nothing is imported)."""
+
+_CONNECT_TIMEOUT_S = 3.0
+MAX_PARALLEL_CONNECTS = 64
+"""How many addresses one probe tries at a time."""
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def host_facts(needed_files: Sequence[str] = (), mpi_library: bool = False) -> dict[str, Any]:
+    """What ringrun wants to know about this host, as plain values.
+
+    Args:
+        needed_files: paths the job will execute here (the launcher's proxy); each is
+            reported as present (an executable file) or not.
+        mpi_library: also ask a child interpreter which MPI library mpi4py loads (slower:
+            for ``ringrun --check``).
+    """
+    facts: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "versions": {name: _version(name) for name in DISTRIBUTIONS},
+        "interfaces": [interface.to_dict() for interface in local_interfaces()],
+        "rdma": rdma_devices(),
+        "files": {path: os.path.isfile(path) and os.access(path, os.X_OK) for path in needed_files},
+    }
+    if mpi_library:
+        # Imported here: check.py is heavier than the probe needs for a launch.
+        from ringplug.run.check import probe_mpi_library
+
+        try:
+            facts["mpi_library"] = probe_mpi_library(sys.executable, os.environ)[0]
+        except RuntimeError as error:
+            facts["mpi_library_error"] = str(error)
+    return facts
+
+
+class TokenServer:
+    """A TCP listener on every IPv4 address that answers each connection with ``token``."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_hex(16)
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind(("0.0.0.0", 0))
+        self.socket.listen(128)
+        self.port = self.socket.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.socket.accept()
+            except OSError:
+                return
+            with connection, contextlib.suppress(OSError):
+                connection.sendall(f"{self.token}\n".encode())
+
+
+def connect_once(address: str, port: int, timeout_s: float) -> dict[str, Any]:
+    """Connect to ``address:port`` and read the token that answers.
+
+    Returns ``{"ok": True, "token": ..., "source": local address used}`` or ``{"ok": False,
+    "error": reason}``, the reason being the system's words ("Connection refused", "No
+    route to host", "timed out").
+    """
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s) as connection:
+            source = connection.getsockname()[0]
+            data = b""
+            while not data.endswith(b"\n") and len(data) < 256:
+                chunk = connection.recv(256)
+                if not chunk:
+                    break
+                data += chunk
+    except TimeoutError:
+        return {"ok": False, "error": "timed out"}
+    except OSError as error:
+        return {"ok": False, "error": error.strerror or str(error)}
+    return {"ok": True, "token": data.decode(errors="replace").strip(), "source": source}
+
+
+def connect_all(targets: Sequence[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
+    """Try every target at once; each result repeats its target's ``key`` and ``address``."""
+    if not targets:
+        return []
+
+    def attempt(target: dict[str, Any]) -> dict[str, Any]:
+        result = connect_once(target["address"], int(target["port"]), timeout_s)
+        return {"key": target["key"], "address": target["address"], **result}
+
+    with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL_CONNECTS)) as pool:
+        return list(pool.map(attempt, targets))
+
+
+def _say(message: dict[str, Any]) -> None:
+    sys.stdout.write(LINE_PREFIX + json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m ringplug.run.probe``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ringplug.run.probe",
+        description="Report this host's facts and test connections for ringrun's preflight.",
+    )
+    parser.add_argument("--need", action="append", default=[], metavar="FILE",
+                        help="report whether FILE is an executable here (repeatable)")  # fmt: skip
+    parser.add_argument("--mpi-library", action="store_true",
+                        help="also report the MPI library mpi4py loads")  # fmt: skip
+    args = parser.parse_args(argv)
+    server = TokenServer()
+    _say(
+        {
+            "kind": "hello",
+            "token": server.token,
+            "port": server.port,
+            "facts": host_facts(args.need, args.mpi_library),
+        }
+    )
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+        except ValueError:
+            continue
+        if request.get("kind") == "connect":
+            timeout_s = float(request.get("timeout", _CONNECT_TIMEOUT_S))
+            _say({"kind": "connected", "results": connect_all(request["targets"], timeout_s)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
