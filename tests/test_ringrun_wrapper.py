@@ -169,3 +169,16 @@ def test_rank_directories_sort_numerically():
     names = [rank_directory_name(rank, size=12) for rank in range(12)]
     assert names == sorted(names)
     assert names[0] == "rank.00"
+
+
+def test_the_rank_that_ended_first_is_named_even_when_a_consequence_is_reported_first():
+    from ringplug.run.launcher import root_cause
+
+    killed = RankStatus(2, "node-b", 41, None, "SIGKILL", timestamp=1000.0)
+    crashed = RankStatus(0, "node-a", 40, None, "SIGSEGV", timestamp=1000.4)  # its peer died
+    late = RankStatus(1, "node-c", 42, 1, None, timestamp=990.0)  # a skewed clock, 5 s later
+    # The crash on this host is reported 0.3 s before the kill on the other host.
+    assert root_cause([crashed, killed], [10.0, 10.3]) is killed
+    # A report long after the first is a consequence, whatever its host's clock says.
+    assert root_cause([crashed, late], [10.0, 15.0]) is crashed
+    assert root_cause([], []) is None

@@ -214,6 +214,26 @@ class _Relay(threading.Thread):
             view = view[written:]
 
 
+# Reports that arrive this close together may come in either order: a rank that crashes
+# because its peer on another host was killed can be reported first.
+_SIMULTANEOUS_S = 2.0
+
+
+def root_cause(failures: list[RankStatus], arrivals: list[float]) -> RankStatus | None:
+    """The failure that most likely caused the others.
+
+    Among the reports that arrived within `_SIMULTANEOUS_S` of the first one, the rank
+    that ended first by its host's clock (hosts' clocks agree to well under that); a later
+    report is a consequence of the teardown, whatever its clock says.
+    """
+    if not failures:
+        return None
+    near = [
+        f for f, t in zip(failures, arrivals, strict=True) if t - arrivals[0] <= _SIMULTANEOUS_S
+    ]
+    return min(near, key=lambda failure: failure.timestamp)
+
+
 class _JobWatcher:
     """One launcher process, the rank events from its output, and the teardown state machine."""
 
@@ -235,6 +255,7 @@ class _JobWatcher:
         self.diagnosis = LaunchDiagnosis()
         self.diagnosis_lock = threading.Lock()
         self.failures: list[RankStatus] = []
+        self.failure_arrivals: list[float] = []  # monotonic time each report arrived
         self.started: dict[int, RankStarted] = {}
         self.stop_signal: int | None = None
         # When the start reports are due (monotonic clock); None once checked or unwatched.
@@ -302,6 +323,7 @@ class _JobWatcher:
                     self.started.setdefault(event.rank, event)
             else:
                 self.failures.append(event)
+                self.failure_arrivals.append(time.monotonic())
 
     def _supervise(self) -> int:
         """Wait for the launcher, escalating the teardown once a rank failed or on a signal."""
@@ -364,7 +386,7 @@ class _JobWatcher:
 
     def _result(self, returncode: int) -> JobResult:
         """Decide the exit code from the signal, the rank reports and the launcher's status."""
-        first = self.failures[0] if self.failures else None
+        first = root_cause(self.failures, self.failure_arrivals)
         with self.diagnosis_lock:
             host_problems = list(self.diagnosis.problems)
             start_errors = list(self.diagnosis.unnamed)

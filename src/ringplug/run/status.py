@@ -42,7 +42,7 @@ class RankStatus:
         exit_code: its exit code, or ``None`` when a signal ended it.
         signal_name: ``"SIGKILL"`` and the like when a signal ended it, else ``None``.
         timestamp: seconds since the epoch when the wrapper saw it end (by that host's
-            clock: ringrun orders failures by when their reports arrive instead).
+            clock; ringrun compares it only between reports that arrived together).
     """
 
     rank: int | None
