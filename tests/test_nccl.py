@@ -416,8 +416,10 @@ def test_ranks_join_one_communicator_with_rank_zeros_unique_id(fakes):
     rank0 = next(r for r in reports if r["rank"] == 0)
     assert f"pid={rank0['pid']}" in rank0["uid"]  # ...made by rank 0
     assert all(r["ranks"] == 2 for r in reports)
-    # The fake refuses collectives over 2 ranks: the error reaches the caller with its text.
+    # The fake refuses collectives over 2 ranks: the error reaches the caller with its text,
+    # and the communicator is aborted (the ranks may be out of step after a failed call).
     assert all("reduces over one rank only" in r["error"] for r in reports)
+    assert all("communicator was aborted" in r["error"] for r in reports)
 
 
 def test_a_peer_failure_aborts_the_communicator_and_fails_every_gpu_collective(fakes):

@@ -49,6 +49,7 @@ def main(scenario: str) -> None:
             "error": error,
         }
         print("uid:" + json.dumps(report), flush=True)
+        return  # the failed broadcast aborted the communicator and failed the engine
     ringplug.barrier()
 
 

@@ -16,11 +16,12 @@ Scale factors of Sum and Average (including Average's 1/size) are applied inside
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from .config import Settings
 from .cuda import CudaError, DeviceRuntime, default_runtime
 from .device import DeviceBuffer, nccl_type
 from .dtypes import DType
-from .errors import CommunicatorFailed
+from .errors import CommunicatorFailed, NcclError
 from .ops import ReduceOp
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,23 @@ def scalar_bytes(value: float, code: DType) -> bytes:
         code
     ]
     return np.asarray(value, storage).tobytes()
+
+
+def _fatal_on_error(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An NCCL or CUDA error inside a collective leaves the ranks out of step (some may
+    have enqueued their part): abort the communicator, so every GPU collective of this
+    process fails from now on instead of waiting for a partner that will not come."""
+
+    @functools.wraps(method)
+    def guarded(self: GpuPlane, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except CommunicatorFailed:
+            raise
+        except (NcclError, CudaError) as error:
+            self._abort(str(error))
+
+    return guarded
 
 
 class GpuPlane:
@@ -152,8 +170,8 @@ class GpuPlane:
             delay = min(delay * 2, _POLL_MAX_SECONDS)
 
     def _abort(self, message: str) -> None:
-        assert self.comm is not None
-        self.comm.abort()
+        if self.comm is not None:
+            self.comm.abort()
         self.failure = CommunicatorFailed(
             f"rank {self.rank}: {message} The NCCL communicator was aborted; GPU collectives "
             "cannot continue in this process."
@@ -191,6 +209,7 @@ class GpuPlane:
         return _NCCL_OPS[op], False
 
     # ------------------------------------------------------------------ collectives
+    @_fatal_on_error
     def allreduce(
         self,
         items: Sequence[tuple[DeviceBuffer | np.ndarray, DeviceBuffer | None, float, float]],
@@ -263,6 +282,7 @@ class GpuPlane:
                 comm.destroy_op(nccl_op)
         self._complete(f"allreduce of {len(items)} GPU tensor(s)")
 
+    @_fatal_on_error
     def broadcast(
         self, buffer: DeviceBuffer | None, count: int, code: DType, root: int, ready: Any
     ) -> DeviceBuffer:
@@ -283,6 +303,7 @@ class GpuPlane:
         self._complete("broadcast of a GPU tensor")
         return buffer
 
+    @_fatal_on_error
     def allgather(
         self,
         send: DeviceBuffer | None,
@@ -319,6 +340,7 @@ class GpuPlane:
         self._complete("allgather of a GPU tensor")
         return out
 
+    @_fatal_on_error
     def reducescatter(
         self,
         send: DeviceBuffer | np.ndarray,
