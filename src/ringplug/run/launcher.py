@@ -23,7 +23,6 @@ import contextlib
 import logging
 import os
 import queue
-import select
 import signal
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from typing import BinaryIO
 from ringplug.run.mpi import LaunchPlan
 from ringplug.run.ssh import HostProblem, LaunchDiagnosis
 from ringplug.run.status import EVENT_MARK, RankStarted, RankStatus, parse_event
-from ringplug.run.wrapper import parent_death_signal
+from ringplug.run.wrapper import parent_death_signal, pump_lines
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +46,6 @@ START_TIMEOUT_EXIT_CODE = 124
 START_FAILED_EXIT_CODE = 255
 """ringrun's exit code when ranks could not be started on a host (as ssh uses it)."""
 
-# How long a line without its newline is held back before it is passed on anyway.
-_PARTIAL_LINE_S = 0.2
 # How long the output may keep flowing after the launcher exited (a helper may hold it).
 _DRAIN_TIMEOUT_S = 5.0
 
@@ -152,7 +149,7 @@ class _Relay(threading.Thread):
     """Copies one of the launcher's output streams to one of ringrun's, taking events out.
 
     Whole lines go out at once (the launcher already tagged them with their rank); a line
-    without its end (a prompt, a progress bar) waits at most ``_PARTIAL_LINE_S`` for it.
+    without its end (a prompt, a progress bar) waits briefly for it (`pump_lines`).
     """
 
     def __init__(
@@ -171,30 +168,7 @@ class _Relay(threading.Thread):
         self.on_line = on_line
 
     def run(self) -> None:
-        fd = self.source.fileno()
-        pending = b""
-        while True:
-            if pending:
-                ready, _, _ = select.select([fd], [], [], _PARTIAL_LINE_S)
-                if not ready:
-                    self._line(pending)
-                    pending = b""
-                    continue
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
-            pending += chunk
-            end = max(pending.rfind(b"\n"), pending.rfind(b"\r"))
-            if end >= 0:
-                for line in pending[: end + 1].splitlines(keepends=True):
-                    self._line(line)
-                pending = pending[end + 1 :]
-        if pending:
-            self._line(pending)
-        self.source.close()
+        pump_lines(self.source, self._line)
 
     def _line(self, line: bytes) -> None:
         text = line.decode(errors="replace")

@@ -137,13 +137,14 @@ class _Terminal:
             self.at_line_start = True
 
 
-def _pump(source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None) -> None:
-    """Copy the child's output to the terminal in whole lines, and raw into ``copy``.
-
-    hydra's ``-prepend-rank`` and Open MPI's ``--tag-output`` tag every chunk they read, so
-    a line written in pieces (unbuffered Python prints word by word) would come out broken
-    and tagged mid-line. Complete lines go out at once; a partial line (a prompt, a progress
-    bar) waits at most ``_PARTIAL_LINE_S`` for its end.
+def pump_lines(
+    source: BinaryIO,
+    on_line: Callable[[bytes], None],
+    on_chunk: Callable[[bytes], None] | None = None,
+) -> None:
+    """Read `source` to its end, handing each complete line (ended by ``\n`` or ``\r``) to
+    `on_line` at once and a partial one (a prompt, a progress bar) after at most
+    ``_PARTIAL_LINE_S`` of quiet; every raw chunk also goes to `on_chunk`. Closes `source`.
     """
     fd = source.fileno()
     pending = b""
@@ -151,7 +152,7 @@ def _pump(source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None) -> None:
         if pending:
             ready, _, _ = select.select([fd], [], [], _PARTIAL_LINE_S)
             if not ready:
-                terminal.write(pending)
+                on_line(pending)
                 pending = b""
                 continue
         try:
@@ -160,22 +161,38 @@ def _pump(source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None) -> None:
             chunk = b""
         if not chunk:
             break
-        if copy is not None:
-            try:
-                copy.write(chunk)
-                copy.flush()
-            except (OSError, ValueError):
-                # A full disk must not stop the terminal copy.
-                copy = None
+        if on_chunk is not None:
+            on_chunk(chunk)
         pending += chunk
         end = max(pending.rfind(b"\n"), pending.rfind(b"\r"))
         if end >= 0:
             for line in pending[: end + 1].splitlines(keepends=True):
-                terminal.write(line)
+                on_line(line)
             pending = pending[end + 1 :]
     if pending:
-        terminal.write(pending)
+        on_line(pending)
     source.close()
+
+
+def _pump(source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None) -> None:
+    """Copy the child's output to the terminal in whole lines, and raw into ``copy``.
+
+    hydra's ``-prepend-rank`` and Open MPI's ``--tag-output`` tag every chunk they read, so
+    a line written in pieces (unbuffered Python prints word by word) would come out broken
+    and tagged mid-line.
+    """
+
+    def keep(chunk: bytes) -> None:
+        nonlocal copy
+        if copy is None:
+            return
+        try:
+            copy.write(chunk)
+            copy.flush()
+        except (OSError, ValueError):
+            copy = None  # a full disk must not stop the terminal copy
+
+    pump_lines(source, terminal.write, keep)
 
 
 def _write_all(fd: int, data: bytes) -> None:
