@@ -455,10 +455,7 @@ class Engine:
                 entries.extend((request, s, o) for s, o in zip(request.sends, request.outs,
                                                                  strict=True))  # fmt: skip
             else:
-                for shape in response.signature.parts or (response.signature.shape,):
-                    identity = np.full(int(np.prod(shape, dtype=np.int64)), _identity(op, code),
-                                       code.storage)  # fmt: skip
-                    entries.append((None, identity, identity))
+                entries.extend((None, part, part) for part in _joined_parts(response, op, code))
         total = sum(send.size for _, send, _ in entries)
         start = time.perf_counter()
         packed = False
@@ -536,10 +533,7 @@ class Engine:
         items: list[tuple[Any, Any, float, float]] = []
         for response, request in zip(batch, requests, strict=True):
             if request is None:  # joined: identity values from the host
-                for shape in response.signature.parts or (response.signature.shape,):
-                    count = int(np.prod(shape, dtype=np.int64))
-                    items.append((np.full(count, _identity(op, code), code.storage), None,
-                                  1.0, 1.0))  # fmt: skip
+                items.extend((part, None, 1.0, 1.0) for part in _joined_parts(response, op, code))
                 continue
             pairs = zip(request.sends, request.outs, strict=True)
             items.extend((send, out, request.prescale, request.postscale) for send, out in pairs)
@@ -811,6 +805,14 @@ def _mismatch_error(request: Request, message: str) -> BaseException:
     if "rejected their arguments" in message:
         return PeerArgumentError(message)
     return MismatchError(message)
+
+
+def _joined_parts(response: Response, op: ReduceOp, code: DType) -> list[np.ndarray]:
+    """What a joined rank contributes to an allreduce: identity values, one flat array per
+    tensor of the request."""
+    shapes = response.signature.parts or (response.signature.shape,)
+    return [np.full(int(np.prod(shape, dtype=np.int64)), _identity(op, code), code.storage)
+            for shape in shapes]  # fmt: skip
 
 
 def _identity(op: ReduceOp, code: DType) -> Any:

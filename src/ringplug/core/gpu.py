@@ -224,15 +224,12 @@ class GpuPlane:
         """
         comm, runtime, stream = self._ensure()
         self._wait_ready(ready)
-        dtype = nccl_type(code)
+        dtype, handle = nccl_type(code), runtime.stream_handle(stream)
         size_factor = 1.0 / self.size if op is ReduceOp.AVERAGE else 1.0
-        resolved = []
+        groups: dict[tuple[float, float], list[tuple[DeviceBuffer, DeviceBuffer]]] = {}
         for send, out, pre, post in items:
             if isinstance(send, np.ndarray):
                 send = out = self._identity(send, code)
-            resolved.append((send, out, pre, post))
-        groups: dict[tuple[float, float], list[tuple[DeviceBuffer, DeviceBuffer]]] = {}
-        for send, out, pre, post in resolved:
             groups.setdefault((pre, post), []).append((send, out))
         sums = op in (ReduceOp.SUM, ReduceOp.AVERAGE)
         itemsize = code.itemsize
@@ -249,7 +246,7 @@ class GpuPlane:
                     offset += out.nbytes
                 if by_hand_pre != 1.0:
                     runtime.scale(fusion, total, code, by_hand_pre, stream)
-                comm.allreduce(fusion, fusion, total, dtype, nccl_op, runtime.stream_handle(stream))
+                comm.allreduce(fusion, fusion, total, dtype, nccl_op, handle)
                 if by_hand_post != 1.0:
                     runtime.scale(fusion, total, code, by_hand_post, stream)
                 offset = 0
@@ -265,14 +262,7 @@ class GpuPlane:
                             runtime.copy(out.address, send.address, out.nbytes, stream)
                             runtime.scale(out.address, out.count, code, by_hand_pre, stream)
                             source = out.address
-                        comm.allreduce(
-                            source,
-                            out.address,
-                            out.count,
-                            dtype,
-                            nccl_op,
-                            runtime.stream_handle(stream),
-                        )
+                        comm.allreduce(source, out.address, out.count, dtype, nccl_op, handle)
                 finally:
                     comm.group_end()
                 if by_hand_post != 1.0:

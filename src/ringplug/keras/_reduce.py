@@ -98,9 +98,10 @@ def _torch(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[Any]:
     from ..torch.collectives import as_numpy, from_numpy, grouped_allreduce_async_
 
     if all(g.device.type == "cuda" for g in grads):  # NCCL, one request per dtype
-        works = [g.detach().clone() for g in grads]
-        if fp16:
-            works = [w.half() if w.dtype in (torch.float32, torch.float64) else w for w in works]
+        wide = (torch.float32, torch.float64)
+        # One copy each, the reduction's own (fp16: the cast is that copy).
+        works = [g.detach().half() if fp16 and g.dtype in wide else g.detach().clone()
+                 for g in grads]  # fmt: skip
         groups: dict[Any, list[int]] = {}
         for index, work in enumerate(works):
             groups.setdefault(work.dtype, []).append(index)
