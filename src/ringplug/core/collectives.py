@@ -32,10 +32,15 @@ _unnamed = itertools.count(1)
 _unnamed_lock = threading.Lock()
 
 
+class OneOffName(str):
+    """A request name that an adapter numbers itself (``"torch.default#12"``): matched across
+    ranks like any given name, but never cached, since it is used once."""
+
+
 def _name(name: str | None) -> tuple[str, bool]:
-    """The request's name, and whether it was given (only given names are cached)."""
+    """The request's name, and whether to cache it (given names, unless one-off)."""
     if name is not None:
-        return str(name), True
+        return str(name), not isinstance(name, OneOffName)
     with _unnamed_lock:
         return f"noname.{next(_unnamed)}", False
 
@@ -399,19 +404,14 @@ def reducescatter(
 
 
 # ---------------------------------------------------------------------- alltoall
-def alltoall(
+def alltoall_async(
     array: ArrayLike,
     splits: Sequence[int] | np.ndarray | None = None,
     *,
     name: str | None = None,
     dtype: str | DType | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Send rows `splits[i]` of `array` to rank i; return what each rank sent here.
-
-    Without `splits` the first dimension is split evenly (it must divide by the number
-    of ranks). Returns the received rows concatenated in rank order, and the number of
-    rows received from each rank.
-    """
+) -> Handle:
+    """Start an alltoall; the handle's `wait()` returns what `alltoall` returns."""
 
     def build(request_name: str) -> Request:
         source = _as_array(array)
@@ -426,7 +426,23 @@ def alltoall(
         )  # fmt: skip
 
     request_name, given = _name(name)
-    return _submit(request_name, given, build).wait()
+    return _submit(request_name, given, build)
+
+
+def alltoall(
+    array: ArrayLike,
+    splits: Sequence[int] | np.ndarray | None = None,
+    *,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Send rows `splits[i]` of `array` to rank i; return what each rank sent here.
+
+    Without `splits` the first dimension is split evenly (it must divide by the number
+    of ranks). Returns the received rows concatenated in rank order, and the number of
+    rows received from each rank.
+    """
+    return alltoall_async(array, splits, name=name, dtype=dtype).wait()
 
 
 def _alltoall_rows(first: int, splits: Sequence[int] | np.ndarray | None, size: int) -> np.ndarray:
@@ -447,10 +463,15 @@ def _alltoall_rows(first: int, splits: Sequence[int] | np.ndarray | None, size: 
 
 
 # ---------------------------------------------------------------------- the rest
+def barrier_async(name: str | None = None) -> Handle:
+    """Start a barrier; the handle is done once every rank has called it."""
+    request_name, _ = _name(name)
+    return _submit(request_name, False, lambda n: Request(n, Signature(Kind.BARRIER), Handle(n)))
+
+
 def barrier(name: str | None = None) -> None:
     """Wait until every rank has called barrier."""
-    request_name, _ = _name(name)
-    _submit(request_name, False, lambda n: Request(n, Signature(Kind.BARRIER), Handle(n))).wait()
+    barrier_async(name).wait()
 
 
 def _pickled(obj: Any) -> bytes:

@@ -70,6 +70,7 @@ _CACHE_CAPACITY = 4096
 # One signal for every handle of the process: the engine notifies it once per cycle
 # instead of waking one event per tensor.
 _completed = threading.Condition()
+_callbacks_lock = threading.Lock()
 
 
 class Handle:
@@ -79,13 +80,14 @@ class Handle:
     involved.
     """
 
-    __slots__ = ("name", "_done", "_result", "_error")
+    __slots__ = ("name", "_done", "_result", "_error", "_callbacks")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Handle], None]] | None = None
 
     def done(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks."""
@@ -105,10 +107,29 @@ class Handle:
 
     synchronize = wait
 
+    def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
+        """Call `callback(handle)` once the collective has finished (at once if it has).
+
+        Callbacks run on the engine thread: they must be quick and must not wait for
+        another collective (hand the work to a thread of your own).
+        """
+        with _callbacks_lock:
+            if not self._done:
+                self._callbacks = [*(self._callbacks or ()), callback]
+                return
+        callback(self)
+
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         """Record the outcome; waiters wake at the engine's next `_wake_waiters()`."""
         self._result, self._error = result, error
-        self._done = True
+        with _callbacks_lock:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 - one caller's callback must not stop the engine
+                logger.exception("a callback of collective %r failed", self.name)
 
 
 def _wake_waiters() -> None:

@@ -1,6 +1,7 @@
 """ringplug for PyTorch: collectives on tensors and starting every rank from the same state.
 
-``import ringplug.torch`` imports torch; ``import ringplug`` alone never does.
+``import ringplug.torch`` imports torch and registers the ``ringplug`` backend of
+torch.distributed (`ringplug.torch.backend`); ``import ringplug`` alone never does.
 
 Example:
     >>> import torch, ringplug, ringplug.torch as rpt  # doctest: +SKIP
@@ -22,6 +23,7 @@ from ..core import (
     shutdown,
     size,
 )
+from . import backend as _backend
 from .collectives import (
     TensorHandle,
     allgather,
@@ -47,6 +49,8 @@ from .state import (
     broadcast_parameters,
 )
 from .sync_batchnorm import SyncBatchNorm
+
+_backend.register()  # torch.distributed.init_process_group("ringplug")
 
 __all__ = [
     "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",

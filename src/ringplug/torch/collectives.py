@@ -340,22 +340,49 @@ def allgather(tensor: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
     return _allgather(tensor, name)
 
 
-def reducescatter(tensor: torch.Tensor, op: ReduceOp | str = Average, *,
-                  name: str | None = None) -> torch.Tensor:  # fmt: skip
-    """This rank's block of rows of the reduction of `tensor` over every rank."""
+def reducescatter_async(tensor: torch.Tensor, op: ReduceOp | str = Average, *,
+                        name: str | None = None) -> TensorHandle:  # fmt: skip
+    """Start a reducescatter; `wait()` returns this rank's block of rows of the reduction."""
     _check(tensor, "reducescatter", name)
     work = tensor.detach().contiguous()
     if work.is_cuda:
         if work.dim() == 0:
             core.reject(ValueError("reducescatter needs a tensor with at least one dimension."),
                         name)  # fmt: skip
-        block = device.reducescatter_async(device_buffer(work), tuple(work.shape), op, name=name,
-                                           ready=_ready(work)).wait()  # fmt: skip
         row_elems = max(1, int(np.prod(work.shape[1:], dtype=np.int64)))
-        return tensor_from_buffer(block, (block.count // row_elems, *work.shape[1:]),
-                                  tensor.dtype)  # fmt: skip
+
+        def finish(block: DeviceBuffer) -> torch.Tensor:
+            return tensor_from_buffer(block, (block.count // row_elems, *work.shape[1:]),
+                                      tensor.dtype)  # fmt: skip
+
+        handle = device.reducescatter_async(device_buffer(work), tuple(work.shape), op, name=name,
+                                            ready=_ready(work))  # fmt: skip
+        return TensorHandle(handle, finish)
     array, dtype = as_numpy(work)
-    return from_numpy(core.reducescatter(array, op, name=name, dtype=dtype), tensor)
+    handle = core.reducescatter_async(array, op, name=name, dtype=dtype)
+    return TensorHandle(handle, lambda block: from_numpy(block, tensor))
+
+
+def reducescatter(tensor: torch.Tensor, op: ReduceOp | str = Average, *,
+                  name: str | None = None) -> torch.Tensor:  # fmt: skip
+    """This rank's block of rows of the reduction of `tensor` over every rank."""
+    return reducescatter_async(tensor, op, name=name).wait()
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, *,
+                   name: str | None = None) -> TensorHandle:  # fmt: skip
+    """Start an alltoall; `wait()` returns the rows received and their counts per rank."""
+    _check(tensor, "alltoall", name)
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    host = tensor.detach().cpu() if tensor.is_cuda else tensor.detach()
+    array, dtype = as_numpy(host.contiguous())
+
+    def finish(result: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        received, counts = result
+        return from_numpy(received, tensor).to(tensor.device), torch.from_numpy(counts)
+
+    return TensorHandle(core.alltoall_async(array, splits, name=name, dtype=dtype), finish)
 
 
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, *,
@@ -364,12 +391,4 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
 
     CUDA tensors travel through host memory (NCCL has no alltoall with per-rank splits).
     """
-    _check(tensor, "alltoall", name)
-    if tensor.is_cuda:
-        received, counts = alltoall(tensor.cpu(), splits, name=name)
-        return received.to(tensor.device), counts
-    if isinstance(splits, torch.Tensor):
-        splits = splits.tolist()
-    array, dtype = as_numpy(tensor.detach().contiguous())
-    received, counts = core.alltoall(array, splits, name=name, dtype=dtype)
-    return from_numpy(received, tensor), torch.from_numpy(counts)
+    return alltoall_async(tensor, splits, name=name).wait()

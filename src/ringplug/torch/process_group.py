@@ -1,8 +1,8 @@
-"""A torch.distributed (gloo) group over the same ranks, for code that needs one.
+"""torch.distributed's rendezvous over ringplug's MPI world: a store, and gloo/NCCL groups.
 
-torchmetrics' metric sync, SyncBatchNorm and parts of Lightning call torch.distributed
-directly. Gradients keep going through ringplug's engine; this group only serves them.
-Its rendezvous address travels over MPI, so no MASTER_ADDR/MASTER_PORT is needed.
+``ringplug.torch.backend`` uses the store for ``init_process_group("ringplug")`` under an MPI
+launcher (no MASTER_ADDR/MASTER_PORT needed); ``ringplug-bench`` starts gloo and NCCL groups
+with it to compare against. The store's address travels over MPI.
 
 Across hosts, rank 0's address comes from ``GLOO_SOCKET_IFNAME`` (torch's own variable for
 gloo's interfaces, which ``ringrun`` sets per host to the interfaces it found routing between
@@ -12,7 +12,7 @@ the hosts), else from rank 0's hostname; a hostname that resolves to a loopback 
 
 from __future__ import annotations
 
-import contextlib
+import datetime
 import os
 import socket
 
@@ -24,24 +24,32 @@ from ..core.errors import RingplugError
 from ..run.netinfo import local_interfaces
 
 
+def mpi_store(timeout: datetime.timedelta) -> tuple[dist.Store, int, int]:
+    """A TCPStore served by rank 0 at an address every rank learns over MPI, with this
+    process's rank and the world size (what torch's rendezvous handlers yield)."""
+    runtime.init()
+    address = None
+    server = None
+    if runtime.rank() == 0:
+        one_host = runtime.local_size() == runtime.size()
+        host = "127.0.0.1" if one_host else rendezvous_address()
+        server = dist.TCPStore(host, 0, runtime.size(), True, timeout, wait_for_workers=False)
+        address = (host, server.port)
+    host, port = core.broadcast_object(address, 0, name="ringplug.store-address")
+    store = server or dist.TCPStore(host, port, runtime.size(), False, timeout)
+    return store, runtime.rank(), runtime.size()
+
+
 def init_gloo_group(backend: str = "gloo") -> bool:
     """Start the default torch.distributed group over ringplug's ranks, unless one exists.
 
-    `backend` is gloo (the default) or nccl (benchmarks compare against it on GPUs).
+    `backend` is gloo (the default) or nccl (benchmarks compare against them).
     Returns whether this call created it (and so should destroy it).
     """
     if not dist.is_available() or dist.is_initialized():
         return False
-    address = None
-    if runtime.rank() == 0:
-        one_host = runtime.local_size() == runtime.size()
-        host = "127.0.0.1" if one_host else rendezvous_address()
-        with contextlib.closing(socket.socket()) as probe:
-            probe.bind((host, 0))
-            address = f"tcp://{host}:{probe.getsockname()[1]}"
-    address = core.broadcast_object(address, 0, name="ringplug.gloo-address")
-    dist.init_process_group(backend, init_method=address, rank=runtime.rank(),
-                            world_size=runtime.size())  # fmt: skip
+    store, rank, size = mpi_store(datetime.timedelta(minutes=30))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
     return True
 
 

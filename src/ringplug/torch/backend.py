@@ -1,0 +1,510 @@
+"""The ``ringplug`` backend of torch.distributed: every torch collective through ringplug's engine.
+
+``import ringplug.torch`` registers it. Under ``ringrun`` (or any MPI launcher) a plain torch
+program then needs no ``MASTER_ADDR``, port or store::
+
+    import torch.distributed as dist
+    import ringplug.torch  # registers the backend
+
+    dist.init_process_group("ringplug")
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+Each call becomes one request of ringplug's engine (or, for the calls the core has no kind
+for, a short sequence of them), so it gets what every ringplug collective gets: the ranks
+agree on what they run before running it, a call that differs between ranks fails on every
+rank with `MismatchError` naming what each rank passed, the stall inspector and
+``RINGPLUG_TIMEOUT`` watch it, and the timeline shows it. CPU tensors take the MPI ring,
+CUDA tensors NCCL. Requests are named ``torch.<group>#<n>`` (the n-th call on that group),
+so the calls of one group are matched in the order each rank makes them, as torch requires.
+
+What the core cannot do raises on the calling rank with the call's name: point-to-point
+``send``/``recv``, the bitwise ops ``BAND``/``BOR``/``BXOR``, ``PREMUL_SUM``, and groups
+over some of the ranks (``new_group(ranks=[...])``). torch's per-call ``timeout`` is not
+used: ``RINGPLUG_TIMEOUT`` bounds every wait.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import importlib
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core import collectives as core
+from ..core import runtime
+from ..core.collectives import OneOffName
+from ..core.ops import ReduceOp
+from . import collectives as rt
+
+BACKEND = "ringplug"
+
+_TYPES = dist.ReduceOp.RedOpType
+_OPS = {
+    _TYPES.SUM: ReduceOp.SUM,
+    _TYPES.AVG: ReduceOp.AVERAGE,
+    _TYPES.PRODUCT: ReduceOp.PRODUCT,
+    _TYPES.MIN: ReduceOp.MIN,
+    _TYPES.MAX: ReduceOp.MAX,
+}
+
+# Futures are completed on a thread of their own: their callbacks (DDP communication hooks,
+# user code) may be slow or start other collectives, which must not happen on the engine's.
+_completions: concurrent.futures.ThreadPoolExecutor | None = None
+_completions_lock = threading.Lock()
+
+
+def _completion_thread() -> concurrent.futures.ThreadPoolExecutor:
+    global _completions
+    with _completions_lock:
+        if _completions is None:
+            _completions = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="ringplug-torch-futures"
+            )
+        return _completions
+
+
+class RingWork(dist._Work):
+    """A torch.distributed collective running in ringplug's engine.
+
+    ``wait()`` blocks until it has finished and the outputs are written (it raises the
+    collective's error, the same on every rank); ``is_completed()`` never blocks;
+    ``get_future()`` gives a `torch.futures.Future` whose value is the list of output
+    tensors, completed without anyone calling ``wait()`` (DDP's reducer relies on that).
+    """
+
+    def __init__(self, parts: Sequence[rt.TensorHandle], outputs: list[torch.Tensor],
+                 finish: Callable[[list[Any]], None] | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self._parts = list(parts)
+        self._outputs = outputs
+        self._finish_outputs = finish
+        self._lock = threading.Lock()
+        self._finished = False
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
+
+    def _handles(self) -> list[Any]:
+        return [part._handle for part in self._parts]
+
+    def _settle(self) -> None:
+        """Write the outputs once, on whichever thread gets here first after the engine."""
+        with self._lock:
+            if self._finished:
+                return
+            try:
+                results = [part.wait() for part in self._parts]
+                if self._finish_outputs is not None:
+                    self._finish_outputs(results)
+            except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+                self._error = exc
+            self._finished = True
+
+    def is_completed(self) -> bool:
+        if not self._finished and all(handle.done() for handle in self._handles()):
+            self._settle()
+        return self._finished
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> Any:
+        return self._error if self.is_completed() else None
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._settle()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    synchronize = wait
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            devices = sorted({str(t.device) for t in self._outputs if t.is_cuda})
+            self._future = torch.futures.Future(devices=devices or None)
+        handles = self._handles()
+        remaining = [len(handles)]
+        counter = threading.Lock()
+
+        def one_done(_: Any) -> None:
+            with counter:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                _completion_thread().submit(self._complete_future)
+
+        if not handles:
+            self._complete_future()
+        for handle in handles:
+            handle.add_done_callback(one_done)
+        return self._future
+
+    def _complete_future(self) -> None:
+        self._settle()
+        future = self._future
+        assert future is not None
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self._outputs)
+
+
+class RingProcessGroup(dist.ProcessGroup):
+    """torch.distributed's process group over ringplug's ranks (every rank of the job)."""
+
+    def __init__(self, rank: int, size: int, tag: str = "default") -> None:
+        super().__init__(rank, size)
+        self._tag = tag
+        self._calls = itertools.count(1)
+
+    def name(self) -> str:
+        return BACKEND
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND
+
+    # ------------------------------------------------------------------ helpers
+    def _name(self) -> OneOffName:
+        return OneOffName(f"torch.{self._tag}#{next(self._calls)}")
+
+    def _refuse(self, call: str, why: str) -> RingWork:
+        raise NotImplementedError(f"torch.distributed.{call} on the ringplug backend: {why}")
+
+    def _op(self, call: str, opts: Any, name: str) -> ReduceOp:
+        kind = opts.reduceOp.op
+        op = _OPS.get(kind)
+        if op is None:
+            supported = "SUM, AVG, PRODUCT, MIN, MAX"
+            core.reject(NotImplementedError(
+                f"torch.distributed.{call} on the ringplug backend: ReduceOp "
+                f"{kind.name} is not supported (ringplug reduces with "
+                f"{supported})."
+            ), name)  # fmt: skip
+        return op
+
+    # ------------------------------------------------------------------ reductions
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
+        opts = opts or dist.AllreduceOptions()
+        return self._allreduce("all_reduce", tensors, opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
+        opts = opts or dist.AllreduceCoalescedOptions()
+        return self._allreduce("all_reduce_coalesced", tensors, opts)
+
+    def _allreduce(self, call: str, tensors: list[torch.Tensor], opts: Any) -> RingWork:
+        name = self._name()
+        op = self._op(call, opts, name)
+        parts = []
+        # One request per dtype and device: the engine reduces each as one fused pass.
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for tensor in tensors:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        for index, group in enumerate(groups.values()):
+            part_name = name if index == 0 else OneOffName(f"{name}.{index}")
+            parts.append(rt.grouped_allreduce_async_(group, op, name=part_name))
+        return RingWork(parts, list(tensors))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
+        opts = opts or dist.ReduceOptions()
+        name = self._name()
+        op = self._op("reduce", opts, name)
+        tensor = tensors[opts.rootTensor]
+        # The core has no rooted reduction: every rank gets the result, the root keeps it.
+        handle = rt.allreduce_async(tensor, op, name=name)
+
+        def finish(results: list[Any]) -> None:
+            if self.rank() == opts.rootRank:
+                with torch.no_grad():
+                    tensor.copy_(results[0])
+
+        return RingWork([handle], [tensor], finish)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                       opts: Any = None) -> RingWork:  # fmt: skip
+        opts = opts or dist.ReduceScatterOptions()
+        name = self._name()
+        op = self._op("reduce_scatter", opts, name)
+        output, pieces = outputs[0], inputs[0]
+        _check_count("reduce_scatter", pieces, self.size(), name)
+        stacked = torch.stack([piece.reshape(-1) for piece in pieces])
+        return self._reduce_scatter_into(output, stacked, op, name)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: Any = None) -> RingWork:  # fmt: skip
+        opts = opts or dist.ReduceScatterOptions()
+        name = self._name()
+        op = self._op("reduce_scatter_tensor", opts, name)
+        if input.numel() != output.numel() * self.size():
+            core.reject(ValueError(
+                f"torch.distributed.reduce_scatter_tensor: the input has {input.numel()} "
+                f"elements, but {self.size()} ranks x the output's {output.numel()} are needed."
+            ), name)  # fmt: skip
+        return self._reduce_scatter_into(output, input.reshape(self.size(), -1), op, name)
+
+    def _reduce_scatter_into(self, output: torch.Tensor, rows: torch.Tensor, op: ReduceOp,
+                             name: str) -> RingWork:  # fmt: skip
+        handle = rt.reducescatter_async(rows, op, name=name)
+        return RingWork([handle], [output], lambda results: _copy(output, results[0]))
+
+    # ------------------------------------------------------------------ broadcast
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
+        opts = opts or dist.BroadcastOptions()
+        name = self._name()
+        parts = [rt.broadcast_async_(tensors[0], opts.rootRank, name=name)]
+        for index, tensor in enumerate(tensors[1:], 1):
+            parts.append(rt.broadcast_async_(tensor, opts.rootRank,
+                                             name=OneOffName(f"{name}.{index}")))  # fmt: skip
+        return RingWork(parts, list(tensors))
+
+    # ------------------------------------------------------------------ gathers
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> RingWork:  # fmt: skip
+        name = self._name()
+        slots = outputs[0]
+        _check_count("all_gather", slots, self.size(), name)
+        return self._gather_into(slots, inputs[0], name)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
+                        opts: Any = None) -> RingWork:  # fmt: skip
+        name = self._name()
+        if output.numel() != input.numel() * self.size():
+            core.reject(ValueError(
+                f"torch.distributed.all_gather_into_tensor: the output has {output.numel()} "
+                f"elements, but {self.size()} ranks x the input's {input.numel()} are needed."
+            ), name)  # fmt: skip
+        handle = rt.allgather_async(input.reshape(-1), name=name)
+        return RingWork([handle], [output], lambda results: _copy(output, results[0]))
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor],
+                                        opts: Any = None) -> RingWork:  # fmt: skip
+        works = [self._allgather_base(out, inp) for out, inp in zip(outputs, inputs, strict=True)]
+        return RingWork([p for w in works for p in w._parts], list(outputs),
+                        lambda _: [w.wait() for w in works])  # fmt: skip
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> RingWork:  # fmt: skip
+        works = [self.allgather([out], [inp]) for out, inp in zip(outputs, inputs, strict=True)]
+        return RingWork([p for w in works for p in w._parts], [t for o in outputs for t in o],
+                        lambda _: [w.wait() for w in works])  # fmt: skip
+
+    def _gather_into(self, slots: list[torch.Tensor], tensor: torch.Tensor,
+                     name: str) -> RingWork:  # fmt: skip
+        # Flattened, so ranks may send different numbers of elements (as NCCL allows).
+        handle = rt.allgather_async(tensor.reshape(-1), name=name)
+
+        def finish(results: list[Any]) -> None:
+            gathered = results[0]
+            sizes = [slot.numel() for slot in slots]
+            if sum(sizes) != gathered.numel():
+                raise ValueError(
+                    f"torch.distributed.all_gather: the ranks sent {gathered.numel()} elements "
+                    f"in all, but this rank's output tensors hold {sum(sizes)}; give every "
+                    "rank output tensors of the sizes the ranks send."
+                )
+            for slot, piece in zip(slots, gathered.split(sizes), strict=True):
+                _copy(slot, piece)
+
+        return RingWork([handle], list(slots), finish)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any = None) -> RingWork:  # fmt: skip
+        opts = opts or dist.GatherOptions()
+        name = self._name()
+        if self.rank() == opts.rootRank:
+            _check_count("gather", outputs[0], self.size(), name)
+            return self._gather_into(outputs[0], inputs[0], name)
+        # The core gathers to every rank; only the root keeps the result.
+        handle = rt.allgather_async(inputs[0].reshape(-1), name=name)
+        return RingWork([handle], [])
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                opts: Any = None) -> RingWork:  # fmt: skip
+        opts = opts or dist.ScatterOptions()
+        name = self._name()
+        output = outputs[0]
+        if self.rank() == opts.rootRank:
+            pieces = inputs[0]
+            _check_count("scatter", pieces, self.size(), name)
+            rows = torch.stack([piece.reshape(-1) for piece in pieces])
+            splits = [1] * self.size()
+        else:
+            rows = output.new_empty((0, output.numel()))
+            splits = [0] * self.size()
+        handle = rt.alltoall_async(rows, splits, name=name)
+        return RingWork([handle], [output], lambda results: _copy(output, results[0][0]))
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: list[int], input_split_sizes: list[int],
+                      opts: Any = None) -> RingWork:  # fmt: skip
+        name = self._name()
+        splits = list(input_split_sizes) or None
+        handle = rt.alltoall_async(input, splits, name=name)
+
+        def finish(results: list[Any]) -> None:
+            received, counts = results[0]
+            expected = list(output_split_sizes)
+            if expected and counts.tolist() != expected:
+                raise ValueError(
+                    f"torch.distributed.all_to_all_single: rank {self.rank()} expected "
+                    f"{expected} rows from the ranks but received {counts.tolist()}."
+                )
+            _copy(output, received)
+
+        return RingWork([handle], [output], finish)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> RingWork:  # fmt: skip
+        name = self._name()
+        _check_count("all_to_all", inputs, self.size(), name)
+        _check_count("all_to_all", outputs, self.size(), name)
+        if len({t.dtype for t in inputs}) > 1:
+            core.reject(TypeError("torch.distributed.all_to_all on the ringplug backend needs "
+                                  "input tensors of one dtype."), name)  # fmt: skip
+        flat = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0)
+        handle = rt.alltoall_async(flat, [t.numel() for t in inputs], name=name)
+
+        def finish(results: list[Any]) -> None:
+            received, _ = results[0]
+            sizes = [t.numel() for t in outputs]
+            if sum(sizes) != received.numel():
+                raise ValueError(
+                    f"torch.distributed.all_to_all: rank {self.rank()} received "
+                    f"{received.numel()} elements but its output tensors hold {sum(sizes)}."
+                )
+            for slot, piece in zip(outputs, received.split(sizes), strict=True):
+                _copy(slot, piece)
+
+        return RingWork([handle], list(outputs), finish)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor],
+                                        opts: Any = None) -> RingWork:  # fmt: skip
+        works = [self._reduce_scatter_base(out, inp, opts)
+                 for out, inp in zip(outputs, inputs, strict=True)]  # fmt: skip
+        return RingWork([p for w in works for p in w._parts], list(outputs),
+                        lambda _: [w.wait() for w in works])  # fmt: skip
+
+    # torch 2.13's Python API calls these names; C++ callers use the older ones.
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    all_to_all_single = alltoall_base
+
+    # ------------------------------------------------------------------ the rest
+    def barrier(self, opts: Any = None) -> RingWork:
+        handle = core.barrier_async(self._name())
+        return RingWork([rt.TensorHandle(handle, lambda _: None)], [])
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> RingWork:
+        return self._refuse("send", _NO_P2P)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> RingWork:
+        return self._refuse("recv", _NO_P2P)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> RingWork:
+        return self._refuse("recv", _NO_P2P)
+
+
+_NO_P2P = (
+    "point-to-point messages are not supported (ringplug runs collectives that every rank "
+    "takes part in). Use a collective (broadcast, all_to_all_single) or a gloo group for "
+    "send/recv: dist.new_group(backend='gloo')."
+)
+
+
+def _check_count(call: str, tensors: Sequence[torch.Tensor], size: int, name: str) -> None:
+    if len(tensors) != size:
+        core.reject(ValueError(
+            f"torch.distributed.{call}: {len(tensors)} tensors given, but the group has "
+            f"{size} ranks; pass one tensor per rank."
+        ), name)  # fmt: skip
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    with torch.no_grad():
+        target.copy_(source.reshape(target.shape))
+
+
+# ---------------------------------------------------------------------- registration
+def _create(store: Any, rank: int, size: int, timeout: Any) -> RingProcessGroup:
+    """torch's constructor hook: a group over every rank of ringplug's world."""
+    runtime.init()
+    world, me = runtime.size(), runtime.rank()
+    if size != world:
+        raise NotImplementedError(
+            f"The ringplug backend runs over every rank of the job ({world}), not a group of "
+            f"{size}: dist.new_group(ranks=[...]) over some ranks is not supported. Use the "
+            "default group, or create the subgroup with backend='gloo'."
+        )
+    if rank != me:
+        raise ValueError(
+            f"torch.distributed gave this process rank {rank}, but the MPI launcher made it "
+            f"rank {me}. Leave rank and world_size out of init_process_group under ringrun "
+            "(ringplug takes them from MPI), or make them agree."
+        )
+    return RingProcessGroup(rank, size, _group_tag())
+
+
+_groups = itertools.count()
+
+
+def _group_tag() -> str:
+    index = next(_groups)
+    return "default" if index == 0 else f"group{index}"
+
+
+def _mpi_env_rendezvous(original: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    """torch's ``env://`` rendezvous, which under an MPI launcher with no ``MASTER_ADDR``
+    takes rank and world size from MPI and starts the store over it (torch's own would stop
+    with "environment variable MASTER_ADDR expected")."""
+
+    def handler(url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+                **kwargs: Any) -> Iterator[Any]:  # fmt: skip
+        if os.environ.get("MASTER_ADDR") or runtime.launcher_world_size() is None:
+            yield from original(url, timeout=timeout, **kwargs)
+            return
+        from .process_group import mpi_store
+
+        yield mpi_store(timeout)
+        raise RuntimeError("the ringplug rendezvous cannot be repeated")
+
+    handler._ringplug = True  # type: ignore[attr-defined]
+    return handler
+
+
+def register() -> None:
+    """Make ``init_process_group("ringplug")`` available (idempotent)."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+    # The module, not torch.distributed.rendezvous (a function of the same name).
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    if not getattr(handlers.get("env"), "_ringplug", False):
+        handlers["env"] = _mpi_env_rendezvous(handlers["env"])
+
+
+def init_process_group() -> bool:
+    """Start torch.distributed's default group on the ringplug backend, unless one exists.
+
+    Returns whether this call created it (and so should destroy it).
+    """
+    if dist.is_initialized():
+        return False
+    runtime.init()
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=runtime.rank(),
+                            world_size=runtime.size())  # fmt: skip
+    return True
