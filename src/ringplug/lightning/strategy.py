@@ -2,29 +2,36 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Generator
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.utils.data import DataLoader
 
 from .. import core
 from ..core.ops import ReduceOp
 from ..core.runtime import launcher_world_size, threads_per_rank
 from ..torch import allgather, allreduce, broadcast_parameters
+from ..torch import backend as torch_backend
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
-from ..torch.process_group import destroy_gloo_group, init_gloo_group
 from ..torch.state import broadcast_buffers
 from ..torch.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
 from .environment import RingEnvironment
 from .launcher import RingLauncher
+from .uneven import AgreedLoader, SigtermFlag, Uneven, check_mode
 
 _OPS = {"mean": "average", "avg": "average", "average": "average", "sum": "sum", "max": "max",
         "min": "min", "product": "product"}  # fmt: skip
@@ -65,6 +72,14 @@ class RingStrategy(ParallelStrategy):
             running statistics) are copied to every rank, and again before evaluating or
             handing the model back after training, so every rank evaluates and saves the
             same model. Defaults to True.
+        uneven: what to do when the ranks have different numbers of training batches
+            (see `ringplug.lightning.uneven`): ``"drop"`` ends the epoch on every rank when
+            the first runs out (rank 0 warns with the counts), ``"join"`` goes on until the
+            last runs out, ranks without data contributing zero gradients (the average
+            still divides by the number of ranks), ``"error"`` raises on every rank.
+            Defaults to ``"drop"``. Evaluation is never padded: validation and test
+            samplers give each sample to exactly one rank, so epoch metrics logged with
+            ``sync_dist=True`` count every sample once.
 
     Example:
         >>> trainer = Trainer(strategy=RingStrategy(), accelerator="cpu")  # doctest: +SKIP
@@ -84,6 +99,7 @@ class RingStrategy(ParallelStrategy):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeline: str | None = None,
         broadcast_buffers: bool = True,
+        uneven: Uneven = "drop",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -97,7 +113,12 @@ class RingStrategy(ParallelStrategy):
         self.bucket_bytes = bucket_bytes
         self.timeline = timeline
         self.broadcast_buffers = broadcast_buffers
+        self.uneven = check_mode(uneven)
         self._buffers_changed = False
+        self._phantoms: collections.deque[bool] = collections.deque()
+        self._phantom_step = False
+        self._sigterm: SigtermFlag | None = None
+        self._next_loader_stage: RunningStage | None = None
 
     @property
     def _layer_sync(self) -> LayerSync | None:
@@ -173,13 +194,19 @@ class RingStrategy(ParallelStrategy):
         _split_threads()
         if self.timeline:
             core.start_timeline(self.timeline)
-        # For torchmetrics, SyncBatchNorm and Lightning's own torch.distributed calls.
-        self._owns_process_group = init_gloo_group()
+        # torchmetrics, SyncBatchNorm, Lightning's own torch.distributed calls and user code
+        # reach the engine through the ringplug backend: one core for every collective.
+        self._owns_process_group = torch_backend.init_process_group()
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
-        _leave_sharded_loaders_alone(trainer)
+        _prepare_loaders_for_ring(trainer, self)
+        self._sigterm = SigtermFlag(trainer)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            # The batch agreement already carries every rank's flag (see uneven.py).
+            epoch_loop._broadcast_sigterm_tensor = self._raise_if_sigterm
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
@@ -219,24 +246,45 @@ class RingStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer._ringplug_blocked = False
 
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training dataloader gets the per-batch agreement of the ranks (`AgreedLoader`)."""
+        stage, self._next_loader_stage = self._next_loader_stage, None
+        if stage is not RunningStage.TRAINING or core.size() == 1:
+            return dataloader
+        assert self._sigterm is not None
+        return AgreedLoader(dataloader, self.uneven, self._phantoms, self._sigterm)
+
+    def _raise_if_sigterm(self) -> None:
+        """Lightning's per-batch SIGTERM check, answered by the last batch agreement: every
+        rank stops at the same batch when any rank received SIGTERM."""
+        if self._sigterm is not None and self._sigterm.seen:
+            raise SIGTERMException()
+
     # ------------------------------------------------------------------ steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # A repeated batch of a rank out of data (uneven="join") counts zero (see backward).
+        self._phantom_step = bool(self._phantoms.popleft()) if self._phantoms else False
         self._sync_buffers(force=True)
         output = super().training_step(*args, **kwargs)
         self._buffers_changed = True  # this rank's batch moved its running statistics
         return output
 
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._sync_buffers()
-        return super().validation_step(*args, **kwargs)
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._phantom_step:
+            closure_loss = closure_loss * 0.0  # zero gradients, same collectives as the others
+        return super().backward(closure_loss, *args, **kwargs)
 
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+    # Evaluation starts from rank 0's buffers (once per loop: ranks may run different numbers
+    # of evaluation batches, so nothing is sent per batch).
+    def on_validation_start(self) -> None:
         self._sync_buffers()
-        return super().test_step(*args, **kwargs)
 
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+    def on_test_start(self) -> None:
         self._sync_buffers()
-        return super().predict_step(*args, **kwargs)
+
+    def on_predict_start(self) -> None:
+        self._sync_buffers()
 
     def _sync_buffers(self, force: bool = False) -> None:
         """Rank 0's buffers to every rank (one broadcast per dtype), when they may differ."""
@@ -294,8 +342,8 @@ class RingStrategy(ParallelStrategy):
                 optimizer.detach_hooks()  # a later fit of the same model starts afresh
         if self.timeline:
             core.stop_timeline()
-        if getattr(self, "_owns_process_group", False) and not getattr(self, "_failed", False):
-            destroy_gloo_group()  # a barrier: every rank together
+        if getattr(self, "_owns_process_group", False):
+            dist.destroy_process_group()  # local: the group holds no threads or sockets
             self._owns_process_group = False
         super().teardown()
 
@@ -307,23 +355,41 @@ class RingStrategy(ParallelStrategy):
         )  # fmt: skip
 
 
-def _leave_sharded_loaders_alone(trainer: Any) -> None:
-    """Lightning replaces a DataLoader's sampler with a DistributedSampler and rebuilds
-    custom batch samplers (raising for those made outside a ``*_dataloader`` hook). A batch
-    sampler that already shards by rank (``shards_by_rank``, as ringplug's
-    DistributedBucketSampler) needs neither: its DataLoader is kept as it is."""
-    connector = trainer._data_connector
-    if getattr(connector, "_ringplug_leaves_sharded", False):
-        return
-    prepare = connector._prepare_dataloader
+def _prepare_loaders_for_ring(trainer: Any, strategy: RingStrategy) -> None:
+    """Adjust how Lightning prepares dataloaders for RingStrategy:
 
-    def prepare_unless_sharded(dataloader: Any, shuffle: bool, mode: Any) -> Any:
+    - A batch sampler that already shards by rank (``shards_by_rank``, as ringplug's
+      DistributedBucketSampler) keeps its DataLoader as it is (Lightning would replace the
+      sampler, and raise for custom batch samplers made outside a ``*_dataloader`` hook).
+    - Validation and test get a sampler that gives each sample to exactly one rank
+      (Lightning's DistributedSampler pads the ranks with repeated samples), so that
+      metrics synced at the epoch's end count every sample once.
+    - The strategy learns which stage the next `process_dataloader` call is for.
+    """
+    connector = trainer._data_connector
+    if getattr(connector, "_ringplug_strategy", None) is strategy:
+        return
+    prepare = getattr(connector, "_ringplug_original_prepare", connector._prepare_dataloader)
+
+    def prepare_for_ring(dataloader: Any, shuffle: bool, mode: Any) -> Any:
+        strategy._next_loader_stage = mode
         if getattr(getattr(dataloader, "batch_sampler", None), "shards_by_rank", False):
             return dataloader
+        evaluating = mode in (RunningStage.VALIDATING, RunningStage.TESTING)
+        if (
+            evaluating
+            and isinstance(dataloader, DataLoader)
+            and (connector._requires_distributed_sampler(dataloader))
+        ):
+            sampler = UnrepeatedDistributedSamplerWrapper(
+                dataloader.sampler, shuffle=False, **trainer.distributed_sampler_kwargs
+            )
+            return _update_dataloader(dataloader, sampler, mode=mode)
         return prepare(dataloader, shuffle=shuffle, mode=mode)
 
-    connector._prepare_dataloader = prepare_unless_sharded
-    connector._ringplug_leaves_sharded = True
+    connector._ringplug_original_prepare = prepare
+    connector._prepare_dataloader = prepare_for_ring
+    connector._ringplug_strategy = strategy
 
 
 def _split_threads() -> None:

@@ -1,0 +1,215 @@
+"""Training data whose ranks end each epoch together, whatever each rank's number of batches.
+
+When ranks have different numbers of training batches (an ``IterableDataset``, per-rank files
+with ``use_distributed_sampler=False``), a rank out of data would leave its epoch while the
+others still wait for its gradients, then send the next epoch's: the job hangs, or mixes
+epochs. `AgreedLoader` wraps the training dataloader so that before each batch the ranks
+agree, in one small collective, whether every rank has one; what happens when some rank
+has none is `RingStrategy`'s ``uneven`` argument:
+
+- ``"drop"`` (default): every rank ends the epoch there; the ranks with batches left drop
+  them, and rank 0 warns once per epoch with the counts.
+- ``"join"``: the epoch goes on until the last rank runs out. A rank out of data repeats its
+  last batch with its loss multiplied by zero, so it contributes zero gradients and takes
+  part in every collective of the step (the logging, the buffers' broadcast), and applies
+  the same averaged gradients, so the weights stay identical. The average still divides by
+  the number of ranks (as DDP's ``Join`` with ``divide_by_initial_world_size=True`` and
+  Horovod's ``join``): a step where k of n ranks have data gets (sum of their gradients)/n.
+- ``"error"``: a `RingplugError` on every rank naming the ranks and their counts.
+
+The same collective carries each rank's SIGTERM flag, so Lightning's own per-batch broadcast
+of rank 0's flag is not needed (RingStrategy replaces it with a look at this one).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import numpy as np
+
+from .. import core
+from ..core.errors import RingplugError
+
+Uneven = Literal["drop", "join", "error"]
+MODES = ("drop", "join", "error")
+
+_NAME = "ringplug.lightning.next-batch"
+
+
+def check_mode(mode: str) -> Uneven:
+    if mode not in MODES:
+        raise ValueError(f"RingStrategy(uneven={mode!r}): use 'drop' (the default), 'join' or "
+                         "'error'.")  # fmt: skip
+    return mode  # type: ignore[return-value]
+
+
+def _sized(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+class AgreedLoader:
+    """A training dataloader whose iterators stop on every rank at the same batch.
+
+    Everything but iteration and ``len()`` is the wrapped loader's (its sampler, dataset,
+    state), so Lightning and callbacks see the loader they were given. ``len()`` is the
+    number of batches every rank runs: the shortest rank's for "drop" and "error", the
+    longest's for "join" (undefined when some rank's loader has no length).
+
+    Made on every rank in the same order (one collective learns every rank's length).
+    """
+
+    def __init__(self, loader: Any, mode: Uneven, phantoms: collections.deque[bool],
+                 sigterm: Any) -> None:  # fmt: skip
+        own = object.__setattr__
+        own(self, "_ringplug_loader", loader)
+        own(self, "_ringplug_mode", mode)
+        own(self, "_ringplug_phantoms", phantoms)
+        own(self, "_ringplug_sigterm", sigterm)
+        own(self, "_ringplug_epoch", 0)
+        lengths = core.allgather_object(_sized(loader), name="ringplug.lightning.batches")
+        own(self, "_ringplug_lengths", lengths)
+        known = None if None in lengths else lengths
+        if known is not None and mode == "error" and len(set(known)) > 1:
+            raise RingplugError(
+                "RingStrategy(uneven='error'): the ranks have different numbers of training "
+                f"batches ({', '.join(f'rank {r}: {n}' for r, n in enumerate(known))}). Give "
+                "every rank the same number of batches, or pass uneven='drop' (the default) "
+                "or uneven='join'."
+            )
+        agreed = None if known is None else (max(known) if mode == "join" else min(known))
+        own(self, "_ringplug_length", agreed)
+
+    def __len__(self) -> int:
+        if self._ringplug_length is None:
+            raise TypeError("a rank's training dataloader has no length")
+        return self._ringplug_length
+
+    def __iter__(self) -> Iterator[Any]:
+        self._ringplug_phantoms.clear()
+        epoch = self._ringplug_epoch
+        object.__setattr__(self, "_ringplug_epoch", epoch + 1)
+        lengths = self._ringplug_lengths
+        if (core.rank() == 0 and self._ringplug_mode == "drop" and None not in lengths
+                and len(set(lengths)) > 1):  # fmt: skip
+            shortest = min(lengths)
+            dropping = [r for r, n in enumerate(lengths) if n > shortest]
+            _warn(
+                f"RingStrategy(uneven='drop'): the ranks have {', '.join(map(str, lengths))} "
+                f"training batches; in epoch {epoch} every rank runs {shortest} and "
+                f"{_ranks(dropping)} {'drops' if len(dropping) == 1 else 'drop'} "
+                f"{' and '.join(str(lengths[r] - shortest) for r in dropping)}, so that no "
+                "rank waits for another's gradients. Give every rank the same number of "
+                "batches, or pass uneven='join' to train on all of them."
+            )
+        return _AgreedIterator(self, iter(self._ringplug_loader), epoch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ringplug_loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._ringplug_loader, name, value)
+
+
+class _AgreedIterator:
+    def __init__(self, owner: AgreedLoader, inner: Iterator[Any], epoch: int) -> None:
+        self._owner = owner
+        self._inner: Iterator[Any] | None = inner
+        self._epoch = epoch
+        self._consumed = 0
+        self._last: Any = None
+        self._sizes = owner._ringplug_lengths
+
+    def __iter__(self) -> _AgreedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        owner = self._owner
+        batch, has = None, False
+        if self._inner is not None:
+            try:
+                batch, has = next(self._inner), True
+            except StopIteration:
+                self._inner = None
+        flags = np.array([has, bool(owner._ringplug_sigterm()), self._consumed], np.int64)
+        everyone = core.allgather(flags, name=_NAME).reshape(-1, 3)
+        owner._ringplug_sigterm.seen = bool(everyone[:, 1].any())
+        having = everyone[:, 0].astype(bool)
+        if having.all():
+            return self._take(batch, phantom=False)
+        if not having.any():
+            raise StopIteration
+        out = [r for r in range(len(having)) if not having[r]]
+        counts = [int(c) for c in everyone[:, 2]]
+        mode = owner._ringplug_mode
+        if mode == "error":
+            raise RingplugError(
+                f"RingStrategy(uneven='error'): {_ranks(out)} ran out of training data in "
+                f"epoch {self._epoch} after {', '.join(str(counts[r]) for r in out)} batches "
+                f"while {_ranks([r for r in range(len(having)) if having[r]])} had more "
+                f"(batches so far: {', '.join(map(str, counts))}). Give every rank the same "
+                "number of batches, or pass uneven='drop' or uneven='join'."
+            )
+        if mode == "join":
+            empty = [r for r in out if counts[r] == 0]
+            if empty:
+                raise RingplugError(
+                    f"RingStrategy(uneven='join'): {_ranks(empty)} had no training batch at "
+                    "all this epoch; 'join' repeats a rank's last batch with zero weight, so "
+                    "each rank needs at least one. Give every rank data, or use uneven='drop'."
+                )
+            if has:
+                return self._take(batch, phantom=False)
+            return self._take(self._last, phantom=True)
+        self._warn_dropped(out, having, counts)
+        self._inner = None
+        raise StopIteration
+
+    def _take(self, batch: Any, phantom: bool) -> Any:
+        if not phantom:
+            self._consumed += 1
+            self._last = batch
+        self._owner._ringplug_phantoms.append(phantom)
+        return batch
+
+    def _warn_dropped(self, out: list[int], having: np.ndarray, counts: list[int]) -> None:
+        if core.rank() != 0:
+            return
+        left = [r for r in range(len(having)) if having[r]]
+        sizes = self._sizes
+        if any(sizes[r] is None for r in left):
+            dropped = "what they had left"
+        else:
+            dropped = " and ".join(str(sizes[r] - counts[r]) for r in left) + " batches"
+        _warn(
+            f"RingStrategy(uneven='drop'): {_ranks(out)} ran out of training data after "
+            f"{', '.join(str(counts[r]) for r in out)} batches in epoch {self._epoch}; "
+            f"{_ranks(left)} dropped {dropped}, so that every rank ends the epoch together. "
+            "Give every rank the same number of batches, or pass uneven='join' to train on "
+            "all of them."
+        )
+
+
+def _warn(text: str) -> None:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    rank_zero_warn(text)
+
+
+class SigtermFlag:
+    """This rank's SIGTERM flag for the next agreement, and whether any rank's was set."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self.seen = False
+
+    def __call__(self) -> bool:
+        return bool(getattr(self._trainer, "received_sigterm", False))

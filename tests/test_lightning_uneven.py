@@ -1,0 +1,97 @@
+"""RingStrategy when ranks have different numbers of batches: no hang, no mixed epochs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import run_ringrun
+
+pytest.importorskip("lightning")
+pytestmark = pytest.mark.multirank
+
+WORKER = str(Path(__file__).parent / "workers" / "lightning_uneven.py")
+EPOCHS = 2
+
+
+def job(tmp_path: Path, *args: str, ranks: int):
+    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, *args, str(tmp_path),
+                         timeout=240)  # fmt: skip
+    output = result.stdout + result.stderr
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
+    return result.returncode, output, reports
+
+
+def assert_trained_as_the_mode_defines(reports: list[dict], ranks: int, steps: int) -> None:
+    assert len(reports) == ranks
+    for report in reports:
+        assert report["max_difference"] < 1e-5, report
+        assert report["other_mode_difference"] > 1e-3  # the reference tells the modes apart
+        assert report["ranks_identical"]
+        assert report["steps"] == report["global_step"] == EPOCHS * steps
+        assert report["epochs"] == EPOCHS
+
+
+@pytest.mark.parametrize("counts", ["6,4", "6,4,5"])
+def test_iterable_data_drop_ends_every_epoch_together_at_the_shortest_rank(tmp_path, counts):
+    ranks = len(counts.split(","))
+    rc, output, reports = job(tmp_path, "iterable", "drop", counts, ranks=ranks)
+    assert rc == 0, output
+    assert_trained_as_the_mode_defines(reports, ranks, steps=4)
+    dropping = "rank 0 dropped what" if ranks == 2 else "ranks 0, 2 dropped what"
+    for epoch in range(EPOCHS):  # one warning per epoch, from rank 0 only
+        line = f"rank 1 ran out of training data after 4 batches in epoch {epoch}; {dropping}"
+        assert output.count(line) == 1, output
+
+
+def test_sized_per_rank_data_drop_warns_with_the_counts(tmp_path):
+    rc, output, reports = job(tmp_path, "map", "drop", "6,4", ranks=2)
+    assert rc == 0, output
+    assert_trained_as_the_mode_defines(reports, 2, steps=4)
+    for epoch in range(EPOCHS):
+        line = (f"the ranks have 6, 4 training batches; in epoch {epoch} every rank runs 4 and "
+                "rank 0 drops 2")  # fmt: skip
+        assert output.count(line) == 1, output
+
+
+@pytest.mark.parametrize(("source", "counts"), [("iterable", "6,4,5"), ("map", "6,4")])
+def test_join_trains_on_every_batch_with_zeros_from_ranks_out_of_data(tmp_path, source, counts):
+    ranks = len(counts.split(","))
+    rc, output, reports = job(tmp_path, source, "join", counts, ranks=ranks)
+    assert rc == 0, output
+    assert_trained_as_the_mode_defines(reports, ranks, steps=6)
+    assert "RingStrategy(uneven=" not in output  # nothing dropped, nothing to warn about
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("iterable", "RingStrategy(uneven='error'): rank 1 ran out of training data in epoch 0 "
+                     "after 4 batches while rank 0 had more"),
+        ("map", "RingStrategy(uneven='error'): the ranks have different numbers of training "
+                "batches (rank 0: 6, rank 1: 4)"),
+    ],
+)  # fmt: skip
+def test_error_mode_fails_on_every_rank_naming_the_ranks_and_counts(tmp_path, source, message):
+    rc, output, reports = job(tmp_path, source, "error", "6,4", ranks=2)
+    assert rc != 0
+    assert reports == []
+    for rank in range(2):
+        assert f"[{rank}] ringplug.core.errors.RingplugError: {message}" in output, output
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_evaluation_counts_every_sample_once_when_ranks_get_different_counts(tmp_path, ranks):
+    rc, output, reports = job(tmp_path, "eval", "-", "-", ranks=ranks)
+    assert rc == 0, output
+    samples = reports[0]["samples"]
+    assert sum(r["val_samples_here"] for r in reports) == samples  # no padded repeats
+    assert len({r["val_samples_here"] for r in reports}) == 2  # the ranks' counts differ
+    for report in reports:
+        assert report["val_count"] == samples
+        assert report["val_mean"] == pytest.approx(report["true_mean"], rel=1e-6)
+        assert report["test_mean"] == pytest.approx(report["true_mean"], rel=1e-6)
+        assert report["predicted_sorted"]  # predict too: every sample exactly once
