@@ -35,11 +35,38 @@ def test_every_torch_distributed_call_gives_the_reference_on_every_rank(tmp_path
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_ddp_on_the_backend_equals_one_process_with_the_whole_batch(tmp_path, ranks):
-    reports = run("ddp", ranks, tmp_path)
+    timeline = tmp_path / "timeline.json"
+    reports = run("ddp", ranks, tmp_path, extra_env={"RINGPLUG_TIMELINE": str(timeline)})
     assert set(reports[0]["checks"]) == {"ddp/equals-one-process", "ddp/ranks-bitwise-identical"}
+    # DDP's bucket allreduces went through the engine: the timeline shows them on one row.
+    events = json.loads(timeline.read_text())
+    rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    calls = [e for e in events if e["name"] == "ALLREDUCE" and rows[e["tid"]] == "torch.default"]
+    assert len(calls) >= 8  # at least one per step
+    assert all(e["args"]["call"].startswith("torch.default#") for e in calls)
 
 
 def test_torchmetrics_syncs_over_the_backend(tmp_path):
     pytest.importorskip("torchmetrics")
     reports = run("torchmetrics", 2, tmp_path)
     assert set(reports[0]["checks"]) == {"torchmetrics/mean", "torchmetrics/accuracy"}
+
+
+def test_lightning_ddp_strategy_on_the_backend_equals_one_process(tmp_path):
+    pytest.importorskip("lightning")
+    reports = run("lightning-ddp", 2, tmp_path)
+    assert set(reports[0]["checks"]) == {
+        "lightning-ddp/backend", "lightning-ddp/equals-one-process",
+        "lightning-ddp/ranks-bitwise-identical",
+    }  # fmt: skip
+
+
+def test_a_torch_collective_that_one_rank_never_reaches_is_reported_and_ends_the_job(tmp_path):
+    # Over gloo this hung silently; on the ringplug backend the engine watches it.
+    result = run_ringrun("-np", "2", sys.executable, WORKER, "stall", str(tmp_path), timeout=90,
+                         extra_env={"RINGPLUG_TIMEOUT": "6",
+                                    "RINGPLUG_STALL_CHECK_SECONDS": "2"})  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "'torch.default#1' is ready on rank(s) 0 but not on rank(s) 1" in output, output
+    assert "in allreduce 'torch.default#1' for rank(s) 1, which never submitted it" in output

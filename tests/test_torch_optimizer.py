@@ -81,3 +81,18 @@ def test_a_world_of_one_reduces_nothing():
     optimizer.detach_hooks()  # nothing to detach, and harmless
     assert engine.collectives_run == before
     assert model.weight.grad.tolist() == [[1.0] * 3] * 2
+
+
+@pytest.mark.parametrize("counts", ["6,4", "4,6,5"])
+def test_join_lets_ranks_with_more_batches_finish_with_zeros_from_the_others(tmp_path, counts):
+    worker = str(Path(__file__).parent / "workers" / "torch_join.py")
+    ranks = len(counts.split(","))
+    result = run_ringrun("-np", str(ranks), sys.executable, worker, counts, str(tmp_path),
+                         timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    longest = max(range(ranks), key=lambda r: int(counts.split(",")[r]))
+    for rank in range(ranks):
+        report = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert report["last"] == longest  # the same on every rank
+        assert report["max_difference"] < 1e-5, report
+        assert report["ranks_identical"]

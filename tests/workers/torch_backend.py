@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -248,16 +249,89 @@ def torchmetrics_sync(rank: int, size: int, checks: dict[str, bool],
     checks["torchmetrics/accuracy"] = torch.isclose(accuracy.compute(), torch.tensor(0.5)).item()
 
 
-SCENARIOS = {"calls": calls, "ddp": ddp, "torchmetrics": torchmetrics_sync}
+def lightning_ddp(rank: int, size: int, checks: dict[str, bool],
+                  details: dict[str, str]) -> None:  # fmt: skip
+    """Lightning's own DDPStrategy with process_group_backend="ringplug" (it starts the group)."""
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    per_rank, steps = 3, 5
+    generator = torch.Generator().manual_seed(11)
+    dataset = TensorDataset(
+        torch.randn(per_rank * size * steps, 4, generator=generator),
+        torch.randn(per_rank * size * steps, 1, generator=generator),
+    )
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build()
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Module()
+    trainer = L.Trainer(strategy=DDPStrategy(process_group_backend="ringplug"),
+                        accelerator="cpu", devices=size, max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, DataLoader(dataset, batch_size=per_rank))
+    checks["lightning-ddp/backend"] = dist.get_backend() == "ringplug"
+
+    reference = build()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    orders = [list(DistributedSampler(dataset, num_replicas=size, rank=r, shuffle=True, seed=0))
+              for r in range(size)]  # fmt: skip
+    for step in range(steps):
+        rows = [i for order in orders for i in order[step * per_rank : (step + 1) * per_rank]]
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference(dataset[rows][0]), dataset[rows][1]).backward()
+        optimizer.step()
+    trained = torch.cat([p.detach().reshape(-1) for p in module.net.parameters()])
+    expected = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    difference = (trained - expected).abs().max().item()
+    details["lightning-ddp/max-difference"] = f"{difference:.3g}"
+    checks["lightning-ddp/equals-one-process"] = difference < 1e-5
+    everyone = [torch.zeros_like(trained) for _ in range(size)]
+    dist.all_gather(everyone, trained)
+    checks["lightning-ddp/ranks-bitwise-identical"] = all(torch.equal(w, trained)
+                                                          for w in everyone)  # fmt: skip
+
+
+def stall(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]) -> None:
+    """Rank 0 reduces while rank 1 is stuck in its own code (as a rank out of data that
+    waits elsewhere): ringplug's stall inspector and timeout see it; the job must end."""
+    if rank == 0:
+        dist.all_reduce(torch.ones(3))
+    else:
+        threading.Event().wait(120)  # the injected fault: never reaches the collective
+
+
+SCENARIOS = {"calls": calls, "stall": stall, "ddp": ddp, "torchmetrics": torchmetrics_sync,
+             "lightning-ddp": lightning_ddp}  # fmt: skip
 
 
 def main(scenario: str, outdir: Path) -> None:
-    dist.init_process_group("ringplug")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    if scenario != "lightning-ddp":  # Lightning starts its own group
+        dist.init_process_group("ringplug")
+    ringplug.init()
+    rank, size = ringplug.rank(), ringplug.size()
     checks: dict[str, bool] = {}
     details: dict[str, str] = {}
     SCENARIOS[scenario](rank, size, checks, details)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     checks = {name: bool(ok) for name, ok in checks.items()}
     (outdir / f"{scenario}-{rank}.json").write_text(
         json.dumps({"checks": checks, "details": details})

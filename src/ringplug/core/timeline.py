@@ -1,5 +1,8 @@
 """A Chrome trace of what the engine did, one row per tensor (opens in Perfetto).
 
+Numbered calls (``torch.default#12``, one name per call) share one row (``torch.default``),
+each span naming its call.
+
 Spans per request: QUEUE (submitted, waiting for the engine), NEGOTIATE (announced,
 waiting for every rank), COPY_IN, ALLREDUCE/BROADCAST/... (the collective), COPY_OUT;
 plus an instant marker for every engine cycle. Written as a JSON array of trace events,
@@ -49,9 +52,12 @@ class Timeline:
 
     def span(self, name: str, phase: str, start: float, end: float, **args: Any) -> None:
         """One phase of one tensor, from `start` to `end` (time.perf_counter seconds)."""
+        row, numbered, _ = name.partition("#")
+        if numbered:
+            args["call"] = name
         with self._lock:
             duration = round(max(end - start, 0.0) * 1e6, 3)
-            event = {"name": phase, "ph": "X", "pid": self.rank, "tid": self._row(name),
+            event = {"name": phase, "ph": "X", "pid": self.rank, "tid": self._row(row),
                      "ts": self._us(start), "dur": duration}  # fmt: skip
             if args:
                 event["args"] = args
