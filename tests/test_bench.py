@@ -106,22 +106,29 @@ def run_bench(tmp_path: Path, name: str, *args: str) -> tuple[str, list[dict]]:
 
 
 @pytest.mark.parametrize(
-    ("name", "competitor", "summary"),
-    [("lightning", ["ring", "ddp", "none"], "median RingStrategy / DDP throughput"),
-     ("keras", ["ringplug", "mwms", "plain"], "median ringplug / MWMS throughput")],
+    ("name", "competitor", "summary", "options"),
+    [("lightning", ["ring", "ddp", "none"], "median RingStrategy / DDP throughput",
+      ["--tiny-steps", "8"]),
+     ("keras", ["ringplug", "mwms", "plain"], "median ringplug / MWMS throughput", [])],
 )  # fmt: skip
 def test_training_benches_run_both_sides_in_alternating_pairs(tmp_path, name, competitor,
-                                                              summary):  # fmt: skip
+                                                              summary, options):  # fmt: skip
     pytest.importorskip(name)
     if name == "keras":
         pytest.importorskip("tensorflow")
     ours, theirs, alone = competitor
-    stdout, rows = run_bench(tmp_path, name, "--pairs", "2", "--steps", "6", "--hidden", "32")
+    stdout, rows = run_bench(tmp_path, name, "--pairs", "2", "--steps", "6", "--hidden", "32",
+                             *options)  # fmt: skip
     # Two pairs of each comparison, the order flipped in the second pair.
-    assert [row["impl"] for row in rows] == [ours, theirs, f"{ours}-1", alone,
-                                             theirs, ours, alone, f"{ours}-1"]  # fmt: skip
+    first, second = [ours, theirs, f"{ours}-1", alone], [theirs, ours, alone, f"{ours}-1"]
+    ranks = [2, 2, 1, 1]
+    if name == "lightning":  # and the tiny model's per-step comparison
+        first, second = first + ["ring-tiny", "ddp-tiny"], second + ["ddp-tiny", "ring-tiny"]
+        ranks += [2, 2]
+        assert "tiny MLP (8 wide), 2 ranks, median time per step: RingStrategy" in stdout
+    assert [row["impl"] for row in rows] == first + second
     assert all(row["samples_per_s"] > 0 for row in rows)
-    assert [row["ranks"] for row in rows] == [2, 2, 1, 1, 2, 2, 1, 1]
+    assert [row["ranks"] for row in rows] == ranks + ranks
     assert summary in stdout
 
 

@@ -3,8 +3,11 @@
 It starts every job itself, in alternating pairs so that drift on a shared machine hits
 both sides alike: 2 ranks with RingStrategy (under ringrun) against 2 ranks of DDP (which
 Lightning starts), and 1 rank with RingStrategy against plain Lightning (the overhead when
-nothing is communicated). Every job uses one torch thread per rank (OMP_NUM_THREADS=1),
-the same MLP, per-rank batch 32 and synthetic data. Reports medians of the pairs' ratios.
+nothing is communicated), and a tiny MLP on 2 ranks where each step's fixed costs (the
+strategy's own collectives, Lightning's per-batch work) dominate: there it reports the
+median time per step of each side. Every job uses one torch thread per rank
+(OMP_NUM_THREADS=1), per-rank batch 32 and synthetic data. Reports medians of the pairs'
+ratios.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from .common import alternating_pairs, write_job_json
 
 JOB = str(Path(__file__).with_name("lightning_job.py"))
+TINY = "-tiny"  # an impl with this suffix trains the tiny MLP
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,12 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="training steps per job")
     parser.add_argument("--hidden", type=int, default=4096,
                         help="MLP width (4096: about 21 M parameters)")  # fmt: skip
+    parser.add_argument("--tiny-hidden", type=int, default=8,
+                        help="width of the tiny MLP (8: about 8 k parameters)")  # fmt: skip
+    parser.add_argument("--tiny-steps", type=int, default=200,
+                        help="training steps per tiny-model job")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
 
 def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict:
     out = workdir / f"{impl}-{ranks}.json"
-    command = [sys.executable, JOB, impl, str(args.steps), str(args.hidden), str(out)]
+    tiny = impl.endswith(TINY)
+    impl = impl.removesuffix(TINY)
+    steps, hidden = (args.tiny_steps, args.tiny_hidden) if tiny else (args.steps, args.hidden)
+    command = [sys.executable, JOB, impl, str(steps), str(hidden), str(out)]
     if impl == "ring":
         command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *command]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -49,17 +60,28 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
         records, ratios = alternating_pairs(
-            args.pairs, [("ring/ddp", "ring", "ddp", 2), ("ring-1/none", "ring", "none", 1)],
+            args.pairs, [("ring/ddp", "ring", "ddp", 2), ("ring-1/none", "ring", "none", 1),
+                         ("ring/ddp tiny", "ring" + TINY, "ddp" + TINY, 2)],
             lambda impl, ranks: _job(impl, ranks, args, Path(tmp)),
             lambda impl, ranks: f"{impl}-1" if ranks == 1 and impl == "ring" else impl,
         )  # fmt: skip
     ring_ddp = statistics.median(ratios["ring/ddp"])
     overhead = 1 - statistics.median(ratios["ring-1/none"])
+    step_ms = {impl: statistics.median(1e3 * r.time_s / r.iterations for r in records
+                                       if r.impl == impl + TINY)
+               for impl in ("ring", "ddp")}  # fmt: skip
     print(f"# median RingStrategy / DDP throughput, 2 ranks: {ring_ddp:.3f}x (target >= 1.3)")
     print(f"# median RingStrategy overhead with 1 rank: {overhead * 100:.1f}% (target <= 5%)")
+    print(
+        f"# tiny MLP ({args.tiny_hidden} wide), 2 ranks, median time per step: RingStrategy "
+        f"{step_ms['ring']:.2f} ms, DDP {step_ms['ddp']:.2f} ms "
+        f"(DDP / RingStrategy {step_ms['ddp'] / step_ms['ring']:.2f}x)"
+    )
     if args.json:
         write_job_json(args.json, "lightning",
                        {"pairs": args.pairs, "steps": args.steps, "hidden": args.hidden,
-                        "median_ring_over_ddp": ring_ddp, "median_overhead_1_rank": overhead},
+                        "median_ring_over_ddp": ring_ddp, "median_overhead_1_rank": overhead,
+                        "tiny_hidden": args.tiny_hidden, "tiny_steps": args.tiny_steps,
+                        "median_tiny_step_ms": step_ms},
                        records)  # fmt: skip
     return 0
