@@ -215,6 +215,43 @@ def optimizer() -> None:
         assert_close(q.detach(), p.detach(), "parameter after 5 steps")
 
 
+@check("torch.distributed on the ringplug backend: CUDA tensors, async futures, DDP")
+def torch_backend() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("ringplug", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tensor = sample(torch.float32)
+        expected = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+        assert_close(tensor, expected, "all_reduce AVG")
+        dist.broadcast(tensor, src=0)
+        gathered = torch.empty(tensor.numel(), device="cuda")
+        dist.all_gather_into_tensor(gathered, tensor.reshape(-1))
+        assert_close(gathered, expected.reshape(-1), "all_gather_into_tensor")
+        block = torch.empty_like(gathered)
+        dist.reduce_scatter_tensor(block, gathered)
+        assert_close(block, expected.reshape(-1), "reduce_scatter_tensor")
+        moved = torch.empty_like(gathered)
+        dist.all_to_all_single(moved, gathered)
+        assert_close(moved, expected.reshape(-1), "all_to_all_single (through the host)")
+        work = dist.all_reduce(tensor, async_op=True)
+        value = work.get_future().wait()[0]
+        assert value.is_cuda and work.is_completed(), "the future's value stays on the GPU"
+        torch.manual_seed(0)
+        plain = torch.nn.Linear(16, 4).cuda()
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Linear(16, 4).cuda().requires_grad_(True), device_ids=[0]
+        )
+        ddp.module.load_state_dict(plain.state_dict())
+        x = torch.randn(8, 16, device="cuda")
+        plain(x).square().sum().backward()
+        ddp(x).square().sum().backward()
+        assert_close(ddp.module.weight.grad, plain.weight.grad, "DDP gradient")
+    finally:
+        dist.destroy_process_group()
+
+
 @check("Lightning: Trainer(accelerator='gpu', strategy=RingStrategy()) fits on the GPU")
 def lightning_fit() -> str | None:
     try:
