@@ -95,3 +95,13 @@ def test_evaluation_counts_every_sample_once_when_ranks_get_different_counts(tmp
         assert report["val_mean"] == pytest.approx(report["true_mean"], rel=1e-6)
         assert report["test_mean"] == pytest.approx(report["true_mean"], rel=1e-6)
         assert report["predicted_sorted"]  # predict too: every sample exactly once
+
+
+def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_batch(tmp_path):
+    # Lightning broadcasts rank 0's flag only; the batch agreement carries every rank's.
+    rc, output, reports = job(tmp_path, "sigterm", "-", "-", ranks=2)
+    assert rc == 0, output  # SIGTERMException is a SystemExit: a clean stop
+    assert [r["exception"] for r in reports] == ["SIGTERMException"] * 2, output
+    # Set on rank 1 after its third step. The agreements run a batch ahead of training, so
+    # every rank learns it in the fifth step and both stop at its end.
+    assert [r["global_step"] for r in reports] == [5, 5]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,3 +71,17 @@ def test_a_torch_collective_that_one_rank_never_reaches_is_reported_and_ends_the
     assert result.returncode != 0
     assert "'torch.default#1' is ready on rank(s) 0 but not on rank(s) 1" in output, output
     assert "in allreduce 'torch.default#1' for rank(s) 1, which never submitted it" in output
+
+
+def test_under_torchrun_the_backend_says_to_start_the_job_with_an_mpi_launcher(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this interpreter")
+    result = subprocess.run([str(torchrun), "--nproc-per-node", "2", WORKER, "calls",
+                             str(tmp_path)], capture_output=True, text=True, timeout=120,
+                            check=False)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("is not part of an MPI job") >= 2, output  # on both workers
+    assert "start the program with `ringrun -np 2 python ...`" in output
+    assert list(tmp_path.glob("*.json")) == []  # no rank trained alone

@@ -7,6 +7,9 @@ batches of each rank (``6,4,5``). Two epochs; each rank writes OUTDIR/<rank>.jso
 weights and the reference weights the mode defines, trained here by plain torch on every
 rank's batches (which each rank can make: they come from per-rank seeds).
 
+``python lightning_uneven.py sigterm - - OUTDIR``: rank 1 (only) notes a SIGTERM at its third
+batch; every rank must stop at the same batch (each writes where it stopped).
+
 ``python lightning_uneven.py eval - - OUTDIR``: validate/test/predict on a dataset whose size
 does not divide by the number of ranks; the logged epoch means must be the means over every
 sample once.
@@ -162,9 +165,34 @@ def evaluate(outdir: Path) -> None:
     (outdir / f"{rank}.json").write_text(json.dumps(report))
 
 
+class SigtermOnRankOne(L.Callback):
+    def __init__(self, outdir: Path) -> None:
+        self.outdir = outdir
+
+    def on_train_batch_end(self, trainer, *_: object) -> None:
+        if ringplug.rank() == 1 and trainer.global_step == 3:
+            trainer._signal_connector.received_sigterm = True  # what its SIGTERM handler sets
+
+    def on_exception(self, trainer, _, exception: BaseException) -> None:
+        report = {"exception": type(exception).__name__, "global_step": trainer.global_step}
+        (self.outdir / f"{ringplug.rank()}.json").write_text(json.dumps(report))
+
+
+def sigterm(outdir: Path) -> None:
+    ringplug.init()
+    loader = DataLoader(PerRankBatches(ringplug.rank(), 20), batch_size=None)
+    trainer = L.Trainer(strategy=RingStrategy(), accelerator="cpu", max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False,
+                        callbacks=[SigtermOnRankOne(outdir)])  # fmt: skip
+    trainer.fit(Regressor(), loader)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "eval":
         evaluate(Path(sys.argv[4]))
+    elif sys.argv[1] == "sigterm":
+        sigterm(Path(sys.argv[4]))
     else:
         train(sys.argv[1], sys.argv[2], [int(c) for c in sys.argv[3].split(",")],
               Path(sys.argv[4]))  # fmt: skip

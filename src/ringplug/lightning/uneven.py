@@ -75,6 +75,8 @@ class AgreedLoader:
         own(self, "_ringplug_phantoms", phantoms)
         own(self, "_ringplug_sigterm", sigterm)
         own(self, "_ringplug_epoch", 0)
+        own(self, "_ringplug_rounds", 0)
+        own(self, "_ringplug_pending", None)
         lengths = core.allgather_object(_sized(loader), name="ringplug.lightning.batches")
         own(self, "_ringplug_lengths", lengths)
         known = None if None in lengths else lengths
@@ -88,12 +90,23 @@ class AgreedLoader:
         agreed = None if known is None else (max(known) if mode == "join" else min(known))
         own(self, "_ringplug_length", agreed)
 
+    def _ringplug_agreement(self, flags: np.ndarray) -> Any:
+        """Start one agreement (at most two are in flight: their names alternate)."""
+        rounds = self._ringplug_rounds
+        object.__setattr__(self, "_ringplug_rounds", rounds + 1)
+        handle = core.allgather_async(flags, name=f"{_NAME}.{rounds % 2}")
+        object.__setattr__(self, "_ringplug_pending", handle)
+        return handle
+
     def __len__(self) -> int:
         if self._ringplug_length is None:
             raise TypeError("a rank's training dataloader has no length")
         return self._ringplug_length
 
     def __iter__(self) -> Iterator[Any]:
+        if self._ringplug_pending is not None:
+            # The last epoch's look-ahead, which every rank started: let it finish first.
+            self._ringplug_pending.wait()
         self._ringplug_phantoms.clear()
         epoch = self._ringplug_epoch
         object.__setattr__(self, "_ringplug_epoch", epoch + 1)
@@ -120,37 +133,62 @@ class AgreedLoader:
 
 
 class _AgreedIterator:
+    """Yields the wrapped iterator's batches while the ranks agree that each has one.
+
+    The agreement for a batch is started when the batch is fetched, one batch ahead of
+    the one Lightning asks for, so it runs in the engine while the rank trains (Lightning
+    itself fetches one batch ahead): asking for a batch costs a local fetch and a
+    submission, not a round trip.
+    """
+
     def __init__(self, owner: AgreedLoader, inner: Iterator[Any], epoch: int) -> None:
         self._owner = owner
         self._inner: Iterator[Any] | None = inner
         self._epoch = epoch
-        self._consumed = 0
+        self._fetched = 0  # real batches fetched so far
         self._last: Any = None
+        self._ahead: tuple[Any, bool, Any] | None = None  # fetched, announced, not yet asked for
+        self._done = False
         self._sizes = owner._ringplug_lengths
 
     def __iter__(self) -> _AgreedIterator:
         return self
 
-    def __next__(self) -> Any:
-        owner = self._owner
+    def _announce(self) -> None:
+        """Fetch the next local batch (if any) and start the ranks' agreement on it."""
         batch, has = None, False
         if self._inner is not None:
             try:
                 batch, has = next(self._inner), True
             except StopIteration:
                 self._inner = None
-        flags = np.array([has, bool(owner._ringplug_sigterm()), self._consumed], np.int64)
-        everyone = core.allgather(flags, name=_NAME).reshape(-1, 3)
-        owner._ringplug_sigterm.seen = bool(everyone[:, 1].any())
+        owner = self._owner
+        flags = np.array([has, owner._ringplug_sigterm(), self._fetched], np.int64)
+        self._fetched += has
+        self._ahead = (batch, has, owner._ringplug_agreement(flags))
+
+    def __next__(self) -> Any:
+        if self._ahead is None:
+            if self._done:
+                raise StopIteration
+            self._announce()
+        assert self._ahead is not None
+        (batch, has, handle), self._ahead = self._ahead, None
+        everyone = handle.wait().reshape(-1, 3)
+        owner = self._owner
+        if everyone[:, 1].any():
+            owner._ringplug_sigterm.seen = True
         having = everyone[:, 0].astype(bool)
         if having.all():
             return self._take(batch, phantom=False)
-        if not having.any():
+        self._done = not having.any()
+        if self._done:
             raise StopIteration
         out = [r for r in range(len(having)) if not having[r]]
         counts = [int(c) for c in everyone[:, 2]]
         mode = owner._ringplug_mode
         if mode == "error":
+            self._done = True
             raise RingplugError(
                 f"RingStrategy(uneven='error'): {_ranks(out)} ran out of training data in "
                 f"epoch {self._epoch} after {', '.join(str(counts[r]) for r in out)} batches "
@@ -161,6 +199,7 @@ class _AgreedIterator:
         if mode == "join":
             empty = [r for r in out if counts[r] == 0]
             if empty:
+                self._done = True
                 raise RingplugError(
                     f"RingStrategy(uneven='join'): {_ranks(empty)} had no training batch at "
                     "all this epoch; 'join' repeats a rank's last batch with zero weight, so "
@@ -170,14 +209,14 @@ class _AgreedIterator:
                 return self._take(batch, phantom=False)
             return self._take(self._last, phantom=True)
         self._warn_dropped(out, having, counts)
-        self._inner = None
+        self._done = True
         raise StopIteration
 
     def _take(self, batch: Any, phantom: bool) -> Any:
         if not phantom:
-            self._consumed += 1
             self._last = batch
         self._owner._ringplug_phantoms.append(phantom)
+        self._announce()  # the next batch's agreement runs while this one trains
         return batch
 
     def _warn_dropped(self, out: list[int], having: np.ndarray, counts: list[int]) -> None:
@@ -205,11 +244,51 @@ def _warn(text: str) -> None:
 
 
 class SigtermFlag:
-    """This rank's SIGTERM flag for the next agreement, and whether any rank's was set."""
+    """Lightning's SIGTERM flag, agreed between the ranks.
+
+    Lightning's SIGTERM handler sets ``trainer.received_sigterm`` on the rank that got the
+    signal, and its loops stop the rank at the end of the batch where they see it; a rank
+    that stops alone leaves the others in their next collective. Once `install` has run,
+    the flag the handler sets is this rank's contribution to the next batch agreement, and
+    every check of Lightning's reads what the agreement said: any rank's SIGTERM, on every
+    rank, at the same batch.
+    """
 
     def __init__(self, trainer: Any) -> None:
-        self._trainer = trainer
-        self.seen = False
+        connector = trainer._signal_connector
+        local = bool(getattr(connector, "received_sigterm", False))
+        if not isinstance(connector, _AgreedFlag):
+            connector.__class__ = type(
+                f"Agreed{type(connector).__name__}", (_AgreedFlag, type(connector)), {}
+            )
+        connector._ringplug_local = local
+        connector._ringplug_seen = False
+        self._connector = connector
 
     def __call__(self) -> bool:
-        return bool(getattr(self._trainer, "received_sigterm", False))
+        return self._connector._ringplug_local
+
+    @property
+    def seen(self) -> bool:
+        return self._connector._ringplug_seen
+
+    @seen.setter
+    def seen(self, value: bool) -> None:
+        self._connector._ringplug_seen = value
+
+
+class _AgreedFlag:
+    """Mixed into Lightning's signal connector: `received_sigterm` as the ranks agreed it."""
+
+    _ringplug_local = False
+    _ringplug_seen = False
+
+    @property
+    def received_sigterm(self) -> bool:
+        return self._ringplug_seen
+
+    @received_sigterm.setter
+    def received_sigterm(self, value: bool) -> None:
+        self._ringplug_local = bool(value)
+        if not value:
+            self._ringplug_seen = False  # a new fit starts afresh

@@ -445,6 +445,13 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> RingProcessGroup:
     """torch's constructor hook: a group over every rank of ringplug's world."""
     runtime.init()
     world, me = runtime.size(), runtime.rank()
+    if world == 1 and size > 1:
+        raise RuntimeError(
+            f"torch.distributed asked the ringplug backend for {size} ranks, but this process "
+            "is not part of an MPI job (ringplug's world is this one process). The ringplug "
+            f"backend takes its ranks from MPI: start the program with `ringrun -np {size} "
+            "python ...` (or mpiexec/srun), not torchrun."
+        )
     if size != world:
         raise NotImplementedError(
             f"The ringplug backend runs over every rank of the job ({world}), not a group of "
