@@ -34,7 +34,7 @@ def test_buffers_are_rank_zeros_on_every_rank_after_fit(tmp_path):
     assert all(report["ranks_identical"] for report in reports)
 
 
-@pytest.mark.parametrize("scenario", ["plain", "by-name", "clip", "batchnorm"])
+@pytest.mark.parametrize("scenario", ["plain", "by-name", "clip", "batchnorm", "compiled"])
 def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(tmp_path, scenario):
     for report in fit(scenario, tmp_path):
         assert report["strategy"] == "RingStrategy"
@@ -47,6 +47,8 @@ def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(tmp_path, 
         assert report["torch_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
         if scenario == "batchnorm":  # synchronized while fitting, the original class after
             assert report["layer_types"] == ["BatchNorm1d", "Linear", "Tanh"]
+        # trainer.fit(torch.compile(model)) trains the compiled forward, as under DDP
+        assert report["compiled"] == (scenario == "compiled")
 
 
 def test_accumulated_batches_send_gradients_once_per_optimizer_step(tmp_path):

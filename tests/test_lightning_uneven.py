@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -105,3 +106,17 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_batch(tmp_path):
     # Set on rank 1 after its third step. The agreements run a batch ahead of training, so
     # every rank learns it in the fifth step and both stop at its end.
     assert [r["global_step"] for r in reports] == [5, 5]
+
+
+def test_under_torchrun_ring_strategy_stops_at_once_saying_what_to_run(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this interpreter")
+    result = subprocess.run([str(torchrun), "--nproc-per-node", "2", WORKER, "map", "drop",
+                             "6,4", str(tmp_path)], capture_output=True, text=True,
+                            timeout=180, check=False)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("was started by torchrun as rank") == 2, output  # both workers
+    assert "Start the job with `ringrun -np 2 python ...`" in output
+    assert list(tmp_path.glob("*.json")) == []  # neither trained a model of its own

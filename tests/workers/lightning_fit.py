@@ -4,7 +4,8 @@
 on the full global batches, locally, and compares. Scenarios: plain, by-name
 (``strategy="ring"``), accumulate (2 micro-batches per step), clip (gradient clipping by
 norm), batchnorm (``sync_batchnorm=True``: the reference is plain BatchNorm on the union) and
-buffers (plain BatchNorm: only the buffers' agreement is checked).
+buffers (plain BatchNorm: only the buffers' agreement is checked) and compiled
+(``trainer.fit(torch.compile(model))``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def make_net(scenario: str) -> torch.nn.Sequential:
 class Regressor(L.LightningModule):
     def __init__(self, scenario: str) -> None:
         super().__init__()
+        self.scenario = scenario
         torch.manual_seed(ringplug.rank() + 10)  # different on every rank: setup broadcasts
         self.net = make_net(scenario)
         self.after_backward_norms: list[float] = []
@@ -43,7 +45,8 @@ class Regressor(L.LightningModule):
     def training_step(self, batch, _):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss, sync_dist=True, on_step=True)
+        if self.scenario != "compiled":  # Lightning compiles training_step too; self.log
+            self.log("train_loss", loss, sync_dist=True, on_step=True)  # breaks dynamo there
         return loss
 
     def on_after_backward(self) -> None:
@@ -97,6 +100,7 @@ def main(scenario: str, outdir: Path) -> None:
     rank, size = ringplug.rank(), ringplug.size()
     accumulate = 2 if scenario == "accumulate" else 1
     model = Regressor(scenario)
+    fitted = torch.compile(model, backend="eager") if scenario == "compiled" else model
     torch.manual_seed(10)  # rank 0's initial weights, for the reference
     root_state = {k: v.clone() for k, v in make_net(scenario).state_dict().items()}
     strategy = "ring" if scenario == "by-name" else RingStrategy()
@@ -108,13 +112,13 @@ def main(scenario: str, outdir: Path) -> None:
     loader = DataLoader(data(size), batch_size=PER_RANK, shuffle=False)
     engine = ringplug.core.runtime.engine()
     before = engine.collectives_run
-    trainer.fit(model, loader)
+    trainer.fit(fitted, loader)
     collectives = engine.collectives_run - before
     flat = torch.cat([t.detach().reshape(-1).float() for t in model.net.state_dict().values()])
     ref = reference(scenario, size, root_state, accumulate)
     expected = torch.cat([t.detach().reshape(-1).float() for t in ref.state_dict().values()])
     everyone = rpt.allgather(flat.unsqueeze(0))
-    logged = float(trainer.callback_metrics["train_loss"])
+    logged = float(trainer.callback_metrics.get("train_loss", 0.0))
     all_logged = ringplug.allgather_object(logged)
     buffers = torch.cat([b.detach().reshape(-1).double() for b in model.net.buffers()] or
                         [torch.zeros(1, dtype=torch.float64)])  # fmt: skip
@@ -135,6 +139,7 @@ def main(scenario: str, outdir: Path) -> None:
         "torch_threads": torch.get_num_threads(),
         # After fit the synchronized layers are plain BatchNorm again (as DDP leaves them).
         "layer_types": sorted({type(m).__name__ for m in model.net}),
+        "compiled": getattr(model, "_compiler_ctx", None) is not None,
     }  # fmt: skip
     (outdir / f"{scenario}-{rank}.json").write_text(json.dumps(report))
 

@@ -68,6 +68,23 @@ def launcher_world_size() -> tuple[int, str] | None:
     return None
 
 
+def refuse_torchrun_world() -> None:
+    """Raise when torch's launcher (torchrun, torch.distributed.run, a Kubernetes PyTorchJob)
+    started this process as one of several: ringplug takes its ranks from MPI, so each of
+    them would be a world of one, training a model of its own."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if not world.isdigit() or int(world) <= 1:
+        return
+    by = "torchrun" if os.environ.get("TORCHELASTIC_RUN_ID") else "torch's launcher"
+    raise RingplugError(
+        f"This process was started by {by} as rank {os.environ.get('RANK', '?')} of {world} "
+        "(RANK/WORLD_SIZE are set), but ringplug takes its ranks from MPI and no MPI launcher "
+        f"started it: the {world} processes would each train a separate model. Start the "
+        f"job with `ringrun -np {world} python ...` (or mpiexec/srun) instead; on Kubernetes, "
+        "use an MPIJob (the MPI Operator) rather than a PyTorchJob."
+    )
+
+
 def _start_mpi():
     """Import mpi4py and initialise MPI with thread support, or return None without MPI."""
     try:
@@ -112,6 +129,8 @@ def init() -> None:
             return
         settings = read_settings()
         mpi = _start_mpi()
+        if mpi is None or mpi.COMM_WORLD.Get_size() == 1:
+            refuse_torchrun_world()
         if mpi is None:
             log.configure(0, settings.log_level)
             _state.topology = Topology(0, 1, 0, 1, 0, 1)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from .. import core
 from ..core.ops import ReduceOp
-from ..core.runtime import launcher_world_size, threads_per_rank
+from ..core.runtime import launcher_world_size, refuse_torchrun_world, threads_per_rank
 from ..torch import allgather, allreduce, broadcast_parameters
 from ..torch import backend as torch_backend
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
@@ -170,6 +170,7 @@ class RingStrategy(ParallelStrategy):
                 f"RingStrategy trains on CPUs and CUDA GPUs, not on {sorted(devices)}; use "
                 "Trainer(accelerator='cpu') or accelerator='gpu' with strategy='ring'."
             )
+        refuse_torchrun_world()  # each torchrun worker would otherwise start its own job
         requested = len(self.parallel_devices or [])
         if launcher_world_size() is not None:
             # Started by ringrun / mpiexec / srun: the launcher's world is the job.
@@ -353,6 +354,28 @@ class RingStrategy(ParallelStrategy):
             cls.strategy_name, cls, description="Data-parallel training over ringplug's ring",
             override=True,
         )  # fmt: skip
+
+
+def allow_compiled_models() -> None:
+    """Let ``trainer.fit(torch.compile(model))`` run under RingStrategy.
+
+    Lightning unwraps a compiled model and compiles the LightningModule's forward again,
+    whatever the strategy, then checks the strategy against a fixed list (single device,
+    DDP, FSDP). RingStrategy, like DDP, only averages gradients, so it is let through; every
+    other strategy still gets Lightning's check. Idempotent.
+    """
+    from lightning.pytorch.trainer import trainer as trainer_module
+
+    check = trainer_module._verify_strategy_supports_compile
+    if getattr(check, "_ringplug", False):
+        return
+
+    def verify(model: Any, strategy: Any) -> None:
+        if not isinstance(strategy, RingStrategy):
+            check(model, strategy)
+
+    verify._ringplug = True  # type: ignore[attr-defined]
+    trainer_module._verify_strategy_supports_compile = verify
 
 
 def _prepare_loaders_for_ring(trainer: Any, strategy: RingStrategy) -> None:
