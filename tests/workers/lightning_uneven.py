@@ -7,8 +7,8 @@ batches of each rank (``6,4,5``). Two epochs; each rank writes OUTDIR/<rank>.jso
 weights and the reference weights the mode defines, trained here by plain torch on every
 rank's batches (which each rank can make: they come from per-rank seeds).
 
-``python lightning_uneven.py sigterm - - OUTDIR``: rank 1 (only) notes a SIGTERM at its third
-batch; every rank must stop at the same batch (each writes where it stopped).
+``python lightning_uneven.py sigterm - - OUTDIR``: rank 1 (only) gets a SIGTERM after its third
+step; every rank must stop at the same batch (each writes where it stopped).
 
 ``python lightning_uneven.py eval - - OUTDIR``: validate/test/predict on a dataset whose size
 does not divide by the number of ranks; the logged epoch means must be the means over every
@@ -18,6 +18,8 @@ sample once.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -171,7 +173,7 @@ class SigtermOnRankOne(L.Callback):
 
     def on_train_batch_end(self, trainer, *_: object) -> None:
         if ringplug.rank() == 1 and trainer.global_step == 3:
-            trainer._signal_connector.received_sigterm = True  # what its SIGTERM handler sets
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, to this rank only
 
     def on_exception(self, trainer, _, exception: BaseException) -> None:
         report = {"exception": type(exception).__name__, "global_step": trainer.global_step}

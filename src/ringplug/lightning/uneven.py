@@ -247,11 +247,12 @@ class SigtermFlag:
     """Lightning's SIGTERM flag, agreed between the ranks.
 
     Lightning's SIGTERM handler sets ``trainer.received_sigterm`` on the rank that got the
-    signal, and its loops stop the rank at the end of the batch where they see it; a rank
-    that stops alone leaves the others in their next collective. Once `install` has run,
-    the flag the handler sets is this rank's contribution to the next batch agreement, and
-    every check of Lightning's reads what the agreement said: any rank's SIGTERM, on every
-    rank, at the same batch.
+    signal (and broadcasts from inside the handler), and its loops stop the rank at the end
+    of the batch where they see it; a rank that stops alone leaves the others in their next
+    collective. Here the connector's class gets `_AgreedFlag` mixed in: the flag the handler
+    sets is this rank's contribution to the next batch agreement (no broadcast in the
+    handler), and every check of Lightning's reads what the agreement said: any rank's
+    SIGTERM, on every rank, at the same batch.
     """
 
     def __init__(self, trainer: Any) -> None:
@@ -292,3 +293,13 @@ class _AgreedFlag:
         self._ringplug_local = bool(value)
         if not value:
             self._ringplug_seen = False  # a new fit starts afresh
+
+    def _sigterm_notifier_fn(self, signum: Any, _frame: Any) -> None:
+        # Lightning's handler also broadcasts from inside the signal handler: a collective
+        # that only the signalled rank makes, waiting for ranks that never join it. The
+        # next batch agreement carries the flag instead.
+        if not self._ringplug_local:
+            launcher = self.trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)
+        self._ringplug_local = True
