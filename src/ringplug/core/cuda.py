@@ -23,7 +23,7 @@ import numpy as np
 
 from .dtypes import DType
 from .errors import RingplugError
-from .libraries import mapped_library, wheel_library
+from .libraries import mapped_library, pathfinder_library, wheel_library
 
 LIBRARY_VARIABLE = "RINGPLUG_CUDART_LIB"
 _WHEELS = ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12")  # CUDA 13, CUDA 12
@@ -188,7 +188,9 @@ def cudart_candidates(environ: dict[str, str] | None = None) -> list[tuple[str, 
     explicit = environ.get(LIBRARY_VARIABLE, "")
     if explicit:
         return [(f"{LIBRARY_VARIABLE}={explicit}", explicit if os.path.exists(explicit) else None)]
-    places = [("a libcudart already loaded", mapped_library("/libcudart.so"))]
+    found = pathfinder_library("cudart")  # where installed, first (as for NCCL)
+    places = [] if found is None else [found]
+    places.append(("a libcudart already loaded", mapped_library("/libcudart.so")))
     places += [(f"the {wheel} wheel", wheel_library(wheel, "libcudart.so")) for wheel in _WHEELS]
     places.append(("the system library path", ctypes.util.find_library("cudart")))
     return places

