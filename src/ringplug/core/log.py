@@ -56,7 +56,7 @@ EVENT_MARK = "ringrun-event:"
 FAULT = "fault"
 
 
-def end_job(rank: int, message: str, culprits: Sequence[int] = ()) -> NoReturn:
+def end_job(rank: int, message: str, culprits: Sequence[int] = (), linger: float = 0.0) -> NoReturn:
     """Print a fatal `message` and end this rank without finalizing MPI.
 
     `culprits` are the other ranks that caused it (empty: the cause is on this rank).
@@ -66,6 +66,9 @@ def end_job(rank: int, message: str, culprits: Sequence[int] = ()) -> NoReturn:
     Not MPI_Abort: it kills the job before this rank's last output reaches the launcher.
     A rank that leaves without MPI_Finalize makes the launcher (hydra, Open MPI, ringrun)
     tear the whole job down, after its output is through.
+
+    `linger` seconds it waits first for the launcher to end it (a peer that left the job
+    is exiting with its own code, which the launcher must see first).
     """
     with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()
@@ -80,4 +83,6 @@ def end_job(rank: int, message: str, culprits: Sequence[int] = ()) -> NoReturn:
     with contextlib.suppress(OSError, ValueError):
         stream.write(lines)
         stream.flush()
+    if linger > 0:
+        time.sleep(linger)  # the launcher usually ends this process before
     os._exit(1)

@@ -20,7 +20,7 @@ from types import TracebackType
 from . import log
 from .config import Settings, read_settings
 from .engine import Engine
-from .errors import NotInitializedError, RingplugError
+from .errors import NotInitializedError, PeerLeftError, RingplugError
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,9 @@ _INSTALL_HINT = (
     "Install an MPI library for mpi4py: `pip install 'ringplug[mpich]'` (MPICH from PyPI), "
     "or on a cluster load its MPI module (and `pip uninstall mpich` so mpi4py uses it)."
 )
+
+# How long a rank that a peer's departure ends waits for the launcher to stop it.
+_LEAVER_GRACE_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +191,9 @@ def _install_excepthook() -> None:
             f"uncaught {kind.__name__} on rank {topology.rank}{cause}; ending this rank so "
             f"that the launcher stops all {topology.size} ranks.",
             culprits=culprits,
+            # The rank that left is exiting with its own code (sys.exit(3)); if this rank
+            # ended first, the launcher would kill that one and lose its code.
+            linger=_LEAVER_GRACE_S if isinstance(value, PeerLeftError) else 0.0,
         )
 
     sys.excepthook = abort_job

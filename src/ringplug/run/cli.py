@@ -440,20 +440,56 @@ def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
     elif result.not_started:
         for line in _not_started_lines(result, spec, settings):
             _say(line)
-    elif result.first_failure is not None:
-        _say(_describe_failure(result.first_failure, spec))
-        if len(result.failures) > 1:
-            _say(
-                f"{len(result.failures) - 1} more rank(s) failed after it, most likely "
-                "stopped by the teardown"
-            )
+    elif result.root is not None and not result.root.left_early:
+        for line in _root_cause_lines(result, spec):
+            _say(line)
     elif result.host_problems and result.exit_code != 0:
         _report_problems(result.host_problems, spec, "could not start ranks")
+    elif result.root is not None:
+        for line in _root_cause_lines(result, spec):
+            _say(line)
     elif result.exit_code != 0:
         _say(f"the launcher exited with code {result.launcher_returncode}")
         for line in _never_started_lines(result, spec):
             _say(line)
     return result.exit_code
+
+
+def _root_cause_lines(result: JobResult, spec: JobSpec) -> list[str]:
+    """The rank that failed or froze first, how it ended, and what the others said of it."""
+    root = result.root
+    assert root is not None
+    lines = []
+    fault = root.fault
+    if root.status is not None:
+        line = _describe_failure(root.status, spec)
+        if root.left_early:
+            line += " before the other ranks were done: it left the job early"
+            if fault is None:
+                line += (
+                    f", and the launcher then stopped the job (code {result.launcher_returncode})"
+                )
+        lines.append(line)
+    elif fault is not None and fault.rank != root.rank:
+        named = ", ".join(map(str, root.named_by))
+        lines.append(
+            f"rank {root.rank} stopped taking part in the job (named by rank(s) {named}); "
+            "it was stopped in the teardown"
+        )
+    if fault is not None:
+        speaker = "it" if fault.rank == root.rank else f"rank {fault.rank}"
+        lines.append(f"  {speaker} said: {fault.message}")
+    if root.left_early and fault is None:
+        lines.append(
+            "  a rank must not end (os._exit, a return before the last collective) while "
+            "others still run collectives with it"
+        )
+    others = {s.rank for s in result.failures} - {root.rank}
+    if others:
+        lines.append(
+            f"{len(others)} more rank(s) failed after it, most likely stopped by the teardown"
+        )
+    return lines
 
 
 def _never_started_lines(result: JobResult, spec: JobSpec) -> list[str]:

@@ -283,8 +283,8 @@ class RankWrapper:
             for file in files:
                 if file is not None:
                     file.close()
-        if returncode != 0:
-            self._report(pid=self.child.pid, returncode=returncode)
+        # A clean exit too: ringrun names a rank that left early when the job then fails.
+        self._report(pid=self.child.pid, returncode=returncode)
         return 128 - returncode if returncode < 0 else returncode
 
     def _forward(self, signum: int, frame: object) -> None:
@@ -310,7 +310,7 @@ class RankWrapper:
         self._send_event(RankStarted(rank=rank, host=socket.gethostname(), pid=pid).to_event())
 
     def _report(self, pid: int, returncode: int) -> None:
-        """Tell ``ringrun`` how the program failed, if it asked."""
+        """Tell ``ringrun`` how the program ended, if it asked."""
         status = RankStatus(
             # Without any launcher variables this is a lone process, i.e. rank 0.
             rank=0 if self.rank is None else self.rank,
