@@ -278,19 +278,24 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
             raise UsageError("say how many ranks to run with -np N (or give hosts with -H)")
         np = total_slots(hosts)
     env = dict(settings.env)
+    # Values the user gave may be secrets (API keys): they stay off every command line.
+    private = {name for name, value in env.items() if value is not None}
+    ours: dict[str, str] = {}
     if settings.timeline is not None:
         # Absolute, so rank 0 writes it where the user asked whatever its working directory.
-        env["RINGPLUG_TIMELINE"] = str(Path(settings.timeline).resolve())
-    for name, value in settings.rank_variables().items():
+        ours["RINGPLUG_TIMELINE"] = str(Path(settings.timeline).resolve())
+    ours.update(settings.rank_variables())
+    for name, value in ours.items():
         if env.get(name, value) != value:
             logger.warning(
-                "%s=%s from the tuning settings replaces %s=%s from -x or the config file's env",
+                "%s=%s from ringrun's settings replaces the value of %s from -x or the config "
+                "file's env",
                 name,
                 value,
                 name,
-                env[name],
             )
         env[name] = value
+        private.discard(name)
     output_dir = None
     if settings.output_filename is not None:
         # Absolute, so ranks find it whatever their working directory.
@@ -305,6 +310,7 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
         output_dir=output_dir,
         bind_to=settings.bind_to,
         mpi_args=list(settings.mpi_args),
+        private=frozenset(private),
     )
 
 
