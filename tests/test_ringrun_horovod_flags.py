@@ -23,7 +23,7 @@ from ringplug.run.hosts import Host, rank_hosts
 from ringplug.run.launcher import START_TIMEOUT_EXIT_CODE, StartWatch, run_job
 from ringplug.run.mpi import LaunchPlan
 from ringplug.run.settings import LOG_LEVELS, RunSettings
-from ringplug.run.status import RankStarted, event_line
+from ringplug.run.status import RankStarted, RankStatus, event_line, parse_event
 
 JOB_TIMEOUT_S = 30
 # A job stopped by --start-timeout must end well within this (the ranks never would).
@@ -268,7 +268,9 @@ def test_unknown_log_level_is_a_usage_error():
 def test_tuning_flag_wins_over_the_same_variable_from_x_and_says_so():
     words, stderr = dry_run("-np", "2", "-x", "RINGPLUG_CYCLE_TIME=9", "--cycle-time-ms", "1", "py")
     assert genv(words)["RINGPLUG_CYCLE_TIME"] == "1"
-    assert "RINGPLUG_CYCLE_TIME=1" in stderr and "RINGPLUG_CYCLE_TIME=9" in stderr
+    assert "RINGPLUG_CYCLE_TIME=1" in stderr
+    assert "replaces the value of RINGPLUG_CYCLE_TIME" in stderr
+    assert "=9" not in stderr  # the user's value is not shown
 
 
 def test_no_stall_check_with_stall_times_is_a_usage_error():
@@ -448,7 +450,10 @@ def test_wrapper_reports_its_rank_started_on_stderr():
     result = run_wrapper(3, sys.executable, "-c", "import os; print(os.getpid())")
     assert result.returncode == 0, result.stderr
     started = RankStarted(rank=3, host=socket.gethostname(), pid=int(result.stdout))
-    assert result.stderr == event_line(TOKEN, started.to_event()).decode()
+    first, second = result.stderr.splitlines(keepends=True)
+    assert first == event_line(TOKEN, started.to_event()).decode()
+    ended = parse_event(second, TOKEN)  # a clean exit is reported too
+    assert isinstance(ended, RankStatus) and ended.clean and ended.rank == 3
 
 
 def test_wrapper_reports_nothing_unless_asked():
