@@ -28,8 +28,10 @@ import hashlib
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -41,8 +43,12 @@ def fault(label: str) -> None:
     print(f"FAULT {time.time():.3f} {label}", flush=True)
 
 
-def freeze() -> None:
+def freeze() -> NoReturn:
+    """Stop this whole process here. SIGSTOP arrives asynchronously: the calling thread
+    blocks so that it cannot get any further before the stop takes hold."""
     os.kill(os.getpid(), signal.SIGSTOP)
+    threading.Event().wait()
+    raise AssertionError("unreachable")
 
 
 def warm_up(buf: np.ndarray) -> None:
@@ -63,12 +69,10 @@ def main(scenario: str, extra: list[str]) -> None:
     warm_up(small)
     if scenario == "stop-negotiation":
         if rank == 1:
-            exchange = engine._exchange
 
             def frozen_exchange(own):
-                fault("negotiation")
+                fault(f"negotiation of cycle {own.cycle}")
                 freeze()
-                return exchange(own)
 
             engine._exchange = frozen_exchange
         forever(small)
@@ -83,7 +87,7 @@ def main(scenario: str, extra: list[str]) -> None:
             def frozen_ring_exchange(*args):
                 calls.append(1)
                 if len(calls) == 3:  # mid-way through the reduce-scatter
-                    fault("ring")
+                    fault("ring exchange")
                     freeze()
                 return original(*args)
 
@@ -196,12 +200,15 @@ def secret(rank: int, digest: str) -> None:
     seen = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if value and value.encode() in cmdline.read_bytes():
-                seen.append(cmdline.parent.name)
+            words = cmdline.read_bytes().split(b"\0")
+            if value and any(value.encode() in word for word in words):
+                seen.append(" ".join(w.decode(errors="replace") for w in words[:3]))
         except OSError:
             continue
     ringplug.barrier()  # every rank looks while the whole job runs
-    print(f"rank {rank}: secret arrived={arrived} on command lines={seen}", flush=True)
+    print(f"rank {rank}: secret arrived={arrived}", flush=True)
+    for where in seen:
+        print(f"rank {rank}: secret on the command line of: {where}", flush=True)
 
 
 if __name__ == "__main__":
