@@ -454,7 +454,17 @@ class Engine:
         self._position += 1
         cause = self._failed_here
         if cause is None:
-            return None
+            # A peer that failed this collective before this rank got here may have said so
+            # already: do not start what it will never take part in.
+            notice = self.waiter.peer_failure()
+            if notice is None:
+                return None
+            cause = PeerFailedError(
+                f"rank {notice.rank} failed {notice.what}: {notice.text}", caused_by=(notice.rank,)
+            )
+            self._failed_here, self._renew = cause, True
+            if notice.what == what:
+                return cause
         return PeerFailedError(f"{what} did not run: {cause}", caused_by=cause.caused_by)
 
     def _failed(self, exc: BaseException, requests: list[Request | None]) -> None:

@@ -91,7 +91,7 @@ def _exchange(
     if waiter is None:
         MPI.Request.Waitall(requests)
     else:
-        waiter.wait_requests(requests, f"{phase}, from rank {left} to rank {right}")
+        waiter.wait_requests(requests, f"{phase}: receiving from rank {left}, sending to {right}")
 
 
 def split(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:

@@ -185,7 +185,8 @@ def _install_excepthook() -> None:
         traceback_module.print_exception(kind, value, traceback, file=stream)
         stream.flush()
         culprits = tuple(getattr(value, "caused_by", ()) or ())
-        cause = f" (caused by rank(s) {', '.join(map(str, culprits))})" if culprits else ""
+        plural = "s" if len(culprits) > 1 else ""
+        cause = f" (caused by rank{plural} {', '.join(map(str, culprits))})" if culprits else ""
         log.end_job(
             topology.rank,
             f"uncaught {kind.__name__} on rank {topology.rank}{cause}; ending this rank so "

@@ -167,9 +167,7 @@ class Waiter:
         spin_until = start + _SPIN_SECONDS
         look_at = start + _NOTICE_PERIOD_SECONDS
         check_at = start + settings.stall_check_seconds
-        limit = settings.timeout
-        if 0 < settings.stall_shutdown_seconds < limit:
-            limit = settings.stall_shutdown_seconds
+        limit = self._limit()
         end_at = start + limit
         warn_at: float | None = None  # listening for notices before a warning
         final_at: float | None = None  # listening before ending the job
@@ -227,50 +225,60 @@ class Waiter:
             return
         if silent:
             verdict = (
-                f"rank(s) {_ranks(silent)} stopped taking part: they sent no notice that they "
-                "are waiting (frozen: stopped, stuck in C code holding the GIL, swapping, or "
-                "dead)"
+                f"{_who(silent)} stopped taking part: {_they(silent)} sent no notice of waiting "
+                "(frozen: stopped, stuck in C code holding the GIL, swapping, or dead)"
             )
         else:
             verdict = "every rank is still taking part (a slow peer, or one still computing)"
-        limit = self.settings.timeout
+        limit = self._limit()
         logger.log(
             logging.WARNING if self.rank == 0 else logging.ERROR,
             "Stall: %s; %s. The job ends after %g s of waiting (RINGPLUG_STALL_CHECK_SECONDS="
-            "%g, RINGPLUG_TIMEOUT=%g).",
+            "%g, %s=%g).",
             self._where(waited, phase),
             verdict,
             limit,
             self.settings.stall_check_seconds,
+            self._limit_name(),
             limit,
         )
+
+    def _limit(self) -> float:
+        """Seconds a wait may last: the timeout, or the stall shutdown time if sooner."""
+        settings = self.settings
+        if 0 < settings.stall_shutdown_seconds < settings.timeout:
+            return settings.stall_shutdown_seconds
+        return settings.timeout
+
+    def _limit_name(self) -> str:
+        if self._limit() == self.settings.timeout:
+            return "RINGPLUG_TIMEOUT"
+        return "RINGPLUG_STALL_SHUTDOWN_SECONDS"
 
     def _end_job(
         self, waited: float, limit: float, phase: str, missing: Callable[[], list[int]] | None
     ) -> None:
         silent, alive = self._silent(missing)
         if silent:
+            plural = len(silent) > 1
             verdict = (
-                f"rank(s) {_ranks(silent)} stopped answering: they neither did their part nor "
-                "said they were waiting (frozen: stopped, stuck in C code holding the GIL, "
-                "swapping, or dead)"
+                f"{_who(silent)} stopped answering: {_they(silent)} neither did "
+                f"{'their' if plural else 'its'} part nor said {_they(silent)} "
+                f"{'were' if plural else 'was'} waiting (frozen: stopped, stuck in C code "
+                "holding the GIL, swapping, or dead)"
             )
         else:
             lacking = missing() if missing is not None else []
             verdict = "every other rank says it is waiting too" + (
-                f" (rank(s) {_ranks(lacking)} did not answer this cycle)" if lacking else ""
+                f" ({_who(lacking)} did not answer this cycle)" if lacking else ""
             )
         others = [r for r in alive if r not in silent]
-        also = f"; rank(s) {_ranks(others)} are waiting too" if others and silent else ""
-        setting = (
-            "RINGPLUG_TIMEOUT"
-            if limit == self.settings.timeout
-            else "RINGPLUG_STALL_SHUTDOWN_SECONDS"
-        )
+        verb = "are" if len(others) > 1 else "is"
+        also = f"; {_who(others)} {verb} waiting too" if others and silent else ""
         log.end_job(
             self.rank,
-            f"{self._where(waited, phase)}: {verdict}{also} ({setting}={limit:g}). Ending the "
-            "job: MPI cannot cancel a collective.",
+            f"{self._where(waited, phase)}: {verdict}{also} ({self._limit_name()}={limit:g}). "
+            "Ending the job: MPI cannot cancel a collective.",
             culprits=silent or (missing() if missing is not None else []),
         )
 
@@ -321,5 +329,10 @@ def _peer_failed(notice: Notice, current: str) -> PeerFailedError:
     return PeerFailedError(text, caused_by=(notice.rank,))
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return ", ".join(map(str, ranks)) or "none"
+def _who(ranks: Sequence[int]) -> str:
+    """``[1]`` -> "rank 1", ``[1, 2]`` -> "ranks 1, 2"."""
+    return ("ranks " if len(ranks) > 1 else "rank ") + (", ".join(map(str, ranks)) or "none")
+
+
+def _they(ranks: Sequence[int]) -> str:
+    return "they" if len(ranks) > 1 else "it"

@@ -479,7 +479,8 @@ def _root_cause_lines(result: JobResult, spec: JobSpec) -> list[str]:
     elif fault is not None and fault.rank != root.rank:
         named = ", ".join(map(str, root.named_by))
         lines.append(
-            f"rank {root.rank} stopped taking part in the job (named by rank(s) {named}); "
+            f"rank {root.rank} stopped taking part in the job (named by rank"
+            f"{'s' if len(root.named_by) > 1 else ''} {named}); "
             "it was stopped in the teardown"
         )
     if fault is not None:
@@ -493,7 +494,8 @@ def _root_cause_lines(result: JobResult, spec: JobSpec) -> list[str]:
     others = {s.rank for s in result.failures} - {root.rank}
     if others:
         lines.append(
-            f"{len(others)} more rank(s) failed after it, most likely stopped by the teardown"
+            f"{len(others)} more rank{'s' if len(others) > 1 else ''} failed after it, most "
+            "likely stopped by ringplug or the teardown"
         )
     return lines
 
