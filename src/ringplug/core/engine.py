@@ -349,8 +349,8 @@ class Engine:
                 )
             self._shut_down(plan.shutdown_by)
             return True
-        if any(m.renew for m in messages):
-            self.transport.renew()
+        if any(m.renew for m in messages) and self._ctrl is not None:
+            self.transport.renew(self._ctrl)
         self._cache.learn(plan, {n for n, r in self._pending.items() if r.cacheable})
         self._execute(plan)
         self._inspect_stalls(plan)

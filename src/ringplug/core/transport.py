@@ -40,7 +40,6 @@ class Transport:
 
     def __init__(self, comm: MPI.Comm | None, settings: Settings) -> None:
         self.settings = settings
-        self._parent = comm
         self._comm = comm.Dup() if comm is not None else None
         self.rank = self._comm.Get_rank() if self._comm is not None else 0
         self.size = self._comm.Get_size() if self._comm is not None else 1
@@ -54,16 +53,17 @@ class Transport:
             self._comm.Free()
             self._comm = None
 
-    def renew(self) -> None:
+    def renew(self, parent: MPI.Comm) -> None:
         """Replace the communicator after a collective was abandoned (a peer failed it).
 
         Its operations can never complete and would match later messages (a ring send
-        left posted), so every rank leaves it behind, in the same engine cycle.
+        left posted), so every rank leaves it behind, in the same engine cycle, for a
+        duplicate of `parent` (the engine's own communicator: no other thread uses it).
         """
-        if self._parent is None or self._comm is None:
+        if self._comm is None:
             return
         self.waiter.what = "renewing the data communicator after a failed collective"
-        fresh, request = self._parent.Idup()
+        fresh, request = parent.Idup()
         self.waiter.wait_requests([request])
         stale, self._comm = self._comm, fresh
         stale.Free()  # its pending operations stay posted, harmlessly, on a freed context
