@@ -60,14 +60,17 @@ def test_a_frozen_rank_is_reported_then_ends_the_job_and_is_named(scenario, rank
     assert result.returncode == 1, output
     healthy = [r for r in range(ranks) if r != 1]
     # The stall check names it first (on the lowest healthy rank), then the timeout ends
-    # the job on every healthy rank, each naming rank 1 and where it waited.
+    # the job; every healthy rank that gets there before the launcher stops it says why,
+    # naming rank 1 and where it waited.
     assert "Stall: rank 0 has waited" in output
     assert "rank 1 stopped taking part: it sent no notice of waiting" in output
-    for rank in healthy:
-        assert f"ringplug[{rank}] FATAL: rank {rank} has waited" in output, output
-    assert f"in {where}" in output
-    assert "rank 1 stopped answering: it neither did its part nor said it was waiting" in output
-    assert "(RINGPLUG_TIMEOUT=3)" in output
+    fatal = [line for line in output.splitlines() if "FATAL" in line]
+    assert fatal, output
+    for line in fatal:
+        assert any(f"ringplug[{rank}] FATAL: rank {rank} has waited" in line for rank in healthy)
+        assert f"in {where}" in line
+        assert "rank 1 stopped answering: it neither did its part nor said it was waiting" in line
+        assert "(RINGPLUG_TIMEOUT=3)" in line
     # ringrun names the frozen rank, not the first rank that gave up on it.
     named_by = "rank 0" if ranks == 2 else "ranks 0, 2"
     assert f"ringrun: rank 1 stopped taking part in the job (named by {named_by})" in (

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import pickle
 import time
 from collections.abc import Callable, Sequence
@@ -52,11 +53,11 @@ _NOTICE_PERIOD_SECONDS = 10e-3
 
 
 def listen_window(settings: Settings) -> float:
-    """Seconds a stuck rank listens for its peers' notices before it names the silent ones.
+    """Seconds before a verdict that a stuck rank sends its notices and starts listening for
+    its peers' ones.
 
-    Peers stuck in the same collective reach their own deadline within a fraction of a
-    second of each other; the window stays well inside the 10 s that a job may take, beyond
-    RINGPLUG_TIMEOUT, to end.
+    Peers stuck in the same collective reach that point within a fraction of a second of
+    each other (they entered it together), and a notice takes microseconds.
     """
     return min(3.0, max(1.0, settings.timeout / 4))
 
@@ -166,11 +167,15 @@ class Waiter:
         start = time.perf_counter()
         spin_until = start + _SPIN_SECONDS
         look_at = start + _NOTICE_PERIOD_SECONDS
-        check_at = start + settings.stall_check_seconds
-        limit = self._limit()
-        end_at = start + limit
-        warn_at: float | None = None  # listening for notices before a warning
-        final_at: float | None = None  # listening before ending the job
+        check, limit = settings.stall_check_seconds, self._limit()
+        # Notices go out a listening window before each verdict, so that the warning comes
+        # at RINGPLUG_STALL_CHECK_SECONDS and the end at RINGPLUG_TIMEOUT, not later; at
+        # most half-way into the wait (short test timeouts).
+        warn_at, end_at = start + check, start + limit
+        window = listen_window(settings)
+        notice_times = sorted(
+            {start + check - min(window, check / 2), start + limit - min(window, limit / 2)}
+        )
         delay = _FIRST_SLEEP_SECONDS
         while not done():
             now = time.perf_counter()
@@ -180,17 +185,13 @@ class Waiter:
                 if failure is not None:
                     raise _peer_failed(failure, self.what)
                 self._reap_sends()
-                if now >= check_at:
-                    check_at = float("inf")
+                if notice_times and now >= notice_times[0]:
+                    del notice_times[0]
                     self._send(Notice(self.rank, self.cycle, self.index, self.what))
-                    warn_at = now + listen_window(settings)
-                if warn_at is not None and now >= warn_at:
-                    warn_at = None
+                if now >= warn_at:
+                    warn_at = math.inf
                     self._warn(now - start, phase, missing)
-                if final_at is None and now >= end_at:
-                    self._send(Notice(self.rank, self.cycle, self.index, self.what))
-                    final_at = now + listen_window(settings)
-                if final_at is not None and now >= final_at:
+                if now >= end_at:
                     self._end_job(now - start, limit, phase, missing)
             if now < spin_until:
                 time.sleep(0)

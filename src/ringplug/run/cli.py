@@ -454,6 +454,14 @@ def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
     elif result.root is not None:
         for line in _root_cause_lines(result, spec):
             _say(line)
+    elif result.unreported and result.exit_code != 0:
+        _say(
+            f"rank{'s' if len(result.unreported) > 1 else ''} "
+            f"{', '.join(map(str, result.unreported))} started but never reported how they "
+            "ended: the launcher killed them with their wrappers (hydra does so to every rank "
+            "when one leaves without MPI_Finalize, e.g. through os._exit); the launcher exited "
+            f"with code {result.launcher_returncode}"
+        )
     elif result.exit_code != 0:
         _say(f"the launcher exited with code {result.launcher_returncode}")
         for line in _never_started_lines(result, spec):

@@ -104,6 +104,8 @@ class JobResult:
         faults: what ringplug said on the ranks it ended, in the order the reports arrived.
         finished: the ranks whose program exited with code 0, in that order.
         root: the rank that most likely caused the failure, and the evidence.
+        unreported: ranks that started but never reported how they ended (killed together
+            with their wrapper).
     """
 
     exit_code: int
@@ -118,6 +120,7 @@ class JobResult:
     faults: list[RankFault] = field(default_factory=list)
     finished: list[RankStatus] = field(default_factory=list)
     root: RootCause | None = None
+    unreported: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -441,7 +444,14 @@ class _JobWatcher:
         with self.diagnosis_lock:
             host_problems = list(self.diagnosis.problems)
             start_errors = list(self.diagnosis.unnamed)
-        if root is None and returncode != 0 and self.finished and not host_problems:
+        # Every started rank reports how it ended; one that did not was killed with its
+        # wrapper (hydra does that to the whole job when a rank leaves without MPI_Finalize,
+        # and may then exit 0).
+        ended = {status.rank for status in [*self.failures, *self.finished]}
+        unreported = sorted(rank for rank in self.started if rank not in ended)
+        killed_quietly = bool(unreported) and returncode == 0 and self.stop_signal is None
+        failed = returncode != 0 or killed_quietly
+        if root is None and failed and self.finished and not host_problems:
             # Nothing failed, yet the launcher did: a rank that left first, with code 0 and
             # without ringplug ending cleanly (os._exit), made it stop the others.
             early = min(self.finished, key=lambda status: status.timestamp)
@@ -461,6 +471,8 @@ class _JobWatcher:
             exit_code = 128 - returncode
         else:
             exit_code = returncode
+        if exit_code == 0 and killed_quietly:
+            exit_code = 1
         return JobResult(
             exit_code=exit_code,
             first_failure=first,
@@ -474,4 +486,5 @@ class _JobWatcher:
             faults=list(self.faults),
             finished=list(self.finished),
             root=root,
+            unreported=unreported,
         )

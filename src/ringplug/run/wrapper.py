@@ -281,6 +281,10 @@ class RankWrapper:
             for thread in threads:
                 thread.start()
             returncode = self.child.wait()
+            # At once, before draining the output: when a rank ends without MPI_Finalize the
+            # launcher kills every wrapper within moments, and ringrun must hear of it.
+            # ringrun takes the report out of the output, wherever it falls.
+            self._report(pid=self.child.pid, returncode=returncode)
             for thread in threads:
                 thread.join(_DRAIN_TIMEOUT_S)
         finally:
@@ -289,8 +293,6 @@ class RankWrapper:
             for file in files:
                 if file is not None:
                     file.close()
-        # A clean exit too: ringrun names a rank that left early when the job then fails.
-        self._report(pid=self.child.pid, returncode=returncode)
         return 128 - returncode if returncode < 0 else returncode
 
     def _forward(self, signum: int, frame: object) -> None:
