@@ -38,6 +38,7 @@ from ringplug.run.hosts import (
 )
 from ringplug.run.launcher import START_FAILED_EXIT_CODE, JobResult, StartWatch, run_job
 from ringplug.run.mpi import (
+    FORWARDED_VARIABLES,
     JobSpec,
     LauncherError,
     MpiLauncher,
@@ -278,8 +279,12 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
             raise UsageError("say how many ranks to run with -np N (or give hosts with -H)")
         np = total_slots(hosts)
     env = dict(settings.env)
-    # Values the user gave may be secrets (API keys): they stay off every command line.
-    private = {name for name, value in env.items() if value is not None}
+    # Values the user gave may be secrets (API keys): they stay off every command line. The
+    # search paths stay on it: set in the launcher's own environment they would change how
+    # the launcher itself runs (and they are no secrets).
+    private = {
+        name for name, value in env.items() if value is not None and name not in FORWARDED_VARIABLES
+    }
     ours: dict[str, str] = {}
     if settings.timeline is not None:
         # Absolute, so rank 0 writes it where the user asked whatever its working directory.
