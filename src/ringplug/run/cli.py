@@ -485,8 +485,9 @@ def _root_cause_lines(result: JobResult, spec: JobSpec) -> list[str]:
         if root.left_early:
             line += " before the other ranks were done: it left the job early"
             if fault is None:
-                line += (
-                    f", and the launcher then stopped the job (code {result.launcher_returncode})"
+                code = result.launcher_returncode
+                line += ", and the launcher then stopped the others" + (
+                    f" (it exited with code {code})" if code else ""
                 )
         lines.append(line)
     elif fault is not None and fault.rank != root.rank:
