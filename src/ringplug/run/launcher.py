@@ -451,7 +451,10 @@ class _JobWatcher:
         unreported = sorted(rank for rank in self.started if rank not in ended)
         killed_quietly = bool(unreported) and returncode == 0 and self.stop_signal is None
         failed = returncode != 0 or killed_quietly
-        if root is None and failed and self.finished and not host_problems:
+        everyone_started = not start_errors and (
+            self.start_watch is None or self.start_watch.ranks <= set(self.started)
+        )
+        if root is None and failed and self.finished and not host_problems and everyone_started:
             # Nothing failed, yet the launcher did: a rank that left first, with code 0 and
             # without ringplug ending cleanly (os._exit), made it stop the others.
             early = min(self.finished, key=lambda status: status.timestamp)
