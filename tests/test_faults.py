@@ -222,6 +222,7 @@ def test_x_of_something_that_is_no_variable_name_is_refused():
         ("RINGPLUG_CYCLE_TIME", "inf", "must be a finite number of milliseconds"),
         ("RINGPLUG_CYCLE_TIME", "5000", "at most 1000 milliseconds"),
         ("RINGPLUG_FUSION_THRESHOLD", "inf", "as a byte count"),
+        ("RINGPLUG_LOG_LEVEL", "loud", "is not a log level"),
     ],
 )
 def test_rank_settings_that_would_break_the_engine_are_refused(name, value, says, monkeypatch):

@@ -118,5 +118,18 @@ def read_settings() -> Settings:
             "RINGPLUG_STALL_SHUTDOWN_SECONDS", defaults.stall_shutdown_seconds, True
         ),
         timeline=_env("RINGPLUG_TIMELINE"),
-        log_level=(_env("RINGPLUG_LOG_LEVEL") or defaults.log_level).upper(),
+        log_level=_log_level(),
     )
+
+
+# Python logging's names (what the handler accepts).
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
+
+
+def _log_level() -> str:
+    level = (_env("RINGPLUG_LOG_LEVEL") or Settings.log_level).upper()
+    if level not in _LOG_LEVELS:
+        raise ValueError(
+            f"RINGPLUG_LOG_LEVEL={level!r} is not a log level; use one of {', '.join(_LOG_LEVELS)}."
+        )
+    return level
