@@ -602,6 +602,11 @@ class Engine:
         except CommunicatorFailed as exc:  # these requests left _pending: fail them here
             self._complete_each(requests, error=exc)
             raise
+        except Exception as exc:  # noqa: BLE001 - e.g. out of device memory for the fusion buffer
+            # Its callers hear it; peers inside the NCCL collective end at the GPU plane's
+            # timeout, which aborts the communicator on every rank.
+            self._complete_each(requests, error=exc)
+            return
         done = time.perf_counter()
         self.collectives_run += 1
         self._complete_each(requests)
