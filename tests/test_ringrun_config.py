@@ -69,9 +69,9 @@ def test_flags_win_over_the_config_file(tmp_path):
     )
     assert words[words.index("-n") + 1] == "2"
     assert words[words.index("-hosts") + 1] == "c:2"
-    genv = {words[i + 1]: words[i + 2] for i, word in enumerate(words) if word == "-genv"}
-    assert genv["FOO"] == "from-flag"
-    assert genv["KEEP"] == "kept"
+    # Both values reach mpiexec through its environment (shown by name only).
+    assert "FOO=<hidden>" in words and "KEEP=<hidden>" in words
+    assert not {"from-flag", "from-file", "kept"} & {part for w in words for part in w.split("=")}
 
 
 def test_hostfile_flag_replaces_hosts_from_the_file(tmp_path):

@@ -62,7 +62,8 @@ def test_hydra_line_translates_hosts_interface_binding_and_variables():
     assert follows(words, "-hosts", "node1:2,node2:2")
     assert follows(words, "-iface", "eth0")
     assert follows(words, "-bind-to", "core")
-    assert follows(words, "-genv", "FOO", "bar baz")
+    # The user's value travels in mpiexec's environment (hydra passes it on), not its argv.
+    assert "FOO=<hidden>" in words and "bar baz" not in words and "FOO" not in words
     assert follows(words, "-genv", "NCCL_SOCKET_IFNAME", "eth0")
 
 
@@ -152,7 +153,9 @@ def test_open_mpi_line_translates_hosts_interfaces_ssh_port_binding_and_variable
     assert follows(words, "--mca", "oob_tcp_if_include", "eth0,ib0")
     assert follows(words, "--mca", "plm_rsh_args", "-o BatchMode=yes -o ConnectTimeout=10 -p 2222")
     assert follows(words, "--bind-to", "socket")
-    assert follows(words, "-x", "FOO=bar")
+    # Open MPI's `-x NAME` exports the value from mpirun's environment, where it travels.
+    assert follows(words, "-x", "FOO") and "FOO=<hidden>" in words
+    assert not any("bar" in word for word in words)
     assert follows(words, "-x", "FORWARD_ME")
     assert follows(words, "-x", "NCCL_DEBUG")
     assert follows(words, "-x", "NCCL_SOCKET_IFNAME=eth0,ib0")

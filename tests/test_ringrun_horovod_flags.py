@@ -23,7 +23,7 @@ from ringplug.run.hosts import Host, rank_hosts
 from ringplug.run.launcher import START_TIMEOUT_EXIT_CODE, StartWatch, run_job
 from ringplug.run.mpi import LaunchPlan
 from ringplug.run.settings import LOG_LEVELS, RunSettings
-from ringplug.run.status import RankStarted, event_line
+from ringplug.run.status import RankStarted, RankStatus, event_line, parse_event
 
 JOB_TIMEOUT_S = 30
 # A job stopped by --start-timeout must end well within this (the ranks never would).
@@ -268,7 +268,9 @@ def test_unknown_log_level_is_a_usage_error():
 def test_tuning_flag_wins_over_the_same_variable_from_x_and_says_so():
     words, stderr = dry_run("-np", "2", "-x", "RINGPLUG_CYCLE_TIME=9", "--cycle-time-ms", "1", "py")
     assert genv(words)["RINGPLUG_CYCLE_TIME"] == "1"
-    assert "RINGPLUG_CYCLE_TIME=1" in stderr and "RINGPLUG_CYCLE_TIME=9" in stderr
+    assert "RINGPLUG_CYCLE_TIME=1" in stderr
+    assert "replaces the value of RINGPLUG_CYCLE_TIME" in stderr
+    assert "=9" not in stderr  # the user's value is not shown
 
 
 def test_no_stall_check_with_stall_times_is_a_usage_error():
@@ -434,21 +436,33 @@ def run_wrapper(rank: int, *command: str, token: str | None = TOKEN):
     )
 
 
-def fake_launcher(*started_ranks: int, then: str = "threading.Event().wait()") -> LaunchPlan:
-    """A launcher whose ranks ``started_ranks`` report starting, and that then runs ``then``."""
+def fake_launcher(
+    *started_ranks: int, then: str = "threading.Event().wait()", report_ends: bool = False
+) -> LaunchPlan:
+    """A launcher whose ranks ``started_ranks`` report starting, and that then runs ``then``
+    (and, with `report_ends`, reports that each rank exited cleanly)."""
     lines = b"".join(
         event_line(TOKEN, RankStarted(rank=rank, host="here", pid=100 + rank).to_event())
         for rank in started_ranks
     )
+    ends = b"".join(
+        event_line(TOKEN, RankStatus(rank, "here", 100 + rank, 0, None, 1.0).to_event())
+        for rank in started_ranks
+        if report_ends
+    )
     code = f"import sys, threading, time\nsys.stderr.buffer.write({lines!r}); sys.stderr.flush()\n"
-    return LaunchPlan(argv=[sys.executable, "-c", code + then])
+    tail = f"\nsys.stderr.buffer.write({ends!r}); sys.stderr.flush()\n"
+    return LaunchPlan(argv=[sys.executable, "-c", code + then + tail])
 
 
 def test_wrapper_reports_its_rank_started_on_stderr():
     result = run_wrapper(3, sys.executable, "-c", "import os; print(os.getpid())")
     assert result.returncode == 0, result.stderr
     started = RankStarted(rank=3, host=socket.gethostname(), pid=int(result.stdout))
-    assert result.stderr == event_line(TOKEN, started.to_event()).decode()
+    first, second = result.stderr.splitlines(keepends=True)
+    assert first == event_line(TOKEN, started.to_event()).decode()
+    ended = parse_event(second, TOKEN)  # a clean exit is reported too
+    assert isinstance(ended, RankStatus) and ended.clean and ended.rank == 3
 
 
 def test_wrapper_reports_nothing_unless_asked():
@@ -476,10 +490,19 @@ def test_watcher_stops_a_job_whose_ranks_never_start():
 
 def test_watcher_leaves_a_job_alone_once_every_rank_started():
     # Outlives the start timeout, then ends on its own.
-    plan = fake_launcher(0, 1, then="time.sleep(1)")
+    plan = fake_launcher(0, 1, then="time.sleep(1)", report_ends=True)
     result = run_job(plan, events_token=TOKEN, start_watch=StartWatch(0.1, frozenset({0, 1})))
     assert result.not_started == []
     assert result.exit_code == 0
+
+
+def test_ranks_killed_with_their_wrappers_fail_the_job_even_if_the_launcher_exits_0():
+    # hydra kills every rank and wrapper when one leaves without MPI_Finalize, and may then
+    # exit 0: ranks that started but never said how they ended did not succeed.
+    result = run_job(fake_launcher(0, 1, then="pass"), events_token=TOKEN)
+    assert result.launcher_returncode == 0
+    assert result.unreported == [0, 1]
+    assert result.exit_code == 1
 
 
 def test_event_lines_do_not_reach_ringruns_output(capfd):

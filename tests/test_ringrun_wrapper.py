@@ -96,9 +96,11 @@ def test_signal_is_reported_by_name():
     assert status.exit_code is None
 
 
-def test_success_reports_only_the_start():
+def test_success_reports_the_start_and_a_clean_exit():
     result = run_wrapper(sys.executable, "-c", "pass", env={"RINGPLUG_RUN_EVENTS": TOKEN})
-    assert [type(event) for event in events(result.stderr)] == [RankStarted]
+    started, ended = events(result.stderr)
+    assert isinstance(started, RankStarted)
+    assert isinstance(ended, RankStatus) and ended.clean and ended.exit_code == 0
 
 
 def test_no_events_unless_ringrun_asked():

@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 
 _CORE_NAMES = (
     "Average", "DType", "Handle", "Max", "Min", "MismatchError",
-    "NotInitializedError", "PeerArgumentError", "Product", "ReduceOp", "RingplugError",
+    "NotInitializedError", "PeerArgumentError", "PeerFailedError", "PeerLeftError",
+    "Product", "ReduceOp", "RingplugError",
     "StallError", "Sum", "allgather", "allgather_async", "allgather_object", "allreduce",
     "allreduce_async", "alltoall", "barrier", "broadcast", "broadcast_async",
     "broadcast_object", "cross_rank", "cross_size", "grouped_allreduce",

@@ -32,6 +32,8 @@ from .errors import (
     MismatchError,
     NotInitializedError,
     PeerArgumentError,
+    PeerFailedError,
+    PeerLeftError,
     RingplugError,
     StallError,
 )
@@ -50,7 +52,8 @@ from .runtime import (
 
 __all__ = [
     "Average", "DType", "Handle", "Max", "Min", "MismatchError",
-    "NotInitializedError", "PeerArgumentError", "Product", "ReduceOp", "RingplugError",
+    "NotInitializedError", "PeerArgumentError", "PeerFailedError", "PeerLeftError",
+    "Product", "ReduceOp", "RingplugError",
     "StallError", "Sum", "allgather", "allgather_async", "allgather_object", "allreduce",
     "allreduce_async", "alltoall", "alltoall_async", "barrier", "barrier_async", "broadcast",
     "broadcast_async", "broadcast_object", "cross_rank", "cross_size", "grouped_allreduce",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -15,7 +16,7 @@ def parse_bytes(text: str) -> int:
     number = value[: len(value) - len(unit)] if unit else value
     try:
         result = int(float(number) * _UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, nan or inf
         raise ValueError(
             f"Cannot read {text!r} as a byte count; write e.g. 65536, 64K or 16M."
         ) from None
@@ -28,8 +29,10 @@ def parse_bytes(text: str) -> int:
 class Settings:
     """Knobs read from `RINGPLUG_*` variables; constructor arguments elsewhere win over these."""
 
-    # Seconds a collective may wait for its peers before the job is aborted.
-    timeout: float = 1800.0
+    # Seconds any wait for peers (negotiation, the ring, MPI's collectives) may last before
+    # the job ends, naming the ranks that stopped taking part. Ten minutes, as torch's NCCL
+    # watchdog: long enough for a slow checkpoint on one rank, never half an hour of silence.
+    timeout: float = 600.0
     # From this many bytes on, allreduce uses ringplug's ring instead of MPI's own Allreduce.
     # Measured on the 2-core CI machine, 2 ranks: MPICH's Allreduce is as fast as the ring
     # up to 8-16 MiB and falls to half the ring's bandwidth from 32 MiB (it page-faults a
@@ -44,8 +47,9 @@ class Settings:
     # Seconds the engine waits after a submission for more requests to fuse with (0: run
     # each cycle with what has arrived; requests that arrive meanwhile form the next one).
     cycle_time: float = 0.0
-    # Rank 0 warns about collectives some ranks submitted and others did not after this
-    # long, and (if > 0) every rank raises after the shutdown period.
+    # After this long, rank 0 warns about collectives some ranks submitted and others did not,
+    # and a rank waiting for peers names those that stopped taking part; after the shutdown
+    # period (if > 0) the former raise StallError on every rank and the latter end the job.
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
     # Chrome trace of the engine (written by rank 0), or None.
@@ -58,7 +62,14 @@ def _env(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
-def _float(name: str, default: float, allow_zero: bool = False, unit: str = "seconds") -> float:
+def _float(
+    name: str,
+    default: float,
+    allow_zero: bool = False,
+    unit: str = "seconds",
+    allow_inf: bool = False,
+    most: float = math.inf,
+) -> float:
     raw = _env(name)
     if raw is None:
         return default
@@ -66,9 +77,14 @@ def _float(name: str, default: float, allow_zero: bool = False, unit: str = "sec
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number of {unit}.") from None
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        never = " (or inf for never)" if allow_inf else ""
+        raise ValueError(f"{name}={raw!r} must be a finite number of {unit}{never}.")
     if value < 0 or (value == 0 and not allow_zero):
         kind = "a non-negative" if allow_zero else "a positive"
         raise ValueError(f"{name}={raw!r} must be {kind} number of {unit}.")
+    if value > most:
+        raise ValueError(f"{name}={raw!r} must be at most {most:g} {unit}.")
     return value
 
 
@@ -89,15 +105,31 @@ def read_settings() -> Settings:
     if segment < 64:
         raise ValueError(f"RINGPLUG_RING_SEGMENT must be at least 64 bytes, got {segment}.")
     return Settings(
-        timeout=_float("RINGPLUG_TIMEOUT", defaults.timeout),
+        timeout=_float("RINGPLUG_TIMEOUT", defaults.timeout),  # every wait has a deadline
         ring_threshold=_bytes("RINGPLUG_RING_THRESHOLD", defaults.ring_threshold),
         ring_segment=segment,
         fusion_threshold=_bytes("RINGPLUG_FUSION_THRESHOLD", defaults.fusion_threshold),
-        cycle_time=_float("RINGPLUG_CYCLE_TIME", 0.0, True, "milliseconds") / 1e3,
-        stall_check_seconds=_float("RINGPLUG_STALL_CHECK_SECONDS", defaults.stall_check_seconds),
+        # A cycle time is a pause before every cycle: more than a second is a mistake.
+        cycle_time=_float("RINGPLUG_CYCLE_TIME", 0.0, True, "milliseconds", most=1000) / 1e3,
+        stall_check_seconds=_float(
+            "RINGPLUG_STALL_CHECK_SECONDS", defaults.stall_check_seconds, allow_inf=True
+        ),
         stall_shutdown_seconds=_float(
             "RINGPLUG_STALL_SHUTDOWN_SECONDS", defaults.stall_shutdown_seconds, True
         ),
         timeline=_env("RINGPLUG_TIMELINE"),
-        log_level=(_env("RINGPLUG_LOG_LEVEL") or defaults.log_level).upper(),
+        log_level=_log_level(),
     )
+
+
+# Python logging's names (what the handler accepts).
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
+
+
+def _log_level() -> str:
+    level = (_env("RINGPLUG_LOG_LEVEL") or Settings.log_level).upper()
+    if level not in _LOG_LEVELS:
+        raise ValueError(
+            f"RINGPLUG_LOG_LEVEL={level!r} is not a log level; use one of {', '.join(_LOG_LEVELS)}."
+        )
+    return level

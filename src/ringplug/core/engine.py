@@ -34,11 +34,20 @@ import numpy as np
 from . import log, reduce, ring
 from .config import Settings
 from .dtypes import DType
-from .errors import CommunicatorFailed, MismatchError, PeerArgumentError, RingplugError, StallError
+from .errors import (
+    CommunicatorFailed,
+    MismatchError,
+    PeerArgumentError,
+    PeerFailedError,
+    PeerLeftError,
+    RingplugError,
+    StallError,
+)
 from .negotiation import GPU, Cache, Kind, Message, Plan, Response, Signature, decide
 from .ops import ReduceOp
 from .timeline import Timeline
 from .transport import Transport
+from .waiting import Waiter
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -48,7 +57,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _CONTROL_TAG = 7100
-_SPIN_SECONDS = 200e-6
 # After a cycle, the next submission or a peer's next message is usually well under a
 # millisecond away; poll (yielding the GIL and the core) that long before sleeping.
 _POLL_AFTER_CYCLE_SECONDS = 1e-3
@@ -180,6 +188,11 @@ class Engine:
         self.transport = Transport(comm, settings)
         self.rank, self.size = self.transport.rank, self.transport.size
         self._ctrl = comm.Dup() if comm is not None else None
+        # Every wait of this engine (negotiation, ring, MPI collectives) has its deadline.
+        self.waiter = Waiter(self._ctrl, settings, self.rank, self.size)
+        self.transport.waiter = self.waiter
+        self._renew = False  # a collective was abandoned: renew the data communicator
+        self.left_early = False  # this rank ended ringplug while peers still waited for it
         self._peers = [(self.rank + d) % self.size for d in range(1, self.size)]
         self._lock = threading.Condition()
         self._queue: collections.deque[Request] = collections.deque()
@@ -189,6 +202,8 @@ class Engine:
         self._cycle = 0
         self._fusion = np.empty(0, np.uint8)
         self._failure: BaseException | None = None
+        self._failed_here: PeerFailedError | None = None  # a collective of this cycle failed
+        self._position = 0  # of the next collective in this cycle's plan
         self._stop_requested = False
         self._joined_cycle = 0
         self._join_handle: Handle | None = None
@@ -347,8 +362,16 @@ class Engine:
         plan = decide(messages, self._cache)
         self.cycles_run += 1
         if plan.shutdown_by is not None:
+            if plan.shutdown_by == self.rank:
+                self.left_early = any(
+                    (m.cached or m.new) and not m.shutdown
+                    for r, m in enumerate(messages)
+                    if r != self.rank
+                )
             self._shut_down(plan.shutdown_by)
             return True
+        if any(m.renew for m in messages) and self._ctrl is not None:
+            self.transport.renew(self._ctrl)
         self._cache.learn(plan, {n for n, r in self._pending.items() if r.cacheable})
         self._execute(plan)
         self._inspect_stalls(plan)
@@ -365,6 +388,7 @@ class Engine:
 
     def _message(self, stopping: bool) -> Message:
         message = Message(self._cycle, joined_cycle=self._joined_cycle, shutdown=stopping)
+        message.renew, self._renew = self._renew, False
         for name, request in self._pending.items():
             slot = self._cache.slot_for(name, request.signature) if request.cacheable else None
             if slot is not None:
@@ -388,41 +412,24 @@ class Engine:
         sends = [ctrl.Isend([payload, MPI.BYTE], peer, _CONTROL_TAG) for peer in self._peers]
         waiting = list(self._peers)
         status = MPI.Status()
-        start = time.perf_counter()
-        deadline = start + self.settings.timeout
-        spin_until = start + _SPIN_SECONDS
-        delay = 20e-6
-        while waiting:
+
+        def arrived() -> bool:
             for peer in list(waiting):
                 if ctrl.Iprobe(source=peer, tag=_CONTROL_TAG, status=status):
                     buffer = bytearray(status.Get_count(MPI.BYTE))
                     ctrl.Recv([buffer, MPI.BYTE], peer, _CONTROL_TAG)
                     messages[peer] = pickle.loads(buffer)
                     waiting.remove(peer)
-            if not waiting:
-                break
-            now = time.perf_counter()
-            if now > deadline:
-                self._abort_missing(waiting, now - start)
-            if now > spin_until:
-                # MPI progresses only inside its calls: keep probing, but sleep between probes
-                # so that a rank waiting for a slow peer does not take a core from training.
-                time.sleep(delay)
-                delay = _next_delay(delay, start)
-        MPI.Request.Waitall(sends)
-        return messages  # type: ignore[return-value]
+            return not waiting
 
-    def _abort_missing(self, missing: list[int], waited: float) -> None:
-        waiting_for = sorted(self._pending) or ["(nothing of its own)"]
-        shown = ", ".join(repr(n) for n in waiting_for[:5])
-        log.end_job(
-            self.rank,
-            f"rank {self.rank} waited {waited:.0f} s in engine cycle {self._cycle} (pending here: "
-            f"{shown}) for rank(s) {', '.join(map(str, sorted(missing)))}, which never answered "
-            f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}). Those ranks are stuck without "
-            "reaching ringplug (a hang in user code, a dead process). Ending the job: MPI cannot "
-            "cancel a collective.",
-        )
+        pending = sorted(self._pending)
+        shown = ", ".join(repr(n) for n in pending[:5]) + (", ..." if len(pending) > 5 else "")
+        self.waiter.begin(self._cycle, -1, "negotiation")
+        # A rank that sent its message is alive: only the others can be the ones missing.
+        self.waiter.wait(arrived, f"pending here: {shown or 'nothing of its own'}",
+                         missing=lambda: sorted(waiting))  # fmt: skip
+        self.waiter.wait_requests(sends, "sending this rank's negotiation message")
+        return messages  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ running a plan
     def _execute(self, plan: Plan) -> None:
@@ -432,6 +439,8 @@ class Engine:
                 self._complete(request, error=_mismatch_error(request, message))
         batch: list[Response] = []
         batch_bytes = 0
+        self._failed_here = None
+        self._position = 0
         for response in plan.responses:
             signature = response.signature
             if signature.kind is Kind.ALLREDUCE:
@@ -456,6 +465,43 @@ class Engine:
         if batch:
             self._allreduce_batch(batch)
 
+    def _begin(self, kind: str, responses: list[Response]) -> PeerFailedError | None:
+        """Name the collective the next waits belong to (its position in the plan is the
+        same on every rank). Returns the error to fail it with when an earlier collective of
+        this cycle failed (the ranks then left the data communicator), else None."""
+        fused = f" (fused with {len(responses) - 1} more)" if len(responses) > 1 else ""
+        what = f"{kind} {responses[0].name!r}{fused}"
+        self.waiter.begin(self._cycle, self._position, what)
+        self._position += 1
+        cause = self._failed_here
+        if cause is None:
+            # A peer that failed this collective before this rank got here may have said so
+            # already: do not start what it will never take part in.
+            notice = self.waiter.peer_failure()
+            if notice is None:
+                return None
+            cause = PeerFailedError(
+                f"rank {notice.rank} failed {notice.what}: {notice.text}", caused_by=(notice.rank,)
+            )
+            self._failed_here, self._renew = cause, True
+            if notice.what == what:
+                return cause
+        return PeerFailedError(f"{what} did not run: {cause}", caused_by=cause.caused_by)
+
+    def _failed(self, exc: BaseException, requests: list[Request | None]) -> None:
+        """A collective failed while running: fail its requests here, and make sure every
+        peer hears of it instead of waiting for this rank forever."""
+        if isinstance(exc, PeerFailedError):
+            cause = exc
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+            logger.error("rank %d failed %s: %s", self.rank, self.waiter.what, text)
+            self.waiter.announce_failure(text)
+            cause = PeerFailedError(f"rank {self.rank} failed {self.waiter.what}: {text}")
+        self._renew = True  # its operations may still be posted: leave the communicator
+        self._failed_here = cause
+        self._complete_each(requests, error=exc)
+
     def _allreduce_batch(self, batch: list[Response]) -> None:
         """Reduce the tensors of `batch` (same dtype and op) in one collective.
 
@@ -469,6 +515,19 @@ class Engine:
         if batch[0].signature.place == GPU:
             self._gpu_allreduce_batch(batch, requests, code, op)
             return
+        skipped = self._begin("allreduce", batch)
+        if skipped is not None:
+            self._complete_each(requests, error=skipped)
+            return
+        try:
+            self._host_allreduce_batch(batch, requests, code, op)
+        except CommunicatorFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
+            self._failed(exc, requests)
+
+    def _host_allreduce_batch(self, batch: list[Response], requests: list[Request | None],
+                              code: DType, op: ReduceOp) -> None:  # fmt: skip
         # One entry per tensor: (request or None for a joined rank, input, output).
         entries: list[tuple[Request | None, np.ndarray, np.ndarray]] = []
         for response, request in zip(batch, requests, strict=True):
@@ -493,7 +552,7 @@ class Engine:
             parts = [out for _, _, out in entries]
             if not all(r.in_place for r in present):
                 np.concatenate([send for _, send, _ in entries], out=span)
-        elif len(entries) == 1 or self.transport.uses_ring(total * code.itemsize, code):
+        elif len(entries) == 1 or self.transport.uses_ring(total * code.itemsize, code, op):
             parts = []
             for request, send, out in entries:
                 if request is not None and not request.in_place:
@@ -564,6 +623,11 @@ class Engine:
         except CommunicatorFailed as exc:  # these requests left _pending: fail them here
             self._complete_each(requests, error=exc)
             raise
+        except Exception as exc:  # noqa: BLE001 - e.g. out of device memory for the fusion buffer
+            # Its callers hear it; peers inside the NCCL collective end at the GPU plane's
+            # timeout, which aborts the communicator on every rank.
+            self._complete_each(requests, error=exc)
+            return
         done = time.perf_counter()
         self.collectives_run += 1
         self._complete_each(requests)
@@ -591,16 +655,30 @@ class Engine:
                 self._complete(request, error=request.error)
             return
         start = time.perf_counter()
+        if signature.place != GPU:
+            skipped = self._begin(signature.kind.label, [response])
+            if skipped is not None:
+                self._complete_each([request], error=skipped)
+                return
         try:
             if signature.place == GPU:
                 result = self._dispatch_gpu(signature, response, request)
             else:
                 result = self._dispatch(signature, response, request)
-        except (ValueError, TypeError, RingplugError) as exc:
+        except CommunicatorFailed as exc:
             if request is not None:
                 self._complete(request, error=exc)
-            if isinstance(exc, CommunicatorFailed):
-                raise  # every other GPU collective must fail too
+            raise  # every other GPU collective must fail too
+        except _SameEverywhere as exc:  # raised alike on every rank, before any data moved
+            if request is not None:
+                self._complete(request, error=exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
+            if signature.place == GPU:
+                if request is not None:
+                    self._complete(request, error=exc)
+                return
+            self._failed(exc, [request])
             return
         self.collectives_run += 1
         if request is not None:
@@ -617,8 +695,8 @@ class Engine:
             return None
         if kind is Kind.BROADCAST:
             if not response.have[signature.root]:
-                raise RingplugError(f"broadcast {response.name!r}: root rank {signature.root} "
-                                    "has joined and has nothing to send.")  # fmt: skip
+                raise _SameEverywhere(f"broadcast {response.name!r}: root rank {signature.root} "
+                                      "has joined and has nothing to send.")  # fmt: skip
             buf = request.out if request is not None else np.empty(signature.shape, code.storage)
             transport.broadcast(buf, signature.root)
             return buf
@@ -645,19 +723,19 @@ class Engine:
             return block
         if kind is Kind.ALLTOALL:
             if not all(response.have):
-                raise RingplugError(f"alltoall {response.name!r} cannot run after a rank joined.")
+                raise _SameEverywhere(f"alltoall {response.name!r} cannot run after a rank joined.")
             return transport.alltoall(request.send, request.splits)
         if kind is Kind.BROADCAST_OBJECT:
             if not response.have[signature.root]:
-                raise RingplugError(f"broadcast_object {response.name!r}: root rank "
-                                    f"{signature.root} has joined.")  # fmt: skip
+                raise _SameEverywhere(f"broadcast_object {response.name!r}: root rank "
+                                      f"{signature.root} has joined.")  # fmt: skip
             length = response.extras[signature.root]
             data = request.data if request is not None else b""
             return transport.broadcast_bytes(data, length, signature.root)
         if kind is Kind.ALLGATHER_OBJECT:
             data = request.data if request is not None else b""
             return transport.allgather_bytes(data, response.extras)
-        raise RingplugError(f"unknown collective kind {kind}")
+        raise _SameEverywhere(f"unknown collective kind {kind}")
 
     def _dispatch_gpu(self, signature: Signature, response: Response,
                       request: Request | None) -> Any:  # fmt: skip
@@ -736,6 +814,7 @@ class Engine:
                 f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}). Ending the job: MPI cannot "
                 "cancel a collective. Look at what the missing ranks were doing (a stuck data "
                 "loader, an uneven number of batches, a branch only some ranks take).",
+                culprits=missing,
             )
         if self.rank != 0:
             return
@@ -776,9 +855,23 @@ class Engine:
             _wake_waiters()
 
     def _shut_down(self, by: int) -> None:
-        who = "this rank" if by == self.rank else f"rank {by}"
-        self._fail_everything(RingplugError(
-            f"ringplug was shut down (by {who}) before this collective ran on every rank."
+        if by == self.rank:
+            self._fail_everything(RingplugError(
+                "ringplug was shut down (by this rank) before this collective ran on every rank."
+            ))  # fmt: skip
+            return
+        waiting = sorted(self._pending)
+        what = (
+            f" while this rank waited in {', '.join(repr(n) for n in waiting[:5])}"
+            if waiting
+            else ""
+        )
+        self._fail_everything(PeerLeftError(
+            f"rank {by} left the job{what}: it ended ringplug (its program ended, or called "
+            "ringplug.shutdown()) before every rank was done with the collectives they share. "
+            "Every rank must run the same collectives; look at why rank "
+            f"{by} stopped early (an exception caught and ended with sys.exit, fewer batches).",
+            caused_by=(by,),
         ))  # fmt: skip
 
     def _fail_everything(self, error: BaseException) -> None:
@@ -794,6 +887,10 @@ class Engine:
         if join is not None:
             join._finish(None, error)
         _wake_waiters()
+
+
+class _SameEverywhere(RingplugError):
+    """A collective that cannot run, found from the plan alone: every rank raises it."""
 
 
 def _span(arrays: list[np.ndarray], code: DType) -> np.ndarray | None:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 
 class RingplugError(RuntimeError):
-    """Base class of ringplug's own errors."""
+    """Base class of ringplug's own errors.
+
+    `caused_by` names the other ranks whose failure this error reports (empty when the
+    cause is on this rank); ringrun names them, not this rank, as the job's root cause.
+    """
+
+    def __init__(self, *args: object, caused_by: tuple[int, ...] = ()) -> None:
+        super().__init__(*args)
+        self.caused_by = tuple(caused_by)
 
 
 class MismatchError(RingplugError, ValueError):
@@ -27,11 +35,21 @@ class StallError(RingplugError):
     `RINGPLUG_STALL_SHUTDOWN_SECONDS`; raised on every rank, naming the missing ranks."""
 
 
+class PeerFailedError(RingplugError):
+    """Another rank failed this collective while running it (an exception on its engine
+    thread: out of memory, a read-only output, ...); the message has its error text."""
+
+
+class PeerLeftError(RingplugError):
+    """Another rank ended ringplug (its program ended or called `shutdown()`) while this
+    rank still had collectives to run with it."""
+
+
 class NcclError(RingplugError):
     """An NCCL call failed; `code` is NCCL's result, the message has NCCL's own strings."""
 
-    def __init__(self, message: str, code: int = -1) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, code: int = -1, caused_by: tuple[int, ...] = ()) -> None:
+        super().__init__(message, caused_by=caused_by)
         self.code = code
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import sys
+import time
+from collections.abc import Sequence
 from typing import NoReturn
 
 _HANDLER_NAME = "ringplug"
@@ -45,14 +49,40 @@ def configure(rank: int, level: str | None) -> None:
     logger.propagate = False
 
 
-def end_job(rank: int, message: str) -> NoReturn:
+# ringrun's rank events (ringplug.run.status, which the core cannot import: it sits above
+# it). tests/test_faults.py checks that both spell them alike.
+EVENTS_VARIABLE = "RINGPLUG_RUN_EVENTS"
+EVENT_MARK = "ringrun-event:"
+FAULT = "fault"
+
+
+def end_job(rank: int, message: str, culprits: Sequence[int] = (), linger: float = 0.0) -> NoReturn:
     """Print a fatal `message` and end this rank without finalizing MPI.
+
+    `culprits` are the other ranks that caused it (empty: the cause is on this rank).
+    Under ringrun the rank also reports both, so that the job's summary names the root
+    cause rather than whichever rank gave up first.
 
     Not MPI_Abort: it kills the job before this rank's last output reaches the launcher.
     A rank that leaves without MPI_Finalize makes the launcher (hydra, Open MPI, ringrun)
     tear the whole job down, after its output is through.
+
+    `linger` seconds it waits first for the launcher to end it (a peer that left the job
+    is exiting with its own code, which the launcher must see first).
     """
-    sys.stdout.flush()
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
     # The real stderr: a wrapping excepthook may have pointed sys.stderr at a buffer.
-    print(f"ringplug[{rank}] FATAL: {message}", file=sys.__stderr__ or sys.stderr, flush=True)
+    stream = sys.__stderr__ or sys.stderr
+    lines = f"ringplug[{rank}] FATAL: {message}\n"
+    token = os.environ.get(EVENTS_VARIABLE)
+    if token:
+        event = {"event": FAULT, "rank": rank, "culprits": sorted(set(culprits)),
+                 "message": message, "timestamp": time.time()}  # fmt: skip
+        lines += f"{EVENT_MARK}{token} {json.dumps(event, separators=(',', ':'))}\n"
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(lines)
+        stream.flush()
+    if linger > 0:
+        time.sleep(linger)  # the launcher usually ends this process before
     os._exit(1)

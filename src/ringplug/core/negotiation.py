@@ -97,6 +97,7 @@ class Message:
     joined_cycle: int = 0  # > 0: the cycle in which this rank joined
     shutdown: bool = False
     stall_abort: list[str] = dataclasses.field(default_factory=list)  # rank 0's verdict
+    renew: bool = False  # a collective was abandoned here: every rank renews its communicator
 
 
 @dataclasses.dataclass

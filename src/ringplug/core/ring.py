@@ -21,6 +21,8 @@ from .reduce import combine, scale
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+    from .waiting import Waiter
+
 RING_TAG = 7001
 
 
@@ -66,23 +68,30 @@ class Pieces:
 
 
 def _exchange(
-    comm: MPI.Comm, outgoing: list[np.ndarray], incoming: list[np.ndarray], right: int, left: int
+    comm: MPI.Comm,
+    outgoing: list[np.ndarray],
+    incoming: list[np.ndarray],
+    right: int,
+    left: int,
+    waiter: Waiter | None,
+    phase: str,
 ) -> None:
     """Send `outgoing` to the right neighbour and receive `incoming` from the left one.
 
     Every rank lays the fused tensors out alike, so both ends of a message cut a range at
     the same tensor boundaries: one message per piece, each contiguous, and MPI moves it
-    with a single copy (a derived datatype would be packed and unpacked instead).
+    with a single copy (a derived datatype would be packed and unpacked instead). The
+    nonblocking forms are waited for by `waiter`, with its deadline (a blocking `Sendrecv`
+    to a frozen neighbour would never return).
     """
-    if len(outgoing) == 1 and len(incoming) == 1:
-        comm.Sendrecv(outgoing[0].view(np.uint8), right, RING_TAG,
-                      incoming[0].view(np.uint8), left, RING_TAG)  # fmt: skip
-        return
     from mpi4py import MPI
 
     requests = [comm.Irecv(part.view(np.uint8), left, RING_TAG) for part in incoming]
     requests += [comm.Isend(part.view(np.uint8), right, RING_TAG) for part in outgoing]
-    MPI.Request.Waitall(requests)
+    if waiter is None:
+        MPI.Request.Waitall(requests)
+    else:
+        waiter.wait_requests(requests, f"{phase}: receiving from rank {left}, sending to {right}")
 
 
 def split(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
@@ -107,6 +116,7 @@ def reduce_scatter(
     scratch: np.ndarray,
     owner_shift: int,
     postscale: float = 1.0,
+    waiter: Waiter | None = None,
 ) -> None:
     """Ring reduce-scatter in place: afterwards chunk (rank + 1 - owner_shift) % n of `buf`
     holds the reduction over all ranks, times `postscale` (applied to each segment as it is
@@ -136,7 +146,8 @@ def reduce_scatter(
             landing = work[: r_hi - r_lo]
             targets = pieces.views(r_lo, r_hi)
             arrivals = split(landing, [part.size for part in targets])
-            _exchange(comm, pieces.views(s_lo, s_hi), arrivals, right, left)
+            _exchange(comm, pieces.views(s_lo, s_hi), arrivals, right, left, waiter,
+                      f"ring reduce-scatter step {step + 1} of {size - 1}")  # fmt: skip
             last = step == size - 2
             for part, arrived in zip(targets, arrivals, strict=True):
                 combine(part, arrived, op, code)
@@ -145,7 +156,11 @@ def reduce_scatter(
 
 
 def allgather_chunks(
-    comm: MPI.Comm, buf: np.ndarray | Pieces, bounds: list[int], owner_shift: int
+    comm: MPI.Comm,
+    buf: np.ndarray | Pieces,
+    bounds: list[int],
+    owner_shift: int,
+    waiter: Waiter | None = None,
 ) -> None:
     """Ring allgather in place: each rank starts owning chunk (rank + 1 - owner_shift) % n
     and ends with every chunk."""
@@ -157,7 +172,8 @@ def allgather_chunks(
         recv_index = (rank - owner_shift - step) % size
         outgoing = pieces.views(bounds[send_index], bounds[send_index + 1])
         incoming = pieces.views(bounds[recv_index], bounds[recv_index + 1])
-        _exchange(comm, outgoing, incoming, right, left)
+        _exchange(comm, outgoing, incoming, right, left, waiter,
+                  f"ring allgather step {step + 1} of {size - 1}")  # fmt: skip
 
 
 def allreduce(
@@ -167,11 +183,12 @@ def allreduce(
     code: DType,
     scratch: np.ndarray,
     postscale: float = 1.0,
+    waiter: Waiter | None = None,
 ) -> None:
     """Ring allreduce in place of a flat array, or of several (`Pieces`) as one; the result
     is multiplied by `postscale` (by each chunk's owner, before the allgather: no extra pass
     over the whole buffer)."""
     pieces = _as_pieces(buf)
     bounds = even_bounds(pieces.size, comm.Get_size())
-    reduce_scatter(comm, pieces, bounds, op, code, scratch, owner_shift=0, postscale=postscale)
-    allgather_chunks(comm, pieces, bounds, owner_shift=0)
+    reduce_scatter(comm, pieces, bounds, op, code, scratch, 0, postscale, waiter)
+    allgather_chunks(comm, pieces, bounds, 0, waiter)

@@ -20,7 +20,7 @@ from types import TracebackType
 from . import log
 from .config import Settings, read_settings
 from .engine import Engine
-from .errors import NotInitializedError, RingplugError
+from .errors import NotInitializedError, PeerLeftError, RingplugError
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,9 @@ _INSTALL_HINT = (
     "Install an MPI library for mpi4py: `pip install 'ringplug[mpich]'` (MPICH from PyPI), "
     "or on a cluster load its MPI module (and `pip uninstall mpich` so mpi4py uses it)."
 )
+
+# How long a rank that a peer's departure ends waits for the launcher to stop it.
+_LEAVER_GRACE_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,9 @@ class _State:
         self.topology: Topology | None = None
         self.previous_excepthook = None
         self.atexit_registered = False
+        self.mpi_started = False  # ringplug initialised MPI, so it finalizes it at exit
+        self.left_early = False  # the last engine ended while peers still waited for it
+        self.timeout = Settings().timeout
 
 
 _state = _State()
@@ -91,8 +97,9 @@ def _start_mpi():
         import mpi4py
 
         mpi4py.rc.initialize = False
-        # Finalize at exit: a rank that leaves without it makes hydra SIGKILL its peers.
-        mpi4py.rc.finalize = True
+        # ringplug finalizes at exit itself (`_at_exit`), with a deadline, and not at all
+        # when this rank leaves while its peers still wait for it.
+        mpi4py.rc.finalize = False
         from mpi4py import MPI
     except (ImportError, RuntimeError) as exc:
         announced = launcher_world_size()
@@ -104,6 +111,7 @@ def _start_mpi():
         logger.info("No MPI library (%s); running as a single process.", exc)
         return None
     if not MPI.Is_initialized():
+        _state.mpi_started = True
         # MULTIPLE, although one thread at a time calls MPI: at that level MPICH yields the
         # core inside blocking calls. At SINGLE or SERIALIZED it spins, and with more ranks
         # than cores (3 ranks on the 2-core CI machine) a 20-step allreduce loop then took
@@ -195,10 +203,17 @@ def _install_excepthook() -> None:
         stream = sys.__stderr__ or sys.stderr
         traceback_module.print_exception(kind, value, traceback, file=stream)
         stream.flush()
+        culprits = tuple(getattr(value, "caused_by", ()) or ())
+        plural = "s" if len(culprits) > 1 else ""
+        cause = f" (caused by rank{plural} {', '.join(map(str, culprits))})" if culprits else ""
         log.end_job(
             topology.rank,
-            f"uncaught {kind.__name__} on rank {topology.rank}; ending this rank so that "
-            f"the launcher stops all {topology.size} ranks.",
+            f"uncaught {kind.__name__} on rank {topology.rank}{cause}; ending this rank so "
+            f"that the launcher stops all {topology.size} ranks.",
+            culprits=culprits,
+            # The rank that left is exiting with its own code (sys.exit(3)); if this rank
+            # ended first, the launcher would kill that one and lose its code.
+            linger=_LEAVER_GRACE_S if isinstance(value, PeerLeftError) else 0.0,
         )
 
     sys.excepthook = abort_job
@@ -207,8 +222,39 @@ def _install_excepthook() -> None:
 def _register_atexit() -> None:
     """Stop the engine before mpi4py finalizes MPI at exit (atexit runs last-in first-out)."""
     if not _state.atexit_registered:
-        atexit.register(shutdown)
+        atexit.register(_at_exit)
         _state.atexit_registered = True
+
+
+def _at_exit() -> None:
+    """Stop the engine, then finalize MPI within the timeout.
+
+    A rank that ended ringplug while its peers still waited for it does not finalize:
+    MPI_Finalize would wait for those peers, and the launcher would kill this rank with its
+    own exit code (``sys.exit(3)``) lost. Leaving without it lets the exit code through,
+    and the launcher stops the job.
+    """
+    shutdown()
+    if not _state.mpi_started or _state.left_early:
+        return
+    from mpi4py import MPI
+
+    if MPI.Is_finalized():
+        return
+    rank = MPI.COMM_WORLD.Get_rank()
+    finished = threading.Event()
+
+    def watchdog() -> None:
+        if not finished.wait(_state.timeout):
+            log.end_job(
+                rank,
+                f"rank {rank} waited {_state.timeout:g} s in MPI_Finalize for the other "
+                "ranks to end (RINGPLUG_TIMEOUT); a rank is still running or stuck.",
+            )
+
+    threading.Thread(target=watchdog, name="ringplug-finalize", daemon=True).start()
+    MPI.Finalize()
+    finished.set()
 
 
 def shutdown() -> None:
@@ -223,6 +269,8 @@ def shutdown() -> None:
         _state.topology = None
     if engine is not None:
         engine.stop()
+        _state.left_early = engine.left_early
+        _state.timeout = engine.settings.timeout
 
 
 def is_initialized() -> bool:

@@ -5,6 +5,9 @@ of these run, so every argument is the same on every rank (except the data, and 
 per-rank counts of the variable-size collectives, which every rank knows). All buffers are
 flat or row-major contiguous numpy arrays in their storage type. Only the engine thread
 calls a Transport.
+
+Every MPI call here is the nonblocking form, waited for by the engine's `Waiter`: a peer
+that stops answering ends in a message naming it after `RINGPLUG_TIMEOUT`, never a hang.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from . import reduce, ring
 from .config import Settings
 from .dtypes import DType
 from .ops import ReduceOp
+from .waiting import Waiter
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -41,15 +45,42 @@ class Transport:
         self.size = self._comm.Get_size() if self._comm is not None else 1
         self._scratch = np.empty(settings.ring_segment, np.uint8)
         self.last_path = ""  # which path the last allreduce took (tests and benchmarks read it)
+        # The engine gives its own, which also carries notices between the ranks.
+        self.waiter = Waiter(None, settings, self.rank, self.size)
 
     def free(self) -> None:
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
 
-    def uses_ring(self, nbytes: int, code: DType) -> bool:
-        """Whether an allreduce of `nbytes` takes ringplug's ring (else MPI's Allreduce)."""
+    def renew(self, parent: MPI.Comm) -> None:
+        """Replace the communicator after a collective was abandoned (a peer failed it).
+
+        Its operations can never complete and would match later messages (a ring send
+        left posted), so every rank leaves it behind, in the same engine cycle, for a
+        duplicate of `parent` (the engine's own communicator: no other thread uses it).
+        """
+        if self._comm is None:
+            return
+        self.waiter.what = "renewing the data communicator after a failed collective"
+        fresh, request = parent.Idup()
+        self.waiter.wait_requests([request])
+        stale, self._comm = self._comm, fresh
+        stale.Free()  # its pending operations stay posted, harmlessly, on a freed context
+
+    def uses_ring(self, nbytes: int, code: DType, op: ReduceOp | None = None) -> bool:
+        """Whether an allreduce of `nbytes` takes ringplug's ring (else MPI's Allreduce).
+
+        Max and Min of floating-point values always take the ring: numpy's maximum and
+        minimum propagate NaN whichever rank holds it, while MPI's MAX/MIN keep it only
+        when the last rank combined holds it.
+        """
+        if op in (ReduceOp.MAX, ReduceOp.MIN) and code.is_floating:
+            return True
         return code not in _MPI_NATIVE or nbytes >= self.settings.ring_threshold
+
+    def _wait(self, request: MPI.Request, phase: str) -> None:
+        self.waiter.wait_requests([request], phase)
 
     def allreduce(self, buf: np.ndarray | ring.Pieces, op: ReduceOp, code: DType,
                   postscale: float = 1.0) -> None:  # fmt: skip
@@ -60,9 +91,10 @@ class Transport:
         """
         if self.size == 1:
             self.last_path = "local"
-        elif self.uses_ring(buf.size * code.itemsize, code):
+        elif self.uses_ring(buf.size * code.itemsize, code, op):
             self.last_path = "ring"
-            ring.allreduce(self._comm, buf, ring_op(op), code, self._scratch, postscale)
+            ring.allreduce(self._comm, buf, ring_op(op), code, self._scratch, postscale,
+                           self.waiter)  # fmt: skip
             return
         else:
             self.last_path = "mpi"
@@ -82,12 +114,12 @@ class Transport:
                 ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN,
                 ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD,
             }[op]  # fmt: skip
-        self._comm.Allreduce(MPI.IN_PLACE, flat, mpi_op)
+        self._wait(self._comm.Iallreduce(MPI.IN_PLACE, flat, mpi_op), "MPI Iallreduce")
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         """buf <- root's buf, in place."""
         if self.size > 1 and buf.nbytes:
-            self._comm.Bcast(buf.reshape(-1).view(np.uint8), root)
+            self._wait(self._comm.Ibcast(buf.reshape(-1).view(np.uint8), root), "MPI Ibcast")
 
     def allgather(self, send: np.ndarray, rows: list[int]) -> np.ndarray:
         """Concatenate every rank's rows; `rows[r]` is rank r's first dimension."""
@@ -99,10 +131,11 @@ class Transport:
 
         row_bytes = _row_bytes(send)
         counts = np.asarray(rows, np.int64) * row_bytes
-        self._comm.Allgatherv(
+        request = self._comm.Iallgatherv(
             [send.reshape(-1).view(np.uint8), MPI.BYTE],
             [out.reshape(-1).view(np.uint8), (counts, displacements(counts)), MPI.BYTE],
         )
+        self._wait(request, "MPI Iallgatherv")
         return out
 
     def reducescatter(
@@ -114,9 +147,10 @@ class Transport:
         work = np.array(send.reshape(-1), copy=True)
         reduce.scale(work, prescale, code)
         if self.size > 1:
-            if self.uses_ring(send.nbytes, code):
+            if self.uses_ring(send.nbytes, code, op):
                 bounds = [b * row_elems for b in rows]
-                ring.reduce_scatter(self._comm, work, bounds, ring_op(op), code, self._scratch, 1)
+                ring.reduce_scatter(self._comm, work, bounds, ring_op(op), code, self._scratch, 1,
+                                    waiter=self.waiter)  # fmt: skip
             else:  # small: MPI's Allreduce, then keep this rank's rows
                 self._mpi_allreduce(work, op, code)
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
@@ -129,16 +163,17 @@ class Transport:
         from mpi4py import MPI
 
         recv_rows = np.empty(self.size, np.int64)
-        self._comm.Alltoall(send_rows, recv_rows)
+        self._wait(self._comm.Ialltoall(send_rows, recv_rows), "MPI Ialltoall of the row counts")
         row_bytes = _row_bytes(send)
         out = np.empty((int(recv_rows.sum()), *send.shape[1:]), send.dtype)
         send_counts, recv_counts = send_rows * row_bytes, recv_rows * row_bytes
-        self._comm.Alltoallv(
+        request = self._comm.Ialltoallv(
             [send.reshape(-1).view(np.uint8), (send_counts, displacements(send_counts)),
              MPI.BYTE],
             [out.reshape(-1).view(np.uint8), (recv_counts, displacements(recv_counts)),
              MPI.BYTE],
         )  # fmt: skip
+        self._wait(request, "MPI Ialltoallv")
         return out, recv_rows
 
     def broadcast_bytes(self, data: bytes, length: int, root: int) -> bytes:
@@ -147,7 +182,7 @@ class Transport:
             return data if self.rank == root else b""
         # mpi4py needs a writable buffer for Bcast, on the root too.
         buffer = bytearray(data) if self.rank == root else bytearray(length)
-        self._comm.Bcast([buffer, len(buffer)], root)
+        self._wait(self._comm.Ibcast([buffer, len(buffer)], root), "MPI Ibcast")
         return bytes(buffer)
 
     def allgather_bytes(self, data: bytes, lengths: list[int]) -> list[bytes]:
@@ -159,9 +194,10 @@ class Transport:
         counts = np.asarray(lengths, np.int64)
         buffer = np.empty(int(counts.sum()), np.uint8)
         displs = displacements(counts)
-        self._comm.Allgatherv(
+        request = self._comm.Iallgatherv(
             [np.frombuffer(data, np.uint8), MPI.BYTE], [buffer, (counts, displs), MPI.BYTE]
         )
+        self._wait(request, "MPI Iallgatherv")
         return [buffer[d : d + n].tobytes() for d, n in zip(displs, counts, strict=True)]
 
 

@@ -38,6 +38,7 @@ from ringplug.run.hosts import (
 )
 from ringplug.run.launcher import START_FAILED_EXIT_CODE, JobResult, StartWatch, run_job
 from ringplug.run.mpi import (
+    FORWARDED_VARIABLES,
     JobSpec,
     LauncherError,
     MpiLauncher,
@@ -278,19 +279,28 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
             raise UsageError("say how many ranks to run with -np N (or give hosts with -H)")
         np = total_slots(hosts)
     env = dict(settings.env)
+    # Values the user gave may be secrets (API keys): they stay off every command line. The
+    # search paths stay on it: set in the launcher's own environment they would change how
+    # the launcher itself runs (and they are no secrets).
+    private = {
+        name for name, value in env.items() if value is not None and name not in FORWARDED_VARIABLES
+    }
+    ours: dict[str, str] = {}
     if settings.timeline is not None:
         # Absolute, so rank 0 writes it where the user asked whatever its working directory.
-        env["RINGPLUG_TIMELINE"] = str(Path(settings.timeline).resolve())
-    for name, value in settings.rank_variables().items():
+        ours["RINGPLUG_TIMELINE"] = str(Path(settings.timeline).resolve())
+    ours.update(settings.rank_variables())
+    for name, value in ours.items():
         if env.get(name, value) != value:
             logger.warning(
-                "%s=%s from the tuning settings replaces %s=%s from -x or the config file's env",
+                "%s=%s from ringrun's settings replaces the value of %s from -x or the config "
+                "file's env",
                 name,
                 value,
                 name,
-                env[name],
             )
         env[name] = value
+        private.discard(name)
     output_dir = None
     if settings.output_filename is not None:
         # Absolute, so ranks find it whatever their working directory.
@@ -305,6 +315,7 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
         output_dir=output_dir,
         bind_to=settings.bind_to,
         mpi_args=list(settings.mpi_args),
+        private=frozenset(private),
     )
 
 
@@ -440,20 +451,67 @@ def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
     elif result.not_started:
         for line in _not_started_lines(result, spec, settings):
             _say(line)
-    elif result.first_failure is not None:
-        _say(_describe_failure(result.first_failure, spec))
-        if len(result.failures) > 1:
-            _say(
-                f"{len(result.failures) - 1} more rank(s) failed after it, most likely "
-                "stopped by the teardown"
-            )
+    elif result.root is not None and not result.root.left_early:
+        for line in _root_cause_lines(result, spec):
+            _say(line)
     elif result.host_problems and result.exit_code != 0:
         _report_problems(result.host_problems, spec, "could not start ranks")
+    elif result.root is not None:
+        for line in _root_cause_lines(result, spec):
+            _say(line)
+    elif result.unreported and result.exit_code != 0:
+        _say(
+            f"rank{'s' if len(result.unreported) > 1 else ''} "
+            f"{', '.join(map(str, result.unreported))} started but never reported how they "
+            "ended: the launcher killed them with their wrappers (hydra does so to every rank "
+            "when one leaves without MPI_Finalize, e.g. through os._exit); the launcher exited "
+            f"with code {result.launcher_returncode}"
+        )
     elif result.exit_code != 0:
         _say(f"the launcher exited with code {result.launcher_returncode}")
         for line in _never_started_lines(result, spec):
             _say(line)
     return result.exit_code
+
+
+def _root_cause_lines(result: JobResult, spec: JobSpec) -> list[str]:
+    """The rank that failed or froze first, how it ended, and what the others said of it."""
+    root = result.root
+    assert root is not None
+    lines = []
+    fault = root.fault
+    if root.status is not None:
+        line = _describe_failure(root.status, spec)
+        if root.left_early:
+            line += " before the other ranks were done: it left the job early"
+            if fault is None:
+                code = result.launcher_returncode
+                line += ", and the launcher then stopped the others" + (
+                    f" (it exited with code {code})" if code else ""
+                )
+        lines.append(line)
+    elif fault is not None and fault.rank != root.rank:
+        named = ", ".join(map(str, root.named_by))
+        lines.append(
+            f"rank {root.rank} stopped taking part in the job (named by rank"
+            f"{'s' if len(root.named_by) > 1 else ''} {named}); "
+            "it was stopped in the teardown"
+        )
+    if fault is not None:
+        speaker = "it" if fault.rank == root.rank else f"rank {fault.rank}"
+        lines.append(f"  {speaker} said: {fault.message}")
+    if root.left_early and fault is None:
+        lines.append(
+            "  a rank must not end (os._exit, a return before the last collective) while "
+            "others still run collectives with it"
+        )
+    others = {s.rank for s in result.failures} - {root.rank}
+    if others:
+        lines.append(
+            f"{len(others)} more rank{'s' if len(others) > 1 else ''} failed after it, most "
+            "likely stopped by ringplug or the teardown"
+        )
+    return lines
 
 
 def _never_started_lines(result: JobResult, spec: JobSpec) -> list[str]:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ringplug.run.settings import RunSettings, SettingsError
+from ringplug.run.settings import RunSettings, SettingsError, read_text_file
 
 
 class ConfigFileError(SettingsError):
@@ -28,10 +28,7 @@ def load_config_file(path: str | Path) -> RunSettings:
         SettingsError: an unknown key or a value of the wrong type.
     """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise ConfigFileError(f"cannot read config file {path}: {error.strerror}") from None
+    text = read_text_file(path, "config file", ConfigFileError)
     suffix = path.suffix.lower()
     if suffix in (".yaml", ".yml"):
         values = _parse_yaml(text, path)

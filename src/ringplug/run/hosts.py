@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringplug.run.settings import read_text_file
+
 logger = logging.getLogger(__name__)
 
 _SLOTS_KEYWORD = re.compile(r"^slots\s*=\s*(\S+)$")
@@ -94,10 +96,7 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     slots, as both MPI launchers would do.
     """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise HostSpecError(f"cannot read hostfile {path}: {error.strerror}") from None
+    text = read_text_file(path, "hostfile", HostSpecError)
     hosts = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()

@@ -19,6 +19,7 @@ does not know anything is wrong).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -35,7 +36,7 @@ from typing import BinaryIO
 
 from ringplug.run.mpi import LaunchPlan
 from ringplug.run.ssh import HostProblem, LaunchDiagnosis
-from ringplug.run.status import EVENT_MARK, RankStarted, RankStatus, parse_event
+from ringplug.run.status import EVENT_MARK, RankFault, RankStarted, RankStatus, parse_event
 from ringplug.run.wrapper import parent_death_signal, pump_lines
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,11 @@ class JobResult:
             launcher passed it on.
         start_errors: lines of the launcher's output that explain a failed start without
             naming a host ("No such file or directory" from a remote shell).
+        faults: what ringplug said on the ranks it ended, in the order the reports arrived.
+        finished: the ranks whose program exited with code 0, in that order.
+        root: the rank that most likely caused the failure, and the evidence.
+        unreported: ranks that started but never reported how they ended (killed together
+            with their wrapper).
     """
 
     exit_code: int
@@ -111,6 +117,73 @@ class JobResult:
     started: dict[int, RankStarted] = field(default_factory=dict)
     host_problems: list[HostProblem] = field(default_factory=list)
     start_errors: list[str] = field(default_factory=list)
+    faults: list[RankFault] = field(default_factory=list)
+    finished: list[RankStatus] = field(default_factory=list)
+    root: RootCause | None = None
+    unreported: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RootCause:
+    """The rank whose failure most likely caused the others, and what shows it.
+
+    Args:
+        rank: the rank.
+        status: how its program ended, when it ended before the others gave up on it
+            (``None``: it was stopped by the teardown, or never reported).
+        fault: what ringplug said on the first rank it ended because of this one (or on
+            this rank itself), or ``None``.
+        named_by: the ranks whose fault reports name it.
+        left_early: it exited with code 0 while the others still needed it.
+    """
+
+    rank: int | None
+    status: RankStatus | None
+    fault: RankFault | None = None
+    named_by: tuple[int, ...] = ()
+    left_early: bool = False
+
+    @property
+    def exit_code(self) -> int:
+        """The job's exit code: the rank's own code (``sys.exit(n)`` gives n), else 1."""
+        if self.status is not None and not self.status.clean:
+            return self.status.shell_exit_code
+        return 1
+
+
+def find_root_cause(
+    failures: list[RankStatus],
+    arrivals: list[float],
+    faults: list[RankFault],
+    finished: list[RankStatus],
+) -> RootCause | None:
+    """The root cause among the reports of a job that failed.
+
+    A rank that other ranks name (it stopped answering, failed a collective or left the
+    job) comes first, whatever order the reports arrived in; then a rank that ringplug
+    ended for a cause of its own (an uncaught exception); then the rank that ended first
+    (`root_cause`).
+    """
+    reports = {status.rank: status for status in [*finished, *failures] if status.rank is not None}
+    blaming = [fault for fault in faults if fault.culprits]
+    if blaming:
+        first = min(blaming, key=lambda fault: fault.timestamp)
+        votes = collections.Counter(rank for fault in blaming for rank in fault.culprits)
+        rank = max(first.culprits, key=lambda r: (votes[r], -r))
+        status = reports.get(rank)
+        if status is not None and status.signal_name and status.timestamp > first.timestamp:
+            status = None  # killed in the teardown: not how it failed
+        named_by = tuple(sorted({fault.rank for fault in blaming if rank in fault.culprits}))
+        left = status is not None and status.clean
+        return RootCause(rank, status, first, named_by, left_early=left)
+    own = [fault for fault in faults if not fault.culprits]
+    if own:
+        first = min(own, key=lambda fault: fault.timestamp)
+        return RootCause(first.rank, reports.get(first.rank), first)
+    status = root_cause(failures, arrivals)
+    if status is not None:
+        return RootCause(status.rank, status)
+    return None
 
 
 def run_job(
@@ -157,7 +230,7 @@ class _Relay(threading.Thread):
         source: BinaryIO,
         sink_fd: int,
         token: str | None,
-        on_event: Callable[[RankStatus | RankStarted], None],
+        on_event: Callable[[RankStatus | RankStarted | RankFault], None],
         on_line: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(daemon=True)
@@ -225,12 +298,14 @@ class _JobWatcher:
         self.events_token = events_token
         self.start_watch = start_watch if events_token is not None else None
         self.process: subprocess.Popen[bytes] | None = None
-        self.events: queue.SimpleQueue[RankStatus | RankStarted] = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[RankStatus | RankStarted | RankFault] = queue.SimpleQueue()
         self.diagnosis = LaunchDiagnosis()
         self.diagnosis_lock = threading.Lock()
         self.failures: list[RankStatus] = []
         self.failure_arrivals: list[float] = []  # monotonic time each report arrived
         self.started: dict[int, RankStarted] = {}
+        self.faults: list[RankFault] = []
+        self.finished: list[RankStatus] = []
         self.stop_signal: int | None = None
         # When the start reports are due (monotonic clock); None once checked or unwatched.
         self.start_deadline: float | None = None
@@ -295,6 +370,10 @@ class _JobWatcher:
             if isinstance(event, RankStarted):
                 if event.rank is not None:
                     self.started.setdefault(event.rank, event)
+            elif isinstance(event, RankFault):
+                self.faults.append(event)
+            elif event.clean:
+                self.finished.append(event)
             else:
                 self.failures.append(event)
                 self.failure_arrivals.append(time.monotonic())
@@ -361,14 +440,32 @@ class _JobWatcher:
     def _result(self, returncode: int) -> JobResult:
         """Decide the exit code from the signal, the rank reports and the launcher's status."""
         first = root_cause(self.failures, self.failure_arrivals)
+        root = find_root_cause(self.failures, self.failure_arrivals, self.faults, self.finished)
         with self.diagnosis_lock:
             host_problems = list(self.diagnosis.problems)
             start_errors = list(self.diagnosis.unnamed)
+        # Every started rank reports how it ended; one that did not was killed with its
+        # wrapper (hydra does that to the whole job when a rank leaves without MPI_Finalize,
+        # and may then exit 0).
+        ended = {status.rank for status in [*self.failures, *self.finished]}
+        unreported = sorted(rank for rank in self.started if rank not in ended)
+        killed_quietly = bool(unreported) and returncode == 0 and self.stop_signal is None
+        failed = returncode != 0 or killed_quietly
+        everyone_started = not start_errors and (
+            self.start_watch is None or self.start_watch.ranks <= set(self.started)
+        )
+        if root is None and failed and self.finished and not host_problems and everyone_started:
+            # Nothing failed, yet the launcher did: a rank that left first, with code 0 and
+            # without ringplug ending cleanly (os._exit), made it stop the others.
+            early = min(self.finished, key=lambda status: status.timestamp)
+            root = RootCause(early.rank, early, left_early=True)
         if self.stop_signal is not None:
             exit_code = 128 + self.stop_signal
         elif self.not_started:
             # Ranks that did start were stopped on purpose; their reports are not the cause.
             exit_code = START_TIMEOUT_EXIT_CODE
+        elif root is not None and (root.fault is not None or not root.left_early):
+            exit_code = root.exit_code
         elif first is not None:
             exit_code = first.shell_exit_code
         elif host_problems and returncode != 0:
@@ -377,6 +474,8 @@ class _JobWatcher:
             exit_code = 128 - returncode
         else:
             exit_code = returncode
+        if exit_code == 0 and killed_quietly:
+            exit_code = 1
         return JobResult(
             exit_code=exit_code,
             first_failure=first,
@@ -387,4 +486,8 @@ class _JobWatcher:
             started=dict(self.started),
             host_problems=host_problems,
             start_errors=start_errors,
+            faults=list(self.faults),
+            finished=list(self.finished),
+            root=root,
+            unreported=unreported,
         )

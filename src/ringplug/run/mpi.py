@@ -77,15 +77,22 @@ class LaunchPlan:
         argv: the command line, launcher first (or the wrapper, when running without MPI).
         launcher_env: variables set for that process on top of ringrun's environment.
         launcher: the MPI launcher used, ``None`` when running without one.
+        hidden: names in ``launcher_env`` whose values the user gave (``-x NAME=VALUE``, a
+            config file's ``env``): they reach the ranks through the environment, never a
+            command line, and `shell_line` shows their names only.
     """
 
     argv: list[str]
     launcher_env: dict[str, str] = field(default_factory=dict)
     launcher: MpiLauncher | None = None
+    hidden: frozenset[str] = frozenset()
 
     def shell_line(self) -> str:
-        """The plan as one copy-pasteable POSIX shell line."""
-        assignments = [f"{name}={shlex.quote(value)}" for name, value in self.launcher_env.items()]
+        """The plan as one POSIX shell line; values the user gave show as ``NAME=<hidden>``."""
+        assignments = [
+            f"{name}=<hidden>" if name in self.hidden else f"{name}={shlex.quote(value)}"
+            for name, value in self.launcher_env.items()
+        ]
         return " ".join([*assignments, shlex.join(self.argv)])
 
 
@@ -260,6 +267,9 @@ class JobSpec:
             the per-rank command.
         network: the interfaces per host the preflight settled on, or ``None`` (then
             ``network_interfaces``, if given, apply to every host alike).
+        private: names in ``env`` whose values the user gave; they travel in the
+            launcher's environment (readable by the user alone), not on its command line,
+            where every local user sees them in the process list.
     """
 
     np: int
@@ -272,6 +282,7 @@ class JobSpec:
     bind_to: str | None = None
     mpi_args: list[str] = field(default_factory=list)
     network: NetworkChoice | None = None
+    private: frozenset[str] = frozenset()
 
     @property
     def remote_hosts(self) -> list[Host]:
@@ -420,7 +431,9 @@ def build_plan(
             )
         # One local rank needs no MPI launcher: the wrapper runs the command directly.
         return LaunchPlan(
-            argv=wrapper_argv(spec, python), launcher_env=rank_environment(spec, environ)
+            argv=wrapper_argv(spec, python),
+            launcher_env=rank_environment(spec, environ),
+            hidden=spec.private,
         )
     if launcher.kind == OPEN_MPI:
         return _open_mpi_plan(spec, launcher, environ, python, is_root)
@@ -452,9 +465,13 @@ def _hydra_plan(
         argv += ["-bind-to", spec.bind_to]
     argv.append("-prepend-rank")
     # hydra passes ringrun's whole environment to every rank (-genvall is its default), so
-    # only the values ringrun adds or overrides need spelling out.
+    # only the values ringrun adds or overrides need spelling out; the user's own values go
+    # in that environment instead, off the command line.
     for name, value in sorted(rank_environment(spec, environ).items()):
-        argv += ["-genv", name, value]
+        if name in spec.private:
+            launcher_env[name] = value
+        else:
+            argv += ["-genv", name, value]
     forwarded_names(spec, environ)  # warns about -x names that are not set
     segments = rank_segments(spec, host_variables(spec, environ, HYDRA))
     if len(segments) == 1:
@@ -462,7 +479,7 @@ def _hydra_plan(
         for name, value in sorted(values.items()):
             argv += ["-genv", name, value]
         argv = [argv[0], "-n", str(count), *argv[1:], *spec.mpi_args, *wrapper_argv(spec, python)]
-        return LaunchPlan(argv=argv, launcher_env=launcher_env, launcher=launcher)
+        return LaunchPlan(argv, launcher_env, launcher, spec.private)
     argv += spec.mpi_args
     for index, (count, values) in enumerate(segments):
         if index:
@@ -471,7 +488,7 @@ def _hydra_plan(
         for name, value in sorted(values.items()):
             argv += ["-env", name, value]
         argv += wrapper_argv(spec, python)
-    return LaunchPlan(argv=argv, launcher_env=launcher_env, launcher=launcher)
+    return LaunchPlan(argv, launcher_env, launcher, spec.private)
 
 
 def _launcher_interface(spec: JobSpec) -> str | None:
@@ -517,18 +534,20 @@ def _open_mpi_plan(
     if ssh_launch(spec, environ):
         argv += ["--mca", "plm_rsh_args", " ".join(spec.ssh.arguments())]
     rank_env = rank_environment(spec, environ)
+    # The user's own values travel in mpirun's environment: `-x NAME` exports it from there.
+    launcher_env = {name: value for name, value in rank_env.items() if name in spec.private}
     for name in forwarded_names(spec, environ):
         if name not in rank_env:
             argv += ["-x", name]
     for name, value in sorted(rank_env.items()):
-        argv += ["-x", f"{name}={value}"]
+        argv += ["-x", name if name in spec.private else f"{name}={value}"]
     segments = rank_segments(spec, host_variables(spec, environ, OPEN_MPI))
     if len(segments) == 1:
         count, values = segments[0]
         for name, value in sorted(values.items()):
             argv += ["-x", f"{name}={value}"]
         argv = [argv[0], "-np", str(count), *argv[1:], *spec.mpi_args, *wrapper_argv(spec, python)]
-        return LaunchPlan(argv=argv, launcher=launcher)
+        return LaunchPlan(argv, launcher_env, launcher, spec.private)
     argv += spec.mpi_args
     for index, (count, values) in enumerate(segments):
         if index:
@@ -537,7 +556,7 @@ def _open_mpi_plan(
         for name, value in sorted(values.items()):
             argv += ["-x", f"{name}={value}"]
         argv += wrapper_argv(spec, python)
-    return LaunchPlan(argv=argv, launcher=launcher)
+    return LaunchPlan(argv, launcher_env, launcher, spec.private)
 
 
 def _open_mpi_includes(spec: JobSpec) -> str:

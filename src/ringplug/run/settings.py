@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 BIND_CHOICES = ("none", "core", "socket")
@@ -29,6 +31,56 @@ LOG_LEVELS = {
 
 class SettingsError(ValueError):
     """A setting with a value ``ringrun`` cannot use."""
+
+
+# Variables the launcher and ringrun set for every rank: a value from -x would break the
+# job (ranks that do not know who they are, or whose reports ringrun cannot read).
+INTERNAL_PREFIXES = ("RINGPLUG_RUN_", "PMI_", "PMIX_", "OMPI_COMM_WORLD_")
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# Hostfiles and config files are short text files.
+TEXT_FILE_LIMIT = 1 << 20
+
+
+def read_text_file(path: str | Path, what: str, error: type[Exception] = SettingsError) -> str:
+    """The text of a small UTF-8 file such as a hostfile, or `error` saying what is wrong.
+
+    A device (``/dev/zero``), a directory, a binary file or one over 1 MiB is refused
+    before it is read whole.
+    """
+    path = Path(path)
+    try:
+        if not path.is_file():
+            kind = "does not exist" if not path.exists() else "is not a regular file"
+            raise error(f"{what} {path} {kind}; give the path of a text file")
+        with path.open("rb") as file:
+            data = file.read(TEXT_FILE_LIMIT + 1)
+    except OSError as problem:
+        raise error(f"cannot read {what} {path}: {problem.strerror}") from None
+    if len(data) > TEXT_FILE_LIMIT:
+        raise error(f"{what} {path} is larger than 1 MiB; it should be a short text file")
+    if b"\0" in data:
+        raise error(f"{what} {path} is not a text file (it holds NUL bytes)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as problem:
+        raise error(
+            f"{what} {path} is not UTF-8 text (byte {problem.start} cannot be read)"
+        ) from None
+
+
+def check_variable_name(name: str, where: str) -> None:
+    """Refuse a name that is no environment variable, or one ringrun or the launcher sets."""
+    if not _VARIABLE_NAME.fullmatch(name):
+        raise SettingsError(
+            f"{where}: {name!r} is not a variable name (letters, digits and _, not first a digit)"
+        )
+    if name.startswith(INTERNAL_PREFIXES):
+        raise SettingsError(
+            f"{where}: {name} is set by ringrun or the MPI launcher for every rank (names "
+            f"starting {', '.join(INTERNAL_PREFIXES)}); setting it would break the job. "
+            "Leave it out."
+        )
 
 
 @dataclass
@@ -155,9 +207,9 @@ class RunSettings:
             )
         if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
             raise SettingsError(f"ssh_port must be between 1 and 65535, got {self.ssh_port}")
-        if self.start_timeout is not None and not self.start_timeout >= 0:
+        if self.start_timeout is not None and not 0 <= self.start_timeout < math.inf:
             raise SettingsError(
-                "start_timeout must be a number of seconds, or 0 for no limit, got "
+                "start_timeout must be a finite number of seconds, or 0 for no limit, got "
                 f"{self.start_timeout}"
             )
         if self.log_level is not None and self.log_level.upper() not in LOG_LEVELS:
@@ -168,19 +220,25 @@ class RunSettings:
             raise SettingsError(
                 f"fusion_threshold_mb must be 0 (no fusion) or more, got {self.fusion_threshold_mb}"
             )
-        if self.cycle_time_ms is not None and not self.cycle_time_ms >= 0:
-            raise SettingsError(f"cycle_time_ms must be 0 or more, got {self.cycle_time_ms}")
+        if self.cycle_time_ms is not None and not 0 <= self.cycle_time_ms <= 1000:
+            raise SettingsError(
+                "cycle_time_ms (--cycle-time-ms) must be between 0 and 1000 milliseconds, got "
+                f"{self.cycle_time_ms}"
+            )
         warning = self.stall_check_warning_time_seconds
         shutdown = self.stall_check_shutdown_time_seconds
-        if warning is not None and not warning > 0:
+        if warning is not None and not 0 < warning < math.inf:
             raise SettingsError(
-                "stall_check_warning_time_seconds must be a positive number of seconds, got "
-                f"{warning}; turn the stall check off with --no-stall-check instead"
+                "stall_check_warning_time_seconds must be a positive, finite number of seconds, "
+                f"got {warning}; turn the stall check off with --no-stall-check instead"
             )
-        if shutdown is not None and not shutdown >= 0:
+        if shutdown is not None and not 0 <= shutdown < math.inf:
             raise SettingsError(
-                f"stall_check_shutdown_time_seconds must be 0 (never) or more, got {shutdown}"
+                "stall_check_shutdown_time_seconds must be 0 (never) or a finite number of "
+                f"seconds, got {shutdown}"
             )
+        for name in self.env:
+            check_variable_name(name, "-x / env")
         if self.stall_check is False and (warning is not None or shutdown is not None):
             raise SettingsError(
                 "the stall check is turned off (--no-stall-check), so its warning and shutdown "

@@ -1,7 +1,10 @@
 """Rank events: what the per-rank wrapper tells ``ringrun``, and how it travels.
 
-The wrapper reports two things: that it started the rank's program, and, when the program
-did not exit cleanly, how it ended. Both travel as one line on the wrapper's stderr, which
+The wrapper reports two things: that it started the rank's program, and how it ended (a
+clean exit too: a rank that leaves early with code 0 is named when the job then fails). A
+rank that ringplug ends because of another rank (a peer that stopped answering, failed a
+collective or left) reports a *fault* naming those ranks, so ringrun names the root cause
+rather than the rank that gave up first. Both travel as one line on the wrapper's stderr, which
 the MPI launcher carries back to ``ringrun`` from every host, over the same connections
 that carry the ranks' output. Nothing is written to disk, so ranks on other hosts report
 exactly as local ones do, without a shared filesystem.
@@ -29,6 +32,7 @@ EVENT_MARK = "ringrun-event:"
 
 STARTED = "started"
 EXITED = "exited"
+FAULT = "fault"  # written by ringplug.core.log.end_job, which spells it alike
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,11 @@ class RankStatus:
         else:
             how = f"exited with code {self.exit_code}"
         return f"{who} on host {self.host} (pid {self.pid}) {how}"
+
+    @property
+    def clean(self) -> bool:
+        """Whether the program exited with code 0 (not a failure by itself)."""
+        return self.signal_name is None and self.exit_code == 0
 
     @property
     def shell_exit_code(self) -> int:
@@ -135,6 +144,38 @@ class RankStarted:
             raise ValueError(f"not a start report: {event!r}") from error
 
 
+@dataclass(frozen=True)
+class RankFault:
+    """Why ringplug ended a rank, as the rank itself said.
+
+    Args:
+        rank: the rank that ended.
+        culprits: the other ranks that caused it (stopped answering, failed a collective,
+            left the job); empty when the cause is on this rank (an uncaught exception).
+        message: the line the rank printed.
+        timestamp: seconds since the epoch, by that rank's host clock.
+    """
+
+    rank: int
+    culprits: tuple[int, ...]
+    message: str
+    timestamp: float
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> RankFault:
+        """The fault a ``fault`` event carries.
+
+        Raises:
+            ValueError: the event lacks a field or has one of the wrong type.
+        """
+        try:
+            culprits = tuple(int(rank) for rank in event["culprits"])
+            return cls(int(event["rank"]), culprits, str(event["message"]),
+                       float(event["timestamp"]))  # fmt: skip
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a rank fault: {event!r}") from error
+
+
 def signal_name(number: int) -> str:
     """``9`` -> ``"SIGKILL"``; numbers without a name become ``"signal 42"``."""
     try:
@@ -148,7 +189,7 @@ def event_line(token: str, event: dict[str, Any]) -> bytes:
     return f"{EVENT_MARK}{token} {json.dumps(event, separators=(',', ':'))}\n".encode()
 
 
-def parse_event(line: str, token: str) -> RankStatus | RankStarted | None:
+def parse_event(line: str, token: str) -> RankStatus | RankStarted | RankFault | None:
     """The event in ``line`` if it is one of this job's event lines, else ``None``.
 
     The line may carry a launcher's rank prefix before the mark. A line with the mark and
@@ -166,6 +207,8 @@ def parse_event(line: str, token: str) -> RankStatus | RankStarted | None:
             return RankStarted.from_event(event)
         if event.get("event") == EXITED:
             return RankStatus.from_event(event)
+        if event.get("event") == FAULT:
+            return RankFault.from_event(event)
     except ValueError:
         return None
     return None

@@ -147,13 +147,17 @@ def pump_lines(
     ``_PARTIAL_LINE_S`` of quiet; every raw chunk also goes to `on_chunk`. Closes `source`.
     """
     fd = source.fileno()
-    pending = b""
+    # The unfinished line grows in place (a bytearray appends in amortised constant time)
+    # and only the newly read bytes are searched for line ends: relaying costs time linear
+    # in the bytes, however long a line is (concatenating bytes copied the whole line per
+    # read: a 32 MiB line took 3.4 s).
+    pending = bytearray()
     while True:
         if pending:
             ready, _, _ = select.select([fd], [], [], _PARTIAL_LINE_S)
             if not ready:
-                on_line(pending)
-                pending = b""
+                on_line(bytes(pending))
+                pending.clear()
                 continue
         try:
             chunk = os.read(fd, 65536)
@@ -163,14 +167,16 @@ def pump_lines(
             break
         if on_chunk is not None:
             on_chunk(chunk)
-        pending += chunk
-        end = max(pending.rfind(b"\n"), pending.rfind(b"\r"))
-        if end >= 0:
-            for line in pending[: end + 1].splitlines(keepends=True):
-                on_line(line)
-            pending = pending[end + 1 :]
+        end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if end < 0:
+            pending += chunk
+            continue
+        pending += chunk[: end + 1]
+        for line in pending.splitlines(keepends=True):
+            on_line(bytes(line))
+        pending = bytearray(chunk[end + 1 :])
     if pending:
-        on_line(pending)
+        on_line(bytes(pending))
     source.close()
 
 
@@ -275,6 +281,10 @@ class RankWrapper:
             for thread in threads:
                 thread.start()
             returncode = self.child.wait()
+            # At once, before draining the output: when a rank ends without MPI_Finalize the
+            # launcher kills every wrapper within moments, and ringrun must hear of it.
+            # ringrun takes the report out of the output, wherever it falls.
+            self._report(pid=self.child.pid, returncode=returncode)
             for thread in threads:
                 thread.join(_DRAIN_TIMEOUT_S)
         finally:
@@ -283,8 +293,6 @@ class RankWrapper:
             for file in files:
                 if file is not None:
                     file.close()
-        if returncode != 0:
-            self._report(pid=self.child.pid, returncode=returncode)
         return 128 - returncode if returncode < 0 else returncode
 
     def _forward(self, signum: int, frame: object) -> None:
@@ -310,7 +318,7 @@ class RankWrapper:
         self._send_event(RankStarted(rank=rank, host=socket.gethostname(), pid=pid).to_event())
 
     def _report(self, pid: int, returncode: int) -> None:
-        """Tell ``ringrun`` how the program failed, if it asked."""
+        """Tell ``ringrun`` how the program ended, if it asked."""
         status = RankStatus(
             # Without any launcher variables this is a lone process, i.e. rank 0.
             rank=0 if self.rank is None else self.rank,
