@@ -6,9 +6,8 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .environment import RingEnvironment
-from .strategy import RingStrategy, RingSyncBatchNorm, allow_compiled_models
+from .strategy import RingStrategy, RingSyncBatchNorm
 
 RingStrategy.register_strategies(StrategyRegistry)
-allow_compiled_models()  # trainer.fit(torch.compile(model)) under RingStrategy, as under DDP
 
 __all__ = ["RingEnvironment", "RingStrategy", "RingSyncBatchNorm"]

@@ -114,6 +114,7 @@ class RingStrategy(ParallelStrategy):
         self.timeline = timeline
         self.broadcast_buffers = broadcast_buffers
         self.uneven = check_mode(uneven)
+        allow_compiled_models()  # trainer.fit(torch.compile(model)), as under DDP
         self._buffers_changed = False
         self._phantoms: collections.deque[bool] = collections.deque()
         self._phantom_step = False
@@ -362,7 +363,8 @@ def allow_compiled_models() -> None:
     Lightning unwraps a compiled model and compiles the LightningModule's forward again,
     whatever the strategy, then checks the strategy against a fixed list (single device,
     DDP, FSDP). RingStrategy, like DDP, only averages gradients, so it is let through; every
-    other strategy still gets Lightning's check. Idempotent.
+    other strategy still gets Lightning's check. Idempotent; called when a RingStrategy is
+    made (Lightning's trainer module may still be importing when ringplug.lightning is).
     """
     from lightning.pytorch.trainer import trainer as trainer_module
 
