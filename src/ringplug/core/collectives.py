@@ -11,9 +11,7 @@ raise `PeerArgumentError` on the others; no rank is left waiting.
 
 from __future__ import annotations
 
-import itertools
 import pickle
-import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -28,16 +26,12 @@ from .ops import Average, ReduceOp, as_op
 
 ArrayLike = Any  # numpy arrays and anything with the buffer protocol
 
-_unnamed = itertools.count(1)
-_unnamed_lock = threading.Lock()
-
 
 def _name(name: str | None) -> tuple[str, bool]:
     """The request's name, and whether it was given (only given names are cached)."""
     if name is not None:
         return str(name), True
-    with _unnamed_lock:
-        return f"noname.{next(_unnamed)}", False
+    return runtime.engine().unnamed(), False
 
 
 def _as_array(obj: ArrayLike) -> np.ndarray:
@@ -265,16 +259,21 @@ def grouped_allreduce(
 
 
 def allgather_async(
-    array: ArrayLike, *, name: str | None = None, dtype: str | DType | None = None
-) -> Handle:
-    """Start an allgather; the handle's `wait()` returns what `allgather` returns."""
+    array: ArrayLike, *, name: str | None = None, dtype: str | DType | None = None,
+    refuse_joined: bool = False,
+) -> Handle:  # fmt: skip
+    """Start an allgather; the handle's `wait()` returns what `allgather` returns.
+
+    With `refuse_joined`, it fails on every rank if a rank has joined (Horovod's join
+    semantics) instead of gathering no rows from that rank."""
 
     def build(request_name: str) -> Request:
         source = _as_array(array)
         code = classify(source, dtype)
         send = _contiguous(source.reshape(1) if source.ndim == 0 else source, code)
         return Request(
-            request_name, Signature(Kind.ALLGATHER, code, -1, -1, tuple(send.shape[1:])),
+            request_name, Signature(Kind.ALLGATHER, code, -1, -1, tuple(send.shape[1:]),
+                                    refuse_joined=refuse_joined),
             Handle(request_name), extra=send.shape[0], send=send,
             finish=lambda result: _result_as(source, result),
         )  # fmt: skip
@@ -301,8 +300,12 @@ def broadcast_async(
     out: np.ndarray | None = None,
     name: str | None = None,
     dtype: str | DType | None = None,
+    refuse_joined: bool = False,
 ) -> Handle:
-    """Start a broadcast; the handle's `wait()` returns what `broadcast` returns."""
+    """Start a broadcast; the handle's `wait()` returns what `broadcast` returns.
+
+    With `refuse_joined`, it fails on every rank if a rank has joined (Horovod's join
+    semantics), even when the root has not."""
 
     def build(request_name: str) -> Request:
         source = _as_array(array)
@@ -324,7 +327,8 @@ def broadcast_async(
             return target
 
         return Request(
-            request_name, Signature(Kind.BROADCAST, code, -1, root, tuple(source.shape)),
+            request_name, Signature(Kind.BROADCAST, code, -1, root, tuple(source.shape),
+                                    refuse_joined=refuse_joined),
             Handle(request_name), send=work, out=work, finish=finish,
         )  # fmt: skip
 
@@ -412,6 +416,17 @@ def alltoall(
     of ranks). Returns the received rows concatenated in rank order, and the number of
     rows received from each rank.
     """
+    return alltoall_async(array, splits, name=name, dtype=dtype).wait()
+
+
+def alltoall_async(
+    array: ArrayLike,
+    splits: Sequence[int] | np.ndarray | None = None,
+    *,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> Handle:
+    """Start an alltoall; the handle's `wait()` returns what `alltoall` returns."""
 
     def build(request_name: str) -> Request:
         source = _as_array(array)
@@ -426,7 +441,7 @@ def alltoall(
         )  # fmt: skip
 
     request_name, given = _name(name)
-    return _submit(request_name, given, build).wait()
+    return _submit(request_name, given, build)
 
 
 def _alltoall_rows(first: int, splits: Sequence[int] | np.ndarray | None, size: int) -> np.ndarray:

@@ -26,7 +26,7 @@ import logging
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,6 +65,7 @@ def _next_delay(delay: float, quiet_since: float) -> float:
 
 
 _CACHE_CAPACITY = 4096
+_UNNAMED = "noname."
 
 
 # One signal for every handle of the process: the engine notifies it once per cycle
@@ -171,6 +172,7 @@ class Engine:
         self._stop_requested = False
         self._joined_cycle = 0
         self._join_handle: Handle | None = None
+        self._unnamed_next = 1  # the number of the next unnamed request ("noname.N")
         self._partial_since: dict[str, float] = {}
         self._stall_warned: set[str] = set()
         self._stall_abort: list[str] = []
@@ -203,6 +205,26 @@ class Engine:
             self._queue.append(request)
             self._lock.notify()
         return request.handle
+
+    def unnamed(self) -> str:
+        """A name for an unnamed request: "noname.1", "noname.2", ... in call order (the
+        same sequence on every rank, restarting with each init())."""
+        with self._lock:
+            number, self._unnamed_next = self._unnamed_next, self._unnamed_next + 1
+        return f"{_UNNAMED}{number}"
+
+    def _follow_unnamed(self, names: Iterable[str]) -> None:
+        """A joined rank takes part in the others' unnamed requests without calling them:
+        move its numbering past theirs, so that its calls after join() match theirs."""
+        highest = 0
+        for name in names:
+            if name.startswith(_UNNAMED) and name not in self._pending:
+                number = name[len(_UNNAMED) :]
+                if number.isdigit():
+                    highest = max(highest, int(number))
+        if highest:
+            with self._lock:
+                self._unnamed_next = max(self._unnamed_next, highest + 1)
 
     def join(self) -> Handle:
         """Declare that this rank has no more data; see `ringplug.join`."""
@@ -328,7 +350,15 @@ class Engine:
         if plan.shutdown_by is not None:
             self._shut_down(plan.shutdown_by)
             return True
-        self._cache.learn(plan, {n for n, r in self._pending.items() if r.cacheable})
+        cacheable = {n for n, r in self._pending.items() if r.cacheable}
+        # A joined rank lacks the others' requests; it must still learn the same slots
+        # (given names are the cacheable ones), or its cache parts from theirs.
+        cacheable.update(
+            r.name
+            for r in plan.responses
+            if r.name not in self._pending and not r.name.startswith(_UNNAMED)
+        )
+        self._cache.learn(plan, cacheable)
         self._execute(plan)
         self._inspect_stalls(plan)
         if plan.all_joined:
@@ -405,6 +435,8 @@ class Engine:
 
     # ------------------------------------------------------------------ running a plan
     def _execute(self, plan: Plan) -> None:
+        if self._join_handle is not None:
+            self._follow_unnamed([r.name for r in plan.responses] + list(plan.errors))
         for name, message in plan.errors.items():
             request = self._pending.pop(name, None)
             if request is not None:
@@ -592,6 +624,7 @@ class Engine:
     def _dispatch(self, signature: Signature, response: Response, request: Request | None) -> Any:
         kind, transport = signature.kind, self.transport
         code = DType(signature.code) if signature.code >= 0 else None
+        _check_joined(signature, response)
         if kind is Kind.BARRIER:
             return None
         if kind is Kind.BROADCAST:
@@ -641,6 +674,7 @@ class Engine:
     def _dispatch_gpu(self, signature: Signature, response: Response,
                       request: Request | None) -> Any:  # fmt: skip
         """Broadcast, allgather and reducescatter of device buffers (results stay on the GPU)."""
+        _check_joined(signature, response)
         kind, plane = signature.kind, self._gpu_plane()
         code = DType(signature.code)
         ready = request.ready if request is not None else None
@@ -805,6 +839,18 @@ def _mismatch_error(request: Request, message: str) -> BaseException:
     if "rejected their arguments" in message:
         return PeerArgumentError(message)
     return MismatchError(message)
+
+
+def _check_joined(signature: Signature, response: Response) -> None:
+    """Fail a request that refuses joined ranks when one has joined (on every rank: they
+    all see the same response)."""
+    if signature.refuse_joined and not all(response.have):
+        joined = ", ".join(str(r) for r, has in enumerate(response.have) if not has)
+        raise RingplugError(
+            f"{signature.kind.label} {response.name!r} cannot run while rank(s) {joined} have "
+            "joined (hvd.join()): only allreduce takes part for a joined rank. Call join() "
+            "after the last allgather or broadcast."
+        )
 
 
 def _joined_parts(response: Response, op: ReduceOp, code: DType) -> list[np.ndarray]:
