@@ -42,6 +42,17 @@ def test_every_hvd_collective_matches_numpy_on_every_rank(tmp_path, ranks):
     assert reports[0].keys() == reports[-1].keys()
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_horovod_semantics_where_they_differ_from_ringplug_torch(tmp_path, ranks):
+    # Integer Average/scaling, alltoall forms and gradients, allgather's averaged gradient,
+    # grouped collectives with autograd, join refusing allgather/broadcast, unnamed calls
+    # in step after a mismatch, a join and a re-init, optimizer state and names, sparse.
+    reports = run("hvd_semantics.py", tmp_path, "semantics", ranks)
+    for rank, checks in enumerate(reports):
+        assert len(checks) >= (44 if rank else 42)
+        assert [name for name, ok in checks.items() if not ok] == []
+
+
 def test_an_mnist_style_hvd_torch_script_trains_and_keeps_ranks_identical(tmp_path):
     for report in run("hvd_mnist.py", tmp_path, "mnist"):
         assert report["ranks_identical"]  # broadcast + DistributedOptimizer (passes_per_step=2)

@@ -369,7 +369,9 @@ def sparse_allreduce_async(
         gathered_indices, gathered_values = handle.wait()
         if reduce_op is ReduceOp.AVERAGE:
             gathered_values = gathered_values / core.size()
-        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.size())
+        return torch.sparse_coo_tensor(
+            gathered_indices.t(), gathered_values, tensor.size(), check_invariants=True
+        )
 
     return wait
 
