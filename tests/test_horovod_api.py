@@ -70,12 +70,25 @@ def test_a_horovod_keras_script_with_its_callbacks_runs_on_keras_3(tmp_path):
     for report in reports:
         assert report["ranks_identical"]
         assert report["loss"][-1] < report["loss"][0]
-        lr, rates = report["scaled_lr"], report["rates"]
-        per_epoch = len(rates) // 4
-        # Warmup from lr/size over 2 epochs, then lr, then x0.1 from epoch 3 (schedule).
-        assert rates[0] == pytest.approx(lr / 2)
-        assert rates[2 * per_epoch] == pytest.approx(lr)
-        assert rates[3 * per_epoch :] == pytest.approx([lr * 0.1] * per_epoch)
+        lr, rates, size = report["scaled_lr"], report["rates"], 2
+        steps = len(rates) // 4
+        # Horovod's warmup over 2 epochs: lr/size * (1 + (epoch + (batch+1)/steps)(size-1)/2),
+        # then the schedule from epoch 2: lr * 0.1 ** (epoch - 2), set at each epoch's start.
+        warmup = [lr / size * (1 + (e + (b + 1) / steps) * (size - 1) / 2)
+                  for e in range(2) for b in range(steps)]  # fmt: skip
+        assert rates == pytest.approx(warmup + [lr] * steps + [lr * 0.1] * steps)
+        assert report["logged_lr"] == pytest.approx([lr * 3 / 4, lr, lr, lr * 0.1])
+
+
+def test_horovod_tensorflow_eagerly_in_tf_function_and_in_a_graph_session(tmp_path):
+    # Values and gradients of the collectives in all three modes, DistributedGradientTape
+    # (IndexedSlices too), the partial tape and optimizer, local variables kept out of the
+    # broadcast, load_model, FailedPreconditionError on a mismatch, 24 ops in one run.
+    pytest.importorskip("tensorflow")
+    reports = run("hvd_tf.py", tmp_path, "tf", env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    for checks in reports:
+        assert len(checks) >= 23
+        assert [name for name, ok in checks.items() if not ok] == []
 
 
 def test_unsupported_horovod_features_say_so():

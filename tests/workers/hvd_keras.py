@@ -47,8 +47,9 @@ def main(outdir: Path) -> None:
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
         hvd.callbacks.MetricAverageCallback(),
         hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=2),
+        # From epoch 2 on: 0.1 ** (epoch - 2), Horovod's exponential decay for a number.
         hvd.callbacks.LearningRateScheduleCallback(
-            initial_lr=scaled_lr, multiplier=0.1, start_epoch=3
+            initial_lr=scaled_lr, multiplier=0.1, start_epoch=2
         ),
         rates,
     ]
@@ -64,6 +65,7 @@ def main(outdir: Path) -> None:
         "loss": history.history["loss"],
         "rates": rates.seen,
         "scaled_lr": scaled_lr,
+        "logged_lr": history.history["lr"],
     }
     (outdir / f"keras-{hvd.rank()}.json").write_text(json.dumps(report))
 

@@ -40,6 +40,7 @@ class _Settings:
     enabled: bool = True
     warned_mixed: bool = False
     local: frozenset[int] = frozenset()  # ids of variables whose gradients stay local
+    local_scale: float = 1.0  # what their gradients are multiplied by
 
 
 class _ReduceBeforeClipping:
@@ -63,7 +64,8 @@ class _ReduceBeforeClipping:
             shared = [None if i in local else g for i, g in enumerate(grads)]
             reduced = reduce_gradients(shared, settings.op, settings.name, settings.fp16,
                                        when=self._ringplug_update_step())  # fmt: skip
-            grads = [g if i in local else r
+            scale = settings.local_scale
+            grads = [(g if scale == 1.0 else g * scale) if i in local else r
                      for i, (g, r) in enumerate(zip(grads, reduced, strict=True))]  # fmt: skip
         return super()._clip_gradients(grads)  # type: ignore[misc]
 
@@ -193,13 +195,14 @@ def _key(variable: Any) -> int:
     return id(getattr(variable, "value", variable))
 
 
-def set_local_variables(optimizer: Any, variables: list[Any]) -> None:
-    """Keep the gradients of `variables` local to each rank (not averaged): for layers
-    each rank trains on its own (model parallelism)."""
+def set_local_variables(optimizer: Any, variables: list[Any], scale: float = 1.0) -> None:
+    """Keep the gradients of `variables` local to each rank (not averaged), multiplied by
+    `scale`: for layers each rank trains on its own (model parallelism)."""
     settings = getattr(optimizer, "_ringplug", None)
     if settings is None:
         raise ValueError("set_local_variables needs a ringplug DistributedOptimizer.")
     settings.local = frozenset(_key(v) for v in variables)
+    settings.local_scale = float(scale)
 
 
 def _set_accumulation(optimizer: Any, steps: int) -> None:

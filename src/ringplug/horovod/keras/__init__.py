@@ -73,9 +73,11 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
     groups: Any = None,
     process_set: Any = global_process_set,
     local_layers: Any = None,
+    scale_local_gradients: bool = True,
 ) -> keras.optimizers.Optimizer:
     """`DistributedOptimizer` that leaves the gradients of `local_layers`' variables local
-    (each rank trains its own copy of those layers); the others are averaged."""
+    (each rank trains its own copy of those layers; divided by the number of ranks with
+    `scale_local_gradients`, as Horovod); the others are averaged."""
     distributed = DistributedOptimizer(
         optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
         gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
@@ -83,7 +85,11 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
     )  # fmt: skip
     layers = [] if local_layers is None else (
         local_layers if isinstance(local_layers, (list, tuple)) else [local_layers])  # fmt: skip
-    _set_local_variables(distributed, [v for layer in layers for v in layer.trainable_weights])
+    _set_local_variables(
+        distributed,
+        [v for layer in layers for v in layer.trainable_weights],
+        1.0 / core.size() if scale_local_gradients else 1.0,
+    )
     return distributed
 
 

@@ -97,17 +97,27 @@ def _op_name(kind: str, name: str | None) -> str | None:
     return tf.compat.v1.get_default_graph().unique_name(f"Horovod{kind}")
 
 
-def _storage(array: np.ndarray) -> tuple[np.ndarray, str | None]:
+# Unsigned types the core does not reduce travel as the signed type of their width in the
+# collectives that only move data (allgather, broadcast, alltoall): the bits are the same.
+_MOVED_AS = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32),
+             np.dtype(np.uint64): np.dtype(np.int64)}  # fmt: skip
+
+
+def _storage(array: np.ndarray, moved: bool = False) -> tuple[np.ndarray, str | None]:
     """A contiguous array the core reads, and the dtype to read it as (bfloat16 by its
-    raw 16-bit words)."""
+    raw 16-bit words; with `moved`, unsigned types by their signed twin's)."""
     array = np.ascontiguousarray(array)
     if array.dtype.name == "bfloat16":
         return array.view(np.uint16), "bfloat16"
+    if moved and array.dtype in _MOVED_AS:
+        return array.view(_MOVED_AS[array.dtype]), None
     return array, None
 
 
 def _restore(result: np.ndarray, like: np.ndarray) -> np.ndarray:
-    return result.view(like.dtype) if like.dtype.name == "bfloat16" else result
+    if like.dtype.name == "bfloat16" or like.dtype in _MOVED_AS:
+        return result.view(like.dtype)
+    return result
 
 
 def _failed(exc: BaseException) -> BaseException:
@@ -347,7 +357,7 @@ def grouped_allreduce(
 def _gather_arrays(name: str | None, *arrays: np.ndarray) -> list[np.ndarray]:
     handles = []
     for index, array in enumerate(arrays):
-        work, dtype = _storage(array)
+        work, dtype = _storage(array, moved=True)
         part = name if name is None or len(arrays) == 1 else f"{name}.{index}"
         handles.append(_core.allgather_async(work, name=part, dtype=dtype, refuse_joined=True))
     results, error = [], None
@@ -431,7 +441,7 @@ def _broadcast_arrays(root_rank: int) -> Callable[..., list[np.ndarray]]:
     def compute(name: str | None, *arrays: np.ndarray) -> list[np.ndarray]:
         handles = []
         for index, array in enumerate(arrays):
-            work, dtype = _storage(np.array(array, copy=True))
+            work, dtype = _storage(np.array(array, copy=True), moved=True)
             part = name if name is None or len(arrays) == 1 else f"{name}.{index}"
             handles.append(
                 (
@@ -544,7 +554,7 @@ def broadcast_global_variables(root_rank: int) -> Any:
 
 # ---------------------------------------------------------------------------- alltoall
 def _alltoall_arrays(name: str | None, array: np.ndarray, splits: np.ndarray) -> list[np.ndarray]:
-    work, dtype = _storage(array)
+    work, dtype = _storage(array, moved=True)
     if splits.size == 0:
         splits = None
     elif not _integer(splits.dtype):
@@ -835,8 +845,18 @@ def _reduce_gradients(
     return out
 
 
+def _source_key(source: Any) -> Any:
+    """A hashable identity for a variable (TF variables by ref, Keras variables by theirs)."""
+    inner = getattr(source, "value", None)
+    if not isinstance(source, tf.Variable) and isinstance(inner, tf.Variable):
+        source = inner
+    return source.ref() if hasattr(source, "ref") else id(source)
+
+
 class _DistributedGradientTape:
-    """A GradientTape whose `gradient()` averages the gradients over every rank."""
+    """A GradientTape whose `gradient()` averages the gradients over every rank; those of
+    local sources stay on this rank (divided by the number of ranks, as Horovod's
+    ``scale_local_gradients`` does)."""
 
     def __init__(
         self,
@@ -846,13 +866,15 @@ class _DistributedGradientTape:
         sparse_as_dense: bool,
         predivide: float,
         local_variables: Sequence[Any] = (),
+        scale_local_gradients: bool = True,
     ) -> None:
         self._tape = tape
         self._op = op
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense
         self._predivide = predivide
-        self._local = {v.ref() if hasattr(v, "ref") else id(v) for v in local_variables}
+        self._local = {_source_key(v) for v in local_variables}
+        self.scale_local_gradients = scale_local_gradients
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tape, name)
@@ -864,45 +886,53 @@ class _DistributedGradientTape:
     def __exit__(self, *exc: Any) -> Any:
         return self._tape.__exit__(*exc)
 
+    def register_local_source(self, source: Any) -> None:
+        """Keep `source`'s gradient on this rank (not averaged)."""
+        self._local.add(_source_key(source))
+
     def _is_local(self, source: Any) -> bool:
-        key = source.ref() if hasattr(source, "ref") else id(source)
-        return key in self._local
+        return _source_key(source) in self._local
+
+    def _scaled_local(self, grad: Any) -> Any:
+        if grad is None or not self.scale_local_gradients or core.size() == 1:
+            return grad
+        factor = 1.0 / core.size()
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+        return grad * factor
 
     def gradient(
         self, target: Any, sources: Any, output_gradients: Any = None, **kwargs: Any
     ) -> Any:
-        """The tape's gradients, averaged over every rank (local variables' left alone)."""
+        """The tape's gradients, averaged over every rank (local sources' kept here)."""
+        kwargs.pop("use_generic_names", None)
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat_sources = tf.nest.flatten(sources)
-        flat = tf.nest.flatten(grads, expand_composites=False)
-        shared = [
-            g if not self._is_local(s) else None for g, s in zip(flat, flat_sources, strict=True)
-        ]
+        flat = tf.nest.flatten(grads)
+        local = [self._is_local(s) for s in flat_sources]
+        shared = [None if is_local else g for g, is_local in zip(flat, local, strict=True)]
         reduced = _reduce_gradients(
             shared, self._op, self._compression, self._sparse_as_dense, self._predivide
         )
         merged = [
-            g if self._is_local(s) else r
-            for g, r, s in zip(flat, reduced, flat_sources, strict=True)
+            self._scaled_local(g) if is_local else r
+            for g, r, is_local in zip(flat, reduced, local, strict=True)
         ]
         return tf.nest.pack_sequence_as(grads, merged)
 
     def get_local_and_global_gradients(
-        self, target: Any, sources: Any, output_gradients: Any = None
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        use_generic_names: bool = False,
     ) -> tuple[list, list]:
-        """(gradients of the local variables, averaged gradients of the others)."""
+        """([(local source, its gradient)], [(other source, its averaged gradient)])."""
         grads = self.gradient(target, sources, output_gradients)
         local, shared = [], []
         for g, s in zip(tf.nest.flatten(grads), tf.nest.flatten(sources), strict=True):
-            (local if self._is_local(s) else shared).append(g)
+            (local if self._is_local(s) else shared).append((s, g))
         return local, shared
-
-    def register_local_source_variables(self, variables: Sequence[Any]) -> None:
-        """Variables whose gradients stay local (not averaged)."""
-        self._local.update(v.ref() if hasattr(v, "ref") else id(v) for v in variables)
-
-    def register_local_var(self, variable: Any) -> None:
-        self.register_local_source_variables([variable])
 
 
 def DistributedGradientTape(  # noqa: N802 - Horovod's name
@@ -916,6 +946,7 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
     num_groups: int = 0,
     groups: Any = None,
     process_set: Any = global_process_set,
+    scale_local_gradients: bool = True,
 ) -> Any:
     """Wrap `gradtape` so that ``gradient()`` returns gradients averaged over every rank
     (one grouped allreduce; ``tf.IndexedSlices`` gathered, or densified with
@@ -927,6 +958,8 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
         compression,
         sparse_as_dense,
         float(gradient_predivide_factor),
+        (),
+        scale_local_gradients,
     )
 
 
@@ -942,6 +975,7 @@ def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
     groups: Any = None,
     process_set: Any = global_process_set,
     local_layers: Any = None,
+    scale_local_gradients: bool = True,
 ) -> Any:
     """`DistributedGradientTape` that leaves the gradients of `local_layers`' variables
     local (model parallelism: each rank trains its own copy of those layers)."""
@@ -959,6 +993,7 @@ def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
         sparse_as_dense,
         float(gradient_predivide_factor),
         local,
+        scale_local_gradients,
     )
 
 
