@@ -78,6 +78,7 @@ def test_a_horovod_keras_script_with_its_callbacks_runs_on_keras_3(tmp_path):
                   for e in range(2) for b in range(steps)]  # fmt: skip
         assert rates == pytest.approx(warmup + [lr] * steps + [lr * 0.1] * steps)
         assert report["logged_lr"] == pytest.approx([lr * 3 / 4, lr, lr, lr * 0.1])
+        assert report["config_round_trip"] and report["sparse_as_dense_identical"]
 
 
 def test_horovod_tensorflow_eagerly_in_tf_function_and_in_a_graph_session(tmp_path):
@@ -87,7 +88,7 @@ def test_horovod_tensorflow_eagerly_in_tf_function_and_in_a_graph_session(tmp_pa
     pytest.importorskip("tensorflow")
     reports = run("hvd_tf.py", tmp_path, "tf", env={"TF_CPP_MIN_LOG_LEVEL": "3"})
     for checks in reports:
-        assert len(checks) >= 23
+        assert len(checks) >= 24
         assert [name for name, ok in checks.items() if not ok] == []
 
 

@@ -231,6 +231,9 @@ def main(outdir: Path) -> None:
     # After a shutdown that left an unmatched unnamed call, init() lines the ranks up again.
     if rank == 0:
         orphan = hvd.allreduce_async(torch.ones(1))
+    # Rank 0's orphan is in before anyone shuts down (a named call: an unnamed one would
+    # meet the orphan's number on the other ranks).
+    hvd.allgather_object(rank, name="before-shutdown")
     hvd.shutdown()
     if rank == 0:
         check(

@@ -122,6 +122,35 @@ def main(outdir: Path) -> None:
         ),
     )
 
+    # Horovod's TF2 training loop: a tf.function step with the tape, and the variables
+    # broadcast inside it after the first step (the model and the optimizer's).
+    keras.utils.set_random_seed(10 + rank)
+    mnist_like = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="relu"),
+                                   keras.layers.Dense(3)])  # fmt: skip
+    adam = keras.optimizers.Adam(0.01 * size)
+    crossentropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train_step(images, labels, first_batch):
+        with tf.GradientTape() as t:
+            value = crossentropy(labels, mnist_like(images, training=True))
+        t = hvd.DistributedGradientTape(t)
+        grads = t.gradient(value, mnist_like.trainable_variables)
+        adam.apply_gradients(zip(grads, mnist_like.trainable_variables, strict=True))
+        if first_batch:
+            hvd.broadcast_variables(mnist_like.variables, root_rank=0)
+            hvd.broadcast_variables(adam.variables, root_rank=0)
+        return value
+
+    data_rng = np.random.default_rng(rank)
+    for batch in range(4):
+        images = tf.constant(data_rng.normal(size=(8, 6)), tf.float32)
+        labels = tf.constant(data_rng.integers(0, 3, 8))
+        train_step(images, labels, batch == 0)
+    flat = tf.concat([tf.reshape(v, [-1]) for v in mnist_like.variables], 0)
+    everyone = hvd.allgather(flat[None]).numpy()
+    check("tf2-loop-ranks-identical", lambda: all(np.array_equal(e, everyone[0]) for e in everyone))
+
     # PartialDistributedGradientTape: local layers keep their own gradients.
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
     data = tf.ones([1, 3]) * (rank + 1)
