@@ -15,8 +15,9 @@ pytest.importorskip("keras")
 pytestmark = pytest.mark.multirank
 
 WORKER = str(Path(__file__).parent / "workers" / "keras_fit.py")
-SCENARIOS = ["plain", "clipnorm", "accumulate", "mixed", "warmup", "early_stopping",
-             "save_load", "late_build", "undistributed", "statistics"]  # fmt: skip
+SCENARIOS = ["plain", "clipnorm", "accumulate", "mixed", "warmup", "warmup_resume",
+             "early_stopping", "save_load", "late_build", "undistributed",
+             "statistics"]  # fmt: skip
 BACKENDS = {
     "tensorflow": [*SCENARIOS, "steps_per_execution", "xla", "bucketed"],
     "torch": SCENARIOS,  # Keras's torch backend has no steps_per_execution
@@ -88,8 +89,9 @@ def test_warmup_follows_the_linear_scaling_formula_with_momentum_correction(run)
     for report in run["reports"]:
         warmup = report["warmup"]
         steps, size, target = warmup["steps_per_epoch"], 2, 0.2
-        # fit(initial_epoch=1, epochs=3) with warmup_epochs=2: epoch 1 still warms up.
-        expected = [target / size * (1 + min((1 + b / steps) / 2, 1) * (size - 1))
+        # fit(initial_epoch=1, epochs=3) with warmup_epochs=2: epoch 1 still warms up, on
+        # Horovod's curve: at batch b of epoch e, target/N * (1 + (e + (b+1)/steps)(N-1)/W).
+        expected = [target / size * (1 + (1 + (b + 1) / steps) * (size - 1) / 2)
                     for b in range(steps)] + [target] * steps  # fmt: skip
         assert warmup["lrs"] == pytest.approx(expected, rel=1e-6)
         rows = zip(warmup["lrs_before"], warmup["lrs"], warmup["slots_before"],
@@ -99,6 +101,19 @@ def test_warmup_follows_the_linear_scaling_formula_with_momentum_correction(run)
             assert after == pytest.approx(before * lr / before_lr, rel=1e-5)
         changed = [a != b for a, b in zip(warmup["lrs"], warmup["lrs_before"], strict=True)]
         assert sum(changed) >= steps - 1
+
+
+def test_warmup_resumed_mid_way_goes_on_to_the_original_target_on_every_rank(run):
+    for report in run["reports"]:
+        resumed = report["warmup_resume"]
+        steps, size, target, warmup = resumed["steps_per_epoch"], 2, 0.3, 3
+        # Epochs 1 and 2 of a 3-epoch warmup towards 0.3 (not towards the saved, part-warmed
+        # LR, nor rank 1's own 0.7), then the end of the warmup.
+        expected = [target / size * (1 + (e + (b + 1) / steps) * (size - 1) / warmup)
+                    for e in (1, 2) for b in range(steps)]  # fmt: skip
+        assert resumed["lrs"] == pytest.approx(expected, rel=1e-6)
+        assert resumed["lrs"][-1] == pytest.approx(target, rel=1e-6)
+        assert resumed["ranks_identical"]
 
 
 def test_metric_average_makes_early_stopping_stop_every_rank_together(run):

@@ -47,8 +47,9 @@ def main(outdir: Path) -> None:
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
         hvd.callbacks.MetricAverageCallback(),
         hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=2),
+        # From epoch 2 on: 0.1 ** (epoch - 2), Horovod's exponential decay for a number.
         hvd.callbacks.LearningRateScheduleCallback(
-            initial_lr=scaled_lr, multiplier=0.1, start_epoch=3
+            initial_lr=scaled_lr, multiplier=0.1, start_epoch=2
         ),
         rates,
     ]
@@ -64,7 +65,25 @@ def main(outdir: Path) -> None:
         "loss": history.history["loss"],
         "rates": rates.seen,
         "scaled_lr": scaled_lr,
+        "logged_lr": history.history["lr"],
     }
+    # From Horovod's test_tensorflow2_keras.py, on Keras 3 names: a DistributedOptimizer's
+    # config round-trips, and an Embedding trains with sparse_as_dense.
+    adam = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    config = adam.get_config()
+    report["config_round_trip"] = (type(adam).from_config(config).get_config() == config
+                                   and adam.from_config(config).get_config() == config)  # fmt: skip
+    keras.utils.set_random_seed(hvd.rank())
+    embedder = keras.Sequential([keras.Input((10,), dtype="int32"),
+                                 keras.layers.Embedding(1000, 8)])  # fmt: skip
+    rmsprop = hvd.DistributedOptimizer(keras.optimizers.RMSprop(0.001), sparse_as_dense=True)
+    embedder.compile(optimizer=rmsprop, loss="mse")
+    tokens = rng.integers(1000, size=(32, 10))
+    embedder.fit(tokens, rng.random((32, 10, 8)), batch_size=32, epochs=1, verbose=0,
+                 callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])  # fmt: skip
+    table = np.asarray(embedder.weights[0])
+    tables = np.asarray(hvd.allgather(table[None]))
+    report["sparse_as_dense_identical"] = bool(all(np.array_equal(t, tables[0]) for t in tables))
     (outdir / f"keras-{hvd.rank()}.json").write_text(json.dumps(report))
 
 

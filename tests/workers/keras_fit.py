@@ -155,6 +155,37 @@ def scenario_warmup() -> dict:
             "lrs_before": before.lrs, "steps_per_epoch": STEPS}  # fmt: skip
 
 
+def scenario_warmup_resume(outdir: Path) -> dict:
+    """Warm up over 3 epochs, save after epoch 1 (mid-warmup), resume with
+    fit(initial_epoch=1). Only rank 0 loads the checkpoint; rank 1 builds a fresh model
+    with another LR, and RingWarmup comes before RingBroadcast: the warmup must still go
+    on towards the original target on both ranks."""
+    size = ringplug.size()
+    x, y = data(size)
+    mx, my = my_rows(x, y)
+    path = outdir / "warmup-resume.keras"
+    model = make_model(seed=0)
+    model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.3, momentum=0.9)),
+                  loss="mse")  # fmt: skip
+    model.fit(mx, my, batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[rk.RingBroadcast(0), rk.RingWarmup(warmup_epochs=3)])  # fmt: skip
+    if ringplug.rank() == 0:
+        model.save(path)
+    ringplug.barrier()
+    if ringplug.rank() == 0:
+        model = keras.saving.load_model(path)
+        rk.DistributedOptimizer(model.optimizer)
+    else:
+        model = make_model(seed=5)
+        model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.7, momentum=0.9)),
+                      loss="mse")  # fmt: skip
+    seen = Recorder()
+    model.fit(mx, my, batch_size=B, epochs=3, initial_epoch=1, shuffle=False, verbose=0,
+              callbacks=[rk.RingWarmup(warmup_epochs=3), rk.RingBroadcast(0), seen])  # fmt: skip
+    return {"lrs": seen.lrs, "steps_per_epoch": STEPS,
+            "ranks_identical": identical_everywhere(flat_weights(model))}  # fmt: skip
+
+
 class Perturb(keras.callbacks.Callback):
     """Rank 1's own val_loss rises from epoch 1 on, rank 0's falls: alone, they would stop at
     different epochs."""
@@ -302,6 +333,7 @@ def main(outdir: Path, scenarios: list[str]) -> None:
         "xla": lambda: train_and_compare({"learning_rate": 0.1}, jit_compile=True),
         "mixed": scenario_mixed,
         "warmup": scenario_warmup,
+        "warmup_resume": lambda: scenario_warmup_resume(outdir),
         "early_stopping": lambda: scenario_early_stopping(outdir),
         "save_load": lambda: scenario_save_load(outdir),
         "late_build": scenario_late_build,

@@ -11,9 +11,7 @@ raise `PeerArgumentError` on the others; no rank is left waiting.
 
 from __future__ import annotations
 
-import itertools
 import pickle
-import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -21,28 +19,19 @@ import numpy as np
 
 from . import reduce, ring, runtime
 from .dtypes import DType, classify, storage_view
-from .engine import Handle, Request
+from .engine import Handle, Request, cacheable_name
 from .errors import RingplugError
 from .negotiation import CACHEABLE, Kind, Signature
 from .ops import Average, ReduceOp, as_op
 
 ArrayLike = Any  # numpy arrays and anything with the buffer protocol
 
-_unnamed = itertools.count(1)
-_unnamed_lock = threading.Lock()
-
-
-class OneOffName(str):
-    """A request name that an adapter numbers itself (``"torch.default#12"``): matched across
-    ranks like any given name, but never cached, since it is used once."""
-
 
 def _name(name: str | None) -> tuple[str, bool]:
-    """The request's name, and whether to cache it (given names, unless one-off)."""
+    """The request's name, and whether to cache it (see `engine.cacheable_name`)."""
     if name is not None:
-        return str(name), not isinstance(name, OneOffName)
-    with _unnamed_lock:
-        return f"noname.{next(_unnamed)}", False
+        return str(name), cacheable_name(str(name))
+    return runtime.engine().unnamed(), False
 
 
 def _as_array(obj: ArrayLike) -> np.ndarray:
@@ -270,16 +259,21 @@ def grouped_allreduce(
 
 
 def allgather_async(
-    array: ArrayLike, *, name: str | None = None, dtype: str | DType | None = None
-) -> Handle:
-    """Start an allgather; the handle's `wait()` returns what `allgather` returns."""
+    array: ArrayLike, *, name: str | None = None, dtype: str | DType | None = None,
+    refuse_joined: bool = False,
+) -> Handle:  # fmt: skip
+    """Start an allgather; the handle's `wait()` returns what `allgather` returns.
+
+    With `refuse_joined`, it fails on every rank if a rank has joined (Horovod's join
+    semantics) instead of gathering no rows from that rank."""
 
     def build(request_name: str) -> Request:
         source = _as_array(array)
         code = classify(source, dtype)
         send = _contiguous(source.reshape(1) if source.ndim == 0 else source, code)
         return Request(
-            request_name, Signature(Kind.ALLGATHER, code, -1, -1, tuple(send.shape[1:])),
+            request_name, Signature(Kind.ALLGATHER, code, -1, -1, tuple(send.shape[1:]),
+                                    refuse_joined=refuse_joined),
             Handle(request_name), extra=send.shape[0], send=send,
             finish=lambda result: _result_as(source, result),
         )  # fmt: skip
@@ -306,8 +300,12 @@ def broadcast_async(
     out: np.ndarray | None = None,
     name: str | None = None,
     dtype: str | DType | None = None,
+    refuse_joined: bool = False,
 ) -> Handle:
-    """Start a broadcast; the handle's `wait()` returns what `broadcast` returns."""
+    """Start a broadcast; the handle's `wait()` returns what `broadcast` returns.
+
+    With `refuse_joined`, it fails on every rank if a rank has joined (Horovod's join
+    semantics), even when the root has not."""
 
     def build(request_name: str) -> Request:
         source = _as_array(array)
@@ -329,7 +327,8 @@ def broadcast_async(
             return target
 
         return Request(
-            request_name, Signature(Kind.BROADCAST, code, -1, root, tuple(source.shape)),
+            request_name, Signature(Kind.BROADCAST, code, -1, root, tuple(source.shape),
+                                    refuse_joined=refuse_joined),
             Handle(request_name), send=work, out=work, finish=finish,
         )  # fmt: skip
 

@@ -107,15 +107,16 @@ def broadcast_async(
     name: str | None = None,
     ready: Any = None,
     finish: Finish | None = None,
+    refuse_joined: bool = False,
 ) -> Handle:
-    """Start overwriting `buffer` with root's, in place."""
+    """Start overwriting `buffer` with root's, in place (`refuse_joined`: as the host's)."""
 
     def build(request_name: str) -> Request:
         check_buffers([buffer], "broadcast")
         root = check_root(root_rank)
         return _request(
             request_name,
-            Signature(Kind.BROADCAST, buffer.code, -1, root, tuple(shape), (), GPU),
+            Signature(Kind.BROADCAST, buffer.code, -1, root, tuple(shape), (), GPU, refuse_joined),
             send=buffer,
             out=buffer,
             ready=ready,
@@ -133,16 +134,18 @@ def allgather_async(
     ready: Any = None,
     out: DeviceBuffer | None = None,
     finish: Finish | None = None,
+    refuse_joined: bool = False,
 ) -> Handle:
     """Start an allgather of `send` (rows = shape[0], which may differ between ranks); the
-    result is `out`, or new device memory when `out` is None."""
+    result is `out`, or new device memory when `out` is None (`refuse_joined`: as the
+    host's)."""
 
     def build(request_name: str) -> Request:
         check_buffers([send] if out is None else [send, out], "allgather")
         rows = tuple(shape) if shape else (1,)
         return _request(
             request_name,
-            Signature(Kind.ALLGATHER, send.code, -1, -1, rows[1:], (), GPU),
+            Signature(Kind.ALLGATHER, send.code, -1, -1, rows[1:], (), GPU, refuse_joined),
             extra=rows[0],
             send=send,
             out=out,

@@ -26,7 +26,7 @@ import logging
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,6 +73,14 @@ def _next_delay(delay: float, quiet_since: float) -> float:
 
 
 _CACHE_CAPACITY = 4096
+_UNNAMED = "noname."
+
+
+def cacheable_name(name: str) -> bool:
+    """Whether the negotiation cache may learn a request of this name: given names, but not
+    numbered ones ("torch.default#12", used once). Decided from the name alone, so that a
+    joined rank, which sees only the names, learns the same slots as the others."""
+    return not name.startswith(_UNNAMED) and "#" not in name
 
 
 # One signal for every handle of the process: the engine notifies it once per cycle
@@ -207,6 +215,7 @@ class Engine:
         self._stop_requested = False
         self._joined_cycle = 0
         self._join_handle: Handle | None = None
+        self._unnamed_next = 1  # the number of the next unnamed request ("noname.N")
         self._partial_since: dict[str, float] = {}
         self._stall_warned: set[str] = set()
         self._stall_abort: list[str] = []
@@ -239,6 +248,26 @@ class Engine:
             self._queue.append(request)
             self._lock.notify()
         return request.handle
+
+    def unnamed(self) -> str:
+        """A name for an unnamed request: "noname.1", "noname.2", ... in call order (the
+        same sequence on every rank, restarting with each init())."""
+        with self._lock:
+            number, self._unnamed_next = self._unnamed_next, self._unnamed_next + 1
+        return f"{_UNNAMED}{number}"
+
+    def _follow_unnamed(self, names: Iterable[str]) -> None:
+        """A joined rank takes part in the others' unnamed requests without calling them:
+        move its numbering past theirs, so that its calls after join() match theirs."""
+        highest = 0
+        for name in names:
+            if name.startswith(_UNNAMED) and name not in self._pending:
+                number = name[len(_UNNAMED) :]
+                if number.isdigit():
+                    highest = max(highest, int(number))
+        if highest:
+            with self._lock:
+                self._unnamed_next = max(self._unnamed_next, highest + 1)
 
     def join(self) -> Handle:
         """Declare that this rank has no more data; see `ringplug.join`."""
@@ -372,7 +401,13 @@ class Engine:
             return True
         if any(m.renew for m in messages) and self._ctrl is not None:
             self.transport.renew(self._ctrl)
-        self._cache.learn(plan, {n for n, r in self._pending.items() if r.cacheable})
+        cacheable = {n for n, r in self._pending.items() if r.cacheable}
+        # A joined rank lacks the others' requests; it must still learn the same slots
+        # (given names are the cacheable ones), or its cache parts from theirs.
+        cacheable.update(
+            r.name for r in plan.responses if r.name not in self._pending and cacheable_name(r.name)
+        )
+        self._cache.learn(plan, cacheable)
         self._execute(plan)
         self._inspect_stalls(plan)
         if plan.all_joined:
@@ -433,6 +468,8 @@ class Engine:
 
     # ------------------------------------------------------------------ running a plan
     def _execute(self, plan: Plan) -> None:
+        if self._join_handle is not None:
+            self._follow_unnamed([r.name for r in plan.responses] + list(plan.errors))
         for name, message in plan.errors.items():
             request = self._pending.pop(name, None)
             if request is not None:
@@ -691,6 +728,7 @@ class Engine:
     def _dispatch(self, signature: Signature, response: Response, request: Request | None) -> Any:
         kind, transport = signature.kind, self.transport
         code = DType(signature.code) if signature.code >= 0 else None
+        _check_joined(signature, response)
         if kind is Kind.BARRIER:
             return None
         if kind is Kind.BROADCAST:
@@ -740,6 +778,7 @@ class Engine:
     def _dispatch_gpu(self, signature: Signature, response: Response,
                       request: Request | None) -> Any:  # fmt: skip
         """Broadcast, allgather and reducescatter of device buffers (results stay on the GPU)."""
+        _check_joined(signature, response)
         kind, plane = signature.kind, self._gpu_plane()
         code = DType(signature.code)
         ready = request.ready if request is not None else None
@@ -923,6 +962,18 @@ def _mismatch_error(request: Request, message: str) -> BaseException:
     if "rejected their arguments" in message:
         return PeerArgumentError(message)
     return MismatchError(message)
+
+
+def _check_joined(signature: Signature, response: Response) -> None:
+    """Fail a request that refuses joined ranks when one has joined (on every rank: they
+    all see the same response)."""
+    if signature.refuse_joined and not all(response.have):
+        joined = ", ".join(str(r) for r, has in enumerate(response.have) if not has)
+        raise RingplugError(
+            f"{signature.kind.label} {response.name!r} cannot run while rank(s) {joined} have "
+            "joined (hvd.join()): only allreduce takes part for a joined rank. Call join() "
+            "after the last allgather or broadcast."
+        )
 
 
 def _joined_parts(response: Response, op: ReduceOp, code: DType) -> list[np.ndarray]:

@@ -62,6 +62,9 @@ class Signature(NamedTuple):
     shape: tuple[int, ...] = ()
     parts: tuple[tuple[int, ...], ...] = ()
     place: int = HOST
+    # Fail on every rank when a rank has joined, instead of running without its share
+    # (Horovod's semantics for allgather and broadcast; ringplug's own callers leave it off).
+    refuse_joined: bool = False
 
     def describe(self) -> str:
         if self.kind is Kind.ERROR:
@@ -82,6 +85,7 @@ class Signature(NamedTuple):
         if self.root >= 0 or self.kind in (Kind.BROADCAST, Kind.BROADCAST_OBJECT):
             parts.append(f"root_rank={self.root}")
         parts.append("on the GPU" if self.place == GPU else "")
+        parts.append("refusing joined ranks" if self.refuse_joined else "")
         return " ".join(p for p in parts if p)
 
 

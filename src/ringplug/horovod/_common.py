@@ -6,16 +6,22 @@ from __future__ import annotations
 from typing import Any
 
 from .. import core
+from ..core.errors import RingplugError
 from ..core.ops import ReduceOp, as_op
 
 # Horovod's basics, the same in ringplug.horovod.torch and ringplug.horovod.keras.
 __all__ = [
-    "Adasum", "Average", "Max", "Min", "Product", "Sum", "cross_rank", "cross_size",
-    "cuda_built", "global_process_set", "gloo_built", "gloo_enabled", "init",
+    "Adasum", "Average", "HorovodInternalError", "Max", "Min", "ProcessSet", "Product", "Sum",
+    "add_process_set", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "elastic", "global_process_set", "gloo_built", "gloo_enabled", "init", "is_homogeneous",
     "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size",
-    "start_timeline", "stop_timeline",
+    "mpi_threads_supported", "nccl_built", "rank", "remove_process_set", "rocm_built",
+    "shutdown", "size", "start_timeline", "stop_timeline",
 ]  # fmt: skip
+
+# What a failed collective raises, under Horovod's name: ringplug's errors (mismatches, a
+# peer's bad arguments, a rank that left) are RuntimeErrors, as Horovod's are.
+HorovodInternalError = RingplugError
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
@@ -56,13 +62,51 @@ class _GlobalProcessSet:
 
 global_process_set = _GlobalProcessSet()
 
+_NO_PROCESS_SETS = (
+    "ringplug has no process sets: every collective runs over all ranks. Leave "
+    "process_set at its default (hvd.global_process_set)."
+)
+
+
+class ProcessSet:
+    """Horovod's process sets, which ringplug refuses (every collective spans all ranks)."""
+
+    def __init__(self, ranks: Any = None) -> None:
+        raise NotImplementedError(_NO_PROCESS_SETS)
+
+
+def add_process_set(process_set: Any) -> None:
+    """Refused: ringplug has no process sets."""
+    raise NotImplementedError(_NO_PROCESS_SETS)
+
+
+def remove_process_set(process_set: Any) -> None:
+    """Refused: ringplug has no process sets."""
+    raise NotImplementedError(_NO_PROCESS_SETS)
+
+
+class _Elastic:
+    """``hvd.elastic``: any use says in one line that ringplug has no elastic training."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotImplementedError(
+            f"hvd.elastic.{name}: ringplug has no elastic training (workers joining or "
+            "leaving a running job). Run a fixed number of ranks with ringrun -np N, and "
+            "resume from a checkpoint after a failure."
+        )
+
+    def __repr__(self) -> str:
+        return "hvd.elastic (not supported by ringplug)"
+
+
+elastic = _Elastic()
+
 
 def check_process_set(process_set: Any) -> None:
     if process_set is not global_process_set and process_set is not None:
-        raise NotImplementedError(
-            "ringplug has no process sets: every collective runs over all ranks. Leave "
-            "process_set at its default (hvd.global_process_set)."
-        )
+        raise NotImplementedError(_NO_PROCESS_SETS)
 
 
 def resolve_op(average: bool | None, op: Any) -> ReduceOp:
@@ -134,6 +178,19 @@ def cuda_built() -> bool:
 
 def rocm_built() -> bool:
     return False
+
+
+def ccl_built() -> bool:
+    return False  # no oneCCL
+
+
+def ddl_built() -> bool:
+    return False  # no IBM DDL
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    return core.size() == core.local_size() * core.cross_size()
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -3,26 +3,31 @@
 Same names, signatures and semantics as Horovod 0.28's PyTorch API for what ringplug
 supports: the collectives (sync, async, in place, grouped), their autograd, the
 broadcast helpers, `DistributedOptimizer`, `Compression` and `SyncBatchNorm`. What it does
-not support raises with the reason: Adasum, process sets other than the global one.
+not support raises with the reason: Adasum, process sets other than the global one,
+elastic training.
+
+Where Horovod's semantics differ from ``ringplug.torch``'s, this module follows Horovod:
+`Average` and scale factors work on integer tensors (scaled in float64, truncated toward
+zero), `alltoall` returns only the tensor when no splits are given, `allgather`'s gradient
+is the average of the ranks' gradients, and allgather and broadcast fail while a rank has
+joined.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .. import core
+from ..core import collectives as _core
 from ..core.ops import ReduceOp
 from ..torch import collectives as rt
 from ..torch import optimizer as _optimizer
-from ..torch.state import (
-    allgather_object,
-    broadcast_object,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-)
+from ..torch.state import allgather_object, broadcast_object, broadcast_parameters
+from ..torch.state import broadcast_optimizer_state as _broadcast_optimizer_state
 from ..torch.sync_batchnorm import SyncBatchNorm
 from ._common import *  # noqa: F403 - Horovod's basics, re-exported
 from ._common import Average, check_process_set, global_process_set, resolve_op
@@ -62,25 +67,119 @@ class Compression:
     fp16 = _FP16Compressor
 
 
+class Handle:
+    """An operation in flight, for `poll()` and `synchronize()` (Horovod's handle)."""
+
+    def __init__(self, parts: Any, finish: Callable[[Any], Any] | None = None) -> None:
+        self._parts = parts  # one ringplug handle, or a list of them
+        self._finish = finish
+
+    def done(self) -> bool:
+        parts = self._parts if isinstance(self._parts, list) else [self._parts]
+        return all(part.done() for part in parts)
+
+    def wait(self) -> Any:
+        if isinstance(self._parts, list):
+            # Wait for every part even when one fails, so none is left in flight.
+            results, error = [], None
+            for part in self._parts:
+                try:
+                    results.append(part.wait())
+                except Exception as exc:  # noqa: BLE001 - re-raised below
+                    error = error or exc
+            if error is not None:
+                raise error
+        else:
+            results = self._parts.wait()
+        return self._finish(results) if self._finish else results
+
+
+# ---------------------------------------------------------------------------- scaling
+def _is_integer(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and not (
+        tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype is torch.bool
+    )
+
+
+def _plan(
+    tensor: Any, op: ReduceOp, pre: float, post: float
+) -> tuple[ReduceOp, float, float, bool]:
+    """(op, prescale, postscale for the core, and whether to scale here instead).
+
+    Integer tensors are scaled here as Horovod does, in float64 and truncated toward zero:
+    each rank's values by `pre` before the sum, the sum by `post` (and 1/size for Average)
+    after it. The core keeps refusing scale factors on integers for its own callers."""
+    if not _is_integer(tensor) or (op is not ReduceOp.AVERAGE and pre == 1.0 and post == 1.0):
+        return op, pre, post, False
+    if op is ReduceOp.AVERAGE:
+        return ReduceOp.SUM, pre, post / core.size(), True
+    if op is not ReduceOp.SUM:
+        return op, pre, post, False  # Min/Max/Product with factors: the core's error
+    return op, pre, post, True
+
+
+def _scale_integer(tensor: torch.Tensor, factor: float) -> None:
+    if factor != 1.0:
+        with torch.no_grad():
+            tensor.copy_((tensor.to(torch.float64) * factor).to(tensor.dtype))
+
+
+def _start_allreduce(works: list[torch.Tensor], op: ReduceOp, name: str | None, pre: float,
+                     post: float, grouped: bool) -> tuple[Any, Callable[[], None]]:  # fmt: skip
+    """Start reducing `works` in place; returns the handle and what to run after it."""
+    core_op, pre, post, here = _plan(works[0] if works else None, op, pre, post)
+    if here:
+        for work in works:
+            _scale_integer(work, pre)
+        pre = 1.0
+        scale_after, post = post, 1.0
+    else:
+        scale_after = 1.0
+    if grouped:
+        handle = rt.grouped_allreduce_async_(works, core_op, name=name, prescale_factor=pre,
+                                             postscale_factor=post)  # fmt: skip
+    else:
+        handle = rt.allreduce_async_(works[0], core_op, name=name, prescale_factor=pre,
+                                     postscale_factor=post)  # fmt: skip
+
+    def after() -> None:
+        for work in works:
+            _scale_integer(work, scale_after)
+
+    return handle, after
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
 # ---------------------------------------------------------------------------- allreduce
-def _allreduce_args(average: bool | None, op: Any, process_set: Any) -> ReduceOp:
+def _op(average: bool | None, op: Any, process_set: Any) -> ReduceOp:
     check_process_set(process_set)
     return resolve_op(average, op)
 
 
+def _allreduce_into(tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float,
+                    post: float) -> Handle:  # fmt: skip
+    handle, after = _start_allreduce([tensor], op, name, pre, post, grouped=False)
+
+    def finish(result: torch.Tensor) -> torch.Tensor:
+        after()
+        return result
+
+    return Handle(handle, finish)
+
+
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float, post: float
-    ) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float,
+                post: float) -> torch.Tensor:  # fmt: skip
         ctx.op, ctx.pre, ctx.post = op, pre, post
-        return rt.allreduce(tensor, op, name=name, prescale_factor=pre, postscale_factor=post)
+        return _allreduce_into(_copy(tensor), op, name, pre, post).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = rt.allreduce(
-            grad.contiguous(), ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post
-        )
+        reduced = _allreduce_into(_copy(grad), ctx.op, None, ctx.pre, ctx.post).wait()
         return reduced, None, None, None, None
 
 
@@ -96,19 +195,22 @@ def allreduce(
 ) -> torch.Tensor:
     """The reduction of `tensor` over every rank, as a new tensor (differentiable: the
     gradient is reduced the same way)."""
-    reduce_op = _allreduce_args(average, op, process_set)
+    reduce_op = _op(average, op, process_set)
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():
         result = _Allreduce.apply(compressed, reduce_op, name, prescale_factor, postscale_factor)
     else:
-        result = rt.allreduce(
-            compressed,
-            reduce_op,
-            name=name,
-            prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor,
-        )
+        result = _allreduce_into(_checked_copy(compressed, "allreduce", name), reduce_op, name,
+                                 prescale_factor, postscale_factor).wait()  # fmt: skip
     return compression.decompress(result, ctx)
+
+
+def _checked_copy(tensor: Any, what: str, name: str | None) -> torch.Tensor:
+    """A contiguous copy of `tensor`; something that is not a tensor fails on every rank."""
+    if not isinstance(tensor, torch.Tensor):
+        _core.reject(TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}."),
+                     name)  # fmt: skip
+    return _copy(tensor)
 
 
 def allreduce_async(
@@ -119,15 +221,11 @@ def allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
-) -> rt.TensorHandle:
-    """Start `allreduce`; `synchronize(handle)` returns the result."""
-    return rt.allreduce_async(
-        tensor,
-        _allreduce_args(average, op, process_set),
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-    )
+) -> Handle:
+    """Start `allreduce`; `synchronize(handle)` returns the result (the input is not changed)."""
+    return _allreduce_into(_checked_copy(tensor, "allreduce_async", name),
+                           _op(average, op, process_set), name, prescale_factor,
+                           postscale_factor)  # fmt: skip
 
 
 def allreduce_(
@@ -140,13 +238,8 @@ def allreduce_(
     process_set: Any = global_process_set,
 ) -> torch.Tensor:
     """`allreduce` in place; returns `tensor`."""
-    return rt.allreduce_(
-        tensor,
-        _allreduce_args(average, op, process_set),
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-    )
+    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                            process_set).wait()  # fmt: skip
 
 
 def allreduce_async_(
@@ -157,14 +250,35 @@ def allreduce_async_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
-) -> rt.TensorHandle:
-    return rt.allreduce_async_(
-        tensor,
-        _allreduce_args(average, op, process_set),
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-    )
+) -> Handle:
+    """Start `allreduce_` (in place); `synchronize(handle)` returns `tensor`."""
+    return _allreduce_into(tensor, _op(average, op, process_set), name, prescale_factor,
+                           postscale_factor)  # fmt: skip
+
+
+def _grouped_into(tensors: list[torch.Tensor], op: ReduceOp, name: str | None, pre: float,
+                  post: float) -> Handle:  # fmt: skip
+    handle, after = _start_allreduce(tensors, op, name, pre, post, grouped=True)
+
+    def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+        after()
+        return results
+
+    return Handle(handle, finish)
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, op: ReduceOp, name: str | None, pre: float, post: float,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        ctx.op, ctx.pre, ctx.post = op, pre, post
+        return tuple(_grouped_into([_copy(t) for t in tensors], op, name, pre, post).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        reduced = _grouped_into([_copy(g) for g in grads], ctx.op, None, ctx.pre,
+                                ctx.post).wait()  # fmt: skip
+        return (None, None, None, None, *reduced)
 
 
 def grouped_allreduce(
@@ -177,15 +291,18 @@ def grouped_allreduce(
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
 ) -> list[torch.Tensor]:
-    """Several tensors reduced as one request; returns new tensors."""
+    """Several tensors reduced as one request; returns new tensors (differentiable)."""
+    reduce_op = _op(average, op, process_set)
     packed = [compression.compress(t) for t in tensors]
-    results = rt.grouped_allreduce(
-        [c for c, _ in packed],
-        _allreduce_args(average, op, process_set),
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-    )
+    compressed = [c for c, _ in packed]
+    if torch.is_grad_enabled() and any(isinstance(c, torch.Tensor) and c.requires_grad
+                                       for c in compressed):  # fmt: skip
+        results = list(_GroupedAllreduce.apply(reduce_op, name, prescale_factor,
+                                               postscale_factor, *compressed))  # fmt: skip
+    else:
+        copies = [_checked_copy(c, "grouped_allreduce", name) for c in compressed]
+        results = _grouped_into(copies, reduce_op, name, prescale_factor,
+                                postscale_factor).wait()  # fmt: skip
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
 
 
@@ -197,15 +314,11 @@ def grouped_allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
-) -> rt.TensorHandle:
-    copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-    return rt.grouped_allreduce_async_(
-        copies,
-        _allreduce_args(average, op, process_set),
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-    )
+) -> Handle:
+    """Start `grouped_allreduce`; `synchronize(handle)` returns the new tensors."""
+    copies = [_checked_copy(t, "grouped_allreduce_async", name) for t in tensors]
+    return _grouped_into(copies, _op(average, op, process_set), name, prescale_factor,
+                         postscale_factor)  # fmt: skip
 
 
 def grouped_allreduce_(
@@ -217,6 +330,7 @@ def grouped_allreduce_(
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
 ) -> list[torch.Tensor]:
+    """`grouped_allreduce` in place; returns `tensors`."""
     return grouped_allreduce_async_(
         tensors, average, name, op, prescale_factor, postscale_factor, process_set
     ).wait()
@@ -230,46 +344,156 @@ def grouped_allreduce_async_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
-) -> rt.TensorHandle:
-    return rt.grouped_allreduce_async_(
-        tensors,
-        _allreduce_args(average, op, process_set),
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-    )
+) -> Handle:
+    """Start `grouped_allreduce_` (in place); `synchronize(handle)` returns `tensors`."""
+    return _grouped_into(list(tensors), _op(average, op, process_set), name, prescale_factor,
+                         postscale_factor)  # fmt: skip
 
 
-# ---------------------------------------------------------------------------- the others
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: Any, process_set: Any = global_process_set
+) -> Callable[[], torch.Tensor]:
+    """Reduce a sparse COO tensor by gathering every rank's indices and values; returns a
+    function that waits and gives the reduced sparse tensor (Horovod's form)."""
+    check_process_set(process_set)
+    reduce_op = resolve_op(None, op)
+    if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError("sparse_allreduce_async reduces with Sum or Average.")
+    sparse = tensor.coalesce()
+    # Rows of the gathered indices are the nonzeros, so transpose to gather along them.
+    indices = rt.allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices")
+    values = rt.allgather_async(sparse.values().contiguous(), name=f"{name}.values")
+
+    def wait() -> torch.Tensor:
+        handle = Handle([indices, values])
+        gathered_indices, gathered_values = handle.wait()
+        if reduce_op is ReduceOp.AVERAGE:
+            gathered_values = gathered_values / core.size()
+        return torch.sparse_coo_tensor(
+            gathered_indices.t(), gathered_values, tensor.size(), check_invariants=True
+        )
+
+    return wait
+
+
+# ---------------------------------------------------------------------------- allgather
+def _rows(tensor: torch.Tensor) -> int:
+    return tensor.shape[0] if tensor.dim() else 1
+
+
+def _my_rows(grad: torch.Tensor, rows: int) -> torch.Tensor:
+    """This rank's rows of an averaged gradient of a gather (row counts exchanged now)."""
+    counts = rt.allgather(torch.tensor([rows], dtype=torch.int64)).tolist()
+    offset = sum(counts[: core.rank()])
+    return grad.narrow(0, offset, rows)
+
+
+class _Allgather(torch.autograd.Function):
+    """allgather whose gradient is this rank's rows of the ranks' averaged gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+        ctx.rows, ctx.scalar = _rows(tensor), tensor.dim() == 0
+        return _gather_handle(tensor, name).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
+        averaged = rt.allreduce(grad.contiguous(), ReduceOp.AVERAGE)
+        mine = _my_rows(averaged, ctx.rows)
+        return (mine.reshape(()) if ctx.scalar else mine), None
+
+
+def _gather_handle(tensor: Any, name: str | None) -> Any:
+    if not isinstance(tensor, torch.Tensor):
+        _core.reject(TypeError(f"allgather takes a torch.Tensor, got {type(tensor).__name__}."),
+                     name)  # fmt: skip
+    return rt.allgather_async(tensor, name=name, refuse_joined=True)
+
+
 def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
 ) -> torch.Tensor:
     """Every rank's `tensor` concatenated on the first dimension (which may differ);
-    differentiable (each rank's rows get the sum of the ranks' gradients for them)."""
+    differentiable (each rank's rows get the average of the ranks' gradients for them)."""
     check_process_set(process_set)
-    return rt.allgather(tensor, name=name)
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        return _Allgather.apply(tensor, name)
+    return _gather_handle(tensor, name).wait()
 
 
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
-) -> rt.TensorHandle:
+) -> Handle:
+    """Start `allgather`; `synchronize(handle)` returns the gathered tensor."""
     check_process_set(process_set)
-    return rt.allgather_async(tensor, name=name)
+    return Handle(_gather_handle(tensor, name))
 
 
+def _group_names(name: str | None, count: int) -> list[str | None]:
+    return [None if name is None else f"{name}.{i}" for i in range(count)]
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.rows = [_rows(t) for t in tensors]
+        ctx.scalars = [t.dim() == 0 for t in tensors]
+        return tuple(grouped_allgather_async(list(tensors), name).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        averaged = grouped_allreduce([g.contiguous() for g in grads], op=Average)
+        mine = [_my_rows(g, rows) for g, rows in zip(averaged, ctx.rows, strict=True)]
+        return (None, *[m.reshape(()) if s else m for m, s in zip(mine, ctx.scalars,
+                                                                  strict=True)])  # fmt: skip
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: str | None = None,
+    process_set: Any = global_process_set,
+) -> list[torch.Tensor]:  # fmt: skip
+    """`allgather` of several tensors started together; returns the gathered tensors
+    (differentiable)."""
+    check_process_set(process_set)
+    tensors = list(tensors)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in tensors):  # fmt: skip
+        return list(_GroupedAllgather.apply(name, *tensors))
+    return grouped_allgather_async(tensors, name).wait()
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: str | None = None,
+    process_set: Any = global_process_set,
+) -> Handle:  # fmt: skip
+    """Start `grouped_allgather`; `synchronize(handle)` returns the list."""
+    check_process_set(process_set)
+    tensors = list(tensors)
+    return Handle([_gather_handle(t, n) for t, n in zip(tensors, _group_names(name, len(tensors)),
+                                                        strict=True)])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- broadcast
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
         ctx.root_rank = root_rank
-        return rt.broadcast(tensor, root_rank, name=name)
+        return _broadcast_copy(tensor, root_rank, name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # As Horovod: the averaged gradient on the root, zero elsewhere.
-        reduced = rt.allreduce(grad.contiguous(), "average")
+        reduced = rt.allreduce(grad.contiguous(), ReduceOp.AVERAGE)
         if core.rank() != ctx.root_rank:
             reduced = reduced * 0
         return reduced, None, None
+
+
+def _checked(tensor: Any, what: str, name: str | None) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        _core.reject(TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}."),
+                     name)  # fmt: skip
+    return tensor
 
 
 def broadcast(
@@ -280,9 +504,14 @@ def broadcast(
 ) -> torch.Tensor:
     """Root's `tensor` on every rank, as a new tensor (differentiable, as Horovod)."""
     check_process_set(process_set)
+    _checked(tensor, "broadcast", name)
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Broadcast.apply(tensor, root_rank, name)
-    return rt.broadcast(tensor, root_rank, name=name)
+    return _broadcast_copy(tensor, root_rank, name)
+
+
+def _broadcast_copy(tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
+    return rt.broadcast_async_(_copy(tensor), root_rank, name=name, refuse_joined=True).wait()
 
 
 def broadcast_(
@@ -291,8 +520,11 @@ def broadcast_(
     name: str | None = None,
     process_set: Any = global_process_set,
 ) -> torch.Tensor:
+    """Overwrite `tensor` with root's on every rank; returns `tensor`."""
     check_process_set(process_set)
-    return rt.broadcast_(tensor, root_rank, name=name)
+    return rt.broadcast_async_(
+        _checked(tensor, "broadcast_", name), root_rank, name=name, refuse_joined=True
+    ).wait()
 
 
 def broadcast_async(
@@ -300,9 +532,11 @@ def broadcast_async(
     root_rank: int,
     name: str | None = None,
     process_set: Any = global_process_set,
-) -> rt.TensorHandle:
+) -> Handle:
+    """Start `broadcast`; `synchronize(handle)` returns root's tensor (a new one)."""
     check_process_set(process_set)
-    return rt.broadcast_async_(tensor.detach().clone(), root_rank, name=name)
+    copy = _checked_copy(tensor, "broadcast_async", name)
+    return Handle(rt.broadcast_async_(copy, root_rank, name=name, refuse_joined=True))
 
 
 def broadcast_async_(
@@ -310,9 +544,50 @@ def broadcast_async_(
     root_rank: int,
     name: str | None = None,
     process_set: Any = global_process_set,
-) -> rt.TensorHandle:
+) -> Handle:
+    """Start `broadcast_` (in place); `synchronize(handle)` returns `tensor`."""
     check_process_set(process_set)
-    return rt.broadcast_async_(tensor, root_rank, name=name)
+    return Handle(rt.broadcast_async_(_checked(tensor, "broadcast_async_", name), root_rank,
+                                      name=name, refuse_joined=True))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- alltoall
+def _alltoall_handle(tensor: Any, splits: Any, name: str | None) -> Handle:
+    """Start an alltoall; the handle gives (received rows, int32 rows received per rank)."""
+    _checked(tensor, "alltoall", name)
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype is torch.bool:
+            _core.reject(ValueError(f"alltoall splits must be integers (torch.int32), got "
+                                    f"{splits.dtype}."), name)  # fmt: skip
+        splits = splits.tolist()
+    rt._check(tensor, "alltoall", name)
+    source = tensor.detach().cpu().contiguous()  # CUDA rows travel through host memory
+    array, dtype = rt.as_numpy(source)
+    handle = _core.alltoall_async(array, splits, name=name, dtype=dtype)
+
+    def finish(result: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        received, counts = result
+        rows = rt.from_numpy(received, source).to(tensor.device)
+        return rows, torch.as_tensor(counts, dtype=torch.int32)
+
+    return Handle(handle, finish)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None) -> Any:
+        received, counts = _alltoall_handle(tensor, splits, name).wait()
+        ctx.received = counts
+        if splits is None:
+            return received
+        ctx.mark_non_differentiable(counts)
+        return received, counts
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> tuple[Any, None, None]:
+        # Each row goes back to the rank it came from.
+        sent_back, _ = _alltoall_handle(grad.contiguous(), ctx.received, None).wait()
+        return sent_back, None, None
 
 
 def alltoall(
@@ -320,10 +595,93 @@ def alltoall(
     splits: Sequence[int] | torch.Tensor | None = None,
     name: str | None = None,
     process_set: Any = global_process_set,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``splits[i]`` of `tensor` to rank i; returns (received rows, received splits)."""
+) -> Any:
+    """Rows ``splits[i]`` of `tensor` to rank i (an even split without `splits`).
+
+    Returns the rows received, concatenated in rank order; with `splits`, a tuple of them
+    and the int32 counts received from each rank (as Horovod). Differentiable.
+    """
     check_process_set(process_set)
-    return rt.alltoall(tensor, splits, name=name)
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        return _Alltoall.apply(tensor, splits, name)
+    received, counts = _alltoall_handle(tensor, splits, name).wait()
+    return received if splits is None else (received, counts)
+
+
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Start `alltoall`; `synchronize(handle)` returns (received rows, received counts)."""
+    check_process_set(process_set)
+    return _alltoall_handle(tensor, splits, name)
+
+
+# ---------------------------------------------------------------------------- reducescatter
+def _reducescatter_handle(tensor: Any, op: ReduceOp, name: str | None, pre: float,
+                          post: float) -> Handle:  # fmt: skip
+    _checked(tensor, "reducescatter", name)
+    rt._check(tensor, "reducescatter", name)
+    work = tensor.detach().contiguous()
+    core_op, pre, post, here = _plan(work, op, pre, post)
+    scale_after = 1.0
+    if here:
+        if pre != 1.0:
+            work = work.clone()
+            _scale_integer(work, pre)
+        pre, scale_after, post = 1.0, post, 1.0
+    if work.is_cuda:
+        # The GPU plane's reducescatter is synchronous; the handle is already done.
+        result = rt.reducescatter(work, core_op, name=name)
+        if pre != 1.0 or post != 1.0:
+            result = result * (pre * post)
+        handle: Any = _Done(result)
+    else:
+        array, dtype = rt.as_numpy(work)
+        handle = _core.reducescatter_async(array, core_op, name=name, dtype=dtype,
+                                           prescale_factor=pre, postscale_factor=post)  # fmt: skip
+
+    def finish(result: Any) -> torch.Tensor:
+        block = result if isinstance(result, torch.Tensor) else rt.from_numpy(result, work)
+        _scale_integer(block, scale_after)
+        return block
+
+    return Handle(handle, finish)
+
+
+class _Done:
+    """A finished operation's result, in a handle's shape."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._result
+
+
+def _reducescatter_grad(grad: torch.Tensor, op: ReduceOp, pre: float, post: float) -> torch.Tensor:
+    # Each rank's input reached every rank's block: gather the blocks' gradients back,
+    # scaled as the forward pass scaled them (Sum counts every rank once more than Average).
+    factor = (core.size() if op is ReduceOp.SUM else 1.0) * pre * post
+    return grad * factor if factor != 1.0 else grad
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float,
+                post: float) -> torch.Tensor:  # fmt: skip
+        ctx.op, ctx.pre, ctx.post = op, pre, post
+        return _reducescatter_handle(tensor, op, name, pre, post).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        scaled = _reducescatter_grad(grad.contiguous(), ctx.op, ctx.pre, ctx.post)
+        return rt.allgather(scaled), None, None, None, None
 
 
 def reducescatter(
@@ -332,35 +690,172 @@ def reducescatter(
     compression: Any = Compression.none,
     op: Any = Average,
     process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     """This rank's block of rows of the reduction (earlier ranks get a row more when the
-    rows do not divide)."""
+    rows do not divide); differentiable."""
     check_process_set(process_set)
+    reduce_op = resolve_op(None, op)
     compressed, ctx = compression.compress(tensor)
-    return compression.decompress(
-        rt.reducescatter(compressed, resolve_op(None, op), name=name), ctx
-    )
+    if (
+        isinstance(compressed, torch.Tensor)
+        and compressed.requires_grad
+        and torch.is_grad_enabled()
+    ):
+        result = _Reducescatter.apply(compressed, reduce_op, name, prescale_factor,
+                                      postscale_factor)  # fmt: skip
+    else:
+        result = _reducescatter_handle(compressed, reduce_op, name, prescale_factor,
+                                       postscale_factor).wait()  # fmt: skip
+    return compression.decompress(result, ctx)
 
 
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    """Start `reducescatter`; `synchronize(handle)` returns this rank's block."""
+    check_process_set(process_set)
+    return _reducescatter_handle(tensor, resolve_op(None, op), name, prescale_factor,
+                                 postscale_factor)  # fmt: skip
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, op: ReduceOp, name: str | None, pre: float, post: float,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        ctx.op, ctx.pre, ctx.post = op, pre, post
+        return tuple(_grouped_reducescatter(list(tensors), op, name, pre, post).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        scaled = [_reducescatter_grad(g.contiguous(), ctx.op, ctx.pre, ctx.post) for g in grads]
+        return (None, None, None, None, *grouped_allgather_async(scaled).wait())
+
+
+def _grouped_reducescatter(tensors: list[torch.Tensor], op: ReduceOp, name: str | None,
+                           pre: float, post: float) -> Handle:  # fmt: skip
+    parts = [_reducescatter_handle(t, op, n, pre, post)
+             for t, n in zip(tensors, _group_names(name, len(tensors)), strict=True)]  # fmt: skip
+    return Handle(parts)
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """`reducescatter` of several tensors started together; returns this rank's blocks
+    (differentiable)."""
+    check_process_set(process_set)
+    reduce_op = resolve_op(None, op)
+    packed = [compression.compress(t) for t in tensors]
+    compressed = [c for c, _ in packed]
+    if torch.is_grad_enabled() and any(isinstance(c, torch.Tensor) and c.requires_grad
+                                       for c in compressed):  # fmt: skip
+        results = list(_GroupedReducescatter.apply(reduce_op, name, prescale_factor,
+                                                   postscale_factor, *compressed))  # fmt: skip
+    else:
+        results = _grouped_reducescatter(compressed, reduce_op, name, prescale_factor,
+                                         postscale_factor).wait()  # fmt: skip
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: Any = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    """Start `grouped_reducescatter`; `synchronize(handle)` returns the blocks."""
+    check_process_set(process_set)
+    return _grouped_reducescatter(list(tensors), resolve_op(None, op), name, prescale_factor,
+                                  postscale_factor)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the rest
 def barrier(process_set: Any = global_process_set) -> None:
+    """Wait until every rank has called barrier."""
     check_process_set(process_set)
     core.barrier()
 
 
 def join(device: int = -1) -> int:
-    """This rank has no more data: take part in the others' collectives with neutral values
-    until every rank has joined; returns the last rank to join."""
+    """This rank has no more data: take part in the others' allreduces with neutral values
+    until every rank has joined; returns the last rank to join. (An allgather, broadcast or
+    alltoall while a rank has joined fails on every rank, as in Horovod.)"""
     return core.join()
 
 
-def poll(handle: rt.TensorHandle) -> bool:
+def poll(handle: Any) -> bool:
     """Whether the async operation behind `handle` has finished."""
     return handle.done()
 
 
-def synchronize(handle: rt.TensorHandle) -> Any:
+def synchronize(handle: Any) -> Any:
     """Wait for the async operation behind `handle`; returns its result."""
     return handle.wait()
+
+
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None
+) -> None:
+    """Give every rank root's optimizer state and hyperparameters.
+
+    As Horovod, an optimizer that has not stepped yet first takes one step with zero
+    gradients on every rank (without reducing them), so that its state exists; the
+    parameters that do not require grad are left without a gradient.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("broadcast_optimizer_state cannot broadcast torch.optim.LBFGS state; "
+                         "build it the same way on every rank instead.")  # fmt: skip
+    if not optimizer.state:
+        sparse = _sparse_parameters(model)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+                    if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
+                        p.grad = p.grad.to_sparse()
+        # The wrapped optimizer's own step: a DistributedOptimizer's would reduce.
+        if isinstance(optimizer, _optimizer._Distributed):
+            super(_optimizer._Distributed, optimizer).step()
+        else:
+            optimizer.step()
+    _broadcast_optimizer_state(optimizer, root_rank)
+
+
+def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
+    if model is None:
+        return set()
+    return {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
+            for p in m.parameters()}  # fmt: skip
+
+
+class _HorovodSteps:
+    """Horovod's step(): warns when it follows a manual synchronize() outside
+    skip_synchronize() (Horovod would reduce again there; ringplug does not)."""
+
+    def step(self, closure: Any = None) -> Any:
+        if self._ringplug_synchronized and not self._ringplug_skip:
+            warnings.warn(
+                "optimizer.step() called without optimizer.skip_synchronize() after "
+                "optimizer.synchronize(); the gradients are not reduced twice, but wrap the "
+                "step in `with optimizer.skip_synchronize():` to say so.",
+                stacklevel=2,
+            )
+        return super().step(closure)  # type: ignore[misc]
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
@@ -378,26 +873,51 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     """Horovod's DistributedOptimizer: `ringplug.torch.DistributedOptimizer` underneath
     (gradients reduced in fused buckets while backward runs; `synchronize()` and
     `skip_synchronize()`). `num_groups`/`groups` are accepted and not needed: ringplug
-    buckets by size. Sparse gradients are always reduced as dense."""
+    buckets by size. Sparse gradients are reduced as dense and handed back sparse."""
     check_process_set(process_set)
+    reduce_op = resolve_op(None, op)
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                             "tuples, such as model.named_parameters().")  # fmt: skip
+        names = [name for name, _ in named_parameters]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"named_parameters has duplicate names: {', '.join(duplicates)}. "
+                             "Give every parameter its own name.")  # fmt: skip
     fp16 = compression is Compression.fp16
     kind = _optimizer.Compression.fp16 if fp16 else _optimizer.Compression.none
-    return _optimizer.DistributedOptimizer(
+    distributed = _optimizer.DistributedOptimizer(
         optimizer,
         named_parameters=named_parameters,
         backward_passes_per_step=backward_passes_per_step,
         compression=kind,
-        op=resolve_op(None, op),
+        op=reduce_op,
         gradient_predivide_factor=gradient_predivide_factor,
     )
+    distributed.__class__ = type(distributed.__class__.__name__,
+                                 (_HorovodSteps, distributed.__class__), {})  # fmt: skip
+    if named_parameters is not None:
+        given = {id(p): name for name, p in named_parameters}
+    else:
+        params = [p for group in distributed.param_groups for p in group["params"]]
+        given = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    # Horovod's attribute: parameter -> the name its gradient is reduced under.
+    distributed._parameter_names = {
+        p: given[id(p)] for group in distributed.param_groups for p in group["params"]
+        if id(p) in given
+    }  # fmt: skip
+    return distributed
 
 
 __all__ = [
     *_BASICS, "Compression", "DistributedOptimizer", "SyncBatchNorm", "allgather",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "grouped_allreduce", "grouped_allreduce_",
-    "grouped_allreduce_async", "grouped_allreduce_async_", "join", "poll", "reducescatter",
-    "synchronize",
+    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "grouped_allgather", "grouped_allgather_async",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "join",
+    "poll", "reducescatter", "reducescatter_async", "sparse_allreduce_async", "synchronize",
 ]  # fmt: skip

@@ -148,12 +148,24 @@ class RingWarmup(keras.callbacks.Callback):
 
     With N ranks the effective batch is N times larger, so the LR should be N times larger
     too (`scale_lr`); starting there is unstable, so over the first `warmup_epochs` the LR
-    climbs linearly, per batch, from ``initial_lr / N`` to ``initial_lr``, then is left alone.
+    climbs linearly, per batch, from ``initial_lr / N`` to ``initial_lr``, then is left alone
+    (a schedule after the warmup takes over from its first epoch on).
+
+    The curve is Horovod's: at batch ``b`` (from 0) of epoch ``e`` the LR is
+    ``initial_lr / N * (1 + (e + (b + 1) / steps_per_epoch) * (N - 1) / warmup_epochs)``,
+    reaching ``initial_lr`` on the last batch of the warmup (capped there when
+    `warmup_epochs` is fractional).
+
+    Resuming with ``fit(initial_epoch=...)`` from a model saved during the warmup: the
+    target is worked out from the saved LR and the optimizer's step count, so the warmup
+    goes on towards the original `initial_lr`. Every rank uses rank 0's target, whatever
+    the order of the callbacks (before or after `RingBroadcast`).
 
     Args:
         warmup_epochs: epochs the warmup lasts. Defaults to 5.
         initial_lr: the LR at the end of the warmup. Defaults to the optimizer's LR at the
-            start of training (already scaled, e.g. by `scale_lr`).
+            start of training (already scaled, e.g. by `scale_lr`), or, when resuming
+            mid-warmup, the LR that the saved one was warming up to.
         momentum_correction: when the LR changes, rescale SGD's momentum slots by new/old,
             so that momentum carries the new LR (the paper's correction). Defaults to True.
         steps_per_epoch: batches per epoch. Defaults to what ``fit`` knows.
@@ -161,21 +173,33 @@ class RingWarmup(keras.callbacks.Callback):
 
     An LR given as a ``LearningRateSchedule`` cannot be set per batch; use `WarmupSchedule`
     around it instead.
+
+    Example:
+        >>> model.fit(x, y, epochs=10, callbacks=[  # doctest: +SKIP
+        ...     ringplug.keras.RingBroadcast(0), ringplug.keras.RingWarmup(warmup_epochs=3)])
     """
 
     def __init__(self, warmup_epochs: float = 5, initial_lr: float | None = None,
                  momentum_correction: bool = True, steps_per_epoch: int | None = None,
                  verbose: int = 0) -> None:  # fmt: skip
         super().__init__()
+        if warmup_epochs <= 0:
+            raise ValueError(f"warmup_epochs must be positive, got {warmup_epochs}.")
         self.warmup_epochs = warmup_epochs
         self.initial_lr = initial_lr
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.verbose = verbose
         self._epoch = 0
-        self._finished = False
+        self._target: float | None = None
+
+    def fraction(self, epochs: float) -> float:
+        """LR / target after `epochs` (fractional) epochs of warmup: from 1/N up to 1."""
+        size = core.size()
+        return (1 + min(epochs / self.warmup_epochs, 1.0) * (size - 1)) / size
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        core.init()
         optimizer = _inner(self.model.optimizer)
         if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
             raise TypeError(
@@ -183,31 +207,40 @@ class RingWarmup(keras.callbacks.Callback):
                 "LearningRateSchedule, which cannot be assigned. Wrap the schedule instead: "
                 "learning_rate=ringplug.keras.WarmupSchedule(schedule, warmup_steps=...)."
             )
-        if self.initial_lr is None:
-            self.initial_lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-        if self.steps_per_epoch is None:
-            self.steps_per_epoch = (self.params or {}).get("steps")
-        if not self.steps_per_epoch:
+        steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not steps:
             raise ValueError("RingWarmup needs the number of batches per epoch: pass "
                              "steps_per_epoch= (fit does not know it for this data).")  # fmt: skip
-        self._finished = False
+        self._steps = steps
+        target = self.initial_lr if self.initial_lr is not None else self._resumed_target(optimizer)
+        if core.size() > 1:
+            # Rank 0's target on every rank: the others may not hold the saved state yet.
+            target = core.broadcast_object(float(target), 0, name="keras.warmup.target")
+        self._target = float(target)
+
+    def _resumed_target(self, optimizer: Any) -> float:
+        """The target the optimizer's LR was warming up to, from the batches it has run."""
+        lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+        accumulation = getattr(optimizer, "gradient_accumulation_steps", None) or 1
+        batches = int(keras.ops.convert_to_numpy(optimizer.iterations)) * accumulation
+        epochs = batches / self._steps
+        if 0 < epochs < self.warmup_epochs:
+            return lr / self.fraction(epochs)  # saved by this warmup, part way up
+        return lr
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch  # absolute: fit(initial_epoch=...) is respected
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        if self._finished:
-            return
-        progress = (self._epoch + batch / self.steps_per_epoch) / self.warmup_epochs
-        if progress >= 1:
-            self._set(self.initial_lr)
-            self._finished = True
-            if self.verbose and core.rank() == 0:
-                print(f"\nEpoch {self._epoch + 1}: finished the gradual learning rate warmup "
-                      f"to {self.initial_lr:g}.")  # fmt: skip
-            return
-        size = core.size()
-        self._set(self.initial_lr / size * (1 + progress * (size - 1)))
+        if self._epoch >= self.warmup_epochs:
+            return  # after the warmup the LR is left to the user (or a schedule)
+        self._set(self._target * self.fraction(self._epoch + (batch + 1) / self._steps))
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        last = epoch + 1 >= self.warmup_epochs > epoch
+        if last and self.verbose and core.rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished the gradual learning rate warmup to "
+                  f"{self._target:g}.")  # fmt: skip
 
     def _set(self, lr: float) -> None:
         set_learning_rate(self.model.optimizer, lr, self.momentum_correction)

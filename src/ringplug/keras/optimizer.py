@@ -39,6 +39,8 @@ class _Settings:
     name: str
     enabled: bool = True
     warned_mixed: bool = False
+    local: frozenset[int] = frozenset()  # ids of variables whose gradients stay local
+    local_scale: float = 1.0  # what their gradients are multiplied by
 
 
 class _ReduceBeforeClipping:
@@ -46,12 +48,25 @@ class _ReduceBeforeClipping:
 
     _ringplug: _Settings
 
+    def _filter_empty_gradients(self, grads: Any, variables: Any) -> Any:
+        grads, variables = super()._filter_empty_gradients(grads, variables)  # type: ignore[misc]
+        # Which variables _clip_gradients' grads belong to, as keys: a list of variables
+        # here would be tracked as the optimizer's own (and saved with it).
+        self._ringplug_keys = tuple(_key(v) for v in variables)
+        return grads, variables
+
     def _clip_gradients(self, grads: list[Any]) -> list[Any]:
         settings = self._ringplug
         if settings.enabled:
             _warn_if_loss_scaled_elsewhere(settings)
-            grads = reduce_gradients(list(grads), settings.op, settings.name, settings.fp16,
-                                     when=self._ringplug_update_step())  # fmt: skip
+            grads = list(grads)
+            local = _local_positions(self, settings, len(grads))
+            shared = [None if i in local else g for i, g in enumerate(grads)]
+            reduced = reduce_gradients(shared, settings.op, settings.name, settings.fp16,
+                                       when=self._ringplug_update_step())  # fmt: skip
+            scale = settings.local_scale
+            grads = [(g if scale == 1.0 else g * scale) if i in local else r
+                     for i, (g, r) in enumerate(zip(grads, reduced, strict=True))]  # fmt: skip
         return super()._clip_gradients(grads)  # type: ignore[misc]
 
     def _ringplug_update_step(self) -> Any:
@@ -164,6 +179,30 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     optimizer._ringplug = _Settings(reduce_op, compression == "fp16",
                                     f"keras.gradients.{next(_IDS)}")  # fmt: skip
     return optimizer
+
+
+def _local_positions(optimizer: Any, settings: _Settings, count: int) -> set[int]:
+    """Positions of the gradients that stay local (PartialDistributedOptimizer)."""
+    if not settings.local:
+        return set()
+    keys = getattr(optimizer, "_ringplug_keys", None) or ()
+    if len(keys) != count:
+        return set()
+    return {i for i, key in enumerate(keys) if key in settings.local}
+
+
+def _key(variable: Any) -> int:
+    return id(getattr(variable, "value", variable))
+
+
+def set_local_variables(optimizer: Any, variables: list[Any], scale: float = 1.0) -> None:
+    """Keep the gradients of `variables` local to each rank (not averaged), multiplied by
+    `scale`: for layers each rank trains on its own (model parallelism)."""
+    settings = getattr(optimizer, "_ringplug", None)
+    if settings is None:
+        raise ValueError("set_local_variables needs a ringplug DistributedOptimizer.")
+    settings.local = frozenset(_key(v) for v in variables)
+    settings.local_scale = float(scale)
 
 
 def _set_accumulation(optimizer: Any, steps: int) -> None:

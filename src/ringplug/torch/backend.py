@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from ..core import collectives as core
 from ..core import runtime
-from ..core.collectives import OneOffName
 from ..core.ops import ReduceOp
 from . import collectives as rt
 
@@ -177,8 +176,9 @@ class RingProcessGroup(dist.ProcessGroup):
         return BACKEND
 
     # ------------------------------------------------------------------ helpers
-    def _name(self) -> OneOffName:
-        return OneOffName(f"torch.{self._tag}#{next(self._calls)}")
+    def _name(self) -> str:
+        # Numbered names are matched in call order and never cached (engine.cacheable_name).
+        return f"torch.{self._tag}#{next(self._calls)}"
 
     def _refuse(self, call: str, why: str) -> RingWork:
         raise NotImplementedError(f"torch.distributed.{call} on the ringplug backend: {why}")
@@ -213,7 +213,7 @@ class RingProcessGroup(dist.ProcessGroup):
         for tensor in tensors:
             groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
         for index, group in enumerate(groups.values()):
-            part_name = name if index == 0 else OneOffName(f"{name}.{index}")
+            part_name = name if index == 0 else f"{name}.{index}"
             parts.append(rt.grouped_allreduce_async_(group, op, name=part_name))
         return RingWork(parts, list(tensors))
 
@@ -266,7 +266,7 @@ class RingProcessGroup(dist.ProcessGroup):
         parts = [rt.broadcast_async_(tensors[0], opts.rootRank, name=name)]
         for index, tensor in enumerate(tensors[1:], 1):
             parts.append(rt.broadcast_async_(tensor, opts.rootRank,
-                                             name=OneOffName(f"{name}.{index}")))  # fmt: skip
+                                             name=f"{name}.{index}"))  # fmt: skip
         return RingWork(parts, list(tensors))
 
     # ------------------------------------------------------------------ gathers

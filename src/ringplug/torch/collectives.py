@@ -248,17 +248,20 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], op: ReduceOp | str = Aver
     return grouped_allreduce_async_(copies, op, **kwargs).wait()
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, *,
-                     name: str | None = None) -> TensorHandle:  # fmt: skip
-    """Start overwriting `tensor` with root's, in place; `wait()` returns `tensor`."""
+def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, *, name: str | None = None,
+                     refuse_joined: bool = False) -> TensorHandle:  # fmt: skip
+    """Start overwriting `tensor` with root's, in place; `wait()` returns `tensor`.
+    (`refuse_joined`: fail on every rank while a rank has joined, as Horovod.)"""
     _check(tensor, "broadcast_", name)
     work = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
     if work.is_cuda:
         handle = device.broadcast_async(device_buffer(work), tuple(work.shape), root_rank,
-                                        name=name, ready=_ready(work))  # fmt: skip
+                                        name=name, ready=_ready(work),
+                                        refuse_joined=refuse_joined)  # fmt: skip
     else:
         array, dtype = as_numpy(work)
-        handle = core.broadcast_async(array, root_rank, out=array, name=name, dtype=dtype)
+        handle = core.broadcast_async(array, root_rank, out=array, name=name, dtype=dtype,
+                                      refuse_joined=refuse_joined)  # fmt: skip
 
     def finish(_: Any) -> torch.Tensor:
         if work.data_ptr() != tensor.data_ptr():
@@ -284,8 +287,10 @@ def _allgather(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
     return allgather_async(tensor, name=name).wait()
 
 
-def allgather_async(tensor: torch.Tensor, *, name: str | None = None) -> TensorHandle:
-    """Start an allgather; `wait()` returns every rank's `tensor` concatenated (no autograd)."""
+def allgather_async(tensor: torch.Tensor, *, name: str | None = None,
+                    refuse_joined: bool = False) -> TensorHandle:  # fmt: skip
+    """Start an allgather; `wait()` returns every rank's `tensor` concatenated (no autograd).
+    (`refuse_joined`: fail on every rank while a rank has joined, as Horovod.)"""
     _check(tensor, "allgather", name)
     work = tensor.detach().contiguous()
     if work.is_cuda:
@@ -296,10 +301,11 @@ def allgather_async(tensor: torch.Tensor, *, name: str | None = None) -> TensorH
             return tensor_from_buffer(gathered, (rows, *shape[1:]), tensor.dtype)
 
         handle = device.allgather_async(device_buffer(work), shape, name=name,
-                                        ready=_ready(work))  # fmt: skip
+                                        ready=_ready(work),
+                                        refuse_joined=refuse_joined)  # fmt: skip
         return TensorHandle(handle, finish)
     array, dtype = as_numpy(work)
-    handle = core.allgather_async(array, name=name, dtype=dtype)
+    handle = core.allgather_async(array, name=name, dtype=dtype, refuse_joined=refuse_joined)
     return TensorHandle(handle, lambda gathered: from_numpy(gathered, tensor))
 
 

@@ -49,6 +49,7 @@ class _Bucket:
         self.handle: TensorHandle | None = None
         self.grads: list[torch.Tensor] = []  # what is being reduced
         self.packed: torch.Tensor | None = None  # their float16 copy (fp16 compression)
+        self.sparse: dict[int, int] = {}  # param index -> sparse_dim of its sparse gradient
 
 
 class _Distributed:
@@ -126,10 +127,13 @@ class _Distributed:
 
     def _ringplug_start(self, bucket: _Bucket) -> None:
         """Start the bucket's allreduce: in place on the gradients, or on a float16 copy."""
-        for p in bucket.params:
+        for index, p in enumerate(bucket.params):
             if p.grad is None:  # no gradient this step: reduced as zeros, like every rank's
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
+                # Reduced dense (ranks touch different rows) and handed back sparse, for
+                # the optimizers that need sparse gradients (SparseAdam).
+                bucket.sparse[index] = p.grad.sparse_dim()
                 p.grad = p.grad.to_dense()
         bucket.grads = [p.grad for p in bucket.params]
         average = self._ringplug_op is ReduceOp.AVERAGE
@@ -165,6 +169,10 @@ class _Distributed:
                     grad.copy_(bucket.packed[offset : offset + grad.numel()].view_as(grad))
                     offset += grad.numel()
                 bucket.packed = None
+            for index, sparse_dim in bucket.sparse.items():
+                param = bucket.params[index]
+                param.grad = param.grad.to_sparse(sparse_dim)
+            bucket.sparse = {}
             bucket.grads = []
             bucket.handle = None
             bucket.pending = len(bucket.params)

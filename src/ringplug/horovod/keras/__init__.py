@@ -14,6 +14,7 @@ import keras
 from ... import core
 from ...keras import DistributedOptimizer as _DistributedOptimizer
 from ...keras.callbacks import broadcast_variables as _broadcast_variables
+from ...keras.optimizer import set_local_variables as _set_local_variables
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
 from .._common import Average, check_process_set, global_process_set, resolve_op
 from .._common import __all__ as _BASICS
@@ -49,11 +50,77 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         raise NotImplementedError(
             "ringplug.horovod.keras does not implement gradient_predivide_factor; leave it at 1.0."
         )
+    fp16 = compression == Compression.fp16 or getattr(compression, "is_fp16", False)
     return _DistributedOptimizer(
         optimizer,
         op=resolve_op(None, op),
         backward_passes_per_step=backward_passes_per_step,
-        compression="fp16" if compression == Compression.fp16 else None,
+        compression="fp16" if fp16 else None,
+    )
+
+
+def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Any = None,
+    process_set: Any = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
+    """`DistributedOptimizer` that leaves the gradients of `local_layers`' variables local
+    (each rank trains its own copy of those layers; divided by the number of ranks with
+    `scale_local_gradients`, as Horovod); the others are averaged."""
+    distributed = DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+        0, groups, process_set,
+    )  # fmt: skip
+    layers = [] if local_layers is None else (
+        local_layers if isinstance(local_layers, (list, tuple)) else [local_layers])  # fmt: skip
+    _set_local_variables(
+        distributed,
+        [v for layer in layers for v in layer.trainable_weights],
+        1.0 / core.size() if scale_local_gradients else 1.0,
+    )
+    return distributed
+
+
+def load_model(
+    filepath: Any,
+    custom_optimizers: Any = None,
+    custom_objects: dict | None = None,
+    compression: Any = Compression.none,
+    legacy_opts: bool = False,
+) -> keras.Model:
+    """Load a saved Keras model and make its optimizer a `DistributedOptimizer`, keeping its
+    state (Horovod's ``hvd.load_model``). `custom_optimizers` are optimizer classes the file
+    may name; `legacy_opts` is refused (Keras 3 has no legacy optimizers)."""
+    if legacy_opts:
+        raise NotImplementedError("Keras 3 has no keras.optimizers.legacy; load with "
+                                  "legacy_opts=False.")  # fmt: skip
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or []:
+        objects.setdefault(cls.__name__, cls)
+    model = keras.saving.load_model(filepath, custom_objects=objects or None)
+    if getattr(model, "optimizer", None) is not None:
+        DistributedOptimizer(model.optimizer, compression=compression)
+    return model
+
+
+def broadcast_global_variables(root_rank: int) -> None:
+    """Refused on Keras 3 (there are no global variables): broadcast a model's."""
+    raise RuntimeError(
+        "hvd.broadcast_global_variables() has no global variables to broadcast on Keras 3; "
+        "use hvd.callbacks.BroadcastGlobalVariablesCallback(0) in fit(), or "
+        "hvd.broadcast_variables(model.variables, root_rank=0)."
     )
 
 
@@ -105,6 +172,14 @@ def broadcast(
     return keras.ops.convert_to_tensor(core.broadcast(_tensor(value), root_rank, name=name))
 
 
+def reducescatter(value: Any, name: str | None = None, op: Any = Average,
+                  process_set: Any = global_process_set) -> Any:  # fmt: skip
+    """This rank's block of rows of the reduction of `value` over every rank."""
+    check_process_set(process_set)
+    return keras.ops.convert_to_tensor(core.reducescatter(_tensor(value), resolve_op(None, op),
+                                                          name=name))  # fmt: skip
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     return core.broadcast_object(obj, root_rank, name=name)
 
@@ -114,6 +189,7 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
 
 
 __all__ = [
-    *_BASICS, "Compression", "DistributedOptimizer", "allgather", "allgather_object",
-    "allreduce", "broadcast", "broadcast_object", "broadcast_variables", "callbacks",
+    *_BASICS, "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "allgather", "allgather_object", "allreduce", "broadcast", "broadcast_global_variables",
+    "broadcast_object", "broadcast_variables", "callbacks", "load_model", "reducescatter",
 ]  # fmt: skip

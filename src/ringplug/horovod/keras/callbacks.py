@@ -1,25 +1,57 @@
-"""Horovod's Keras callbacks under their Horovod names, working on Keras 3."""
+"""Horovod's Keras callbacks under their Horovod names, working on Keras 3, with
+Horovod's schedules: the same learning rate at every batch as Horovod's callbacks give."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import keras
 
+from ... import core
 from ...keras.callbacks import (
     RingBroadcast,
     RingMetricAverage,
     RingWarmup,
+    broadcast_variables,
     set_learning_rate,
 )
 
 
-class BroadcastGlobalVariablesCallback(RingBroadcast):
-    """Root's model weights and optimizer state to every rank at the start of training."""
+def _current_lr(model: keras.Model) -> float:
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
+
+class BroadcastGlobalVariablesCallback(RingBroadcast):
+    """Root's model weights and optimizer state to every rank at the start of training.
+
+    Args:
+        root_rank: the rank whose state everyone starts from.
+        device: accepted for Horovod compatibility; unused.
+        local_variables: variables each rank keeps its own value of (not broadcast).
+    """
+
+    def __init__(
+        self, root_rank: int, device: str = "", local_variables: Iterable[Any] | None = None
+    ) -> None:
         super().__init__(root_rank)
+        self.local_variables = list(local_variables or [])
+
+    def _broadcast(self) -> None:
+        model = self.model
+        optimizer = model.optimizer
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        local = {id(v) for v in self.local_variables}
+        local.update(id(getattr(v, "value", v)) for v in self.local_variables)
+        variables = [
+            v
+            for v in list(model.weights) + list(optimizer.variables)
+            if id(v) not in local and id(getattr(v, "value", v)) not in local
+        ]
+        broadcast_variables(variables, self.root_rank)
+        self._done = True
 
 
 class MetricAverageCallback(RingMetricAverage):
@@ -29,26 +61,25 @@ class MetricAverageCallback(RingMetricAverage):
         super().__init__()
 
 
-class LearningRateWarmupCallback(RingWarmup):
-    """Gradual warmup from ``initial_lr / size`` to `initial_lr` over `warmup_epochs`."""
-
-    def __init__(
-        self,
-        initial_lr: float,
-        warmup_epochs: float = 5,
-        momentum_correction: bool = True,
-        steps_per_epoch: int | None = None,
-        verbose: int = 0,
-    ) -> None:
-        super().__init__(warmup_epochs, initial_lr, momentum_correction, steps_per_epoch, verbose)
-
-
 class LearningRateScheduleCallback(keras.callbacks.Callback):
-    """LR = ``initial_lr * multiplier`` during epochs [start_epoch, end_epoch).
+    """LR = ``initial_lr * multiplier(epoch)`` during epochs [start_epoch, end_epoch), as
+    Horovod's callback.
 
-    `multiplier` is a number or a function of the epoch. With `staircase` the LR changes at
-    epoch starts (the function sees whole epochs), otherwise at every batch (it sees
-    fractional epochs; needs `steps_per_epoch` or a ``fit`` that knows it).
+    `multiplier` is a function of the epoch, or a number ``m`` meaning exponential decay,
+    ``m ** (epoch - start_epoch)``. With `staircase` the LR is set at the first batch of
+    each epoch (the function sees whole epochs), otherwise at every batch (it sees
+    ``epoch + batch / steps_per_epoch``). Outside the epochs the LR is left alone. The LR
+    of each epoch is written to ``logs["lr"]``.
+
+    Args:
+        initial_lr: the LR the multiplier scales (required).
+        multiplier: a number or a function of the (fractional) epoch.
+        start_epoch: first epoch of the schedule. Defaults to 0.
+        end_epoch: the epoch it stops before. Defaults to None (never).
+        staircase: change the LR once per epoch. Defaults to True.
+        momentum_correction: rescale SGD's momentum slots by new/old LR. Defaults to True.
+        steps_per_epoch: batches per epoch (only without staircase). Defaults to what
+            ``fit`` knows.
     """
 
     def __init__(
@@ -62,36 +93,118 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         steps_per_epoch: int | None = None,
     ) -> None:
         super().__init__()
+        if initial_lr is None:
+            raise ValueError(
+                "LearningRateScheduleCallback needs initial_lr (the LR that multiplier scales)."
+            )
         self.initial_lr = initial_lr
-        self.multiplier = multiplier if callable(multiplier) else (lambda _: multiplier)
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            self.multiplier = lambda epoch: multiplier ** (epoch - start_epoch)
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.staircase = staircase
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
-        self._epoch = 0
-
-    def _active(self, epoch: float) -> bool:
-        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
-
-    def _apply(self, epoch: float) -> None:
-        if self._active(epoch):
-            lr = self.initial_lr * self.multiplier(epoch)
-            set_learning_rate(self.model.optimizer, lr, self.momentum_correction)
+        self.current_epoch = 0
 
     def on_train_begin(self, logs: Any = None) -> None:
         if not self.staircase and not self.steps_per_epoch:
-            self.steps_per_epoch = (self.params or {}).get("steps")
-            if not self.steps_per_epoch:
+            params = self.params or {}
+            steps = params.get("steps")
+            if not steps and params.get("samples") and params.get("batch_size"):
+                steps = params["samples"] // params["batch_size"]
+            if not steps:
                 raise ValueError(
-                    "LearningRateScheduleCallback(staircase=False) needs steps_per_epoch."
+                    "LearningRateScheduleCallback(staircase=False) needs "
+                    "steps_per_epoch= (fit does not know it for this data)."
                 )
+            self.steps_per_epoch = steps
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._epoch = epoch
-        if self.staircase:
-            self._apply(epoch)
+        self.current_epoch = epoch
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        if not self.staircase:
-            self._apply(self._epoch + batch / self.steps_per_epoch)
+        epoch = self.current_epoch
+        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
+            return
+        if self.staircase:
+            if batch == 0:
+                self._adjust(epoch)
+        else:
+            self._adjust(epoch + batch / self.steps_per_epoch)
+
+    def _adjust(self, epoch: float) -> None:
+        lr = self.initial_lr * self.multiplier(epoch)
+        set_learning_rate(self.model.optimizer, lr, self.momentum_correction)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if logs is not None:
+            logs["lr"] = _current_lr(self.model)
+
+
+class LearningRateWarmupCallback(RingWarmup):
+    """Gradual warmup from ``initial_lr / size`` to `initial_lr` over `warmup_epochs`,
+    per batch, on Horovod's curve (see `ringplug.keras.RingWarmup`); the LR of each epoch
+    is written to ``logs["lr"]``."""
+
+    def __init__(
+        self,
+        initial_lr: float,
+        warmup_epochs: float = 5,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+        verbose: int = 0,
+    ) -> None:
+        if initial_lr is None:
+            raise ValueError(
+                "LearningRateWarmupCallback needs initial_lr (the LR at the end of the warmup)."
+            )
+        super().__init__(warmup_epochs, initial_lr, momentum_correction, steps_per_epoch, verbose)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        if logs is not None:
+            logs["lr"] = _current_lr(self.model)
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Save the model with the best `monitor` value seen so far, on rank 0 only.
+
+    Args:
+        monitor: the metric to watch. Defaults to ``"val_loss"``.
+        verbose: Keras's. Defaults to 0.
+        save_weights_only: save only the weights. Defaults to False.
+        mode: ``"auto"``, ``"min"`` or ``"max"``. Defaults to ``"auto"``.
+        save_freq: ``"epoch"`` or a number of batches. Defaults to ``"epoch"``.
+        filepath: where to save (Keras 3 wants a ``.keras`` file, or ``.weights.h5`` with
+            `save_weights_only`). Required.
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        filepath: str | None = None,
+    ) -> None:
+        if filepath is None:
+            raise ValueError(
+                "BestModelCheckpoint needs filepath= on Keras 3, e.g. filepath='best.keras'."
+            )
+        super().__init__(
+            filepath,
+            monitor=monitor,
+            verbose=verbose,
+            save_best_only=True,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            save_freq=save_freq,
+        )
+
+    def _save_model(self, *args: Any, **kwargs: Any) -> None:
+        if core.rank() == 0:  # the ranks hold the same model; one file
+            super()._save_model(*args, **kwargs)

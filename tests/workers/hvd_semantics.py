@@ -1,0 +1,353 @@
+"""Multi-rank worker: where Horovod's torch semantics differ from ringplug.torch's, the
+Horovod API follows Horovod. Only ``hvd.*`` names, references computed here with numpy.
+
+Integer Average and scale factors, alltoall's return forms and gradient, the averaged
+allgather gradient, grouped collectives with autograd, join refusing allgather/broadcast,
+unnamed calls lining up after a join and after a re-init, broadcast_optimizer_state on a
+fresh optimizer with a frozen parameter, DistributedOptimizer's names, sparse gradients.
+``python hvd_semantics.py OUTDIR`` writes OUTDIR/semantics-<rank>.json: {check: true/false}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import ringplug.horovod.torch as hvd
+
+
+def main(outdir: Path) -> None:
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    checks: dict[str, bool] = {}
+
+    def check(name: str, fn) -> None:
+        try:
+            checks[name] = bool(fn())
+        except Exception:  # noqa: BLE001 - recorded as a failed check, with the traceback
+            traceback.print_exc()
+            checks[name] = False
+
+    def raises(call, error, words: str) -> bool:
+        try:
+            call()
+        except error as exc:
+            return words in str(exc)
+        return False
+
+    # Integers: each rank's values scaled in float64 and truncated toward zero before the
+    # sum, the sum likewise after it (Average: by 1/size).
+    ints = [np.array([-7, -3, 0, 5, 9, 100], np.int64) * (r + 1) for r in range(size)]
+    mine = torch.from_numpy(ints[rank].copy())
+    total = np.sum(ints, axis=0)
+    for dtype in (torch.int32, torch.int64):
+        x = mine.to(dtype)
+        check(
+            f"int-average/{dtype}",
+            lambda x=x: (
+                hvd.allreduce(x, op=hvd.Average).tolist()
+                == np.trunc(total / size).astype(np.int64).tolist()
+            ),
+        )
+        pre = np.sum([np.trunc(v * 0.3) for v in ints], axis=0).astype(np.int64)
+        check(
+            f"int-prescale/{dtype}",
+            lambda x=x, pre=pre: (
+                hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.3).tolist() == pre.tolist()
+            ),
+        )
+        check(
+            f"int-postscale/{dtype}",
+            lambda x=x: (
+                hvd.allreduce(x, op=hvd.Sum, postscale_factor=0.3).tolist()
+                == np.trunc(total * 0.3).astype(np.int64).tolist()
+            ),
+        )
+        check(
+            f"int-average-dtype/{dtype}",
+            lambda x=x, dtype=dtype: hvd.allreduce(x, average=True).dtype == dtype,
+        )
+    inplace = mine.to(torch.int32).clone()
+    hvd.allreduce_(inplace, average=True)
+    check(
+        "int-average-in-place",
+        lambda: inplace.tolist() == np.trunc(total / size).astype(np.int64).tolist(),
+    )
+    grouped = hvd.grouped_allreduce([mine, mine * 2], op=hvd.Average)
+    check(
+        "int-average-grouped",
+        lambda: (
+            [g.tolist() for g in grouped]
+            == [
+                np.trunc(total / size).astype(np.int64).tolist(),
+                np.trunc(2 * total / size).astype(np.int64).tolist(),
+            ]
+        ),
+    )
+    rows = torch.arange(size * 3, dtype=torch.int64).reshape(size * 3, 1) * (rank + 1)
+    block = hvd.reducescatter(rows, op=hvd.Average)
+    whole = np.arange(size * 3).reshape(size * 3, 1) * sum(r + 1 for r in range(size))
+    check(
+        "int-average-reducescatter",
+        lambda: (
+            block.tolist()
+            == np.trunc(whole[3 * rank : 3 * rank + 3] / size).astype(np.int64).tolist()
+        ),
+    )
+
+    # alltoall: only the tensor without splits; (tensor, int32 splits) with them.
+    even = torch.arange(size * 2, dtype=torch.float32) + 10 * rank
+    got = hvd.alltoall(even)
+    check(
+        "alltoall-no-splits-tensor",
+        lambda: (
+            isinstance(got, torch.Tensor)
+            and got.tolist() == [10 * s + 2 * rank + k for s in range(size) for k in range(2)]
+        ),
+    )
+    uneven = torch.ones(size * (rank + 1), 2) * rank
+    received, splits = hvd.alltoall(uneven, splits=[rank + 1] * size)
+    check(
+        "alltoall-splits-int32",
+        lambda: (
+            splits.dtype == torch.int32
+            and splits.tolist() == [s + 1 for s in range(size)]
+            and received.shape == (sum(s + 1 for s in range(size)), 2)
+        ),
+    )
+    handle = hvd.alltoall_async(even)
+    check(
+        "alltoall-async-tuple",
+        lambda: [t.dtype for t in hvd.synchronize(handle)] == [torch.float32, torch.int32],
+    )
+    leaf = (torch.arange(size * (rank + 1), dtype=torch.float64) + 1).requires_grad_()
+    out, _ = hvd.alltoall(leaf, splits=torch.tensor([rank + 1] * size, dtype=torch.int32))
+    (out * out).sum().backward()
+    # d(sum out^2)/d leaf = 2 * leaf: each row's gradient comes back from where it went.
+    check("alltoall-grad", lambda: torch.equal(leaf.grad, 2 * leaf.detach()))
+    check(
+        "alltoall-float-splits-refused",
+        lambda: raises(lambda: hvd.alltoall(even, torch.ones(size)), ValueError, "int"),
+    )
+
+    # allgather's gradient: this rank's rows of the average of the ranks' gradients.
+    g = torch.full((rank + 1, 2), 1.0, requires_grad=True)
+    gathered = hvd.allgather(g)
+    weights = torch.arange(gathered.shape[0], dtype=torch.float32).reshape(-1, 1) * (rank + 1)
+    (gathered * weights).sum().backward()
+    start = sum(r + 1 for r in range(rank))
+    mean_factor = sum(r + 1 for r in range(size)) / size
+    expected = [[(start + i) * mean_factor] * 2 for i in range(rank + 1)]
+    check("allgather-grad-average", lambda: np.allclose(g.grad.numpy(), expected))
+    a = torch.full((rank + 1,), 1.0, requires_grad=True)
+    b = torch.full((2, 3), float(rank), requires_grad=True)
+    ga, gb = hvd.grouped_allgather([a, b])
+    (ga.sum() * 2 + gb.sum() * 3).backward()
+    check(
+        "grouped-allgather",
+        lambda: ga.shape == (sum(r + 1 for r in range(size)),) and gb.shape == (2 * size, 3),
+    )
+    check(
+        "grouped-allgather-grad",
+        lambda: a.grad.tolist() == [2.0] * (rank + 1) and b.grad.tolist() == [[3.0] * 3] * 2,
+    )
+
+    # grouped allreduce and reducescatter with autograd (Sum: the gradient summed too).
+    p = torch.ones(3, requires_grad=True)
+    q = torch.ones(2, 2, requires_grad=True)
+    rp, rq = hvd.grouped_allreduce([p, q], op=hvd.Sum)
+    (rp.sum() * (rank + 1) + rq.sum()).backward()
+    check(
+        "grouped-allreduce-grad",
+        lambda: (
+            p.grad.tolist() == [float(sum(r + 1 for r in range(size)))] * 3
+            and q.grad.tolist() == [[float(size)] * 2] * 2
+        ),
+    )
+    s = torch.ones(size * 2, 3, requires_grad=True)
+    part = hvd.reducescatter(s, op=hvd.Sum)
+    (part * (rank + 1)).sum().backward()
+    # Rows of rank r's block reach every rank's input, weighted by r + 1.
+    grad_rows = [[float((r + 1) * size)] * 3 for r in range(size) for _ in range(2)]
+    check(
+        "reducescatter-grad",
+        lambda: part.tolist() == [[float(size)] * 3] * 2 and s.grad.tolist() == grad_rows,
+    )
+    blocks = hvd.grouped_reducescatter(
+        [torch.ones(size, 2), torch.ones(size * 2)], op=hvd.Sum, postscale_factor=0.5
+    )
+    check(
+        "grouped-reducescatter",
+        lambda: [b.tolist() for b in blocks] == [[[size * 0.5] * 2], [size * 0.5] * 2],
+    )
+
+    # sparse_allreduce_async: the same values as a dense allreduce.
+    dense = torch.zeros(5, 3)
+    dense[rank % 5] = float(rank + 1)
+    dense[4] = 1.0
+    wait = hvd.sparse_allreduce_async(dense.to_sparse(), name="sparse", op=hvd.Average)
+    check(
+        "sparse-allreduce",
+        lambda: torch.allclose(wait().to_dense(), hvd.allreduce(dense, op=hvd.Average)),
+    )
+
+    # A failed call leaves the ranks in step for the unnamed calls that follow.
+    check(
+        "mismatch-raises",
+        lambda: raises(lambda: hvd.allreduce(torch.ones(2 + rank)), RuntimeError, "rank"),
+    )
+    check("in-step-after-mismatch", lambda: hvd.allgather_object(rank) == list(range(size)))
+
+    # join: allgather and broadcast fail on every rank while a rank has joined; allreduce
+    # runs (the joined rank adds zeros); unnamed calls after join() line up again.
+    named = hvd.allreduce(torch.ones(2), name="cached", op=hvd.Sum)  # a cache slot before
+    if rank == 0:
+        last = hvd.join()
+    else:
+        check(
+            "join-allgather-refused",
+            lambda: raises(lambda: hvd.allgather(torch.ones(1)), RuntimeError, "joined"),
+        )
+        check(
+            "join-broadcast-refused",
+            lambda: raises(lambda: hvd.broadcast(torch.ones(1), 1), RuntimeError, "joined"),
+        )
+        summed = hvd.allreduce(torch.ones(2), name="cached", op=hvd.Sum)
+        unnamed = hvd.allreduce(torch.ones(1), op=hvd.Sum)
+        check(
+            "join-allreduce-zeros",
+            lambda: summed.tolist() == [size - 1.0] * 2 and unnamed.item() == size - 1,
+        )
+        last = hvd.join()
+    check("join-last", lambda: last != 0 and named.tolist() == [float(size)] * 2)
+    check("in-step-after-join", lambda: hvd.allgather_object(last) == [last] * size)
+
+    # After a shutdown that left an unmatched unnamed call, init() lines the ranks up again.
+    if rank == 0:
+        orphan = hvd.allreduce_async(torch.ones(1))
+    # Rank 0's orphan is in before anyone shuts down (a named call: an unnamed one would
+    # meet the orphan's number on the other ranks).
+    hvd.allgather_object(rank, name="before-shutdown")
+    hvd.shutdown()
+    if rank == 0:
+        check(
+            "orphan-fails-at-shutdown",
+            lambda: raises(lambda: hvd.synchronize(orphan), RuntimeError, "shut down"),
+        )
+    hvd.init()
+    check(
+        "in-step-after-reinit",
+        lambda: (
+            hvd.allreduce(torch.ones(1) * (rank + 1), op=hvd.Sum).item()
+            == sum(r + 1 for r in range(size))
+        ),
+    )
+
+    # broadcast_optimizer_state on a fresh optimizer: one zero step makes its state; a
+    # frozen parameter gets no gradient.
+    class Frozen(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.index = torch.nn.Parameter(torch.tensor([1, 3]), requires_grad=False)
+            self.weight = torch.nn.Parameter(torch.full((4,), float(rank)))
+
+    model = Frozen()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4 * (rank + 1)),
+        named_parameters=model.named_parameters(),
+    )
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    check(
+        "optimizer-state-created",
+        lambda: (
+            model.index.grad is None
+            and model.weight.grad is not None
+            and "momentum_buffer" in opt.state[model.weight]
+        ),
+    )
+    check(
+        "optimizer-hyperparameters-from-root", lambda: opt.param_groups[0]["weight_decay"] == 1e-4
+    )
+
+    # Names: generated without named_parameters (unique, the same on every rank);
+    # duplicates refused; a step after a manual synchronize() warns.
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    groups = [{"params": net[0].parameters()}, {"params": net[1].parameters()}]
+    unnamed_opt = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    names = sorted(unnamed_opt._parameter_names.values())
+    check(
+        "generated-names",
+        lambda: len(set(names)) == 4 and hvd.allgather_object(names) == [names] * size,
+    )
+    twins = [torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)]
+    check(
+        "duplicate-names-refused",
+        lambda: raises(
+            lambda: hvd.DistributedOptimizer(
+                torch.optim.SGD([p for m in twins for p in m.parameters()], lr=0.1),
+                named_parameters=[kv for m in twins for kv in m.named_parameters()],
+            ),
+            ValueError,
+            "duplicate",
+        ),
+    )
+    net(torch.ones(2, 3)).sum().backward()
+    unnamed_opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unnamed_opt.step()
+    check(
+        "step-after-synchronize-warns",
+        lambda: any("skip_synchronize" in str(w.message) for w in caught),
+    )
+
+    # Sparse gradients (SparseAdam needs them sparse): reduced and handed back sparse.
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    hvd.broadcast_parameters(embedding.state_dict(), root_rank=0)
+    sparse_opt = hvd.DistributedOptimizer(
+        torch.optim.SparseAdam(list(embedding.parameters())),
+        named_parameters=embedding.named_parameters(),
+    )
+    embedding(torch.tensor([[rank, 5]])).sum().backward()
+    sparse_opt.synchronize()
+    grad = embedding.weight.grad
+    with sparse_opt.skip_synchronize():
+        sparse_opt.step()
+    expected_rows = {r: 1.0 / size for r in range(size)}
+    expected_rows[5] = expected_rows.get(5, 0.0) + 1.0
+    dense_grad = grad.to_dense()
+    check("sparse-grad-stays-sparse", lambda: grad.is_sparse)
+    check(
+        "sparse-grad-averaged",
+        lambda: all(np.allclose(dense_grad[r].numpy(), v) for r, v in expected_rows.items()),
+    )
+    weights = hvd.allgather(embedding.weight.detach().reshape(1, -1))
+    check("sparse-ranks-identical", lambda: all(torch.equal(weights[0], w) for w in weights))
+
+    # Names Horovod has that ringplug answers or refuses.
+    check("ccl-ddl-built", lambda: hvd.ccl_built() is False and hvd.ddl_built() is False)
+    check("is-homogeneous", lambda: hvd.is_homogeneous() is True)
+    check(
+        "elastic-refused", lambda: raises(lambda: hvd.elastic.run, NotImplementedError, "elastic")
+    )
+    check(
+        "process-set-refused",
+        lambda: raises(lambda: hvd.ProcessSet([0]), NotImplementedError, "process sets"),
+    )
+    check(
+        "internal-error-is-runtime-error",
+        lambda: issubclass(hvd.HorovodInternalError, RuntimeError),
+    )
+
+    (outdir / f"semantics-{rank}.json").write_text(json.dumps(checks))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
