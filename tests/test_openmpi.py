@@ -111,12 +111,16 @@ def test_the_dry_run_line_is_what_runs_and_works_when_run_by_hand(open_mpi, tmp_
     del ran_words[at - 1 : at + 1]
     line = dry.stdout.strip().splitlines()[-1]
     assert ran_words == [str(tmp_path / "ringrun") if w == "OUT" else w for w in shlex.split(line)]
-    assert ran_words[0] == open_mpi["RINGPLUG_MPIEXEC"]
+    # Values given with -x NAME=VALUE are never shown: the line sets them by name first.
+    assert ran_words[:2] == ["STACK_FLAG=<hidden>", open_mpi["RINGPLUG_MPIEXEC"]]
 
-    # The printed line, pasted into a shell, runs the same job (without ringrun watching).
+    # The printed line, pasted into a shell with the value filled in, runs the same job
+    # (without ringrun watching).
     (tmp_path / "by-hand").mkdir()
     by_hand = subprocess.run(
-        line.replace(" OUT ", f" {tmp_path / 'by-hand'} "),
+        line.replace(" OUT ", f" {tmp_path / 'by-hand'} ").replace(
+            "STACK_FLAG=<hidden>", "STACK_FLAG=on"
+        ),
         shell=True,
         capture_output=True,
         text=True,
