@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import pickle
 import threading
 import time
@@ -47,7 +48,7 @@ from .negotiation import GPU, Cache, Kind, Message, Plan, Response, Signature, d
 from .ops import ReduceOp
 from .timeline import Timeline
 from .transport import Transport
-from .waiting import Waiter
+from .waiting import IDLE_SLEEP_SECONDS, SPIN_SECONDS_WITH_A_CORE_EACH, Waiter, next_delay
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -60,20 +61,15 @@ _CONTROL_TAG = 7100
 # After a cycle, the next submission or a peer's next message is usually well under a
 # millisecond away; poll (yielding the GIL and the core) that long before sleeping.
 _POLL_AFTER_CYCLE_SECONDS = 1e-3
-# Sleeps between polls grow to 200 us while the job is busy (a late message costs little)
-# and to 1 ms once nothing has happened for 50 ms (an idle rank costs ~1% of a core).
-_BUSY_SLEEP_SECONDS = 200e-6
-_IDLE_SLEEP_SECONDS = 1e-3
-_IDLE_AFTER_SECONDS = 50e-3
-
-
-def _next_delay(delay: float, quiet_since: float) -> float:
-    idle = time.perf_counter() - quiet_since > _IDLE_AFTER_SECONDS
-    return min(delay * 2, _IDLE_SLEEP_SECONDS if idle else _BUSY_SLEEP_SECONDS)
-
-
 _CACHE_CAPACITY = 4096
 _UNNAMED = "noname."
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def cacheable_name(name: str) -> bool:
@@ -189,7 +185,8 @@ class Request:
 class Engine:
     """Negotiates, fuses and runs the collectives of one process, on its own thread."""
 
-    def __init__(self, comm: MPI.Comm | None, settings: Settings, local_rank: int = 0) -> None:
+    def __init__(self, comm: MPI.Comm | None, settings: Settings, local_rank: int = 0,
+                 local_size: int = 1) -> None:  # fmt: skip
         self.settings = settings
         self.local_rank = local_rank
         self._gpu: GpuPlane | None = None  # made at the first GPU collective
@@ -199,6 +196,8 @@ class Engine:
         # Every wait of this engine (negotiation, ring, MPI collectives) has its deadline.
         self.waiter = Waiter(self._ctrl, settings, self.rank, self.size)
         self.transport.waiter = self.waiter
+        if local_size <= _cores():
+            self.waiter.spin_seconds = SPIN_SECONDS_WITH_A_CORE_EACH
         self._renew = False  # a collective was abandoned: renew the data communicator
         self.left_early = False  # this rank ended ringplug while peers still waited for it
         self._peers = [(self.rank + d) % self.size for d in range(1, self.size)]
@@ -342,7 +341,7 @@ class Engine:
         in_flight = bool(self._pending) or self._join_handle is not None
         spin_until = time.perf_counter() + (_POLL_AFTER_CYCLE_SECONDS if in_flight else 0.0)
         if not in_flight:
-            delay = _IDLE_SLEEP_SECONDS
+            delay = IDLE_SLEEP_SECONDS
         while True:
             with self._lock:
                 if self._queue or self._stop_requested:
@@ -365,7 +364,7 @@ class Engine:
                 if not (self._queue or self._stop_requested):
                     self._lock.wait(delay)
             if in_flight:
-                delay = _next_delay(delay, self._last_activity)
+                delay = next_delay(delay, self._last_activity)
 
     def _idle_cycle_period(self) -> float:
         settings = self.settings
