@@ -48,7 +48,7 @@ from .negotiation import GPU, Cache, Kind, Message, Plan, Response, Signature, d
 from .ops import ReduceOp
 from .timeline import Timeline
 from .transport import Transport
-from .waiting import IDLE_SLEEP_SECONDS, SPIN_SECONDS_WITH_A_CORE_EACH, Waiter, next_delay
+from .waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -197,7 +197,7 @@ class Engine:
         self.waiter = Waiter(self._ctrl, settings, self.rank, self.size)
         self.transport.waiter = self.waiter
         if local_size <= _cores():
-            self.waiter.spin_seconds = SPIN_SECONDS_WITH_A_CORE_EACH
+            self.waiter.spin_with_a_core_each()
         self._renew = False  # a collective was abandoned: renew the data communicator
         self.left_early = False  # this rank ended ringplug while peers still waited for it
         self._peers = [(self.rank + d) % self.size for d in range(1, self.size)]

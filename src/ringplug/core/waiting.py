@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import pickle
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +57,10 @@ _FIRST_SLEEP_SECONDS = 20e-6
 _BUSY_SLEEP_SECONDS = 200e-6
 IDLE_SLEEP_SECONDS = 1e-3
 _IDLE_AFTER_SECONDS = 50e-3
+
+
+def _sleep_zero() -> None:
+    time.sleep(0)  # releases the GIL and the core
 
 
 def next_delay(delay: float, quiet_since: float, now: float | None = None) -> float:
@@ -124,8 +129,10 @@ class Waiter:
         self._failures: list[Notice] = []  # failure notices of this cycle and later
         self._sends: list[Any] = []  # notice sends still in flight
         self._payloads: list[bytearray] = []
-        # How long a wait tests and yields before it sleeps (see SPIN_SECONDS_WITH_A_CORE_EACH).
+        # How long a wait tests and yields before it sleeps, and how it yields meanwhile (see
+        # `spin_with_a_core_each`).
         self.spin_seconds = _SPIN_SECONDS
+        self._yield: Callable[[], None] = _sleep_zero
         self.abandoned: list[Any] = []  # requests of collectives given up (see wait_requests)
 
     # ------------------------------------------------------------------ context
@@ -147,6 +154,14 @@ class Waiter:
     def announce_failure(self, text: str) -> None:
         """Tell every peer that this rank failed the current collective, and why."""
         self._send(Notice(self.rank, self.cycle, self.index, self.what, text))
+
+    def spin_with_a_core_each(self) -> None:
+        """Every local rank has a core: spin longer, yielding with sched_yield (MPI's test
+        releases the GIL, so the training thread still runs). ``time.sleep(0)`` sleeps
+        for the timer slack (about 60 us here), which made each yield cost a small
+        allreduce as much as MPI's whole collective."""
+        self.spin_seconds = SPIN_SECONDS_WITH_A_CORE_EACH
+        self._yield = os.sched_yield if hasattr(os, "sched_yield") else _sleep_zero
 
     # ------------------------------------------------------------------ waiting
     def wait_requests(self, requests: Sequence[Any], phase: str = "") -> None:
@@ -183,9 +198,19 @@ class Waiter:
         """
         if done():
             return
-        settings = self.settings
         start = time.perf_counter()
         tight_until, spin_until = start + _TIGHT_SECONDS, start + self.spin_seconds
+        # Most waits end within the spin: test with nothing else in the loop (a ring step
+        # waits hundreds of times per collective); notices and deadlines are set up after.
+        while True:
+            if done():
+                return
+            now = time.perf_counter()
+            if now >= spin_until:
+                break
+            if now >= tight_until:
+                self._yield()
+        settings = self.settings
         look_at = start + _NOTICE_PERIOD_SECONDS
         check, limit = settings.stall_check_seconds, self._limit()
         # Notices go out a listening window before each verdict, so that the warning comes
@@ -213,10 +238,6 @@ class Waiter:
                     self._warn(now - start, phase, missing)
                 if now >= end_at:
                     self._end_job(now - start, limit, phase, missing)
-            if now < spin_until:
-                if now >= tight_until:
-                    time.sleep(0)
-                continue
             time.sleep(delay)
             delay = next_delay(delay, start, now)
 
