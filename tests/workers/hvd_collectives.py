@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
+from checklist import checker
 
 import ringplug.horovod.torch as hvd
 
@@ -95,12 +95,7 @@ def main(outdir: Path) -> None:
     rank, size = hvd.rank(), hvd.size()
     checks: dict[str, bool] = {}
 
-    def check(name: str, fn) -> None:
-        try:
-            checks[name] = bool(fn())
-        except Exception:  # noqa: BLE001 - recorded as a failed check, with the traceback
-            traceback.print_exc()
-            checks[name] = False
+    check = checker(checks)
 
     for salt, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in SHAPES):
         sweep(checks, rank, size, dtype, shape, salt)

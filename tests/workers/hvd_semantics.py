@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+from checklist import checker, raises
 
 import ringplug.horovod.torch as hvd
 
@@ -27,19 +27,7 @@ def main(outdir: Path) -> None:
     rank, size = hvd.rank(), hvd.size()
     checks: dict[str, bool] = {}
 
-    def check(name: str, fn) -> None:
-        try:
-            checks[name] = bool(fn())
-        except Exception:  # noqa: BLE001 - recorded as a failed check, with the traceback
-            traceback.print_exc()
-            checks[name] = False
-
-    def raises(call, error, words: str) -> bool:
-        try:
-            call()
-        except error as exc:
-            return words in str(exc)
-        return False
+    check = checker(checks)
 
     # Integers: each rank's values scaled in float64 and truncated toward zero before the
     # sum, the sum likewise after it (Average: by 1/size).

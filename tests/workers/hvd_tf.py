@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -18,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from checklist import checker, raises
 
 import ringplug.horovod.tensorflow as hvd  # noqa: E402
 
@@ -27,19 +27,7 @@ def main(outdir: Path) -> None:
     rank, size = hvd.rank(), hvd.size()
     checks: dict[str, bool] = {}
 
-    def check(name: str, fn) -> None:
-        try:
-            checks[name] = bool(fn())
-        except Exception:  # noqa: BLE001 - recorded as a failed check, with the traceback
-            traceback.print_exc()
-            checks[name] = False
-
-    def raises(call, error, words: str) -> bool:
-        try:
-            call()
-        except error as exc:
-            return words in str(exc)
-        return False
+    check = checker(checks)
 
     ranks_sum = sum(r + 1 for r in range(size))
 
