@@ -292,14 +292,12 @@ class RingProcessGroup(dist.ProcessGroup):
                                         inputs: list[torch.Tensor],
                                         opts: Any = None) -> RingWork:  # fmt: skip
         works = [self._allgather_base(out, inp) for out, inp in zip(outputs, inputs, strict=True)]
-        return RingWork([p for w in works for p in w._parts], list(outputs),
-                        lambda _: [w.wait() for w in works])  # fmt: skip
+        return _combined(works, list(outputs))
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> RingWork:  # fmt: skip
         works = [self.allgather([out], [inp]) for out, inp in zip(outputs, inputs, strict=True)]
-        return RingWork([p for w in works for p in w._parts], [t for o in outputs for t in o],
-                        lambda _: [w.wait() for w in works])  # fmt: skip
+        return _combined(works, [t for o in outputs for t in o])
 
     def _gather_into(self, slots: list[torch.Tensor], tensor: torch.Tensor,
                      name: str) -> RingWork:  # fmt: skip
@@ -395,8 +393,7 @@ class RingProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> RingWork:  # fmt: skip
         works = [self._reduce_scatter_base(out, inp, opts)
                  for out, inp in zip(outputs, inputs, strict=True)]  # fmt: skip
-        return RingWork([p for w in works for p in w._parts], list(outputs),
-                        lambda _: [w.wait() for w in works])  # fmt: skip
+        return _combined(works, list(outputs))
 
     # torch 2.13's Python API calls these names; C++ callers use the older ones.
     all_gather_single = _allgather_base
@@ -425,6 +422,12 @@ _NO_P2P = (
     "takes part in). Use a collective (broadcast, all_to_all_single) or a gloo group for "
     "send/recv: dist.new_group(backend='gloo')."
 )
+
+
+def _combined(works: list[RingWork], outputs: list[torch.Tensor]) -> RingWork:
+    """One work for several calls started together (the coalesced forms)."""
+    return RingWork([part for work in works for part in work._parts], outputs,
+                    lambda _: [work.wait() for work in works])  # fmt: skip
 
 
 def _check_count(call: str, tensors: Sequence[torch.Tensor], size: int, name: str) -> None:
