@@ -5,7 +5,7 @@ script needs four additions::
 
     import ringplug.keras as rk
 
-    rk.init()                                     # MPI, and this rank's share of the cores
+    rk.init()                                     # MPI, this rank's GPU and share of cores
     model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(rk.scale_lr(0.01))),
                   loss="sparse_categorical_crossentropy")
     model.fit(rk.shard(dataset).shuffle(1000).batch(32), epochs=10,
@@ -23,6 +23,7 @@ import keras
 
 from .. import core
 from ..core.ops import Average, Sum
+from ._devices import pin_local_gpu
 from .callbacks import (
     RingBroadcast,
     RingMetricAverage,
@@ -35,15 +36,25 @@ from .optimizer import DistributedOptimizer
 
 
 def init() -> None:
-    """Start ringplug (MPI) and give this rank its share of the host's cores: TensorFlow's
-    and torch's thread pools get cores // ranks-on-this-host threads unless
-    ``OMP_NUM_THREADS`` is set. Call it at the top of the script, before the first
-    TensorFlow op (TensorFlow fixes its pools then)."""
+    """Start ringplug (MPI), put this rank on its own GPU, and give it its share of the
+    host's cores.
+
+    - GPU: local rank i computes on GPU i of its host, alone (TensorFlow: only that GPU
+      visible, with memory growth; JAX: ``jax_cuda_visible_devices``; torch: ``cuda:i``
+      as the current device). A rank with no GPU of its own is an error that says what
+      to do; where each rank sees one GPU (CUDA_VISIBLE_DEVICES per rank), it takes it.
+    - CPU: TensorFlow's and torch's thread pools get cores // ranks-on-this-host threads
+      unless ``OMP_NUM_THREADS`` is set.
+
+    Call it at the top of the script, before the first TensorFlow or JAX operation (they
+    fix their devices and pools then; a GPU pin that comes too late is an error).
+    """
     core.init()
+    backend = keras.backend.backend()
+    pin_local_gpu(backend)
     share = core.runtime.threads_per_rank()
     if share is None or core.local_size() == 1:
         return
-    backend = keras.backend.backend()
     if backend == "tensorflow":
         import tensorflow as tf
 

@@ -2,6 +2,7 @@
 
 TensorFlow exposes no current stream and its tensors are immutable, so this module
 synchronises the devices before NCCL reads the inputs (they may still be computing),
+maps TensorFlow's GPU numbers (which count only the GPUs it may use) to CUDA's,
 allocates each result as a new uninitialised tensor on the input's device, and hands
 both to the GPU data plane by address. The engine returns once NCCL has finished, so the
 results are complete when TensorFlow sees them.
@@ -9,12 +10,14 @@ results are complete when TensorFlow sees them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from ..core import device_collectives
 from ..core.device import from_dlpack
 from ..core.ops import ReduceOp
+from ._devices import physical_gpu
 
 
 def on_gpu(tensors: Sequence[Any]) -> bool:
@@ -25,7 +28,9 @@ def on_gpu(tensors: Sequence[Any]) -> bool:
 def _export(tensor: Any) -> Any:
     import tensorflow as tf
 
-    return from_dlpack(tf.experimental.dlpack.to_dlpack(tensor), tensor)
+    buffer = from_dlpack(tf.experimental.dlpack.to_dlpack(tensor), tensor)
+    # DLPack carries TensorFlow's own GPU number; NCCL needs the CUDA device's.
+    return dataclasses.replace(buffer, device=physical_gpu(buffer.device))
 
 
 def allreduce(

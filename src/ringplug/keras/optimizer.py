@@ -58,6 +58,7 @@ class _ReduceBeforeClipping:
     def _clip_gradients(self, grads: list[Any]) -> list[Any]:
         settings = self._ringplug
         if settings.enabled:
+            refuse_keras_distribution()  # set after the optimizer was made, or a scope
             _warn_if_loss_scaled_elsewhere(settings)
             grads = list(grads)
             local = _local_positions(self, settings, len(grads))
@@ -97,7 +98,26 @@ class _ReduceBeforeFinitenessCheck:
         settings = self._ringplug
         if not settings.enabled:
             return list(grads)
+        refuse_keras_distribution()
         return reduce_gradients(list(grads), settings.op, settings.name, settings.fp16)
+
+
+def refuse_keras_distribution() -> None:
+    """Raise when a ``keras.distribution`` (DataParallel, ModelParallel) is in force: with
+    ringplug's optimizer that is two ways of splitting the batch and averaging at once."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return
+    raise ValueError(
+        f"keras.distribution is set ({type(distribution).__name__}) and the optimizer is "
+        "ringplug's DistributedOptimizer: two data-parallel mechanisms at once (Keras's "
+        "splits each batch over this process's devices, ringplug averages gradients over "
+        "the ranks the launcher started), so the gradients would be averaged twice, over "
+        "different sets. Use one. For ringplug: remove keras.distribution.set_distribution"
+        "(...) (or the distribution.scope()) and start one rank per GPU with ringrun; "
+        "ringplug.keras.init() gives each rank its GPU. For Keras's own: use the plain "
+        "optimizer."
+    )
 
 
 def _warn_if_loss_scaled_elsewhere(settings: _Settings) -> None:
@@ -157,12 +177,17 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
         The same optimizer object, now of a subclass of its class that keeps the class's
         name, so ``model.save`` writes (and loading gives) the plain optimizer.
 
+    Raises:
+        ValueError: a ``keras.distribution`` is set (now, or later when the gradients are
+            reduced): one data-parallel mechanism at a time.
+
     Example:
         >>> opt = ringplug.keras.DistributedOptimizer(  # doctest: +SKIP
         ...     keras.optimizers.SGD(ringplug.keras.scale_lr(0.01), momentum=0.9))
         >>> model.compile(optimizer=opt, loss="mse")
     """
     core.runtime.engine()  # fail early, with the right message, before init()
+    refuse_keras_distribution()
     reduce_op = as_op(op)
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError("DistributedOptimizer reduces gradients with Average or Sum.")

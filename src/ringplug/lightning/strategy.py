@@ -29,6 +29,7 @@ from ..torch import backend as torch_backend
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
 from ..torch.state import broadcast_buffers
 from ..torch.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
+from .devices import launched_devices
 from .environment import RingEnvironment
 from .launcher import RingLauncher
 from .uneven import AgreedLoader, SigtermFlag, Uneven, check_mode
@@ -174,14 +175,14 @@ class RingStrategy(ParallelStrategy):
         refuse_torchrun_world()  # each torchrun worker would otherwise start its own job
         requested = len(self.parallel_devices or [])
         if launcher_world_size() is not None:
-            # Started by ringrun / mpiexec / srun: the launcher's world is the job.
-            if requested > 1 and requested * self.num_nodes != self.world_size:
-                raise ValueError(
-                    f"Trainer(devices={requested}, num_nodes={self.num_nodes}) asks for "
-                    f"{requested * self.num_nodes} ranks, but the MPI launcher started "
-                    f"{self.world_size}. Leave devices and num_nodes at their defaults under "
-                    "ringrun/mpiexec, or start devices x num_nodes ranks."
-                )
+            # Started by ringrun / mpiexec / srun: the launcher's world is the job, and
+            # devices="auto" on GPUs means cuda:LOCAL_RANK (see devices.py).
+            core.init()
+            self.parallel_devices = launched_devices(
+                self.parallel_devices or [], visible_gpus=torch.cuda.device_count(),
+                local_rank=self.local_rank, local_size=core.local_size(),
+                world_size=self.world_size, num_nodes=self.num_nodes,
+            )  # fmt: skip
             self._launcher = None
         elif requested > 1:
             self._launcher = RingLauncher(requested)  # `python train.py`: start the ranks

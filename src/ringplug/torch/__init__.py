@@ -4,8 +4,8 @@
 torch.distributed (`ringplug.torch.backend`); ``import ringplug`` alone never does.
 
 Example:
-    >>> import torch, ringplug, ringplug.torch as rpt  # doctest: +SKIP
-    >>> ringplug.init()
+    >>> import torch, ringplug.torch as rpt  # doctest: +SKIP
+    >>> rpt.init()                        # and cuda:LOCAL_RANK is torch's current device
     >>> rpt.broadcast_parameters(model.state_dict(), root_rank=0)
     >>> rpt.allreduce_(loss_sum, op="sum")
 """
@@ -16,7 +16,6 @@ from ..core import (
     Min,
     Product,
     Sum,
-    init,
     local_rank,
     local_size,
     rank,
@@ -41,6 +40,7 @@ from .collectives import (
     grouped_allreduce_async_,
     reducescatter,
 )
+from .device import init
 from .optimizer import Compression, DistributedOptimizer
 from .state import (
     allgather_object,

@@ -41,6 +41,7 @@ from ..core import collectives as core
 from ..core import runtime
 from ..core.ops import ReduceOp
 from . import collectives as rt
+from .device import use_local_gpu
 
 BACKEND = "ringplug"
 
@@ -445,7 +446,8 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------- registration
 def _create(store: Any, rank: int, size: int, timeout: Any) -> RingProcessGroup:
-    """torch's constructor hook: a group over every rank of ringplug's world."""
+    """torch's constructor hook: a group over every rank of ringplug's world (and, unless
+    CUDA is already in use, cuda:LOCAL_RANK as torch's current device: `device.py`)."""
     runtime.init()
     world, me = runtime.size(), runtime.rank()
     if world == 1 and size > 1:
@@ -467,6 +469,7 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> RingProcessGroup:
             f"rank {me}. Leave rank and world_size out of init_process_group under ringrun "
             "(ringplug takes them from MPI), or make them agree."
         )
+    use_local_gpu()
     return RingProcessGroup(rank, size, _group_tag())
 
 
