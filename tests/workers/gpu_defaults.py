@@ -128,7 +128,8 @@ def keras(report: dict[str, Any]) -> None:
 
     tf.config.list_physical_devices = list_physical_devices
     tf.config.set_visible_devices = lambda devices, kind=None: calls["visible"].append(
-        (getattr(devices, "name", None), kind))
+        (getattr(devices, "name", None), kind)
+    )
     tf.config.get_logical_device_configuration = lambda device: None
     tf.config.experimental.set_memory_growth = lambda device, on: calls["growth"].append(
         (device.name, on))  # fmt: skip
