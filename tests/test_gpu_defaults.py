@@ -163,3 +163,39 @@ def test_keras_distribution_and_ringplugs_optimizer_are_refused_together():
     for case in ("made_under_distribution", "fit_under_distribution"):
         assert "two data-parallel mechanisms at once" in report[case]
         assert "DataParallel" in report[case] and "set_distribution" in report[case]
+
+
+# ------------------------------------------------------------------ the GPU check's fits
+CHECK_FITS = Path(__file__).parent / "gpu" / "check_fits.py"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "needs"),
+    [(["lightning"], "lightning"), (["keras", "--backend", "jax"], "jax")],
+)
+def test_the_gpu_checks_fits_pass_on_cpus(arguments, needs):
+    # tests/gpu/check_gpu.sh runs these on the GPU; --device cpu runs the same fits here.
+    pytest.importorskip(needs)
+    pytest.importorskip("keras" if arguments[0] == "keras" else "lightning")
+    result = subprocess.run([sys.executable, str(CHECK_FITS), *arguments, "--device", "cpu"],
+                            capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.split(" ")[0] in
+             ("PASS", "FAIL", "SKIP")]  # fmt: skip
+    assert len(lines) == 2 and not any(line.startswith("FAIL") for line in lines), lines
+    assert any(line.startswith("PASS") and "fit" in line for line in lines), lines
+
+
+def test_the_gpu_checks_fits_refuse_unknown_arguments_with_the_choices():
+    result = subprocess.run([sys.executable, str(CHECK_FITS), "keras", "--backend", "mxnet"],
+                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert result.returncode == 2
+    assert "jax" in result.stderr and "mxnet" in result.stderr
+
+
+def test_check_gpu_sh_runs_both_fits_with_a_timeout():
+    script = (Path(__file__).parent / "gpu" / "check_gpu.sh").read_text()
+    for command in ("check_fits.py lightning", "check_fits.py keras --backend jax"):
+        runs = [line for line in script.splitlines() if command in line and "echo" not in line]
+        assert runs and all(line.startswith("timeout ") and line.endswith("|| failed=1")
+                            for line in runs), runs  # fmt: skip

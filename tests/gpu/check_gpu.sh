@@ -5,7 +5,7 @@
 #
 # Needs Python with a CUDA build of torch (which brings NCCL). No MPI is needed: one rank
 # is a world of one. Optional wheels in tests/gpu/wheels (tests/gpu/fetch_wheels.sh puts
-# Lightning's there) are installed into a throwaway folder first. Prints PASS/FAIL/SKIP
+# Lightning's and Keras's there) are installed into a throwaway folder first. Prints PASS/FAIL/SKIP
 # per check, then the GPU allreduce benchmark; exits non-zero if any check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,6 +30,13 @@ timeout 200 "$PYTHON" tests/gpu/check_gpu.py || failed=1
 
 echo "== the CUDA runtime path without torch (tests/gpu/check_cudart.py)"
 timeout 60 "$PYTHON" tests/gpu/check_cudart.py || failed=1
+
+echo "== a Lightning fit on the GPU with ringplug's defaults (tests/gpu/check_fits.py lightning)"
+timeout 120 "$PYTHON" tests/gpu/check_fits.py lightning || failed=1
+
+echo "== a Keras fit on the GPU, JAX and torch backends (tests/gpu/check_fits.py keras)"
+timeout 120 "$PYTHON" tests/gpu/check_fits.py keras --backend jax || failed=1
+timeout 120 "$PYTHON" tests/gpu/check_fits.py keras --backend torch || failed=1
 
 echo "== ringplug-bench allreduce --device cuda (ringplug vs torch.distributed NCCL, 1 rank)"
 timeout 120 "$PYTHON" -m ringplug.bench.cli allreduce --device cuda --min-size 4K \
