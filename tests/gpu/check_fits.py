@@ -125,25 +125,36 @@ def keras_checks(device: str, backend: str) -> None:
 
     import ringplug.keras as rk
 
-    pinned: list[int | None] = []
-
     def init() -> str | None:
         rk.init()
-        from ringplug.keras import _devices
-
-        pinned.append(_devices.pin_local_gpu(backend))  # what init() chose (idempotent)
         where = _backend_device(backend)
         if device == "cpu":
-            assert pinned[0] is None, f"pinned to GPU {pinned[0]} with --device cpu"
-            assert where == "cpu", where
+            assert where == "cpu", f"{backend} computes on {where} with --device cpu"
             return None
-        assert pinned[0] == 0, f"pinned to {pinned[0]}, local rank 0"
         assert where == "gpu", f"{backend} computes on {where}"
+        chosen = _pinned_gpu(backend)
+        assert chosen == 0, f"{backend} pinned to GPU {chosen}, local rank 0"
         return None
 
     check(f"ringplug.keras.init() puts {backend} on this rank's {device.upper()}", init)
     check(f"Keras ({backend}): fit with DistributedOptimizer equals the plain optimizer's",
           lambda: keras_fit(keras, rk, backend, device))  # fmt: skip
+
+
+def _pinned_gpu(backend: str) -> object:
+    """The GPU `init()` left the backend (CUDA's number), as the backend reports it."""
+    if backend == "jax":
+        import jax
+
+        return int(jax.config.read("jax_cuda_visible_devices"))
+    if backend == "torch":
+        import torch
+
+        return torch.cuda.current_device()
+    import tensorflow as tf
+
+    visible = tf.config.get_visible_devices("GPU")
+    return int(visible[0].name.rsplit(":", 1)[1]) if len(visible) == 1 else visible
 
 
 def _backend_device(backend: str) -> str:
