@@ -61,7 +61,7 @@ def launched_devices(
             f"{_DEFAULTS_HINT} (each rank then trains on cuda:LOCAL_RANK), or pass "
             f"devices={local_size}."
         )
-    if requested > 1 and local_rank >= requested:
+    if cuda and requested > 1 and local_rank >= requested:  # CPUs: any rank may run
         raise ValueError(
             f"Trainer(devices={requested}) names {requested} devices on this host, but the "
             f"launcher started {local_size} ranks here (this one is local rank {local_rank}). "
