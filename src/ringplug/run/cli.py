@@ -55,6 +55,7 @@ from ringplug.run.settings import (
 )
 from ringplug.run.ssh import DEFAULT_CONNECT_TIMEOUT_S, HostProblem, SshOptions
 from ringplug.run.status import EVENTS_VARIABLE, RankStatus
+from ringplug.run.terminal import TERMINAL_VARIABLE, describe_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -428,6 +429,14 @@ def _report_problems(problems: Sequence[HostProblem], spec: JobSpec, what: str) 
         _say(f"  fix: {problem.fix}")
 
 
+def _fd(stream: object) -> int:
+    """The descriptor behind one of ringrun's streams, or -1 (a test's capture has none)."""
+    try:
+        return stream.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return -1
+
+
 def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
     """Check the hosts, build the launch plan and print it, or run it and report the end."""
     launcher = find_launcher()
@@ -440,11 +449,21 @@ def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
         return 0
     token = secrets.token_hex(8)
     environ = {**os.environ, EVENTS_VARIABLE: token}
+    # In a terminal, rank 0's program gets one too (its progress bars draw live); a value
+    # inherited from an enclosing job must not leak into a job whose output is a pipe.
+    environ.pop(TERMINAL_VARIABLE, None)
+    terminal = describe_terminal({"stdout": _fd(sys.stdout), "stderr": _fd(sys.stderr)}, environ)
+    if terminal is not None:
+        environ[TERMINAL_VARIABLE] = terminal.to_variable()
     plan = build_plan(spec, launcher, environ=environ)
     if settings.verbose:
         _say(plan.shell_line())
     result = run_job(
-        plan, environ=environ, events_token=token, start_watch=start_watch(spec, settings)
+        plan,
+        environ=environ,
+        events_token=token,
+        start_watch=start_watch(spec, settings),
+        terminal=terminal,
     )
     if result.stopped_by is not None:
         _say("stopped; all ranks were terminated")

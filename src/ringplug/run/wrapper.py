@@ -29,11 +29,13 @@ from typing import BinaryIO
 
 from ringplug.run.status import (
     EVENTS_VARIABLE,
+    RankOutput,
     RankStarted,
     RankStatus,
     event_line,
     signal_name,
 )
+from ringplug.run.terminal import TerminalSpec, open_pseudo_terminal, read_chunk
 
 # Checked in this order: MPICH/hydra (and Intel MPI), Open MPI, any PMIx launcher, Slurm.
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -201,6 +203,27 @@ def _pump(source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None) -> None:
     pump_lines(source, terminal.write, keep)
 
 
+def _pump_terminal(
+    controller: int, terminal: _Terminal, copy: BinaryIO | None, token: str, rank: int
+) -> None:
+    """Send what the program writes to its pseudo-terminal on to ringrun as output events.
+
+    Each read goes out at once, as one event line: a progress bar's carriage returns and
+    cursor moves reach ringrun's terminal unchanged and as soon as they are drawn.
+    """
+    try:
+        while chunk := read_chunk(controller):
+            if copy is not None:
+                try:
+                    copy.write(chunk)
+                    copy.flush()
+                except (OSError, ValueError):
+                    copy = None  # a full disk must not stop the terminal copy
+            terminal.write_line(event_line(token, RankOutput(rank, chunk).to_event()))
+    finally:
+        os.close(controller)
+
+
 def _write_all(fd: int, data: bytes) -> None:
     """Write ``data`` in full, dropping it if the terminal went away."""
     view = memoryview(data)
@@ -237,6 +260,10 @@ class RankWrapper:
         self._stdout = _Terminal(sys.stdout.fileno())
         self._stderr = _Terminal(sys.stderr.fileno())
         self._events_token = self.environ.get(EVENTS_VARIABLE) or None
+        # Rank 0 writes to a pseudo-terminal where ringrun's own output is a terminal; its
+        # bytes then travel as events, so that needs the events token.
+        spec = TerminalSpec.from_environment(self.environ) if self._events_token else None
+        self._terminal = spec if spec is not None and not self.rank else None
 
     def run(self) -> int:
         """Start the child, wait for it, report a failure; return the shell-style exit code."""
@@ -247,18 +274,28 @@ class RankWrapper:
         previous = {
             sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)
         }
+        # Per stream: the pseudo-terminal's (controller, program end), or None for a pipe.
+        ttys: dict[str, tuple[int, int]] = {}
+        env: Mapping[str, str] | None = None
+        if self._terminal is not None:
+            ttys = {name: open_pseudo_terminal(self._terminal) for name in self._terminal.streams}
+            if self._terminal.term and "TERM" not in self.environ:
+                env = {**self.environ, "TERM": self._terminal.term}
         try:
             try:
                 self.child = subprocess.Popen(
                     self.command,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
+                    stdout=ttys["stdout"][1] if "stdout" in ttys else subprocess.PIPE,
+                    stderr=ttys["stderr"][1] if "stderr" in ttys else subprocess.PIPE,
+                    env=env,
                     # MPICH hands its PMI connection over as an inherited descriptor (PMI_FD);
                     # Open MPI/PMIx may do the same. Keep every inherited descriptor open.
                     close_fds=False,
                     preexec_fn=parent_death_signal(signal.SIGKILL),
                 )
             except OSError as error:
+                for controller, _ in ttys.values():
+                    os.close(controller)
                 print(
                     f"ringrun wrapper: cannot start {self.command[0]!r}: {error.strerror}",
                     file=sys.stderr,
@@ -266,16 +303,18 @@ class RankWrapper:
                 )
                 self._report(pid=os.getpid(), returncode=127)
                 return 127
+            finally:
+                for _, program_end in ttys.values():
+                    os.close(program_end)  # the child holds its own copy
             self._mark_started(self.child.pid)
             if self._pending_signal is not None:
                 # A stop request that arrived while the child was being started.
                 self.child.send_signal(self._pending_signal)
-            assert self.child.stdout is not None and self.child.stderr is not None
             threads = [
-                threading.Thread(target=_pump, args=(source, terminal, copy), daemon=True)
-                for source, terminal, copy in (
-                    (self.child.stdout, self._stdout, files[0]),
-                    (self.child.stderr, self._stderr, files[1]),
+                self._pump_thread(name, source, terminal, copy, ttys)
+                for name, source, terminal, copy in (
+                    ("stdout", self.child.stdout, self._stdout, files[0]),
+                    ("stderr", self.child.stderr, self._stderr, files[1]),
                 )
             ]
             for thread in threads:
@@ -294,6 +333,22 @@ class RankWrapper:
                 if file is not None:
                     file.close()
         return 128 - returncode if returncode < 0 else returncode
+
+    def _pump_thread(
+        self,
+        name: str,
+        source: BinaryIO | None,
+        terminal: _Terminal,
+        copy: BinaryIO | None,
+        ttys: Mapping[str, tuple[int, int]],
+    ) -> threading.Thread:
+        """The thread that passes one of the child's streams on: a pipe's lines or a tty's bytes."""
+        if name in ttys:
+            assert self._events_token is not None
+            args: tuple[object, ...] = (ttys[name][0], terminal, copy, self._events_token, 0)
+            return threading.Thread(target=_pump_terminal, args=args, daemon=True)
+        assert source is not None
+        return threading.Thread(target=_pump, args=(source, terminal, copy), daemon=True)
 
     def _forward(self, signum: int, frame: object) -> None:
         """Pass SIGTERM/SIGINT on to the child; the wrapper ends when the child does."""
