@@ -30,7 +30,9 @@ from ringplug.run.horovodrun import TIMELINE_CYCLES_NOTE, add_horovodrun_flags, 
 from ringplug.run.hosts import (
     Host,
     HostSpecError,
+    format_host_list,
     in_batch_allocation,
+    launcher_hostfile,
     parse_host_list,
     parse_hostfile,
     rank_hosts,
@@ -247,13 +249,55 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     return settings
 
 
-def hosts_from_settings(settings: RunSettings) -> list[Host]:
-    """The hosts of ``-H`` or ``--hostfile``; empty for this machine only."""
+# Launcher arguments that place ranks on hosts: with one in --mpi-args, the launcher's own
+# hostfile variables are not ringrun's business.
+_HOST_ARGUMENTS = frozenset(
+    (
+        "-f",
+        "-hostfile",
+        "--hostfile",
+        "-machinefile",
+        "--machinefile",
+        "-hosts",
+        "-host",
+        "--host",
+        "-H",
+        "--default-hostfile",
+    )
+)
+
+
+def hosts_from_settings(
+    settings: RunSettings, environ: Mapping[str, str] | None = None
+) -> tuple[list[Host], str | None]:
+    """The hosts of ``-H`` or ``--hostfile``, else of the launcher's hostfile variable.
+
+    Returns the hosts (empty for this machine only) and, when they come from a variable
+    such as the Kubernetes MPI Operator sets, ``"VARIABLE=path"`` to say so.
+    """
     if settings.hosts:
-        return parse_host_list(settings.hosts)
+        return parse_host_list(settings.hosts), None
     if settings.hostfile:
-        return parse_hostfile(settings.hostfile)
-    return []
+        return parse_hostfile(settings.hostfile), None
+    environ = os.environ if environ is None else environ
+    found = launcher_hostfile(environ)
+    if found is None or any(arg.split("=")[0] in _HOST_ARGUMENTS for arg in settings.mpi_args):
+        return [], None
+    name, path = found
+    try:
+        hosts = parse_hostfile(path, what=f"the hostfile {name} names,")
+    except HostSpecError as error:
+        raise HostSpecError(
+            f"{error} ({name} is the MPI launcher's hostfile variable; the Kubernetes MPI "
+            "Operator sets it in the launcher pod). Give the hosts with -H or --hostfile, "
+            f"or unset {name}."
+        ) from None
+    return hosts, f"{name}={path}"
+
+
+def _say_hosts_origin(hosts: Sequence[Host], origin: str | None) -> None:
+    if origin is not None:
+        _say(f"hosts from {origin}: {format_host_list(hosts)}")
 
 
 def ssh_from_settings(settings: RunSettings) -> SshOptions:
@@ -271,9 +315,16 @@ def _absolute(path: str | None) -> str | None:
     return None if path is None else str(Path(path).expanduser().resolve())
 
 
-def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
-    """Resolve hosts, rank count and paths into a :class:`JobSpec`."""
-    hosts = hosts_from_settings(settings)
+def job_from_settings(
+    settings: RunSettings, command: list[str], hosts: list[Host] | None = None
+) -> JobSpec:
+    """Resolve hosts, rank count and paths into a :class:`JobSpec`.
+
+    ``hosts``: the job's hosts when already worked out; by default those of the settings
+    (`hosts_from_settings`).
+    """
+    if hosts is None:
+        hosts, _ = hosts_from_settings(settings)
     np = settings.np
     if np is None:
         if not hosts:
@@ -615,21 +666,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(bool(args.verbose))
     try:
         settings = settings_from_args(args)
+        hosts, origin = hosts_from_settings(settings)
         if args.check:
-            return run_check(_check_context(settings))
+            _say_hosts_origin(hosts, origin)
+            return run_check(_check_context(settings, hosts))
         if not command:
             raise UsageError("no command given; usage: ringrun -np N [options] command [args...]")
-        spec = job_from_settings(settings, command)
+        spec = job_from_settings(settings, command, hosts)
+        if args.dry_run or settings.verbose:
+            _say_hosts_origin(hosts, origin)
         return _launch(spec, settings, args.dry_run)
     except (UsageError, SettingsError, HostSpecError, LauncherError) as error:
         print(f"ringrun: error: {error}", file=sys.stderr, flush=True)
         return USAGE_ERROR
 
 
-def _check_context(settings: RunSettings) -> CheckContext:
+def _check_context(settings: RunSettings, hosts: list[Host]) -> CheckContext:
     """What ``ringrun --check`` looks at: this machine, and the hosts if any were given."""
     return CheckContext(
-        hosts=hosts_from_settings(settings),
+        hosts=hosts,
         ssh=ssh_from_settings(settings),
         network_interfaces=list(settings.network_interfaces),
         host_timeout_s=settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S,

@@ -532,7 +532,11 @@ def _open_mpi_plan(
     if runtime_interfaces:
         argv += ["--mca", "oob_tcp_if_include", runtime_interfaces]
     if ssh_launch(spec, environ):
-        argv += ["--mca", "plm_rsh_args", " ".join(spec.ssh.arguments())]
+        # The flag replaces the variable: keep its words (the Kubernetes MPI Operator sets
+        # "-o ConnectionAttempts=10" there), as hydra's plan keeps its own variable's.
+        extra = environ.get("OMPI_MCA_plm_rsh_args", "")
+        words = " ".join(spec.ssh.arguments())
+        argv += ["--mca", "plm_rsh_args", f"{extra} {words}".strip()]
     rank_env = rank_environment(spec, environ)
     # The user's own values travel in mpirun's environment: `-x NAME` exports it from there.
     launcher_env = {name: value for name, value in rank_env.items() if name in spec.private}
