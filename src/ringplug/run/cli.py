@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import secrets
-import shlex
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -49,12 +48,8 @@ from ringplug.run.mpi import (
     remote_executables,
 )
 from ringplug.run.preflight import Preflight, run_preflight
-from ringplug.run.settings import (
-    BIND_CHOICES,
-    DEFAULT_START_TIMEOUT_S,
-    RunSettings,
-    SettingsError,
-)
+from ringplug.run.setting import add_flags, from_flags
+from ringplug.run.settings import DEFAULT_START_TIMEOUT_S, RunSettings, SettingsError
 from ringplug.run.ssh import DEFAULT_CONNECT_TIMEOUT_S, HostProblem, SshOptions
 from ringplug.run.status import EVENTS_VARIABLE, RankStatus
 from ringplug.run.terminal import TERMINAL_VARIABLE, describe_terminal
@@ -77,94 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(MPICH hydra or Open MPI).",
         allow_abbrev=False,
     )
-    parser.add_argument(
-        "-np",
-        "-n",
-        "--num-proc",
-        dest="np",
-        type=int,
-        metavar="N",
-        help="number of ranks (default: total slots of -H/--hostfile)",
-    )
-    hosts = parser.add_mutually_exclusive_group()
-    hosts.add_argument(
-        "-H",
-        "--hosts",
-        metavar="HOST:SLOTS,...",
-        help="hosts and their slot counts, e.g. node1:2,node2:2; ranks fill "
-        "each host before the next",
-    )
-    hosts.add_argument(
-        "--hostfile",
-        metavar="FILE",
-        help="file with one 'host:slots', 'host slots=N' or 'host' per line",
-    )
-    parser.add_argument(
-        "--network-interface",
-        action="append",
-        dest="network_interfaces",
-        metavar="IF",
-        help="network interface for MPI and NCCL traffic (repeatable; each host uses the "
-        "names it has). Default on several hosts: the interfaces that the preflight finds "
-        "routing between all of them",
-    )
-    parser.add_argument(
-        "-p",
-        "--ssh-port",
-        type=int,
-        metavar="PORT",
-        help="ssh port for starting ranks on remote hosts",
-    )
-    parser.add_argument(
-        "-i",
-        "--ssh-identity-file",
-        metavar="FILE",
-        help="ssh private key for starting ranks on remote hosts",
-    )
-    parser.add_argument(
-        "--ssh-config-file",
-        metavar="FILE",
-        help="ssh configuration file to use instead of ~/.ssh/config (ports, keys, "
-        "known_hosts per host)",
-    )
-    parser.add_argument(
-        "--no-preflight",
-        dest="preflight",
-        action="store_const",
-        const=False,
-        help="do not check the hosts (ssh, Python, versions, interfaces) before a job on "
-        "several hosts",
-    )
-    parser.add_argument(
-        "-x",
-        action="append",
-        dest="env",
-        metavar="VAR[=VALUE]",
-        help="environment variable for the ranks: VAR=VALUE sets it, VAR "
-        "passes ringrun's own value (repeatable)",
-    )
-    parser.add_argument(
-        "--output-filename",
-        metavar="DIR",
-        help="also write each rank's stdout/stderr to DIR/rank.<rank>/",
-    )
-    parser.add_argument(
-        "--timeline",
-        metavar="PATH",
-        help="write a Chrome trace of the engine (negotiation, fusion, collectives) to PATH; "
-        "open it in Perfetto or chrome://tracing",
-    )
-    parser.add_argument(
-        "--bind-to",
-        choices=BIND_CHOICES,
-        help="pin each rank to a core or socket (default: the launcher's)",
-    )
-    parser.add_argument(
-        "--verbose",
-        action="store_true",
-        default=None,
-        help="print the launcher command line before running it",
-    )
+    add_flags(RunSettings, parser, horovodrun=False)
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -190,61 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_env_flags(values: Sequence[str]) -> dict[str, str | None]:
-    """``["A=1", "B"]`` -> ``{"A": "1", "B": None}`` (``None``: forward ringrun's value)."""
-    env: dict[str, str | None] = {}
-    for item in values:
-        name, sep, value = item.partition("=")
-        if not name:
-            raise UsageError(f"-x {item!r}: expected VAR or VAR=VALUE")
-        env[name] = value if sep else None
-    return env
-
-
-def _split_mpi_args(values: Sequence[str]) -> list[str]:
-    """``['-ppn 2', "-genv A 'b c'"]`` -> the words a shell would make of them, in order."""
-    words: list[str] = []
-    for value in values:
-        try:
-            words += shlex.split(value)
-        except ValueError as error:
-            raise UsageError(f"--mpi-args {value!r}: cannot split it into words: {error}") from None
-    return words
-
-
 def settings_from_args(args: argparse.Namespace) -> RunSettings:
     """Merge ``--config-file`` (if any) with the flags; flags win."""
-    flags = RunSettings(
-        np=args.np,
-        hosts=args.hosts,
-        hostfile=args.hostfile,
-        network_interfaces=args.network_interfaces or [],
-        ssh_port=args.ssh_port,
-        ssh_identity_file=args.ssh_identity_file,
-        ssh_config_file=args.ssh_config_file,
-        env=_parse_env_flags(args.env or []),
-        output_filename=args.output_filename,
-        bind_to=args.bind_to,
-        verbose=bool(args.verbose),
-        timeline=args.timeline,
-        mpi_args=_split_mpi_args(args.mpi_args or []),
-        start_timeout=args.start_timeout,
-        preflight=args.preflight,
-        log_level=args.log_level,
-        fusion_threshold_mb=args.fusion_threshold_mb,
-        cycle_time_ms=args.cycle_time_ms,
-        stall_check=args.stall_check,
-        stall_check_warning_time_seconds=args.stall_check_warning_time_seconds,
-        stall_check_shutdown_time_seconds=args.stall_check_shutdown_time_seconds,
-    )
-    if args.config_file is None:
-        settings = flags
-    else:
-        settings = load_config_file(args.config_file)
-        if args.hosts or args.hostfile:
-            # -H and --hostfile say the same thing; a flag replaces either from the file.
-            settings.hosts = settings.hostfile = None
-        settings = settings.overridden_by(flags)
+    settings = from_flags(RunSettings, args)
+    if args.config_file is not None:
+        settings = load_config_file(args.config_file).overridden_by(settings)
     settings.validate()
     return settings
 
@@ -337,12 +195,7 @@ def job_from_settings(
     private = {
         name for name, value in env.items() if value is not None and name not in FORWARDED_VARIABLES
     }
-    ours: dict[str, str] = {}
-    if settings.timeline is not None:
-        # Absolute, so rank 0 writes it where the user asked whatever its working directory.
-        ours["RINGPLUG_TIMELINE"] = str(Path(settings.timeline).resolve())
-    ours.update(settings.rank_variables())
-    for name, value in ours.items():
+    for name, value in settings.rank_variables().items():
         if env.get(name, value) != value:
             logger.warning(
                 "%s=%s from ringrun's settings replaces the value of %s from -x or the config "
