@@ -62,7 +62,9 @@ def test_mpich_mpijob_hostfile_is_checked_by_the_preflight_before_the_dry_run_li
         "--dry-run", "python", "x.py", extra_env={"HYDRA_HOST_FILE": str(hostfile)}, timeout=90
     )
     assert result.returncode == 0, result.stderr
-    assert "-n 2 -hosts localhost:1,no-such-worker.invalid:1" in result.stdout
+    words = dry_run_words(result.stdout)
+    assert words[words.index("-n") + 1] == "2"
+    assert words[words.index("-hosts") + 1] == "localhost:1,no-such-worker.invalid:1"
     assert f"hosts from HYDRA_HOST_FILE={hostfile}: localhost:1,no-such-worker.invalid:1" in (
         result.stderr
     )
@@ -108,7 +110,8 @@ def test_hosts_on_the_command_line_win_over_the_launchers_hostfile(tmp_path):
         timeout=30,
     )
     assert result.returncode == 0, result.stderr
-    assert "-n 2 -hosts localhost:2" in result.stdout
+    words = dry_run_words(result.stdout)
+    assert words[words.index("-hosts") + 1] == "localhost:2"
     assert "no-such-worker" not in result.stdout + result.stderr
 
 
