@@ -35,6 +35,7 @@ from types import FrameType
 from typing import BinaryIO
 
 from ringplug.run.mpi import LaunchPlan
+from ringplug.run.processes import parent_death_signal, pump_lines, write_all
 from ringplug.run.ssh import HostProblem, LaunchDiagnosis
 from ringplug.run.status import (
     EVENT_MARK,
@@ -46,7 +47,6 @@ from ringplug.run.status import (
     parse_event,
 )
 from ringplug.run.terminal import TerminalSink, TerminalSpec, terminal_sinks
-from ringplug.run.wrapper import parent_death_signal, pump_lines
 
 logger = logging.getLogger(__name__)
 
@@ -285,13 +285,8 @@ class _Relay(threading.Thread):
             self._write(data)
 
     def _write(self, line: bytes) -> None:
-        view = memoryview(line)
-        while view:
-            try:
-                written = os.write(self.sink_fd, view)
-            except OSError:
-                return  # ringrun's own output went away; keep draining the launcher's
-            view = view[written:]
+        # When ringrun's own output went away, the launcher's is still drained.
+        write_all(self.sink_fd, line)
 
 
 # Reports that arrive this close together may come in either order: a rank that crashes

@@ -173,8 +173,9 @@ class RankFault:
         """
         try:
             culprits = tuple(int(rank) for rank in event["culprits"])
-            return cls(int(event["rank"]), culprits, str(event["message"]),
-                       float(event["timestamp"]))  # fmt: skip
+            return cls(
+                int(event["rank"]), culprits, str(event["message"]), float(event["timestamp"])
+            )
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a rank fault: {event!r}") from error
 

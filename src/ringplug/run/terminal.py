@@ -27,6 +27,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ringplug.run.processes import write_all
+
 TERMINAL_VARIABLE = "RINGPLUG_RUN_TERMINAL"
 """Environment variable that tells rank 0's wrapper which streams are a terminal, and its size."""
 
@@ -147,7 +149,7 @@ class TerminalSink:
     def raw(self, data: bytes) -> None:
         """Write rank 0's bytes as they are."""
         with self.lock:
-            _write_all(self.fd, data)
+            write_all(self.fd, data)
             end = data.rfind(b"\n")
             if end >= 0:
                 self.unfinished = bytearray(data[end + 1 :])
@@ -163,16 +165,16 @@ class TerminalSink:
         """Write another rank's line (prefixed by the launcher) above rank 0's unfinished one."""
         with self.lock:
             if not self.mid_line:
-                _write_all(self.fd, data)
+                write_all(self.fd, data)
                 return
             ended = data if data.endswith(b"\n") else data + b"\n"
-            _write_all(self.fd, _CLEAR_LINE + ended + bytes(self.unfinished))
+            write_all(self.fd, _CLEAR_LINE + ended + bytes(self.unfinished))
 
     def finish(self) -> None:
         """End rank 0's unfinished line, so that what ringrun says next starts a line."""
         with self.lock:
             if self.mid_line:
-                _write_all(self.fd, b"\n")
+                write_all(self.fd, b"\n")
                 self.mid_line = False
                 self.unfinished.clear()
 
@@ -195,14 +197,3 @@ def _same_file(first: int, second: int) -> bool:
         return os.path.samestat(os.fstat(first), os.fstat(second))
     except OSError:
         return False
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """Write ``data`` in full, dropping it if the terminal went away."""
-    view = memoryview(data)
-    while view:
-        try:
-            written = os.write(fd, view)
-        except OSError:
-            return
-        view = view[written:]
