@@ -58,11 +58,11 @@ def test_a_plain_python_process_is_a_world_of_one(tmp_path):
     expect_one_host(read_topologies(tmp_path, 1), 1)
 
 
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "SLURM_"))}
     environment.update(env)
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
         env=environment, check=False,
     )  # fmt: skip
 
@@ -121,8 +121,9 @@ TORCHRUN_ENV = {
 
 
 def test_ringplug_init_in_a_pytorchjob_pod_stops_and_says_to_use_an_mpijob():
-    result = run_python("import ringplug; ringplug.init(); print('trained alone')",
-                        **PYTORCHJOB_ENV)  # fmt: skip
+    result = run_python(
+        "import ringplug; ringplug.init(); print('trained alone')", **PYTORCHJOB_ENV
+    )
     assert result.returncode != 0
     assert "trained alone" not in result.stdout
     assert "started by torch's launcher as rank 1 of 4" in result.stderr
@@ -150,7 +151,7 @@ def test_ring_strategy_in_a_pytorchjob_pod_stops_before_training():
         "pl.Trainer(strategy='ring', accelerator='cpu', logger=False)\n"
         "print('trainer built')\n"
     )
-    result = run_python(code, **PYTORCHJOB_ENV)
+    result = run_python(code, timeout=180, **PYTORCHJOB_ENV)  # Lightning imports slowly
     assert result.returncode != 0
     assert "trainer built" not in result.stdout
     assert "started by torch's launcher as rank 1 of 4" in result.stderr
@@ -173,10 +174,18 @@ def test_the_torch_backend_in_two_pytorchjob_pods_stops_on_both(tmp_path):
     pods = [
         subprocess.Popen(
             [sys.executable, "-c", code],
-            env={**environment, **PYTORCHJOB_ENV, "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank)},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            env={
+                **environment,
+                **PYTORCHJOB_ENV,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": "2",
+                "RANK": str(rank),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in range(2)
     ]
     outputs = [pod.communicate(timeout=120) for pod in pods]
