@@ -1,7 +1,9 @@
 """horovodrun's flags in ``ringrun``: its spellings of shared flags, its tuning flags, refusals.
 
 People moving from Horovod replace ``horovodrun`` with ``ringrun`` and keep their flags.
-:func:`add_horovodrun_flags` adds the ones ringrun can honour as one ``--help`` group. Flags
+:func:`add_horovodrun_flags` adds the ones ringrun can honour as one ``--help`` group: the
+spellings of settings, which each setting declares with the rest of it (``horovodrun=`` in
+:mod:`ringplug.run.settings`), and the few that are no setting. Flags
 ringplug has no equivalent for are parsed too (so their values are not mistaken for the
 command) but hidden from ``--help``; :func:`refusal` then names the first one given and says
 what to do instead, and ``ringrun`` exits with code 2.
