@@ -32,6 +32,12 @@ def dry_run_words(stdout: str) -> list[str]:
     return shlex.split(lines[0])
 
 
+def flag_value(words: list[str], *spellings: str) -> str:
+    """The value after the flag, in whichever launcher's spelling the line has."""
+    (index,) = [i for i, word in enumerate(words) if word in spellings]
+    return words[index + 1]
+
+
 def test_open_mpi_mpijob_hosts_and_ssh_retries_reach_the_launcher_line(tmp_path):
     # What the operator sets for mpiImplementation: OpenMPI, with slotsPerWorker: 2.
     hostfile = operator_hostfile(tmp_path, [f"{name} slots=2" for name in WORKERS])
@@ -63,8 +69,8 @@ def test_mpich_mpijob_hostfile_is_checked_by_the_preflight_before_the_dry_run_li
     )
     assert result.returncode == 0, result.stderr
     words = dry_run_words(result.stdout)
-    assert words[words.index("-n") + 1] == "2"
-    assert words[words.index("-hosts") + 1] == "localhost:1,no-such-worker.invalid:1"
+    assert flag_value(words, "-n", "-np") == "2"
+    assert flag_value(words, "-hosts", "-H") == "localhost:1,no-such-worker.invalid:1"
     assert f"hosts from HYDRA_HOST_FILE={hostfile}: localhost:1,no-such-worker.invalid:1" in (
         result.stderr
     )
@@ -110,8 +116,7 @@ def test_hosts_on_the_command_line_win_over_the_launchers_hostfile(tmp_path):
         timeout=30,
     )
     assert result.returncode == 0, result.stderr
-    words = dry_run_words(result.stdout)
-    assert words[words.index("-hosts") + 1] == "localhost:2"
+    assert flag_value(dry_run_words(result.stdout), "-hosts", "-H") == "localhost:2"
     assert "no-such-worker" not in result.stdout + result.stderr
 
 
@@ -128,7 +133,7 @@ def test_a_hostfile_passed_to_the_launcher_in_mpi_args_is_left_to_it(tmp_path):
         timeout=30,
     )
     assert result.returncode == 0, result.stderr
-    assert "-hosts" not in dry_run_words(result.stdout)
+    assert not {"-hosts", "-H"} & set(dry_run_words(result.stdout))
 
 
 def test_a_hostfile_variable_naming_a_missing_file_is_a_usage_error(tmp_path):
