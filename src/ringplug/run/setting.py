@@ -215,7 +215,17 @@ Check = Callable[[Any], None]
 
 @dataclass(frozen=True)
 class Setting:
-    """What a field of ``RunSettings`` declares beyond its name, type and default."""
+    """What a field of ``RunSettings`` declares beyond its name, type and default.
+
+    Args:
+        kind: how its values are written.
+        help: what it means, with its default.
+        flags: its command-line flags, ringrun's and horovodrun's.
+        metavar: the value's name in ``--help``.
+        check: refuses a value out of range.
+        ranks: the variables a value sets for the ranks.
+        replaces: settings a command-line value clears from the config file.
+    """
 
     kind: Kind
     help: str
@@ -244,7 +254,8 @@ def setting(
     Args:
         kind: how the value is written (:data:`WHOLE`, :data:`NUMBER`, :data:`SWITCH`, ...).
         help: what it means, for ``--help``, with its default.
-        flags: ringrun's spellings of one flag (``("-np", "-n")``), or :class:`Flag`\\ s.
+        flags: ringrun's spellings of one flag (``("-np", "-n")``), or a list of
+            :class:`Flag` for several flags or special ones.
             Defaults to none (a config-file key only).
         horovodrun: horovodrun's spellings, listed in their own ``--help`` group.
         default: the value when neither a flag nor the config file gives one; ``None``
