@@ -11,6 +11,14 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+# The same names as ringplug.run.hosts.LAUNCHER_HOSTFILE_VARIABLES (not imported: the
+# helpers stay light).
+LAUNCHER_HOSTFILE_VARIABLES = (
+    "OMPI_MCA_orte_default_hostfile",
+    "HYDRA_HOST_FILE",
+    "I_MPI_HYDRA_HOST_FILE",
+)
+
 RINGRUN = [sys.executable, "-m", "ringplug.run.cli"]
 """``ringrun`` as this interpreter runs it, so it finds the virtualenv's mpiexec."""
 
@@ -35,8 +43,10 @@ def run_ringrun(
     """
     environment = dict(os.environ if env is None else env)
     if env is None:
-        # A developer's own override must not change what the tests exercise.
-        environment.pop("RINGPLUG_MPIEXEC", None)
+        # A developer's own override must not change what the tests exercise, nor a
+        # hostfile variable the launcher would read (ringrun does too).
+        for name in ("RINGPLUG_MPIEXEC", *LAUNCHER_HOSTFILE_VARIABLES):
+            environment.pop(name, None)
     environment.update(extra_env or {})
     return subprocess.run(
         [*ringrun, *args],

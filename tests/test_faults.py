@@ -282,7 +282,7 @@ def test_the_rank_others_name_is_the_root_cause_whatever_ended_first():
 
 
 def test_one_huge_line_is_relayed_whole():
-    from ringplug.run.wrapper import pump_lines
+    from ringplug.run.processes import pump_lines
 
     read_end, write_end = os.pipe()
     line = b"x" * (32 << 20) + b"\n"

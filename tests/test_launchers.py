@@ -58,11 +58,11 @@ def test_a_plain_python_process_is_a_world_of_one(tmp_path):
     expect_one_host(read_topologies(tmp_path, 1), 1)
 
 
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "SLURM_"))}
     environment.update(env)
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
         env=environment, check=False,
     )  # fmt: skip
 
@@ -93,3 +93,103 @@ def test_srun_without_the_mpi_plugin_is_caught_instead_of_training_alone():
     assert result.returncode != 0
     assert "srun started 2 ranks, but MPI sees a world of 1" in result.stderr
     assert "--mpi=pmi2" in result.stderr
+
+
+# What torch's launchers set, without an MPI launcher: a Kubeflow PyTorchJob gives each pod
+# MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK (and PYTHONUNBUFFERED), nothing of torchelastic;
+# torchrun also sets LOCAL_RANK and the TORCHELASTIC_* variables.
+PYTORCHJOB_ENV = {
+    "MASTER_ADDR": "trainer-master-0",
+    "MASTER_PORT": "23456",
+    "WORLD_SIZE": "4",
+    "RANK": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+TORCHRUN_ENV = {
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "WORLD_SIZE": "2",
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "0",
+    "ROLE_RANK": "0",
+    "TORCHELASTIC_RUN_ID": "none",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_MAX_RESTARTS": "0",
+}
+
+
+def test_ringplug_init_in_a_pytorchjob_pod_stops_and_says_to_use_an_mpijob():
+    result = run_python(
+        "import ringplug; ringplug.init(); print('trained alone')", **PYTORCHJOB_ENV
+    )
+    assert result.returncode != 0
+    assert "trained alone" not in result.stdout
+    assert "started by torch's launcher as rank 1 of 4" in result.stderr
+    assert "Start the job with `ringrun -np 4 python ...`" in result.stderr
+    assert "use an MPIJob (the MPI Operator) rather than a PyTorchJob" in result.stderr
+
+
+def test_ringplug_init_under_torchrun_variables_names_torchrun():
+    result = run_python("import ringplug; ringplug.init()", **TORCHRUN_ENV)
+    assert result.returncode != 0
+    assert "started by torchrun as rank 0 of 2" in result.stderr
+    assert "`ringrun -np 2 python ...`" in result.stderr
+
+
+def test_a_pytorchjob_of_one_pod_is_a_world_of_one():
+    env = {**PYTORCHJOB_ENV, "WORLD_SIZE": "1", "RANK": "0"}
+    result = run_python("import ringplug; ringplug.init(); print(ringplug.size())", **env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1"
+
+
+def test_ring_strategy_in_a_pytorchjob_pod_stops_before_training():
+    code = (
+        "import lightning.pytorch as pl, ringplug.lightning\n"
+        "pl.Trainer(strategy='ring', accelerator='cpu', logger=False)\n"
+        "print('trainer built')\n"
+    )
+    result = run_python(code, timeout=180, **PYTORCHJOB_ENV)  # Lightning imports slowly
+    assert result.returncode != 0
+    assert "trainer built" not in result.stdout
+    assert "started by torch's launcher as rank 1 of 4" in result.stderr
+    assert "MPIJob" in result.stderr
+
+
+def test_the_torch_backend_in_two_pytorchjob_pods_stops_on_both(tmp_path):
+    # Two "pods" on this machine: torch's env:// rendezvous meets, then the backend refuses.
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = (
+        "import datetime, torch.distributed as dist, ringplug.torch\n"
+        "dist.init_process_group('ringplug', timeout=datetime.timedelta(seconds=60))\n"
+        "print('joined')\n"
+    )
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "SLURM_"))}
+    pods = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={
+                **environment,
+                **PYTORCHJOB_ENV,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": "2",
+                "RANK": str(rank),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [pod.communicate(timeout=120) for pod in pods]
+    for rank, (pod, (stdout, stderr)) in enumerate(zip(pods, outputs, strict=True)):
+        assert pod.returncode != 0
+        assert "joined" not in stdout
+        assert f"started by torch's launcher as rank {rank} of 2" in stderr, stderr

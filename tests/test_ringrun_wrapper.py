@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
+from ringplug.run.processes import rank_from_environment
 from ringplug.run.status import RankStarted, RankStatus, event_line, parse_event
-from ringplug.run.wrapper import rank_directory_name, rank_from_environment
+from ringplug.run.wrapper import rank_directory_name
 
 TOKEN = "0123456789abcdef"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
-from ..run.wrapper import parent_death_signal
+from ..run.processes import parent_death_signal
 
 # Variables an MPI singleton in this process may have set; the job's ranks get fresh ones.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_LOCAL", "HYDRA_", "OMPI_")

@@ -14,107 +14,18 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import subprocess
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 from ringplug.run.check_gpu import gpu_section
-from ringplug.run.hosts import Host, total_slots
-from ringplug.run.mpi import (
-    JobSpec,
-    LauncherError,
-    MpiLauncher,
-    build_plan,
-    find_launcher,
-    remote_executables,
-)
-from ringplug.run.preflight import HostReport, Preflight, run_preflight
-from ringplug.run.settings import DEFAULT_START_TIMEOUT_S
-from ringplug.run.ssh import HostProblem, SshOptions
+from ringplug.run.hosts import total_slots
+from ringplug.run.mpi import JobSpec, LauncherError, build_plan, find_launcher
+from ringplug.run.preflight import HostReport
+from ringplug.run.probe import probe_mpi_library
+from ringplug.run.report import CheckContext, Section
 
 FRAMEWORKS = ("torch", "lightning", "pytorch-lightning", "tensorflow", "keras")
-
-_PROBE_TIMEOUT_S = 60.0
-
-# Runs in a child interpreter: loading libmpi in ringrun itself could initialise MPI or clash
-# with the launcher. rc.initialize=False loads the library without MPI_Init.
-_LIBRARY_PROBE = """
-import mpi4py
-mpi4py.rc.initialize = False
-from mpi4py import MPI
-print(" ".join(MPI.Get_library_version().strip().splitlines()[0].split()))
-with open("/proc/self/maps") as maps:
-    paths = sorted({line.split()[-1] for line in maps if "libmpi" in line.split()[-1]})
-print(paths[0] if paths else "")
-"""
-
-
-@dataclass
-class CheckContext:
-    """Where the facts come from; tests replace parts of it.
-
-    Args:
-        environ: the environment (``PATH``, ``MPI4PY_LIBMPI``). Defaults to ``os.environ``.
-        python: the interpreter the ranks use. Defaults to ``sys.executable``.
-        prefix: the virtualenv (or installation) prefix. Defaults to ``sys.prefix``.
-        ldconfig: returns ``ldconfig -p`` output. Defaults to running it.
-        hosts: the job's hosts (``-H``, ``--hostfile``) to check too. Defaults to ``[]``
-            (this machine only).
-        ssh: how to reach them. Defaults to ssh's own configuration.
-        network_interfaces: interface names the user gave. Defaults to ``[]`` (probe).
-        host_timeout_s: how long each host gets to answer. Defaults to 60.
-    """
-
-    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
-    python: str = sys.executable
-    prefix: str = sys.prefix
-    ldconfig: Callable[[], str] = field(default_factory=lambda: _run_ldconfig)
-    hosts: list[Host] = field(default_factory=list)
-    ssh: SshOptions = field(default_factory=SshOptions)
-    network_interfaces: list[str] = field(default_factory=list)
-    host_timeout_s: float = DEFAULT_START_TIMEOUT_S
-    _preflight: Preflight | None = field(default=None, init=False, repr=False)
-    _launcher: MpiLauncher | None = field(default=None, init=False, repr=False)
-
-    def launcher(self) -> MpiLauncher | None:
-        """The MPI launcher ringrun would use (found once); ``None`` when there is none."""
-        if self._launcher is None:
-            try:
-                self._launcher = find_launcher(self.environ, self.python)
-            except LauncherError:
-                return None
-        return self._launcher
-
-    def preflight(self) -> Preflight | None:
-        """The hosts' preflight, run on first use; ``None`` without hosts."""
-        if not self.hosts:
-            return None
-        if self._preflight is None:
-            launcher = self.launcher()
-            needed = [] if launcher is None else remote_executables(launcher)
-            self._preflight = run_preflight(
-                self.hosts,
-                self.ssh,
-                self.python,
-                timeout_s=self.host_timeout_s,
-                needed_files=needed,
-                requested_interfaces=self.network_interfaces,
-                mpi_library=True,
-                environ=self.environ,
-            )
-        return self._preflight
-
-
-@dataclass
-class Section:
-    """One titled block of the report: facts as (name, value) rows, warnings and problems."""
-
-    title: str
-    rows: list[tuple[str, str]] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    problems: list[HostProblem] = field(default_factory=list)
 
 
 def _distribution_version(name: str) -> str | None:
@@ -123,19 +34,6 @@ def _distribution_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _run_ldconfig() -> str:
-    """The dynamic linker's library list, or ``""`` where ldconfig is unavailable."""
-    for candidate in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
-        try:
-            result = subprocess.run(
-                [candidate, "-p"], capture_output=True, text=True, timeout=10, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        return result.stdout
-    return ""
 
 
 def python_section(context: CheckContext) -> Section:
@@ -181,30 +79,6 @@ def system_mpi_installations(context: CheckContext) -> list[str]:
         ):
             found.append(path)
     return found
-
-
-def probe_mpi_library(python: str, environ: Mapping[str, str]) -> tuple[str, str]:
-    """Ask a child interpreter which MPI library mpi4py loads: (version line, path).
-
-    Raises:
-        RuntimeError: mpi4py could not load a library; the message has its last error line.
-    """
-    try:
-        result = subprocess.run(
-            [python, "-c", _LIBRARY_PROBE],
-            capture_output=True,
-            text=True,
-            timeout=_PROBE_TIMEOUT_S,
-            env=dict(environ),
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise RuntimeError(str(error)) from None
-    if result.returncode != 0:
-        lines = result.stderr.strip().splitlines()
-        raise RuntimeError(lines[-1] if lines else f"exit code {result.returncode}")
-    version, _, path = result.stdout.strip().partition("\n")
-    return version.strip(), path.strip()
 
 
 def mpi_section(context: CheckContext) -> Section:

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ringplug.run.check import CheckContext, Section
+from ringplug.run.report import CheckContext, Section
 
 
 def _gpu_names(environ: dict[str, str]) -> list[str]:
@@ -17,8 +15,9 @@ def _gpu_names(environ: dict[str, str]) -> list[str]:
     if smi is None:
         return []
     try:
-        result = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20,
-                                check=False)  # fmt: skip
+        result = subprocess.run(
+            [smi, "-L"], capture_output=True, text=True, timeout=20, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in result.stdout.splitlines() if line.strip()]
@@ -26,9 +25,9 @@ def _gpu_names(environ: dict[str, str]) -> list[str]:
 
 def gpu_section(context: CheckContext) -> Section:
     """NCCL's library and version, the CUDA runtime, and the GPUs visible."""
+    # Here, not at the top: ringrun's other commands need none of the core.
     from ringplug.core import nccl
     from ringplug.core.cuda import CudaError, CudaRuntime
-    from ringplug.run.check import Section
 
     environ = dict(context.environ)
     section = Section("NCCL and GPUs")
@@ -55,6 +54,7 @@ def gpu_section(context: CheckContext) -> Section:
     if visible and not have_nccl:
         section.warnings.append(f"this host has {visible} GPU(s) but no NCCL: {missing}")
     if not visible:
-        section.rows.append(("note", "CPU tensors take the MPI ring; NCCL is used only for GPU "
-                                     "tensors"))  # fmt: skip
+        section.rows.append(
+            ("note", "CPU tensors take the MPI ring; NCCL is used only for GPU tensors")
+        )
     return section

@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import secrets
-import shlex
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -30,7 +29,9 @@ from ringplug.run.horovodrun import TIMELINE_CYCLES_NOTE, add_horovodrun_flags, 
 from ringplug.run.hosts import (
     Host,
     HostSpecError,
+    format_host_list,
     in_batch_allocation,
+    launcher_hostfile,
     parse_host_list,
     parse_hostfile,
     rank_hosts,
@@ -47,14 +48,11 @@ from ringplug.run.mpi import (
     remote_executables,
 )
 from ringplug.run.preflight import Preflight, run_preflight
-from ringplug.run.settings import (
-    BIND_CHOICES,
-    DEFAULT_START_TIMEOUT_S,
-    RunSettings,
-    SettingsError,
-)
+from ringplug.run.setting import add_flags, from_flags
+from ringplug.run.settings import DEFAULT_START_TIMEOUT_S, RunSettings, SettingsError
 from ringplug.run.ssh import DEFAULT_CONNECT_TIMEOUT_S, HostProblem, SshOptions
 from ringplug.run.status import EVENTS_VARIABLE, RankStatus
+from ringplug.run.terminal import TERMINAL_VARIABLE, describe_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -74,94 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(MPICH hydra or Open MPI).",
         allow_abbrev=False,
     )
-    parser.add_argument(
-        "-np",
-        "-n",
-        "--num-proc",
-        dest="np",
-        type=int,
-        metavar="N",
-        help="number of ranks (default: total slots of -H/--hostfile)",
-    )
-    hosts = parser.add_mutually_exclusive_group()
-    hosts.add_argument(
-        "-H",
-        "--hosts",
-        metavar="HOST:SLOTS,...",
-        help="hosts and their slot counts, e.g. node1:2,node2:2; ranks fill "
-        "each host before the next",
-    )
-    hosts.add_argument(
-        "--hostfile",
-        metavar="FILE",
-        help="file with one 'host:slots', 'host slots=N' or 'host' per line",
-    )
-    parser.add_argument(
-        "--network-interface",
-        action="append",
-        dest="network_interfaces",
-        metavar="IF",
-        help="network interface for MPI and NCCL traffic (repeatable; each host uses the "
-        "names it has). Default on several hosts: the interfaces that the preflight finds "
-        "routing between all of them",
-    )
-    parser.add_argument(
-        "-p",
-        "--ssh-port",
-        type=int,
-        metavar="PORT",
-        help="ssh port for starting ranks on remote hosts",
-    )
-    parser.add_argument(
-        "-i",
-        "--ssh-identity-file",
-        metavar="FILE",
-        help="ssh private key for starting ranks on remote hosts",
-    )
-    parser.add_argument(
-        "--ssh-config-file",
-        metavar="FILE",
-        help="ssh configuration file to use instead of ~/.ssh/config (ports, keys, "
-        "known_hosts per host)",
-    )
-    parser.add_argument(
-        "--no-preflight",
-        dest="preflight",
-        action="store_const",
-        const=False,
-        help="do not check the hosts (ssh, Python, versions, interfaces) before a job on "
-        "several hosts",
-    )
-    parser.add_argument(
-        "-x",
-        action="append",
-        dest="env",
-        metavar="VAR[=VALUE]",
-        help="environment variable for the ranks: VAR=VALUE sets it, VAR "
-        "passes ringrun's own value (repeatable)",
-    )
-    parser.add_argument(
-        "--output-filename",
-        metavar="DIR",
-        help="also write each rank's stdout/stderr to DIR/rank.<rank>/",
-    )
-    parser.add_argument(
-        "--timeline",
-        metavar="PATH",
-        help="write a Chrome trace of the engine (negotiation, fusion, collectives) to PATH; "
-        "open it in Perfetto or chrome://tracing",
-    )
-    parser.add_argument(
-        "--bind-to",
-        choices=BIND_CHOICES,
-        help="pin each rank to a core or socket (default: the launcher's)",
-    )
-    parser.add_argument(
-        "--verbose",
-        action="store_true",
-        default=None,
-        help="print the launcher command line before running it",
-    )
+    add_flags(RunSettings, parser, horovodrun=False)
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -187,72 +98,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_env_flags(values: Sequence[str]) -> dict[str, str | None]:
-    """``["A=1", "B"]`` -> ``{"A": "1", "B": None}`` (``None``: forward ringrun's value)."""
-    env: dict[str, str | None] = {}
-    for item in values:
-        name, sep, value = item.partition("=")
-        if not name:
-            raise UsageError(f"-x {item!r}: expected VAR or VAR=VALUE")
-        env[name] = value if sep else None
-    return env
-
-
-def _split_mpi_args(values: Sequence[str]) -> list[str]:
-    """``['-ppn 2', "-genv A 'b c'"]`` -> the words a shell would make of them, in order."""
-    words: list[str] = []
-    for value in values:
-        try:
-            words += shlex.split(value)
-        except ValueError as error:
-            raise UsageError(f"--mpi-args {value!r}: cannot split it into words: {error}") from None
-    return words
-
-
 def settings_from_args(args: argparse.Namespace) -> RunSettings:
     """Merge ``--config-file`` (if any) with the flags; flags win."""
-    flags = RunSettings(
-        np=args.np,
-        hosts=args.hosts,
-        hostfile=args.hostfile,
-        network_interfaces=args.network_interfaces or [],
-        ssh_port=args.ssh_port,
-        ssh_identity_file=args.ssh_identity_file,
-        ssh_config_file=args.ssh_config_file,
-        env=_parse_env_flags(args.env or []),
-        output_filename=args.output_filename,
-        bind_to=args.bind_to,
-        verbose=bool(args.verbose),
-        timeline=args.timeline,
-        mpi_args=_split_mpi_args(args.mpi_args or []),
-        start_timeout=args.start_timeout,
-        preflight=args.preflight,
-        log_level=args.log_level,
-        fusion_threshold_mb=args.fusion_threshold_mb,
-        cycle_time_ms=args.cycle_time_ms,
-        stall_check=args.stall_check,
-        stall_check_warning_time_seconds=args.stall_check_warning_time_seconds,
-        stall_check_shutdown_time_seconds=args.stall_check_shutdown_time_seconds,
-    )
-    if args.config_file is None:
-        settings = flags
-    else:
-        settings = load_config_file(args.config_file)
-        if args.hosts or args.hostfile:
-            # -H and --hostfile say the same thing; a flag replaces either from the file.
-            settings.hosts = settings.hostfile = None
-        settings = settings.overridden_by(flags)
+    settings = from_flags(RunSettings, args)
+    if args.config_file is not None:
+        settings = load_config_file(args.config_file).overridden_by(settings)
     settings.validate()
     return settings
 
 
-def hosts_from_settings(settings: RunSettings) -> list[Host]:
-    """The hosts of ``-H`` or ``--hostfile``; empty for this machine only."""
+# Launcher arguments that place ranks on hosts: with one in --mpi-args, the launcher's own
+# hostfile variables are not ringrun's business.
+_HOST_ARGUMENTS = frozenset(
+    (
+        "-f",
+        "-hostfile",
+        "--hostfile",
+        "-machinefile",
+        "--machinefile",
+        "-hosts",
+        "-host",
+        "--host",
+        "-H",
+        "--default-hostfile",
+    )
+)
+
+
+def hosts_from_settings(
+    settings: RunSettings, environ: Mapping[str, str] | None = None
+) -> tuple[list[Host], str | None]:
+    """The hosts of ``-H`` or ``--hostfile``, else of the launcher's hostfile variable.
+
+    Returns the hosts (empty for this machine only) and, when they come from a variable
+    such as the Kubernetes MPI Operator sets, ``"VARIABLE=path"`` to say so.
+    """
     if settings.hosts:
-        return parse_host_list(settings.hosts)
+        return parse_host_list(settings.hosts), None
     if settings.hostfile:
-        return parse_hostfile(settings.hostfile)
-    return []
+        return parse_hostfile(settings.hostfile), None
+    environ = os.environ if environ is None else environ
+    found = launcher_hostfile(environ)
+    if found is None or any(arg.split("=")[0] in _HOST_ARGUMENTS for arg in settings.mpi_args):
+        return [], None
+    name, path = found
+    try:
+        hosts = parse_hostfile(path, what=f"the hostfile {name} names,")
+    except HostSpecError as error:
+        raise HostSpecError(
+            f"{error} ({name} is the MPI launcher's hostfile variable; the Kubernetes MPI "
+            "Operator sets it in the launcher pod). Give the hosts with -H or --hostfile, "
+            f"or unset {name}."
+        ) from None
+    return hosts, f"{name}={path}"
+
+
+def _say_hosts_origin(hosts: Sequence[Host], origin: str | None) -> None:
+    if origin is not None:
+        _say(f"hosts from {origin}: {format_host_list(hosts)}")
 
 
 def ssh_from_settings(settings: RunSettings) -> SshOptions:
@@ -270,9 +173,16 @@ def _absolute(path: str | None) -> str | None:
     return None if path is None else str(Path(path).expanduser().resolve())
 
 
-def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
-    """Resolve hosts, rank count and paths into a :class:`JobSpec`."""
-    hosts = hosts_from_settings(settings)
+def job_from_settings(
+    settings: RunSettings, command: list[str], hosts: list[Host] | None = None
+) -> JobSpec:
+    """Resolve hosts, rank count and paths into a :class:`JobSpec`.
+
+    ``hosts``: the job's hosts when already worked out; by default those of the settings
+    (`hosts_from_settings`).
+    """
+    if hosts is None:
+        hosts, _ = hosts_from_settings(settings)
     np = settings.np
     if np is None:
         if not hosts:
@@ -285,12 +195,7 @@ def job_from_settings(settings: RunSettings, command: list[str]) -> JobSpec:
     private = {
         name for name, value in env.items() if value is not None and name not in FORWARDED_VARIABLES
     }
-    ours: dict[str, str] = {}
-    if settings.timeline is not None:
-        # Absolute, so rank 0 writes it where the user asked whatever its working directory.
-        ours["RINGPLUG_TIMELINE"] = str(Path(settings.timeline).resolve())
-    ours.update(settings.rank_variables())
-    for name, value in ours.items():
+    for name, value in settings.rank_variables().items():
         if env.get(name, value) != value:
             logger.warning(
                 "%s=%s from ringrun's settings replaces the value of %s from -x or the config "
@@ -428,6 +333,14 @@ def _report_problems(problems: Sequence[HostProblem], spec: JobSpec, what: str) 
         _say(f"  fix: {problem.fix}")
 
 
+def _fd(stream: object) -> int:
+    """The descriptor behind one of ringrun's streams, or -1 (a test's capture has none)."""
+    try:
+        return stream.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return -1
+
+
 def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
     """Check the hosts, build the launch plan and print it, or run it and report the end."""
     launcher = find_launcher()
@@ -440,11 +353,21 @@ def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
         return 0
     token = secrets.token_hex(8)
     environ = {**os.environ, EVENTS_VARIABLE: token}
+    # In a terminal, rank 0's program gets one too (its progress bars draw live); a value
+    # inherited from an enclosing job must not leak into a job whose output is a pipe.
+    environ.pop(TERMINAL_VARIABLE, None)
+    terminal = describe_terminal({"stdout": _fd(sys.stdout), "stderr": _fd(sys.stderr)}, environ)
+    if terminal is not None:
+        environ[TERMINAL_VARIABLE] = terminal.to_variable()
     plan = build_plan(spec, launcher, environ=environ)
     if settings.verbose:
         _say(plan.shell_line())
     result = run_job(
-        plan, environ=environ, events_token=token, start_watch=start_watch(spec, settings)
+        plan,
+        environ=environ,
+        events_token=token,
+        start_watch=start_watch(spec, settings),
+        terminal=terminal,
     )
     if result.stopped_by is not None:
         _say("stopped; all ranks were terminated")
@@ -596,21 +519,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(bool(args.verbose))
     try:
         settings = settings_from_args(args)
+        hosts, origin = hosts_from_settings(settings)
         if args.check:
-            return run_check(_check_context(settings))
+            _say_hosts_origin(hosts, origin)
+            return run_check(_check_context(settings, hosts))
         if not command:
             raise UsageError("no command given; usage: ringrun -np N [options] command [args...]")
-        spec = job_from_settings(settings, command)
+        spec = job_from_settings(settings, command, hosts)
+        if args.dry_run or settings.verbose:
+            _say_hosts_origin(hosts, origin)
         return _launch(spec, settings, args.dry_run)
     except (UsageError, SettingsError, HostSpecError, LauncherError) as error:
         print(f"ringrun: error: {error}", file=sys.stderr, flush=True)
         return USAGE_ERROR
 
 
-def _check_context(settings: RunSettings) -> CheckContext:
+def _check_context(settings: RunSettings, hosts: list[Host]) -> CheckContext:
     """What ``ringrun --check`` looks at: this machine, and the hosts if any were given."""
     return CheckContext(
-        hosts=hosts_from_settings(settings),
+        hosts=hosts,
         ssh=ssh_from_settings(settings),
         network_interfaces=list(settings.network_interfaces),
         host_timeout_s=settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S,

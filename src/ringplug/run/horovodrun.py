@@ -1,7 +1,9 @@
 """horovodrun's flags in ``ringrun``: its spellings of shared flags, its tuning flags, refusals.
 
 People moving from Horovod replace ``horovodrun`` with ``ringrun`` and keep their flags.
-:func:`add_horovodrun_flags` adds the ones ringrun can honour as one ``--help`` group. Flags
+:func:`add_horovodrun_flags` adds the ones ringrun can honour as one ``--help`` group: the
+spellings of settings, which each setting declares with the rest of it (``horovodrun=`` in
+:mod:`ringplug.run.settings`), and the few that are no setting. Flags
 ringplug has no equivalent for are parsed too (so their values are not mistaken for the
 command) but hidden from ``--help``; :func:`refusal` then names the first one given and says
 what to do instead, and ``ringrun`` exits with code 2.
@@ -13,7 +15,8 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ringplug.run.settings import LOG_LEVELS
+from ringplug.run.setting import add_flags
+from ringplug.run.settings import RunSettings
 
 REFUSED_DEST = "horovodrun_refused"
 """Namespace attribute listing the unsupported horovodrun flags given, in order."""
@@ -132,22 +135,6 @@ TIMELINE_CYCLES_NOTE = (
 )
 
 
-class _SplitAppend(argparse.Action):
-    """Append the comma-separated items of the value to a list shared with other flags."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[str] | None,
-        option_string: str | None = None,
-    ) -> None:
-        items = [item.strip() for item in str(values).split(",") if item.strip()]
-        if not items:
-            raise argparse.ArgumentError(self, "expected interface names such as eth0,ib0")
-        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *items])
-
-
 class _Refuse(argparse.Action):
     """Remember that an unsupported flag was given; :func:`refusal` reports it."""
 
@@ -171,17 +158,7 @@ def add_horovodrun_flags(parser: argparse.ArgumentParser) -> None:
         "--num-nccl-streams, --thread-affinity, --gpu-*/--cpu-operations) stop ringrun with "
         "a note on what to do instead.",
     )
-    group.add_argument("-hostfile", dest="hostfile", metavar="FILE", help="same as --hostfile")
-    group.add_argument(
-        "--network-interfaces",
-        action=_SplitAppend,
-        dest="network_interfaces",
-        metavar="IF,IF",
-        help="network interfaces as one comma-separated list (adds to --network-interface)",
-    )
-    group.add_argument(
-        "--timeline-filename", dest="timeline", metavar="PATH", help="same as --timeline"
-    )
+    add_flags(RunSettings, group, horovodrun=True)
     group.add_argument(
         "--timeline-mark-cycles",
         action="store_true",
@@ -189,62 +166,6 @@ def add_horovodrun_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "-cb", "--check-build", dest="check", action="store_true", help="same as --check"
-    )
-    group.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=[level for level in LOG_LEVELS if level != "CRITICAL"],
-        metavar="LEVEL",
-        help="ringplug's log level on the ranks (RINGPLUG_LOG_LEVEL): TRACE (means DEBUG), "
-        "DEBUG, INFO, WARNING, ERROR or FATAL (means CRITICAL)",
-    )
-    group.add_argument(
-        "--mpi-args",
-        action="append",
-        metavar='"ARGS"',
-        help="extra arguments for mpiexec/mpirun, placed before the program; write "
-        "--mpi-args=-flag for a lone flag",
-    )
-    group.add_argument(
-        "--start-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="stop the job if a rank on this machine has not started its program SECONDS "
-        "after launch (default: no limit)",
-    )
-    group.add_argument(
-        "--fusion-threshold-mb",
-        type=int,
-        metavar="MB",
-        help="fuse allreduce tensors into buffers of up to MB MiB (RINGPLUG_FUSION_THRESHOLD; "
-        "0: no fusion; default 64)",
-    )
-    group.add_argument(
-        "--cycle-time-ms",
-        type=float,
-        metavar="MS",
-        help="let the engine wait MS ms for more tensors to fuse (RINGPLUG_CYCLE_TIME; default 0)",
-    )
-    group.add_argument(
-        "--no-stall-check",
-        dest="stall_check",
-        action="store_const",
-        const=False,
-        help="turn off the stall warning and the stall shutdown",
-    )
-    group.add_argument(
-        "--stall-check-warning-time-seconds",
-        type=float,
-        metavar="S",
-        help="warn when some ranks have not submitted a collective after S s "
-        "(RINGPLUG_STALL_CHECK_SECONDS; default 60)",
-    )
-    group.add_argument(
-        "--stall-check-shutdown-time-seconds",
-        type=float,
-        metavar="S",
-        help="end the job when such a stall lasts S s (RINGPLUG_STALL_SHUTDOWN_SECONDS; "
-        "default 0: never)",
     )
     group.add_argument("--mpi", action="store_true", help="accepted; MPI is ringrun's only mode")
     # They ask for what ringplug does anyway.

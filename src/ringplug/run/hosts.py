@@ -27,6 +27,16 @@ _ALLOCATION_VARIABLES = (
 )
 
 
+# Variables that name the hostfile an MPI launcher reads when it is given no hosts, in the
+# order ringrun looks at them. The Kubernetes MPI Operator (v2beta1) sets the one for the
+# MPIJob's mpiImplementation in the launcher pod, to its mounted /etc/mpi/hostfile.
+LAUNCHER_HOSTFILE_VARIABLES = (
+    "OMPI_MCA_orte_default_hostfile",  # Open MPI (mpiImplementation: OpenMPI, the default)
+    "HYDRA_HOST_FILE",  # MPICH's hydra (mpiImplementation: MPICH)
+    "I_MPI_HYDRA_HOST_FILE",  # Intel MPI's hydra (mpiImplementation: Intel)
+)
+
+
 class HostSpecError(ValueError):
     """A host list or hostfile line that cannot be understood."""
 
@@ -89,14 +99,14 @@ def parse_host_list(spec: str | Iterable[str]) -> list[Host]:
     return merge_duplicates(hosts)
 
 
-def parse_hostfile(path: str | Path) -> list[Host]:
+def parse_hostfile(path: str | Path, what: str = "hostfile") -> list[Host]:
     """Read a hostfile: one host a line as ``host``, ``host:slots`` or ``host slots=N``.
 
     ``#`` starts a comment; blank lines are skipped. A host listed twice gets the sum of its
-    slots, as both MPI launchers would do.
+    slots, as both MPI launchers would do. ``what`` names the file in errors.
     """
     path = Path(path)
-    text = read_text_file(path, "hostfile", HostSpecError)
+    text = read_text_file(path, what, HostSpecError)
     hosts = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
@@ -105,6 +115,18 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     if not hosts:
         raise HostSpecError(f"hostfile {path} lists no hosts")
     return merge_duplicates(hosts)
+
+
+def launcher_hostfile(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """The hostfile the MPI launcher would read on its own, as ``(variable, path)``.
+
+    ``None`` when none of :data:`LAUNCHER_HOSTFILE_VARIABLES` is set.
+    """
+    for name in LAUNCHER_HOSTFILE_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value:
+            return name, value
+    return None
 
 
 def merge_duplicates(hosts: Iterable[Host]) -> list[Host]:

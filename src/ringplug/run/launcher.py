@@ -35,9 +35,18 @@ from types import FrameType
 from typing import BinaryIO
 
 from ringplug.run.mpi import LaunchPlan
+from ringplug.run.processes import parent_death_signal, pump_lines, write_all
 from ringplug.run.ssh import HostProblem, LaunchDiagnosis
-from ringplug.run.status import EVENT_MARK, RankFault, RankStarted, RankStatus, parse_event
-from ringplug.run.wrapper import parent_death_signal, pump_lines
+from ringplug.run.status import (
+    EVENT_MARK,
+    Event,
+    RankFault,
+    RankOutput,
+    RankStarted,
+    RankStatus,
+    parse_event,
+)
+from ringplug.run.terminal import TerminalSink, TerminalSpec, terminal_sinks
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +201,7 @@ def run_job(
     teardown: Teardown | None = None,
     events_token: str | None = None,
     start_watch: StartWatch | None = None,
+    terminal: TerminalSpec | None = None,
 ) -> JobResult:
     """Run ``plan`` to completion and return how it ended.
 
@@ -204,10 +214,15 @@ def run_job(
             report nothing.
         start_watch: ranks that must start in time. Defaults to ``None`` (no limit); it
             needs ``events_token``.
+        terminal: ringrun's streams that are a terminal, as the ranks were told in
+            ``RINGPLUG_RUN_TERMINAL``: rank 0's output events go there as raw bytes, above
+            which the other ranks' lines are written. Defaults to ``None`` (lines only).
     """
     environ = os.environ if environ is None else environ
     env = {**environ, **plan.launcher_env}
-    return _JobWatcher(plan, env, teardown or Teardown(), events_token, start_watch).run()
+    watcher = _JobWatcher(plan, env, teardown or Teardown(), events_token, start_watch)
+    watcher.terminal = terminal if events_token is not None else None
+    return watcher.run()
 
 
 def _fileno(stream: object, default: int) -> int:
@@ -222,7 +237,8 @@ class _Relay(threading.Thread):
     """Copies one of the launcher's output streams to one of ringrun's, taking events out.
 
     Whole lines go out at once (the launcher already tagged them with their rank); a line
-    without its end (a prompt, a progress bar) waits briefly for it (`pump_lines`).
+    without its end (a prompt, a progress bar) waits briefly for it (`pump_lines`). With a
+    terminal sink, rank 0's output events go to it as raw bytes and lines above them.
     """
 
     def __init__(
@@ -230,8 +246,9 @@ class _Relay(threading.Thread):
         source: BinaryIO,
         sink_fd: int,
         token: str | None,
-        on_event: Callable[[RankStatus | RankStarted | RankFault], None],
+        on_event: Callable[[Event], None],
         on_line: Callable[[str], None] | None = None,
+        terminal: TerminalSink | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.source = source
@@ -239,6 +256,7 @@ class _Relay(threading.Thread):
         self.token = token
         self.on_event = on_event
         self.on_line = on_line
+        self.terminal = terminal
 
     def run(self) -> None:
         pump_lines(self.source, self._line)
@@ -247,18 +265,28 @@ class _Relay(threading.Thread):
         text = line.decode(errors="replace")
         if self.token is not None and EVENT_MARK in text:
             event = parse_event(text, self.token)
+            if isinstance(event, RankOutput):
+                self._write_raw(event.data)
+                return
             if event is not None:
                 self.on_event(event)
                 return
         if self.on_line is not None:
             self.on_line(text)
-        view = memoryview(line)
-        while view:
-            try:
-                written = os.write(self.sink_fd, view)
-            except OSError:
-                return  # ringrun's own output went away; keep draining the launcher's
-            view = view[written:]
+        if self.terminal is not None:
+            self.terminal.line(line)
+        else:
+            self._write(line)
+
+    def _write_raw(self, data: bytes) -> None:
+        if self.terminal is not None:
+            self.terminal.raw(data)
+        else:
+            self._write(data)
+
+    def _write(self, line: bytes) -> None:
+        # When ringrun's own output went away, the launcher's is still drained.
+        write_all(self.sink_fd, line)
 
 
 # Reports that arrive this close together may come in either order: a rank that crashes
@@ -298,7 +326,8 @@ class _JobWatcher:
         self.events_token = events_token
         self.start_watch = start_watch if events_token is not None else None
         self.process: subprocess.Popen[bytes] | None = None
-        self.events: queue.SimpleQueue[RankStatus | RankStarted | RankFault] = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.terminal: TerminalSpec | None = None
         self.diagnosis = LaunchDiagnosis()
         self.diagnosis_lock = threading.Lock()
         self.failures: list[RankStatus] = []
@@ -336,9 +365,18 @@ class _JobWatcher:
             )
             assert self.process.stdout is not None and self.process.stderr is not None
             token, put = self.events_token, self.events.put
+            fds = {"stdout": _fileno(sys.stdout, 1), "stderr": _fileno(sys.stderr, 2)}
+            sinks = terminal_sinks(fds, self.terminal) if self.terminal is not None else {}
             relays = [
-                _Relay(self.process.stdout, _fileno(sys.stdout, 1), token, put),
-                _Relay(self.process.stderr, _fileno(sys.stderr, 2), token, put, self._diagnose),
+                _Relay(self.process.stdout, fds["stdout"], token, put, None, sinks.get("stdout")),
+                _Relay(
+                    self.process.stderr,
+                    fds["stderr"],
+                    token,
+                    put,
+                    self._diagnose,
+                    sinks.get("stderr"),
+                ),
             ]
             for relay in relays:
                 relay.start()
@@ -353,6 +391,8 @@ class _JobWatcher:
         drain_until = time.monotonic() + _DRAIN_TIMEOUT_S
         for relay in relays:
             relay.join(max(0.0, drain_until - time.monotonic()))
+            if relay.terminal is not None:
+                relay.terminal.finish()
         self._take_events()
         return self._result(returncode)
 

@@ -15,7 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -435,59 +435,171 @@ def build_plan(
             launcher_env=rank_environment(spec, environ),
             hidden=spec.private,
         )
-    if launcher.kind == OPEN_MPI:
-        return _open_mpi_plan(spec, launcher, environ, python, is_root)
-    return _hydra_plan(spec, launcher, environ, python)
+    return _launcher_plan(DIALECTS[launcher.kind], spec, launcher, environ, python, is_root)
 
 
-def _hydra_plan(
-    spec: JobSpec, launcher: MpiLauncher, environ: Mapping[str, str], python: str
-) -> LaunchPlan:
-    """MPICH hydra flags (checked against ``mpiexec -help`` of MPICH 5.0.2)."""
-    argv = [launcher.path]
-    launcher_env: dict[str, str] = {}
-    if spec.hosts:
-        argv += ["-hosts", format_host_list(spec.hosts)]
+@dataclass(frozen=True)
+class Dialect:
+    """How one MPI launcher spells what ringrun asks of it.
+
+    Args:
+        count: the flag for the number of ranks (of the job, or of one MPMD part).
+        hosts: the flag for the host list (``a:2,b:2`` in both launchers).
+        bind: the flag for binding ranks.
+        always: flags every job gets: rank-tagged output (and, for Open MPI, N ranks
+            whatever the core count, as hydra does).
+        root: the flag that lets it run as root, or ``None`` when it needs none.
+        variable: the words that set a variable for every rank.
+        part_variable: the words that set a variable for the ranks of one MPMD part.
+        passes_environment: whether it passes its whole environment to the ranks (hydra);
+            otherwise each name is exported with ``export``.
+        export: the words that pass one variable of its environment on to the ranks.
+        ssh: the words that make it start remote ranks with ssh.
+        ssh_words: the variable whose words it adds to each ssh command line.
+        ssh_words_flag: the flag that sets those words on the command line (replacing the
+            variable's), or ``None`` to set the variable in its environment.
+        interfaces: the flags that restrict it to the job's network interfaces.
+
+    Templates hold ``{name}`` and ``{value}``.
+    """
+
+    count: str
+    hosts: str
+    bind: str
+    always: tuple[str, ...]
+    root: str | None
+    variable: tuple[str, ...]
+    part_variable: tuple[str, ...]
+    passes_environment: bool
+    export: tuple[str, ...]
+    ssh: tuple[str, ...]
+    ssh_words: str
+    ssh_words_flag: tuple[str, ...] | None
+    interfaces: Callable[[JobSpec], list[str]]
+
+
+def _spell(template: Sequence[str], name: str, value: str = "") -> list[str]:
+    return [word.format(name=name, value=value) for word in template]
+
+
+def _hydra_interfaces(spec: JobSpec) -> list[str]:
+    """hydra's ``-iface``: the launching machine's interface, which its proxies connect back
+    to. (With MPICH's ch3 it also named the ranks' interface; ch4 takes the interface from
+    UCX_NET_DEVICES / FI_TCP_IFACE, set per host.)"""
     interface = _launcher_interface(spec)
-    if interface is not None:
-        # hydra resolves this name on the launching machine only: its proxies connect back
-        # to that address. (With MPICH's ch3 it also named the ranks' interface; ch4 takes
-        # the interface from UCX_NET_DEVICES / FI_TCP_IFACE, set per host below.)
-        argv += ["-iface", interface]
+    return [] if interface is None else ["-iface", interface]
+
+
+def _open_mpi_interfaces(spec: JobSpec) -> list[str]:
+    """Open MPI's include lists: subnets in CIDR form for MPI's TCP transport (they mean the
+    same on every host, whatever its interfaces' names), names for the runtime."""
+    flags = []
+    includes = _open_mpi_includes(spec)
+    if includes:
+        flags += ["--mca", "btl_tcp_if_include", includes]
+    runtime_interfaces = _open_mpi_runtime_interfaces(spec)
+    if runtime_interfaces:
+        flags += ["--mca", "oob_tcp_if_include", runtime_interfaces]
+    return flags
+
+
+DIALECTS = {
+    # Checked against `mpiexec -help` of MPICH 5.0.2.
+    HYDRA: Dialect(
+        count="-n",
+        hosts="-hosts",
+        bind="-bind-to",
+        always=("-prepend-rank",),
+        root=None,
+        variable=("-genv", "{name}", "{value}"),
+        part_variable=("-env", "{name}", "{value}"),
+        passes_environment=True,  # -genvall is its default
+        export=(),
+        ssh=("-launcher", "ssh"),
+        # hydra has no flag for ssh options; its ssh launcher appends this variable's
+        # words (split at spaces) to every ssh command line.
+        ssh_words="HYDRA_LAUNCHER_EXTRA_ARGS",
+        ssh_words_flag=None,
+        interfaces=_hydra_interfaces,
+    ),
+    # Open MPI 4.x mpirun/mpiexec, 5.x on PRRTE.
+    OPEN_MPI: Dialect(
+        count="-np",
+        hosts="-H",
+        bind="--bind-to",
+        always=("--oversubscribe", "--tag-output"),
+        root="--allow-run-as-root",
+        variable=("-x", "{name}={value}"),
+        part_variable=("-x", "{name}={value}"),
+        passes_environment=False,
+        export=("-x", "{name}"),
+        ssh=(),
+        ssh_words="OMPI_MCA_plm_rsh_args",
+        ssh_words_flag=("--mca", "plm_rsh_args"),
+        interfaces=_open_mpi_interfaces,
+    ),
+}
+"""Each launcher's :class:`Dialect`, by :attr:`MpiLauncher.kind`."""
+
+
+def _launcher_plan(
+    dialect: Dialect,
+    spec: JobSpec,
+    launcher: MpiLauncher,
+    environ: Mapping[str, str],
+    python: str,
+    is_root: bool,
+) -> LaunchPlan:
+    """The launcher's command line for ``spec``, spelled in ``dialect``."""
+    options: list[str] = []
+    launcher_env: dict[str, str] = {}
+    if is_root and dialect.root is not None:
+        options.append(dialect.root)
+    options += dialect.always
+    if spec.hosts:
+        options += [dialect.hosts, format_host_list(spec.hosts)]
+    options += dialect.interfaces(spec)
     if ssh_launch(spec, environ):
-        # hydra has no flag for ssh options; its ssh launcher appends this variable's words
-        # (split at spaces) to every ssh command line.
-        argv += ["-launcher", "ssh"]
-        extra = environ.get("HYDRA_LAUNCHER_EXTRA_ARGS", "")
-        words = " ".join(spec.ssh.arguments())
-        launcher_env["HYDRA_LAUNCHER_EXTRA_ARGS"] = f"{extra} {words}".strip()
+        options += dialect.ssh
+        # Keep the words already in the variable (the Kubernetes MPI Operator puts
+        # "-o ConnectionAttempts=10" there): a flag would replace them.
+        extra = environ.get(dialect.ssh_words, "")
+        words = f"{extra} {' '.join(spec.ssh.arguments())}".strip()
+        if dialect.ssh_words_flag is None:
+            launcher_env[dialect.ssh_words] = words
+        else:
+            options += [*dialect.ssh_words_flag, words]
     if spec.bind_to is not None:
-        argv += ["-bind-to", spec.bind_to]
-    argv.append("-prepend-rank")
-    # hydra passes ringrun's whole environment to every rank (-genvall is its default), so
-    # only the values ringrun adds or overrides need spelling out; the user's own values go
-    # in that environment instead, off the command line.
-    for name, value in sorted(rank_environment(spec, environ).items()):
+        options += [dialect.bind, spec.bind_to]
+    rank_env = rank_environment(spec, environ)
+    forwarded = forwarded_names(spec, environ)  # also warns about -x names that are not set
+    if not dialect.passes_environment:
+        for name in forwarded:
+            if name not in rank_env:
+                options += _spell(dialect.export, name)
+    # The user's own values travel in the launcher's environment, off its command line.
+    for name, value in sorted(rank_env.items()):
         if name in spec.private:
             launcher_env[name] = value
+            options += _spell(dialect.export, name)
         else:
-            argv += ["-genv", name, value]
-    forwarded_names(spec, environ)  # warns about -x names that are not set
-    segments = rank_segments(spec, host_variables(spec, environ, HYDRA))
+            options += _spell(dialect.variable, name, value)
+    segments = rank_segments(spec, host_variables(spec, environ, launcher.kind))
+    ranks = wrapper_argv(spec, python)
     if len(segments) == 1:
         count, values = segments[0]
         for name, value in sorted(values.items()):
-            argv += ["-genv", name, value]
-        argv = [argv[0], "-n", str(count), *argv[1:], *spec.mpi_args, *wrapper_argv(spec, python)]
+            options += _spell(dialect.variable, name, value)
+        argv = [launcher.path, dialect.count, str(count), *options, *spec.mpi_args, *ranks]
         return LaunchPlan(argv, launcher_env, launcher, spec.private)
-    argv += spec.mpi_args
+    argv = [launcher.path, *options, *spec.mpi_args]
     for index, (count, values) in enumerate(segments):
         if index:
             argv.append(":")
-        argv += ["-n", str(count)]
+        argv += [dialect.count, str(count)]
         for name, value in sorted(values.items()):
-            argv += ["-env", name, value]
-        argv += wrapper_argv(spec, python)
+            argv += _spell(dialect.part_variable, name, value)
+        argv += ranks
     return LaunchPlan(argv, launcher_env, launcher, spec.private)
 
 
@@ -505,58 +617,6 @@ def _launcher_interface(spec: JobSpec) -> str | None:
             ",".join(spec.network_interfaces),
         )
     return spec.network_interfaces[0]
-
-
-def _open_mpi_plan(
-    spec: JobSpec,
-    launcher: MpiLauncher,
-    environ: Mapping[str, str],
-    python: str,
-    is_root: bool,
-) -> LaunchPlan:
-    """Open MPI (4.x ``mpirun``/``mpiexec``, 5.x on PRRTE) flags."""
-    argv = [launcher.path]
-    if is_root:
-        argv.append("--allow-run-as-root")
-    # ringrun's contract is "N ranks, whatever the core count", as with hydra.
-    argv += ["--oversubscribe", "--tag-output"]
-    if spec.hosts:
-        argv += ["-H", format_host_list(spec.hosts)]
-    if spec.bind_to is not None:
-        argv += ["--bind-to", spec.bind_to]
-    includes = _open_mpi_includes(spec)
-    if includes:
-        # Subnets in CIDR form mean the same on every host, whatever its interfaces' names.
-        argv += ["--mca", "btl_tcp_if_include", includes]
-    runtime_interfaces = _open_mpi_runtime_interfaces(spec)
-    if runtime_interfaces:
-        argv += ["--mca", "oob_tcp_if_include", runtime_interfaces]
-    if ssh_launch(spec, environ):
-        argv += ["--mca", "plm_rsh_args", " ".join(spec.ssh.arguments())]
-    rank_env = rank_environment(spec, environ)
-    # The user's own values travel in mpirun's environment: `-x NAME` exports it from there.
-    launcher_env = {name: value for name, value in rank_env.items() if name in spec.private}
-    for name in forwarded_names(spec, environ):
-        if name not in rank_env:
-            argv += ["-x", name]
-    for name, value in sorted(rank_env.items()):
-        argv += ["-x", name if name in spec.private else f"{name}={value}"]
-    segments = rank_segments(spec, host_variables(spec, environ, OPEN_MPI))
-    if len(segments) == 1:
-        count, values = segments[0]
-        for name, value in sorted(values.items()):
-            argv += ["-x", f"{name}={value}"]
-        argv = [argv[0], "-np", str(count), *argv[1:], *spec.mpi_args, *wrapper_argv(spec, python)]
-        return LaunchPlan(argv, launcher_env, launcher, spec.private)
-    argv += spec.mpi_args
-    for index, (count, values) in enumerate(segments):
-        if index:
-            argv.append(":")
-        argv += ["-np", str(count)]
-        for name, value in sorted(values.items()):
-            argv += ["-x", f"{name}={value}"]
-        argv += wrapper_argv(spec, python)
-    return LaunchPlan(argv, launcher_env, launcher, spec.private)
 
 
 def _open_mpi_includes(spec: JobSpec) -> str:

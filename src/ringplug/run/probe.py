@@ -27,9 +27,10 @@ import os
 import platform
 import secrets
 import socket
+import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -62,6 +63,45 @@ def _version(name: str) -> str | None:
         return None
 
 
+_LIBRARY_PROBE_TIMEOUT_S = 60.0
+
+# Runs in a child interpreter: loading libmpi in ringrun itself could initialise MPI or clash
+# with the launcher. rc.initialize=False loads the library without MPI_Init.
+_LIBRARY_PROBE = """
+import mpi4py
+mpi4py.rc.initialize = False
+from mpi4py import MPI
+print(" ".join(MPI.Get_library_version().strip().splitlines()[0].split()))
+with open("/proc/self/maps") as maps:
+    paths = sorted({line.split()[-1] for line in maps if "libmpi" in line.split()[-1]})
+print(paths[0] if paths else "")
+"""
+
+
+def probe_mpi_library(python: str, environ: Mapping[str, str]) -> tuple[str, str]:
+    """Ask a child interpreter which MPI library mpi4py loads: (version line, path).
+
+    Raises:
+        RuntimeError: mpi4py could not load a library; the message has its last error line.
+    """
+    try:
+        result = subprocess.run(
+            [python, "-c", _LIBRARY_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=_LIBRARY_PROBE_TIMEOUT_S,
+            env=dict(environ),
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise RuntimeError(str(error)) from None
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"exit code {result.returncode}")
+    version, _, path = result.stdout.strip().partition("\n")
+    return version.strip(), path.strip()
+
+
 def host_facts(needed_files: Sequence[str] = (), mpi_library: bool = False) -> dict[str, Any]:
     """What ringrun wants to know about this host, as plain values.
 
@@ -81,9 +121,6 @@ def host_facts(needed_files: Sequence[str] = (), mpi_library: bool = False) -> d
         "files": {path: os.path.isfile(path) and os.access(path, os.X_OK) for path in needed_files},
     }
     if mpi_library:
-        # Imported here: check.py is heavier than the probe needs for a launch.
-        from ringplug.run.check import probe_mpi_library
-
         try:
             facts["mpi_library"] = probe_mpi_library(sys.executable, os.environ)[0]
         except RuntimeError as error:
@@ -160,10 +197,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m ringplug.run.probe",
         description="Report this host's facts and test connections for ringrun's preflight.",
     )
-    parser.add_argument("--need", action="append", default=[], metavar="FILE",
-                        help="report whether FILE is an executable here (repeatable)")  # fmt: skip
-    parser.add_argument("--mpi-library", action="store_true",
-                        help="also report the MPI library mpi4py loads")  # fmt: skip
+    parser.add_argument(
+        "--need",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="report whether FILE is an executable here (repeatable)",
+    )
+    parser.add_argument(
+        "--mpi-library", action="store_true", help="also report the MPI library mpi4py loads"
+    )
     args = parser.parse_args(argv)
     server = TokenServer()
     _say(

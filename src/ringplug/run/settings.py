@@ -1,15 +1,37 @@
-"""Launch settings for ``ringrun``: one dataclass shared by the command line and config files."""
+"""Launch settings for ``ringrun``: each declared once, as a field of :class:`RunSettings`.
+
+A field's declaration (:func:`~ringplug.run.setting.setting`) gives its type and default,
+its flags (ringrun's and horovodrun's spellings), its config-file key (the field's name),
+the check of its value and the ``RINGPLUG_*`` variables it sets for the ranks. The parser,
+the config file, the merge, the validation and ``--dry-run`` read those declarations (see
+:mod:`ringplug.run.setting`).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ringplug.run import setting as declared
+from ringplug.run.setting import (
+    ARGUMENTS,
+    HOSTS,
+    NAMES,
+    NUMBER,
+    SWITCH,
+    TEXT,
+    VARIABLES,
+    WHOLE,
+    Flag,
+    SettingsError,
+    one_of,
+    setting,
+    within,
+)
 
 BIND_CHOICES = ("none", "core", "socket")
 
@@ -27,10 +49,6 @@ LOG_LEVELS = {
     "FATAL": "CRITICAL",
     "CRITICAL": "CRITICAL",
 }
-
-
-class SettingsError(ValueError):
-    """A setting with a value ``ringrun`` cannot use."""
 
 
 # Variables the launcher and ringrun set for every rank: a value from -x would break the
@@ -83,82 +101,230 @@ def check_variable_name(name: str, where: str) -> None:
         )
 
 
+def _check_variable_names(env: dict[str, str | None]) -> None:
+    for name in env:
+        check_variable_name(name, "-x / env")
+
+
+def _stall_check_variables(on: bool) -> dict[str, str]:
+    # ringplug has no off switch (0 is refused); a warning time of infinity never comes,
+    # and a shutdown time of 0 means never.
+    if on:
+        return {}
+    return {"RINGPLUG_STALL_CHECK_SECONDS": "inf", "RINGPLUG_STALL_SHUTDOWN_SECONDS": "0"}
+
+
 @dataclass
 class RunSettings:
     """Everything that shapes a launch, whether it came from flags or ``--config-file``.
 
-    Every field is also a config-file key of the same name. A field left at its default
-    (``None`` or empty) means "not given", so the command line can override a file field by
-    field. Later features add fields here; the config file picks them up by itself.
-
-    Args:
-        np: number of ranks. Defaults to ``None``: the total slots of ``hosts``, else required.
-        hosts: ``"a:2,b:2"`` or ``["a:2", "b:2"]``. Defaults to ``None`` (this machine).
-        hostfile: path of a hostfile. Defaults to ``None``.
-        network_interfaces: NICs for MPI traffic, e.g. ``["eth0"]``. Defaults to ``[]``.
-        ssh_port: port for ssh to remote hosts. Defaults to ``None`` (ssh's own default).
-        ssh_identity_file: private key for ssh to remote hosts. Defaults to ``None``
-            (ssh's own choice).
-        ssh_config_file: ssh configuration file to use instead of ``~/.ssh/config``.
-            Defaults to ``None``.
-        env: variables for the ranks; a ``None`` value forwards ringrun's own value.
-            Defaults to ``{}``.
-        output_filename: directory for per-rank ``stdout``/``stderr`` copies. Defaults to
-            ``None`` (terminal only).
-        bind_to: ``"none"``, ``"core"`` or ``"socket"``. Defaults to ``None`` (launcher's
-            default).
-        verbose: print the launcher command line before running it. Defaults to ``False``.
-        timeline: path of the engine's Chrome trace (sets ``RINGPLUG_TIMELINE`` for the
-            ranks; rank 0 writes it). Defaults to ``None`` (no timeline).
-        mpi_args: extra arguments for the MPI launcher, placed before the per-rank
-            command; a string is split like a shell would. Defaults to ``[]``.
-        start_timeout: seconds within which every rank, on every host, must have started
-            its program (before the program's imports), or ringrun stops the job; ``0``
-            means no limit. Defaults to ``None`` (60 s, :data:`DEFAULT_START_TIMEOUT_S`).
-        preflight: ``False`` skips the check of remote hosts (ssh, Python, versions,
-            interfaces) before a multi-host job. Defaults to ``None`` (check).
-        log_level: ringplug's log level on the ranks (``RINGPLUG_LOG_LEVEL``): one of
-            TRACE, DEBUG, INFO, WARNING, ERROR, FATAL or CRITICAL. Defaults to ``None``
-            (ringplug's own default, WARNING).
-        fusion_threshold_mb: MiB of allreduce tensors fused into one buffer
-            (``RINGPLUG_FUSION_THRESHOLD``; 0 turns fusion off). Defaults to ``None`` (64).
-        cycle_time_ms: milliseconds the engine waits for more requests to fuse
-            (``RINGPLUG_CYCLE_TIME``). Defaults to ``None`` (0).
-        stall_check: ``False`` turns off the stall warning and shutdown. Defaults to
-            ``None`` (on).
-        stall_check_warning_time_seconds: seconds before rank 0 warns about collectives
-            some ranks never submitted (``RINGPLUG_STALL_CHECK_SECONDS``). Defaults to
-            ``None`` (60).
-        stall_check_shutdown_time_seconds: seconds before such a stall ends the job
-            (``RINGPLUG_STALL_SHUTDOWN_SECONDS``; 0 never). Defaults to ``None`` (0).
+    Each field is one setting, declared whole where it is defined: its help says what it
+    means and its default. A field at its default (``None`` or empty) means "not given",
+    so the command line overrides a config file field by field.
     """
 
-    np: int | None = None
-    hosts: str | list[str] | None = None
-    hostfile: str | None = None
-    network_interfaces: list[str] = field(default_factory=list)
-    ssh_port: int | None = None
-    ssh_identity_file: str | None = None
-    ssh_config_file: str | None = None
-    env: dict[str, str | None] = field(default_factory=dict)
-    output_filename: str | None = None
-    bind_to: str | None = None
-    verbose: bool = False
-    timeline: str | None = None
-    mpi_args: list[str] = field(default_factory=list)
-    start_timeout: float | None = None
-    preflight: bool | None = None
-    log_level: str | None = None
-    fusion_threshold_mb: int | None = None
-    cycle_time_ms: float | None = None
-    stall_check: bool | None = None
-    stall_check_warning_time_seconds: float | None = None
-    stall_check_shutdown_time_seconds: float | None = None
+    np: int | None = setting(
+        WHOLE,
+        "number of ranks (default: total slots of -H/--hostfile)",
+        flags=("-np", "-n", "--num-proc"),
+        metavar="N",
+        check=within("-np must be at least 1, got {value}", low=1),
+    )
+    hosts: str | list[str] | None = setting(
+        HOSTS,
+        "hosts and their slot counts, e.g. node1:2,node2:2; ranks fill each host before the next",
+        flags=[Flag(("-H", "--hosts"), exclusive="hosts")],
+        metavar="HOST:SLOTS,...",
+        replaces=("hostfile",),
+    )
+    hostfile: str | None = setting(
+        TEXT,
+        "file with one 'host:slots', 'host slots=N' or 'host' per line",
+        flags=[
+            Flag(("--hostfile",), exclusive="hosts"),
+            Flag(("-hostfile",), horovodrun=True, help="same as --hostfile"),
+        ],
+        metavar="FILE",
+        replaces=("hosts",),
+    )
+    network_interfaces: list[str] = setting(
+        NAMES,
+        "network interface for MPI and NCCL traffic (repeatable; each host uses the names it "
+        "has). Default on several hosts: the interfaces that the preflight finds routing "
+        "between all of them",
+        flags=[
+            Flag(("--network-interface",)),
+            Flag(
+                ("--network-interfaces",),
+                horovodrun=True,
+                split=True,
+                metavar="IF,IF",
+                help="network interfaces as one comma-separated list (adds to --network-interface)",
+            ),
+        ],
+        default_factory=list,
+        metavar="IF",
+    )
+    ssh_port: int | None = setting(
+        WHOLE,
+        "ssh port for starting ranks on remote hosts",
+        flags=("-p", "--ssh-port"),
+        metavar="PORT",
+        check=within("ssh_port must be between 1 and 65535, got {value}", above=0, below=65536),
+    )
+    ssh_identity_file: str | None = setting(
+        TEXT,
+        "ssh private key for starting ranks on remote hosts",
+        flags=("-i", "--ssh-identity-file"),
+        metavar="FILE",
+    )
+    ssh_config_file: str | None = setting(
+        TEXT,
+        "ssh configuration file to use instead of ~/.ssh/config (ports, keys, known_hosts "
+        "per host)",
+        flags=("--ssh-config-file",),
+        metavar="FILE",
+    )
+    env: dict[str, str | None] = setting(
+        VARIABLES,
+        "environment variable for the ranks: VAR=VALUE sets it, VAR passes ringrun's own "
+        "value (repeatable)",
+        flags=("-x",),
+        default_factory=dict,
+        metavar="VAR[=VALUE]",
+        check=_check_variable_names,
+    )
+    output_filename: str | None = setting(
+        TEXT,
+        "also write each rank's stdout/stderr to DIR/rank.<rank>/",
+        flags=("--output-filename",),
+        metavar="DIR",
+    )
+    bind_to: str | None = setting(
+        TEXT,
+        "pin each rank to a core or socket (default: the launcher's)",
+        flags=[Flag(("--bind-to",), choices=BIND_CHOICES)],
+        check=one_of("bind_to", BIND_CHOICES),
+    )
+    verbose: bool = setting(
+        SWITCH,
+        "print the launcher command line before running it",
+        flags=[Flag(("--verbose",), sets=True)],
+        default=False,
+    )
+    timeline: str | None = setting(
+        TEXT,
+        "write a Chrome trace of the engine (negotiation, fusion, collectives) to PATH; open "
+        "it in Perfetto or chrome://tracing",
+        flags=[
+            Flag(("--timeline",)),
+            Flag(("--timeline-filename",), horovodrun=True, help="same as --timeline"),
+        ],
+        metavar="PATH",
+        # Absolute, so rank 0 writes it where the user asked whatever its working directory.
+        ranks=lambda path: {"RINGPLUG_TIMELINE": str(Path(path).resolve())},
+    )
+    mpi_args: list[str] = setting(
+        ARGUMENTS,
+        "extra arguments for mpiexec/mpirun, placed before the program; write "
+        "--mpi-args=-flag for a lone flag",
+        horovodrun=("--mpi-args",),
+        default_factory=list,
+        metavar='"ARGS"',
+    )
+    start_timeout: float | None = setting(
+        NUMBER,
+        "stop the job if a rank, on any host, has not started its program SECONDS after "
+        f"launch (default {DEFAULT_START_TIMEOUT_S:g}; 0: no limit)",
+        horovodrun=("--start-timeout",),
+        metavar="SECONDS",
+        check=within(
+            "start_timeout must be a finite number of seconds, or 0 for no limit, got {value}",
+            low=0,
+            below=math.inf,
+        ),
+    )
+    preflight: bool | None = setting(
+        SWITCH,
+        "do not check the hosts (ssh, Python, versions, interfaces) before a job on several hosts",
+        flags=[Flag(("--no-preflight",), sets=False)],
+    )
+    log_level: str | None = setting(
+        TEXT,
+        "ringplug's log level on the ranks (RINGPLUG_LOG_LEVEL): TRACE (means DEBUG), DEBUG, "
+        "INFO, WARNING, ERROR or FATAL (means CRITICAL)",
+        flags=[
+            Flag(
+                ("--log-level",),
+                horovodrun=True,
+                normalize=str.upper,
+                choices=tuple(level for level in LOG_LEVELS if level != "CRITICAL"),
+            )
+        ],
+        metavar="LEVEL",
+        check=one_of("log_level", tuple(LOG_LEVELS), normalize=str.upper),
+        ranks=lambda level: {"RINGPLUG_LOG_LEVEL": LOG_LEVELS[level.upper()]},
+    )
+    fusion_threshold_mb: int | None = setting(
+        WHOLE,
+        "fuse allreduce tensors into buffers of up to MB MiB (RINGPLUG_FUSION_THRESHOLD; 0: "
+        "no fusion; default 64)",
+        horovodrun=("--fusion-threshold-mb",),
+        metavar="MB",
+        check=within("fusion_threshold_mb must be 0 (no fusion) or more, got {value}", low=0),
+        ranks=lambda mb: {"RINGPLUG_FUSION_THRESHOLD": f"{mb}M"},
+    )
+    cycle_time_ms: float | None = setting(
+        NUMBER,
+        "let the engine wait MS ms for more tensors to fuse (RINGPLUG_CYCLE_TIME; default 0)",
+        horovodrun=("--cycle-time-ms",),
+        metavar="MS",
+        check=within(
+            "cycle_time_ms (--cycle-time-ms) must be between 0 and 1000 milliseconds, got {value}",
+            low=0,
+            high=1000,
+        ),
+        ranks=lambda ms: {"RINGPLUG_CYCLE_TIME": f"{ms:g}"},
+    )
+    stall_check: bool | None = setting(
+        SWITCH,
+        "turn off the stall warning and the stall shutdown",
+        flags=[Flag(("--no-stall-check",), horovodrun=True, sets=False)],
+        ranks=_stall_check_variables,
+    )
+    stall_check_warning_time_seconds: float | None = setting(
+        NUMBER,
+        "warn when some ranks have not submitted a collective after S s "
+        "(RINGPLUG_STALL_CHECK_SECONDS; default 60)",
+        horovodrun=("--stall-check-warning-time-seconds",),
+        metavar="S",
+        check=within(
+            "stall_check_warning_time_seconds must be a positive, finite number of seconds, "
+            "got {value}; turn the stall check off with --no-stall-check instead",
+            above=0,
+            below=math.inf,
+        ),
+        ranks=lambda seconds: {"RINGPLUG_STALL_CHECK_SECONDS": f"{seconds:g}"},
+    )
+    stall_check_shutdown_time_seconds: float | None = setting(
+        NUMBER,
+        "end the job when such a stall lasts S s (RINGPLUG_STALL_SHUTDOWN_SECONDS; default 0: "
+        "never)",
+        horovodrun=("--stall-check-shutdown-time-seconds",),
+        metavar="S",
+        check=within(
+            "stall_check_shutdown_time_seconds must be 0 (never) or a finite number of "
+            "seconds, got {value}",
+            low=0,
+            below=math.inf,
+        ),
+        ranks=lambda seconds: {"RINGPLUG_STALL_SHUTDOWN_SECONDS": f"{seconds:g}"},
+    )
 
     @classmethod
     def keys(cls) -> list[str]:
         """Names accepted as config-file keys, in declaration order."""
-        return [f.name for f in dataclasses.fields(cls)]
+        return [name for name, _ in declared.declarations(cls)]
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str) -> RunSettings:
@@ -168,78 +334,26 @@ class RunSettings:
             SettingsError: for an unknown key or a value of the wrong type; the message
                 names ``source``, the key and what was expected.
         """
-        allowed = cls.keys()
-        unknown = [key for key in values if key not in allowed]
-        if unknown:
-            raise SettingsError(
-                f"{source}: unknown setting {unknown[0]!r}. Allowed settings: {', '.join(allowed)}."
-            )
-        checked: dict[str, Any] = {}
-        for key, value in values.items():
-            checked[key] = _check_value(key, value, source)
-        return cls(**checked)
+        return declared.from_mapping(cls, values, source)
 
     def overridden_by(self, other: RunSettings) -> RunSettings:
         """These settings with every field that ``other`` sets taking precedence.
 
         ``env`` is merged key by key (``other`` wins on clashes); other fields are replaced
-        whole when ``other`` gives them.
+        whole when ``other`` gives them, and ``-H`` / ``--hostfile`` replace each other.
         """
-        changes: dict[str, Any] = {}
-        defaults = RunSettings()
-        for f in dataclasses.fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "env":
-                changes["env"] = {**mine, **theirs}
-            elif theirs != getattr(defaults, f.name):
-                changes[f.name] = theirs
-        return dataclasses.replace(self, **changes)
+        return declared.overridden(self, other)
 
     def validate(self) -> None:
-        """Check the combination of settings, after config file and flags are merged."""
+        """Check each setting, then their combinations, after config file and flags merge."""
         if self.hosts and self.hostfile:
             raise SettingsError("give hosts (-H) or a hostfile (--hostfile), not both")
-        if self.np is not None and self.np < 1:
-            raise SettingsError(f"-np must be at least 1, got {self.np}")
-        if self.bind_to is not None and self.bind_to not in BIND_CHOICES:
-            raise SettingsError(
-                f"bind_to must be one of {', '.join(BIND_CHOICES)}, got {self.bind_to!r}"
-            )
-        if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
-            raise SettingsError(f"ssh_port must be between 1 and 65535, got {self.ssh_port}")
-        if self.start_timeout is not None and not 0 <= self.start_timeout < math.inf:
-            raise SettingsError(
-                "start_timeout must be a finite number of seconds, or 0 for no limit, got "
-                f"{self.start_timeout}"
-            )
-        if self.log_level is not None and self.log_level.upper() not in LOG_LEVELS:
-            raise SettingsError(
-                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
-            )
-        if self.fusion_threshold_mb is not None and self.fusion_threshold_mb < 0:
-            raise SettingsError(
-                f"fusion_threshold_mb must be 0 (no fusion) or more, got {self.fusion_threshold_mb}"
-            )
-        if self.cycle_time_ms is not None and not 0 <= self.cycle_time_ms <= 1000:
-            raise SettingsError(
-                "cycle_time_ms (--cycle-time-ms) must be between 0 and 1000 milliseconds, got "
-                f"{self.cycle_time_ms}"
-            )
-        warning = self.stall_check_warning_time_seconds
-        shutdown = self.stall_check_shutdown_time_seconds
-        if warning is not None and not 0 < warning < math.inf:
-            raise SettingsError(
-                "stall_check_warning_time_seconds must be a positive, finite number of seconds, "
-                f"got {warning}; turn the stall check off with --no-stall-check instead"
-            )
-        if shutdown is not None and not 0 <= shutdown < math.inf:
-            raise SettingsError(
-                "stall_check_shutdown_time_seconds must be 0 (never) or a finite number of "
-                f"seconds, got {shutdown}"
-            )
-        for name in self.env:
-            check_variable_name(name, "-x / env")
-        if self.stall_check is False and (warning is not None or shutdown is not None):
+        declared.check_values(self)
+        timed = (
+            self.stall_check_warning_time_seconds is not None
+            or self.stall_check_shutdown_time_seconds is not None
+        )
+        if self.stall_check is False and timed:
             raise SettingsError(
                 "the stall check is turned off (--no-stall-check), so its warning and shutdown "
                 "times would do nothing; give one or the other"
@@ -253,97 +367,8 @@ class RunSettings:
         return self.start_timeout or None
 
     def rank_variables(self) -> dict[str, str]:
-        """The ``RINGPLUG_*`` values for the ranks that the tuning settings ask for.
+        """The ``RINGPLUG_*`` values for the ranks that the settings ask for.
 
         The names and units are those :mod:`ringplug.core.config` reads.
         """
-        values: dict[str, str] = {}
-        if self.log_level is not None:
-            values["RINGPLUG_LOG_LEVEL"] = LOG_LEVELS[self.log_level.upper()]
-        if self.fusion_threshold_mb is not None:
-            values["RINGPLUG_FUSION_THRESHOLD"] = f"{self.fusion_threshold_mb}M"
-        if self.cycle_time_ms is not None:
-            values["RINGPLUG_CYCLE_TIME"] = f"{self.cycle_time_ms:g}"
-        if self.stall_check is False:
-            # ringplug has no off switch (0 is refused); a warning time of infinity never
-            # comes, and a shutdown time of 0 means never.
-            values["RINGPLUG_STALL_CHECK_SECONDS"] = "inf"
-            values["RINGPLUG_STALL_SHUTDOWN_SECONDS"] = "0"
-        if self.stall_check_warning_time_seconds is not None:
-            values["RINGPLUG_STALL_CHECK_SECONDS"] = f"{self.stall_check_warning_time_seconds:g}"
-        if self.stall_check_shutdown_time_seconds is not None:
-            seconds = self.stall_check_shutdown_time_seconds
-            values["RINGPLUG_STALL_SHUTDOWN_SECONDS"] = f"{seconds:g}"
-        return values
-
-
-def _check_value(key: str, value: Any, source: str) -> Any:
-    """Return ``value`` in the type field ``key`` wants, or raise naming what was expected."""
-
-    def wrong(expected: str) -> SettingsError:
-        return SettingsError(f"{source}: {key} must be {expected}, got {value!r}")
-
-    # bool is an int subclass; `np: true` is a mistake worth catching.
-    if key in ("np", "ssh_port", "fusion_threshold_mb"):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise wrong("a whole number")
-        return value
-    if key in (
-        "start_timeout",
-        "cycle_time_ms",
-        "stall_check_warning_time_seconds",
-        "stall_check_shutdown_time_seconds",
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise wrong("a number")
-        return float(value)
-    if key == "mpi_args":
-        if isinstance(value, str):
-            try:
-                return shlex.split(value)
-            except ValueError as error:
-                raise wrong(f"arguments a shell can split ({error})") from None
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            return list(value)
-        raise wrong("a string of arguments or a list of them")
-    if key in ("verbose", "stall_check", "preflight"):
-        if not isinstance(value, bool):
-            raise wrong("true or false")
-        return value
-    if key == "hosts":
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            return list(value)
-        raise wrong("a string like 'a:2,b:2' or a list of 'host:slots' strings")
-    if key == "network_interfaces":
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            return list(value)
-        raise wrong("a list of interface names")
-    if key == "env":
-        if not isinstance(value, Mapping):
-            raise wrong("a mapping of variable names to values")
-        env: dict[str, str | None] = {}
-        for name, item in value.items():
-            if isinstance(item, (dict, list)):
-                raise SettingsError(f"{source}: env.{name} must be a plain value, got {item!r}")
-            # YAML and TOML give numbers and booleans their own types; the ranks see text.
-            if isinstance(item, bool):
-                item = "1" if item else "0"
-            env[str(name)] = None if item is None else str(item)
-        return env
-    if key in (
-        "hostfile",
-        "output_filename",
-        "bind_to",
-        "timeline",
-        "log_level",
-        "ssh_identity_file",
-        "ssh_config_file",
-    ):
-        if not isinstance(value, str):
-            raise wrong("a string")
-        return value
-    return value
+        return declared.rank_variables(self)

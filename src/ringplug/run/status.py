@@ -20,6 +20,8 @@ program, and must stay light (no mpi4py, no ``ringplug.core``).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import signal
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ EVENT_MARK = "ringrun-event:"
 STARTED = "started"
 EXITED = "exited"
 FAULT = "fault"  # written by ringplug.core.log.end_job, which spells it alike
+OUTPUT = "output"
 
 
 @dataclass(frozen=True)
@@ -170,10 +173,49 @@ class RankFault:
         """
         try:
             culprits = tuple(int(rank) for rank in event["culprits"])
-            return cls(int(event["rank"]), culprits, str(event["message"]),
-                       float(event["timestamp"]))  # fmt: skip
+            return cls(
+                int(event["rank"]), culprits, str(event["message"]), float(event["timestamp"])
+            )
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a rank fault: {event!r}") from error
+
+
+@dataclass(frozen=True)
+class RankOutput:
+    """Bytes a rank's program wrote to a terminal, passed on to ringrun's own unchanged.
+
+    When ringrun's output is a terminal, rank 0's program writes to a pseudo-terminal and
+    its wrapper sends what it reads there as these events, so that carriage returns and
+    cursor moves (progress bars) reach ringrun's terminal as written, neither split nor
+    prefixed by the launcher (see :mod:`ringplug.run.terminal`).
+
+    Args:
+        rank: the rank that wrote them.
+        data: the bytes, as the program wrote them.
+    """
+
+    rank: int
+    data: bytes
+
+    def to_event(self) -> dict[str, Any]:
+        """The ``output`` event that carries these bytes (base64: any bytes, one line)."""
+        return {"event": OUTPUT, "rank": self.rank, "data": base64.b64encode(self.data).decode()}
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> RankOutput:
+        """The bytes an ``output`` event carries.
+
+        Raises:
+            ValueError: the event lacks a field or has one of the wrong type.
+        """
+        try:
+            return cls(int(event["rank"]), base64.b64decode(event["data"], validate=True))
+        except (KeyError, TypeError, binascii.Error) as error:
+            raise ValueError(f"not a rank's output: {event!r}") from error
+
+
+Event = RankStatus | RankStarted | RankFault | RankOutput
+"""Anything a wrapper reports to ringrun."""
 
 
 def signal_name(number: int) -> str:
@@ -189,7 +231,7 @@ def event_line(token: str, event: dict[str, Any]) -> bytes:
     return f"{EVENT_MARK}{token} {json.dumps(event, separators=(',', ':'))}\n".encode()
 
 
-def parse_event(line: str, token: str) -> RankStatus | RankStarted | RankFault | None:
+def parse_event(line: str, token: str) -> Event | None:
     """The event in ``line`` if it is one of this job's event lines, else ``None``.
 
     The line may carry a launcher's rank prefix before the mark. A line with the mark and
@@ -209,6 +251,8 @@ def parse_event(line: str, token: str) -> RankStatus | RankStarted | RankFault |
             return RankStatus.from_event(event)
         if event.get("event") == FAULT:
             return RankFault.from_event(event)
+        if event.get("event") == OUTPUT:
+            return RankOutput.from_event(event)
     except ValueError:
         return None
     return None

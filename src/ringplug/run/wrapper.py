@@ -14,102 +14,43 @@ wrapper, which is not a rank.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from ringplug.run.processes import (
+    die_with_parent,
+    parent_death_signal,
+    pump_lines,
+    rank_from_environment,
+    size_from_environment,
+    write_all,
+)
 from ringplug.run.status import (
     EVENTS_VARIABLE,
+    RankOutput,
     RankStarted,
     RankStatus,
     event_line,
     signal_name,
 )
+from ringplug.run.terminal import TerminalSpec, open_pseudo_terminal, read_chunk
 
-# Checked in this order: MPICH/hydra (and Intel MPI), Open MPI, any PMIx launcher, Slurm.
-RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
-SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
-
-_PR_SET_PDEATHSIG = 1
 # How long output pipes may stay open after the child exited (a grandchild may hold them).
 _DRAIN_TIMEOUT_S = 5.0
-# How long a line without its newline is held back before it is shown anyway.
-_PARTIAL_LINE_S = 0.2
-
-
-def rank_from_environment(environ: Mapping[str, str]) -> int | None:
-    """This process's rank as the launcher announced it, or ``None`` if none did."""
-    for name in RANK_VARIABLES:
-        value = environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
-
-
-def size_from_environment(environ: Mapping[str, str]) -> int | None:
-    """The job's size as the launcher announced it, or ``None`` if none did."""
-    for name in SIZE_VARIABLES:
-        value = environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
 
 
 def rank_directory_name(rank: int, size: int | None) -> str:
     """``rank.07`` style names, padded to the widest rank so that they sort numerically."""
     width = len(str(size - 1)) if size and size > 1 else 1
     return f"rank.{rank:0{width}d}"
-
-
-def parent_death_signal(sig: int) -> Callable[[], None] | None:
-    """A function that asks Linux to send ``sig`` to the calling process when its parent dies.
-
-    Returns ``None`` where ``prctl`` does not exist (not Linux); there the wrapper still
-    works, it just cannot guarantee cleanup if it is SIGKILLed itself.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def set_death_signal() -> None:
-        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        # The parent may have died between fork and prctl; then no signal would ever come.
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sig)
-
-    return set_death_signal
-
-
-def _protect_against_orphaning() -> None:
-    """Make the wrapper itself die with its parent (the launcher's per-host proxy).
-
-    If the proxy is SIGKILLed during a teardown, the wrapper goes too, and the child follows
-    through its own death signal: no rank is left running without its launcher.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        parent = os.getppid()
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(128 + signal.SIGKILL)
 
 
 class _Terminal:
@@ -126,58 +67,15 @@ class _Terminal:
 
     def write(self, data: bytes) -> None:
         with self.lock:
-            _write_all(self.fd, data)
+            write_all(self.fd, data)
             if data:
                 self.at_line_start = data.endswith((b"\n", b"\r"))
 
     def write_line(self, line: bytes) -> None:
         """Write a complete line, starting a new line first if the output is mid-line."""
         with self.lock:
-            _write_all(self.fd, line if self.at_line_start else b"\n" + line)
+            write_all(self.fd, line if self.at_line_start else b"\n" + line)
             self.at_line_start = True
-
-
-def pump_lines(
-    source: BinaryIO,
-    on_line: Callable[[bytes], None],
-    on_chunk: Callable[[bytes], None] | None = None,
-) -> None:
-    """Read `source` to its end, handing each complete line (ended by ``\n`` or ``\r``) to
-    `on_line` at once and a partial one (a prompt, a progress bar) after at most
-    ``_PARTIAL_LINE_S`` of quiet; every raw chunk also goes to `on_chunk`. Closes `source`.
-    """
-    fd = source.fileno()
-    # The unfinished line grows in place (a bytearray appends in amortised constant time)
-    # and only the newly read bytes are searched for line ends: relaying costs time linear
-    # in the bytes, however long a line is (concatenating bytes copied the whole line per
-    # read: a 32 MiB line took 3.4 s).
-    pending = bytearray()
-    while True:
-        if pending:
-            ready, _, _ = select.select([fd], [], [], _PARTIAL_LINE_S)
-            if not ready:
-                on_line(bytes(pending))
-                pending.clear()
-                continue
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:
-            chunk = b""
-        if not chunk:
-            break
-        if on_chunk is not None:
-            on_chunk(chunk)
-        end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
-        if end < 0:
-            pending += chunk
-            continue
-        pending += chunk[: end + 1]
-        for line in pending.splitlines(keepends=True):
-            on_line(bytes(line))
-        pending = bytearray(chunk[end + 1 :])
-    if pending:
-        on_line(bytes(pending))
-    source.close()
 
 
 def _pump(source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None) -> None:
@@ -201,15 +99,25 @@ def _pump(source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None) -> None:
     pump_lines(source, terminal.write, keep)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    """Write ``data`` in full, dropping it if the terminal went away."""
-    view = memoryview(data)
-    while view:
-        try:
-            written = os.write(fd, view)
-        except OSError:
-            return
-        view = view[written:]
+def _pump_terminal(
+    controller: int, terminal: _Terminal, copy: BinaryIO | None, token: str, rank: int
+) -> None:
+    """Send what the program writes to its pseudo-terminal on to ringrun as output events.
+
+    Each read goes out at once, as one event line: a progress bar's carriage returns and
+    cursor moves reach ringrun's terminal unchanged and as soon as they are drawn.
+    """
+    try:
+        while chunk := read_chunk(controller):
+            if copy is not None:
+                try:
+                    copy.write(chunk)
+                    copy.flush()
+                except (OSError, ValueError):
+                    copy = None  # a full disk must not stop the terminal copy
+            terminal.write_line(event_line(token, RankOutput(rank, chunk).to_event()))
+    finally:
+        os.close(controller)
 
 
 class RankWrapper:
@@ -237,28 +145,45 @@ class RankWrapper:
         self._stdout = _Terminal(sys.stdout.fileno())
         self._stderr = _Terminal(sys.stderr.fileno())
         self._events_token = self.environ.get(EVENTS_VARIABLE) or None
+        # Rank 0 writes to a pseudo-terminal where ringrun's own output is a terminal; its
+        # bytes then travel as events, so that needs the events token.
+        spec = TerminalSpec.from_environment(self.environ) if self._events_token else None
+        self._terminal = spec if spec is not None and not self.rank else None
 
     def run(self) -> int:
         """Start the child, wait for it, report a failure; return the shell-style exit code."""
-        _protect_against_orphaning()
+        # If the launcher's per-host proxy is SIGKILLed during a teardown, the wrapper goes
+        # too, and the child follows through its own death signal: no rank is left running
+        # without its launcher.
+        die_with_parent()
         files: list[BinaryIO | None] = [None, None]
         if self.output_dir is not None:
             files = self._open_output_files()
         previous = {
             sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)
         }
+        # Per stream: the pseudo-terminal's (controller, program end), or None for a pipe.
+        ttys: dict[str, tuple[int, int]] = {}
+        env: Mapping[str, str] | None = None
+        if self._terminal is not None:
+            ttys = {name: open_pseudo_terminal(self._terminal) for name in self._terminal.streams}
+            if self._terminal.term and "TERM" not in self.environ:
+                env = {**self.environ, "TERM": self._terminal.term}
         try:
             try:
                 self.child = subprocess.Popen(
                     self.command,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
+                    stdout=ttys["stdout"][1] if "stdout" in ttys else subprocess.PIPE,
+                    stderr=ttys["stderr"][1] if "stderr" in ttys else subprocess.PIPE,
+                    env=env,
                     # MPICH hands its PMI connection over as an inherited descriptor (PMI_FD);
                     # Open MPI/PMIx may do the same. Keep every inherited descriptor open.
                     close_fds=False,
                     preexec_fn=parent_death_signal(signal.SIGKILL),
                 )
             except OSError as error:
+                for controller, _ in ttys.values():
+                    os.close(controller)
                 print(
                     f"ringrun wrapper: cannot start {self.command[0]!r}: {error.strerror}",
                     file=sys.stderr,
@@ -266,16 +191,18 @@ class RankWrapper:
                 )
                 self._report(pid=os.getpid(), returncode=127)
                 return 127
+            finally:
+                for _, program_end in ttys.values():
+                    os.close(program_end)  # the child holds its own copy
             self._mark_started(self.child.pid)
             if self._pending_signal is not None:
                 # A stop request that arrived while the child was being started.
                 self.child.send_signal(self._pending_signal)
-            assert self.child.stdout is not None and self.child.stderr is not None
             threads = [
-                threading.Thread(target=_pump, args=(source, terminal, copy), daemon=True)
-                for source, terminal, copy in (
-                    (self.child.stdout, self._stdout, files[0]),
-                    (self.child.stderr, self._stderr, files[1]),
+                self._pump_thread(name, source, terminal, copy, ttys)
+                for name, source, terminal, copy in (
+                    ("stdout", self.child.stdout, self._stdout, files[0]),
+                    ("stderr", self.child.stderr, self._stderr, files[1]),
                 )
             ]
             for thread in threads:
@@ -294,6 +221,22 @@ class RankWrapper:
                 if file is not None:
                     file.close()
         return 128 - returncode if returncode < 0 else returncode
+
+    def _pump_thread(
+        self,
+        name: str,
+        source: BinaryIO | None,
+        terminal: _Terminal,
+        copy: BinaryIO | None,
+        ttys: Mapping[str, tuple[int, int]],
+    ) -> threading.Thread:
+        """The thread that passes one of the child's streams on: a pipe's lines or a tty's bytes."""
+        if name in ttys:
+            assert self._events_token is not None
+            args: tuple[object, ...] = (ttys[name][0], terminal, copy, self._events_token, 0)
+            return threading.Thread(target=_pump_terminal, args=args, daemon=True)
+        assert source is not None
+        return threading.Thread(target=_pump, args=(source, terminal, copy), daemon=True)
 
     def _forward(self, signum: int, frame: object) -> None:
         """Pass SIGTERM/SIGINT on to the child; the wrapper ends when the child does."""
