@@ -193,3 +193,17 @@ def test_the_torch_backend_in_two_pytorchjob_pods_stops_on_both(tmp_path):
         assert pod.returncode != 0
         assert "joined" not in stdout
         assert f"started by torch's launcher as rank {rank} of 2" in stderr, stderr
+
+
+def test_an_mpi_launchers_world_wins_over_a_world_size_left_in_the_environment(monkeypatch):
+    from ringplug.core.errors import RingplugError
+    from ringplug.core.runtime import refuse_torchrun_world
+
+    for variable in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RingplugError, match="ringrun -np 2"):
+        refuse_torchrun_world()
+    monkeypatch.setenv("PMI_SIZE", "2")  # ringrun/mpiexec started it: MPI's world is the job's
+    refuse_torchrun_world()

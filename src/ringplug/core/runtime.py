@@ -79,8 +79,8 @@ def refuse_torchrun_world() -> None:
     started this process as one of several: ringplug takes its ranks from MPI, so each of
     them would be a world of one, training a model of its own."""
     world = os.environ.get("WORLD_SIZE", "")
-    if not world.isdigit() or int(world) <= 1:
-        return
+    if not world.isdigit() or int(world) <= 1 or launcher_world_size() is not None:
+        return  # an MPI launcher started it too: MPI's world is the job's
     by = "torchrun" if os.environ.get("TORCHELASTIC_RUN_ID") else "torch's launcher"
     raise RingplugError(
         f"This process was started by {by} as rank {os.environ.get('RANK', '?')} of {world} "
