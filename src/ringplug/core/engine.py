@@ -119,6 +119,7 @@ class Engine:
         self.timeline: Timeline | None = None
         self._timeline_lock = threading.Lock()
         self.cycles_run = 0
+        self.cycles_by_callers = 0  # of those, run by a waiting caller (`drive`; tests read it)
         self._last_activity = time.perf_counter()  # end of the last cycle that ran something
         self.collectives_run = 0  # fused batches count once (tests count them)
         if settings.timeline:
@@ -178,6 +179,7 @@ class Engine:
                 while not (handle._done or self._ended):
                     if not self._wait_for_work(handle):
                         break
+                    self.cycles_by_callers += 1
                     if self._guarded_cycle():
                         break
             finally:

@@ -9,6 +9,7 @@ never answers is named (see `waiting.Waiter`).
 from __future__ import annotations
 
 import pickle
+import struct
 from typing import TYPE_CHECKING
 
 from .negotiation import Message
@@ -18,6 +19,35 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 CONTROL_TAG = 7100
+
+# A repeated step's message (cached bits only) goes as a few bytes: a marker, the cycle,
+# the joined cycle, the flags, then the bit vector; anything else is pickled.
+_COMPACT = b"\x00"
+_HEADER = struct.Struct("<qqB")
+_SHUTDOWN, _RENEW = 1, 2
+
+
+def encode(message: Message) -> bytearray:
+    """`message` as bytes for the wire."""
+    if message.new or message.stall_abort:
+        return bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    flags = (_SHUTDOWN if message.shutdown else 0) | (_RENEW if message.renew else 0)
+    bits = message.cached
+    return bytearray(
+        _COMPACT
+        + _HEADER.pack(message.cycle, message.joined_cycle, flags)
+        + bits.to_bytes((bits.bit_length() + 7) // 8, "little")
+    )
+
+
+def decode(data: bytes | bytearray) -> Message:
+    """The message `encode` made (a pickle never starts with a zero byte)."""
+    if data[:1] != _COMPACT:
+        return pickle.loads(data)
+    cycle, joined, flags = _HEADER.unpack_from(data, 1)
+    cached = int.from_bytes(data[1 + _HEADER.size :], "little")
+    return Message(cycle, cached, joined_cycle=joined, shutdown=bool(flags & _SHUTDOWN),
+                   renew=bool(flags & _RENEW))  # fmt: skip
 
 
 class Exchange:
@@ -42,7 +72,7 @@ class Exchange:
         from mpi4py import MPI
 
         ctrl = self.comm
-        payload = bytearray(pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL))
+        payload = encode(own)
         sends = [ctrl.Isend([payload, MPI.BYTE], peer, CONTROL_TAG) for peer in self._peers]
         waiting = list(self._peers)
         status = MPI.Status()
@@ -52,7 +82,7 @@ class Exchange:
                 if ctrl.Iprobe(source=peer, tag=CONTROL_TAG, status=status):
                     buffer = bytearray(status.Get_count(MPI.BYTE))
                     ctrl.Recv([buffer, MPI.BYTE], peer, CONTROL_TAG)
-                    messages[peer] = pickle.loads(buffer)
+                    messages[peer] = decode(buffer)
                     waiting.remove(peer)
             return not waiting
 

@@ -10,6 +10,7 @@ either way. On the GPU the same batch goes to NCCL with a fusion buffer on the d
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,7 @@ def batches(responses: list[Response], threshold: int) -> Iterator[list[Response
                 batch, batch_bytes = [], 0
             yield response
             continue
-        nbytes = int(np.prod(signature.shape, dtype=np.int64)) * DType(signature.code).itemsize
+        nbytes = math.prod(signature.shape) * DType(signature.code).itemsize
         if batch and (
             batch[0].signature.code != signature.code
             or batch[0].signature.op != signature.op
@@ -210,7 +211,7 @@ def joined_parts(response: Response, op: ReduceOp, code: DType) -> list[np.ndarr
     """What a joined rank contributes to an allreduce: identity values, one flat array per
     tensor of the request."""
     shapes = response.signature.parts or (response.signature.shape,)
-    return [np.full(int(np.prod(shape, dtype=np.int64)), identity(op, code), code.storage)
+    return [np.full(math.prod(shape), identity(op, code), code.storage)
             for shape in shapes]  # fmt: skip
 
 

@@ -3,6 +3,7 @@ differ between ranks)."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -112,7 +113,7 @@ class Allgather(CollectiveKind):
 
     def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
         signature = response.signature
-        row_elems = int(np.prod(signature.shape, dtype=np.int64))
+        row_elems = math.prod(signature.shape)
         send, out = (request.send, request.out) if request else (None, None)
         ready = request.ready if request is not None else None
         return engine.gpu_plane().allgather(

@@ -82,7 +82,7 @@ def allreduce_async(
             Handle(request_name),
             sends=[send.reshape(-1)],
             outs=[work.reshape(-1)],
-            in_place=work.ctypes.data == send.ctypes.data,
+            in_place=work is send or work.ctypes.data == send.ctypes.data,
             prescale=float(prescale_factor),
             postscale=float(postscale_factor),
             finish=finish,

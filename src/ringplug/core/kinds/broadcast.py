@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -126,7 +127,7 @@ class Broadcast(CollectiveKind):
     def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
         signature = response.signature
         _check_root_present(response)
-        count = int(np.prod(signature.shape, dtype=np.int64))
+        count = math.prod(signature.shape)
         return engine.gpu_plane().broadcast(
             request.out if request else None, count, DType(signature.code), signature.root,
             request.ready if request is not None else None,

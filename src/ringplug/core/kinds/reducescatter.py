@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -129,8 +130,8 @@ class Reducescatter(CollectiveKind):
     def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
         signature = response.signature
         op, code = ReduceOp(signature.op), DType(signature.code)
-        count = int(np.prod(signature.shape, dtype=np.int64))
-        row_elems = int(np.prod(signature.shape[1:], dtype=np.int64))
+        count = math.prod(signature.shape)
+        row_elems = math.prod(signature.shape[1:])
         send = request.send if request else np.full(count, identity(op, code), code.storage)
         return engine.gpu_plane().reducescatter(
             send, signature.shape[0], row_elems, code, op,
