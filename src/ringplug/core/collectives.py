@@ -30,12 +30,30 @@ from .kinds.objects import allgather_object, broadcast_object
 from .kinds.reducescatter import reducescatter, reducescatter_async
 
 __all__ = [
-    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_async",
-    "alltoall", "alltoall_async", "barrier", "barrier_async", "broadcast", "broadcast_async",
-    "broadcast_object", "check_root", "grouped_allreduce", "grouped_allreduce_async", "join",
-    "poll", "reducescatter", "reducescatter_async", "reject", "start_timeline",
-    "stop_timeline", "synchronize",
-]  # fmt: skip
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_async",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "barrier_async",
+    "broadcast",
+    "broadcast_async",
+    "broadcast_object",
+    "check_root",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "join",
+    "poll",
+    "reducescatter",
+    "reducescatter_async",
+    "reject",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
+]
 
 
 def poll(handle: Handle) -> bool:

@@ -16,6 +16,9 @@ from .kinds.broadcast import gpu_broadcast_async as broadcast_async
 from .kinds.reducescatter import gpu_reducescatter_async as reducescatter_async
 
 __all__ = [
-    "allgather_async", "allreduce_async", "broadcast_async", "check_buffers",
+    "allgather_async",
+    "allreduce_async",
+    "broadcast_async",
+    "check_buffers",
     "reducescatter_async",
-]  # fmt: skip
+]

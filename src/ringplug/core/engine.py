@@ -85,8 +85,9 @@ def cacheable_name(name: str) -> bool:
 class Engine:
     """Negotiates, fuses and runs the collectives of one process, on its own thread."""
 
-    def __init__(self, comm: MPI.Comm | None, settings: Settings, local_rank: int = 0,
-                 local_size: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, comm: MPI.Comm | None, settings: Settings, local_rank: int = 0, local_size: int = 1
+    ) -> None:
         self.settings = settings
         self.local_rank = local_rank
         self._gpu: GpuPlane | None = None  # made at the first GPU collective
@@ -281,10 +282,12 @@ class Engine:
                 self._ended = True
                 return True
             if not isinstance(exc, Exception):  # e.g. KeyboardInterrupt in a driving caller
-                self.fail_everything(RingplugError(
-                    f"ringplug was interrupted ({type(exc).__name__}) in the middle of a "
-                    "collective on this rank; it cannot continue in this process."
-                ))  # fmt: skip
+                self.fail_everything(
+                    RingplugError(
+                        f"ringplug was interrupted ({type(exc).__name__}) in the middle of a "
+                        "collective on this rank; it cannot continue in this process."
+                    )
+                )
                 self._ended = True
                 raise
             logger.exception("the ringplug engine failed")
@@ -528,8 +531,9 @@ class Engine:
         timeline.span(request.name, "QUEUE", request.submitted, request.announced)
         timeline.span(request.name, "NEGOTIATE", request.announced, start)
 
-    def complete_each(self, requests: list[Request | None],
-                       error: BaseException | None = None) -> None:  # fmt: skip
+    def complete_each(
+        self, requests: list[Request | None], error: BaseException | None = None
+    ) -> None:
         for request in requests:
             if request is not None:
                 self.complete(request, error=error)
@@ -557,9 +561,12 @@ class Engine:
 
     def _shut_down(self, by: int) -> None:
         if by == self.rank:
-            self.fail_everything(RingplugError(
-                "ringplug was shut down (by this rank) before this collective ran on every rank."
-            ))  # fmt: skip
+            self.fail_everything(
+                RingplugError(
+                    "ringplug was shut down (by this rank) before this collective ran on every "
+                    "rank."
+                )
+            )
             return
         waiting = sorted(self.pending)
         what = (
@@ -567,13 +574,15 @@ class Engine:
             if waiting
             else ""
         )
-        self.fail_everything(PeerLeftError(
-            f"rank {by} left the job{what}: it ended ringplug (its program ended, or called "
-            "ringplug.shutdown()) before every rank was done with the collectives they share. "
-            "Every rank must run the same collectives; look at why rank "
-            f"{by} stopped early (an exception caught and ended with sys.exit, fewer batches).",
-            caused_by=(by,),
-        ))  # fmt: skip
+        self.fail_everything(
+            PeerLeftError(
+                f"rank {by} left the job{what}: it ended ringplug (its program ended, or called "
+                "ringplug.shutdown()) before every rank was done with the collectives they share. "
+                "Every rank must run the same collectives; look at why rank "
+                f"{by} stopped early (an exception caught and ended with sys.exit, fewer batches).",
+                caused_by=(by,),
+            )
+        )
 
     def fail_everything(self, error: BaseException) -> None:
         with self._lock:

@@ -46,8 +46,13 @@ def decode(data: bytes | bytearray) -> Message:
         return pickle.loads(data)
     cycle, joined, flags = _HEADER.unpack_from(data, 1)
     cached = int.from_bytes(data[1 + _HEADER.size :], "little")
-    return Message(cycle, cached, joined_cycle=joined, shutdown=bool(flags & _SHUTDOWN),
-                   renew=bool(flags & _RENEW))  # fmt: skip
+    return Message(
+        cycle,
+        cached,
+        joined_cycle=joined,
+        shutdown=bool(flags & _SHUTDOWN),
+        renew=bool(flags & _RENEW),
+    )
 
 
 class Exchange:
@@ -90,7 +95,10 @@ class Exchange:
         shown = ", ".join(repr(n) for n in pending[:5]) + (", ..." if len(pending) > 5 else "")
         self.waiter.begin(cycle, -1, "negotiation")
         # A rank that sent its message is alive: only the others can be the ones missing.
-        self.waiter.wait(arrived, f"pending here: {shown or 'nothing of its own'}",
-                         missing=lambda: sorted(waiting))  # fmt: skip
+        self.waiter.wait(
+            arrived,
+            f"pending here: {shown or 'nothing of its own'}",
+            missing=lambda: sorted(waiting),
+        )
         self.waiter.wait_requests(sends, "sending this rank's negotiation message")
         return messages  # type: ignore[return-value]

@@ -10,6 +10,7 @@ either way. On the GPU the same batch goes to NCCL with a fusion buffer on the d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -28,6 +29,21 @@ from .ops import ReduceOp
 if TYPE_CHECKING:
     from .engine import Engine
     from .handles import Request
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Reduction:
+    """An allreduce request's payload: `sends[i]` is reduced into `outs[i]` (the same memory
+    when `in_place`); a grouped allreduce has several. `span` is one flat array whose
+    consecutive views are the outs, when they lie side by side; `ready` the GPU event."""
+
+    sends: list[Any]
+    outs: list[Any]
+    in_place: bool = False
+    span: np.ndarray | None = None
+    prescale: float = 1.0
+    postscale: float = 1.0
+    ready: Any = None
 
 
 def batches(responses: list[Response], threshold: int) -> Iterator[list[Response] | Response]:
@@ -91,15 +107,17 @@ class Fusion:
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
             engine.collective_failed(exc, requests)
 
-    def _host(self, batch: list[Response], requests: list[Request | None],
-                              code: DType, op: ReduceOp) -> None:  # fmt: skip
+    def _host(
+        self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp
+    ) -> None:
         engine = self.engine
         # One entry per tensor: (request or None for a joined rank, input, output).
         entries: list[tuple[Request | None, np.ndarray, np.ndarray]] = []
         for response, request in zip(batch, requests, strict=True):
             if request is not None:
-                entries.extend((request, s, o) for s, o in zip(request.sends, request.outs,
-                                                                 strict=True))  # fmt: skip
+                reduction = request.payload
+                pairs = zip(reduction.sends, reduction.outs, strict=True)
+                entries.extend((request, send, out) for send, out in pairs)
             else:
                 entries.extend((None, part, part) for part in joined_parts(response, op, code))
         total = sum(send.size for _, send, _ in entries)
@@ -107,21 +125,21 @@ class Fusion:
         packed = False
         present = [request for request in requests if request is not None]
         span = None
-        if len(requests) == 1 and present and present[0].span is not None:
-            span = present[0].span  # a grouped allreduce's result buffer
-        elif len(present) == len(requests) and all(r.in_place for r in present):
+        if len(requests) == 1 and present and present[0].payload.span is not None:
+            span = present[0].payload.span  # a grouped allreduce's result buffer
+        elif len(present) == len(requests) and all(r.payload.in_place for r in present):
             span = side_by_side([out for _, _, out in entries], code)  # e.g. a gradient buffer
         if span is not None:
             # The outputs lie side by side in one buffer: reduce there, after one copy in
             # unless the tensors are reduced in place.
             target: np.ndarray | ring.Pieces = span
             parts = [out for _, _, out in entries]
-            if not all(r.in_place for r in present):
+            if not all(r.payload.in_place for r in present):
                 np.concatenate([send for _, send, _ in entries], out=span)
         elif len(entries) == 1 or engine.transport.uses_ring(total * code.itemsize, code, op):
             parts = []
             for request, send, out in entries:
-                if request is not None and not request.in_place:
+                if request is not None and not request.payload.in_place:
                     np.copyto(out, send)
                 parts.append(out)
             target = parts[0] if len(parts) == 1 else ring.Pieces(parts)
@@ -131,12 +149,14 @@ class Fusion:
             np.concatenate([send for _, send, _ in entries], out=target)
             parts = ring.split(target, [send.size for _, send, _ in entries])
         for (request, _, _), part in zip(entries, parts, strict=True):
-            if request is not None and request.prescale != 1.0:
-                reduce.scale(part, request.prescale, code)
+            if request is not None and request.payload.prescale != 1.0:
+                reduce.scale(part, request.payload.prescale, code)
         copied_in = time.perf_counter()
         average = op is ReduceOp.AVERAGE
-        factors = {request.postscale / engine.size if average else request.postscale
-                   for request in present}  # fmt: skip
+        factors = {
+            request.payload.postscale / engine.size if average else request.payload.postscale
+            for request in present
+        }
         # One factor for the whole batch (the usual case) is applied inside the reduction,
         # with no pass of its own over the result.
         shared = factors.pop() if len(factors) == 1 else 1.0
@@ -148,7 +168,9 @@ class Fusion:
                 continue
             if packed:
                 out[...] = part
-            factor = request.postscale / engine.size if average else request.postscale
+            factor = (
+                request.payload.postscale / engine.size if average else request.payload.postscale
+            )
             if shared == 1.0 and factor != 1.0:
                 reduce.scale(out, factor, code)
         copied_out = time.perf_counter()
@@ -161,13 +183,20 @@ class Fusion:
                 engine.trace_wait(timeline, request, start)
                 if copied_in - start > 1e-6:
                     timeline.span(request.name, "COPY_IN", start, copied_in)
-                timeline.span(request.name, "ALLREDUCE", copied_in, reduced,
-                              fused=len(batch), path=engine.transport.last_path)  # fmt: skip
+                timeline.span(
+                    request.name,
+                    "ALLREDUCE",
+                    copied_in,
+                    reduced,
+                    fused=len(batch),
+                    path=engine.transport.last_path,
+                )
                 if packed:
                     timeline.span(request.name, "COPY_OUT", reduced, copied_out)
 
-    def _gpu(self, batch: list[Response], requests: list[Request | None],
-                             code: DType, op: ReduceOp) -> None:  # fmt: skip
+    def _gpu(
+        self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp
+    ) -> None:
         """The GPU form of `_allreduce_batch`: NCCL, with the fusion buffer on the device."""
         engine = self.engine
         items: list[tuple[Any, Any, float, float]] = []
@@ -175,11 +204,14 @@ class Fusion:
             if request is None:  # joined: identity values from the host
                 items.extend((part, None, 1.0, 1.0) for part in joined_parts(response, op, code))
                 continue
-            pairs = zip(request.sends, request.outs, strict=True)
-            items.extend((send, out, request.prescale, request.postscale) for send, out in pairs)
+            pairs = zip(request.payload.sends, request.payload.outs, strict=True)
+            items.extend(
+                (send, out, request.payload.prescale, request.payload.postscale)
+                for send, out in pairs
+            )
         start = time.perf_counter()
         try:
-            engine.gpu_plane().allreduce(items, code, op, [r.ready for r in requests if r])
+            engine.gpu_plane().allreduce(items, code, op, [r.payload.ready for r in requests if r])
         except CommunicatorFailed as exc:  # these requests left _pending: fail them here
             engine.complete_each(requests, error=exc)
             raise
@@ -202,8 +234,9 @@ class Fusion:
         nbytes = count * code.itemsize
         if self._buffer.nbytes < nbytes:
             # Grows to the largest batch seen (at most the fusion threshold) and is reused.
-            self._buffer = np.empty(max(nbytes, min(self.settings.fusion_threshold, 4 * nbytes)),
-                                    np.uint8)  # fmt: skip
+            self._buffer = np.empty(
+                max(nbytes, min(self.settings.fusion_threshold, 4 * nbytes)), np.uint8
+            )
         return self._buffer[:nbytes].view(code.storage)
 
 
@@ -211,8 +244,7 @@ def joined_parts(response: Response, op: ReduceOp, code: DType) -> list[np.ndarr
     """What a joined rank contributes to an allreduce: identity values, one flat array per
     tensor of the request."""
     shapes = response.signature.parts or (response.signature.shape,)
-    return [np.full(math.prod(shape), identity(op, code), code.storage)
-            for shape in shapes]  # fmt: skip
+    return [np.full(math.prod(shape), identity(op, code), code.storage) for shape in shapes]
 
 
 def side_by_side(arrays: list[np.ndarray], code: DType) -> np.ndarray | None:

@@ -9,8 +9,6 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from .negotiation import Signature
 
 if TYPE_CHECKING:
@@ -95,31 +93,20 @@ def wake_waiters() -> None:
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Request:
-    """One collective submitted on this rank.
+    """One collective submitted on this rank: what every kind has, and the kind's own
+    `payload` (its buffers and factors: `fusion.Reduction` for an allreduce, `kind.Buffer`
+    for the one-buffer kinds, the pickled bytes of an object).
 
-    An allreduce carries its tensors as flat contiguous arrays in their storage type:
-    `sends[i]` is reduced into `outs[i]` (the same memory when in place). A grouped
-    allreduce has several.
+    GPU requests (``signature.place == GPU``) hold `DeviceBuffer`s where host ones hold
+    flat contiguous arrays in their storage type.
     """
 
     name: str
     signature: Signature
     handle: Handle
+    payload: Any = None
     cacheable: bool = False
-    extra: int = 0  # first dimension (allgather, alltoall) or byte length (objects)
-    send: np.ndarray | None = None  # contiguous input, storage type
-    out: np.ndarray | None = None  # contiguous output, storage type (broadcast)
-    sends: list[np.ndarray] = dataclasses.field(default_factory=list)  # allreduce inputs
-    outs: list[np.ndarray] = dataclasses.field(default_factory=list)  # allreduce outputs
-    in_place: bool = False  # outs are sends (the same memory)
-    span: np.ndarray | None = None  # one flat array whose consecutive views are the outs
-    prescale: float = 1.0
-    postscale: float = 1.0
-    splits: np.ndarray | None = None  # alltoall rows per destination
-    data: bytes = b""  # pickled object
-    # GPU requests (signature.place == GPU) hold DeviceBuffers where host ones hold arrays,
-    # and the event after which the caller's stream has produced the inputs (or None).
-    ready: Any = None
+    extra: int = 0  # negotiated per rank: first dimension (allgather, alltoall), object bytes
     error: BaseException | None = None  # Kind.ERROR: what this rank rejected
     finish: Callable[[Any], Any] | None = None  # turns the raw result into the user's
     submitted: float = 0.0

@@ -8,6 +8,7 @@ The engine knows no kind by name: it asks `kind_of(signature.kind)`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +25,20 @@ if TYPE_CHECKING:
 
 # Where a request's buffers live (`Signature.place`): host memory or GPU memory (NCCL).
 HOST, GPU = 0, 1
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Buffer:
+    """The payload of a one-buffer collective (broadcast, allgather, reducescatter,
+    alltoall): its input, output and factors, and for the GPU the event after which the
+    caller's stream has produced the input (or None)."""
+
+    send: Any
+    out: Any = None
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: np.ndarray | None = None  # alltoall: rows per destination
+    ready: Any = None
 
 
 class SameEverywhere(RingplugError):

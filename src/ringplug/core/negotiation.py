@@ -226,8 +226,11 @@ def mismatch_message(name: str, signatures: dict[int, Signature]) -> str:
         else ""
     )
     return (
-        f"{name!r} does not match across ranks: " + "; ".join(lines) + ". " + hint
+        f"{name!r} does not match across ranks: "
+        + "; ".join(lines)
+        + ". "
+        + hint
         + "Every rank must submit the same collectives under the same names with the same "
         "shapes, dtypes, ops and root ranks; check that every rank builds the same model "
         "and reads the same config."
-    )  # fmt: skip
+    )

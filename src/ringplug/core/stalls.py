@@ -52,8 +52,11 @@ class StallInspector:
             self._partial_since.setdefault(name, now)
         if plan.stall_abort:
             return StallError(self._text(plan, plan.stall_abort, now))
-        overdue = [n for n, t in self._partial_since.items()
-                   if n in pending and now - t >= self.settings.timeout]  # fmt: skip
+        overdue = [
+            n
+            for n, t in self._partial_since.items()
+            if n in pending and now - t >= self.settings.timeout
+        ]
         if overdue:
             name = overdue[0]
             missing = [r for r in range(self.size) if r not in plan.partial[name]]
@@ -88,8 +91,10 @@ class StallInspector:
             holders = plan.partial.get(name, [])
             missing = [r for r in active if r not in holders]
             waited = now - self._partial_since.get(name, now)
-            parts.append(f"{name!r} is ready on rank(s) {ranks_text(holders)} but not on rank(s) "
-                         f"{ranks_text(missing)} (for {waited:.0f} s)")  # fmt: skip
+            parts.append(
+                f"{name!r} is ready on rank(s) {ranks_text(holders)} but not on rank(s) "
+                f"{ranks_text(missing)} (for {waited:.0f} s)"
+            )
         return (
             "Stalled collectives: " + "; ".join(parts) + ". The missing ranks are elsewhere in "
             "the program: a different number of batches, a branch only some ranks take, or "

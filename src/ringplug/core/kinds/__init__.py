@@ -7,5 +7,4 @@ Importing this package registers every kind.
 
 from . import allgather, allreduce, alltoall, barrier, broadcast, objects, reducescatter
 
-__all__ = ["allgather", "allreduce", "alltoall", "barrier", "broadcast", "objects",
-           "reducescatter"]  # fmt: skip
+__all__ = ["allgather", "allreduce", "alltoall", "barrier", "broadcast", "objects", "reducescatter"]

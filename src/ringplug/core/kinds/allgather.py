@@ -11,7 +11,7 @@ import numpy as np
 from ..device import DeviceBuffer
 from ..dtypes import DType, classify
 from ..handles import Handle, Request
-from ..kind import GPU, CollectiveKind, register, shape_text
+from ..kind import GPU, Buffer, CollectiveKind, register, shape_text
 from ..negotiation import Kind, Signature
 from .base import (
     ArrayLike,
@@ -33,9 +33,12 @@ if TYPE_CHECKING:
 
 
 def allgather_async(
-    array: ArrayLike, *, name: str | None = None, dtype: str | DType | None = None,
+    array: ArrayLike,
+    *,
+    name: str | None = None,
+    dtype: str | DType | None = None,
     refuse_joined: bool = False,
-) -> Handle:  # fmt: skip
+) -> Handle:
     """Start an allgather; the handle's `wait()` returns what `allgather` returns.
 
     With `refuse_joined`, it fails on every rank if a rank has joined (Horovod's join
@@ -46,11 +49,15 @@ def allgather_async(
         code = classify(source, dtype)
         send = contiguous(source.reshape(1) if source.ndim == 0 else source, code)
         return Request(
-            request_name, Signature(Kind.ALLGATHER, code, -1, -1, tuple(send.shape[1:]),
-                                    refuse_joined=refuse_joined),
-            Handle(request_name), extra=send.shape[0], send=send,
+            request_name,
+            Signature(
+                Kind.ALLGATHER, code, -1, -1, tuple(send.shape[1:]), refuse_joined=refuse_joined
+            ),
+            Handle(request_name),
+            Buffer(send),
+            extra=send.shape[0],
             finish=lambda result: result_as(source, result),
-        )  # fmt: skip
+        )
 
     request_name, given = name_request(name)
     return submit(request_name, given, build)
@@ -87,10 +94,8 @@ def gpu_allgather_async(
         return make(
             request_name,
             Signature(Kind.ALLGATHER, send.code, -1, -1, rows[1:], (), GPU, refuse_joined),
+            payload=Buffer(send, out, ready=ready),
             extra=rows[0],
-            send=send,
-            out=out,
-            ready=ready,
             finish=finish,
         )
 
@@ -106,7 +111,7 @@ class Allgather(CollectiveKind):
     def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
         signature = response.signature
         if request is not None:
-            send = request.send
+            send = request.payload.send
         else:  # joined: no rows from this rank
             send = np.empty((0, *signature.shape), DType(signature.code).storage)
         return engine.transport.allgather(send, response.extras)
@@ -114,8 +119,11 @@ class Allgather(CollectiveKind):
     def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
         signature = response.signature
         row_elems = math.prod(signature.shape)
-        send, out = (request.send, request.out) if request else (None, None)
-        ready = request.ready if request is not None else None
+        send, out, ready = (
+            (request.payload.send, request.payload.out, request.payload.ready)
+            if request is not None
+            else (None, None, None)
+        )
         return engine.gpu_plane().allgather(
             send, response.extras, row_elems, DType(signature.code), ready, out
         )

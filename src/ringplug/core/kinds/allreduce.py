@@ -14,6 +14,7 @@ import numpy as np
 from .. import reduce, ring
 from ..device import DeviceBuffer
 from ..dtypes import DType, classify, storage_view
+from ..fusion import Reduction
 from ..handles import Handle, Request
 from ..kind import GPU, CollectiveKind, register, shape_text
 from ..negotiation import Kind, Signature
@@ -80,11 +81,13 @@ def allreduce_async(
             request_name,
             Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape),
             Handle(request_name),
-            sends=[send.reshape(-1)],
-            outs=[work.reshape(-1)],
-            in_place=work is send or work.ctypes.data == send.ctypes.data,
-            prescale=float(prescale_factor),
-            postscale=float(postscale_factor),
+            Reduction(
+                [send.reshape(-1)],
+                [work.reshape(-1)],
+                in_place=work is send or work.ctypes.data == send.ctypes.data,
+                prescale=float(prescale_factor),
+                postscale=float(postscale_factor),
+            ),
             finish=finish,
         )
 
@@ -153,25 +156,38 @@ def grouped_allreduce_async(
         else:
             span, targets = None, list(out)
             if len(targets) != len(sources) or any(
-                not isinstance(t, np.ndarray) or t.shape != s.shape or t.dtype != s.dtype
-                or not t.flags.c_contiguous for t, s in zip(targets, sources, strict=False)
-            ):  # fmt: skip
-                raise ValueError("out must hold one C-contiguous array per input, of the "
-                                 "input's shape and dtype.")  # fmt: skip
+                not isinstance(t, np.ndarray)
+                or t.shape != s.shape
+                or t.dtype != s.dtype
+                or not t.flags.c_contiguous
+                for t, s in zip(targets, sources, strict=False)
+            ):
+                raise ValueError(
+                    "out must hold one C-contiguous array per input, of the "
+                    "input's shape and dtype."
+                )
             outs = [storage_view(t, code).reshape(-1) for t in targets]
         in_place = all(o.ctypes.data == s.ctypes.data for o, s in zip(outs, sends, strict=True))
 
         def finish(result: Any) -> list[np.ndarray]:
-            return [result_as(source, target)
-                    for source, target in zip(sources, targets, strict=True)]  # fmt: skip
+            return [
+                result_as(source, target) for source, target in zip(sources, targets, strict=True)
+            ]
 
         return Request(
             request_name,
-            Signature(Kind.ALLREDUCE, code, reduce_op, -1, (sum(send.size for send in sends),),
-                      tuple(source.shape for source in sources)),
-            Handle(request_name), sends=sends, outs=outs, span=span, in_place=in_place,
-            prescale=float(prescale_factor), postscale=float(postscale_factor), finish=finish,
-        )  # fmt: skip
+            Signature(
+                Kind.ALLREDUCE,
+                code,
+                reduce_op,
+                -1,
+                (sum(send.size for send in sends),),
+                tuple(source.shape for source in sources),
+            ),
+            Handle(request_name),
+            Reduction(sends, outs, in_place, span, float(prescale_factor), float(postscale_factor)),
+            finish=finish,
+        )
 
     request_name, given = name_request(name)
     return submit(request_name, given, build)
@@ -216,11 +232,7 @@ def gpu_allreduce_async(
         return make(
             request_name,
             Signature(Kind.ALLREDUCE, code, reduce_op, -1, shape, parts, GPU),
-            sends=list(sends),
-            outs=list(outs),
-            prescale=pre,
-            postscale=post,
-            ready=ready,
+            payload=Reduction(list(sends), list(outs), prescale=pre, postscale=post, ready=ready),
             finish=finish,
         )
 

@@ -10,7 +10,7 @@ import numpy as np
 from .. import runtime
 from ..dtypes import DType, classify
 from ..handles import Handle, Request
-from ..kind import CollectiveKind, SameEverywhere, register, shape_text
+from ..kind import Buffer, CollectiveKind, SameEverywhere, register, shape_text
 from ..negotiation import Kind, Signature
 from .base import (
     ArrayLike,
@@ -43,10 +43,13 @@ def alltoall_async(
             raise ValueError("alltoall needs an array with at least one dimension.")
         rows = _alltoall_rows(source.shape[0], splits, runtime.size())
         return Request(
-            request_name, Signature(Kind.ALLTOALL, code, -1, -1, tuple(source.shape[1:])),
-            Handle(request_name), extra=source.shape[0], send=contiguous(source, code),
-            splits=rows, finish=lambda result: (result_as(source, result[0]), result[1]),
-        )  # fmt: skip
+            request_name,
+            Signature(Kind.ALLTOALL, code, -1, -1, tuple(source.shape[1:])),
+            Handle(request_name),
+            Buffer(contiguous(source, code), splits=rows),
+            extra=source.shape[0],
+            finish=lambda result: (result_as(source, result[0]), result[1]),
+        )
 
     request_name, given = name_request(name)
     return submit(request_name, given, build)
@@ -90,7 +93,7 @@ class Alltoall(CollectiveKind):
     def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
         if not all(response.have):
             raise SameEverywhere(f"alltoall {response.name!r} cannot run after a rank joined.")
-        return engine.transport.alltoall(request.send, request.splits)
+        return engine.transport.alltoall(request.payload.send, request.payload.splits)
 
 
 register(Kind.ALLTOALL, Alltoall())

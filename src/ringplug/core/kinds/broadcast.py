@@ -10,7 +10,7 @@ import numpy as np
 from ..device import DeviceBuffer
 from ..dtypes import DType, classify, storage_view
 from ..handles import Handle, Request
-from ..kind import GPU, CollectiveKind, SameEverywhere, register
+from ..kind import GPU, Buffer, CollectiveKind, SameEverywhere, register
 from ..negotiation import Kind, Signature
 from .base import (
     ArrayLike,
@@ -64,10 +64,14 @@ def broadcast_async(
             return target
 
         return Request(
-            request_name, Signature(Kind.BROADCAST, code, -1, root, tuple(source.shape),
-                                    refuse_joined=refuse_joined),
-            Handle(request_name), send=work, out=work, finish=finish,
-        )  # fmt: skip
+            request_name,
+            Signature(
+                Kind.BROADCAST, code, -1, root, tuple(source.shape), refuse_joined=refuse_joined
+            ),
+            Handle(request_name),
+            Buffer(work, work),
+            finish=finish,
+        )
 
     request_name, given = name_request(name)
     return submit(request_name, given, build)
@@ -101,9 +105,7 @@ def gpu_broadcast_async(
         return make(
             request_name,
             Signature(Kind.BROADCAST, buffer.code, -1, root, tuple(shape), (), GPU, refuse_joined),
-            send=buffer,
-            out=buffer,
-            ready=ready,
+            payload=Buffer(buffer, buffer, ready=ready),
             finish=finish,
         )
 
@@ -118,7 +120,7 @@ class Broadcast(CollectiveKind):
         signature = response.signature
         _check_root_present(response)
         if request is not None:
-            buf = request.out
+            buf = request.payload.out
         else:
             buf = np.empty(signature.shape, DType(signature.code).storage)
         engine.transport.broadcast(buf, signature.root)
@@ -129,9 +131,12 @@ class Broadcast(CollectiveKind):
         _check_root_present(response)
         count = math.prod(signature.shape)
         return engine.gpu_plane().broadcast(
-            request.out if request else None, count, DType(signature.code), signature.root,
-            request.ready if request is not None else None,
-        )  # fmt: skip
+            request.payload.out if request else None,
+            count,
+            DType(signature.code),
+            signature.root,
+            request.payload.ready if request is not None else None,
+        )
 
 
 def _check_root_present(response: Response) -> None:

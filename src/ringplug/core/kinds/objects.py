@@ -41,10 +41,13 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, *, name: str | None = 
         mine = runtime.rank() == root
         data = _pickled(obj) if mine else b""
         return Request(
-            request_name, Signature(Kind.BROADCAST_OBJECT, -1, -1, root), Handle(request_name),
-            extra=len(data), data=data,
+            request_name,
+            Signature(Kind.BROADCAST_OBJECT, -1, -1, root),
+            Handle(request_name),
+            data,
+            extra=len(data),
             finish=lambda raw: obj if mine else pickle.loads(raw),
-        )  # fmt: skip
+        )
 
     request_name, given = name_request(name)
     return submit_and_wait(request_name, given, build)
@@ -56,10 +59,13 @@ def allgather_object(obj: Any, *, name: str | None = None) -> list[Any]:
     def build(request_name: str) -> Request:
         data = _pickled(obj)
         return Request(
-            request_name, Signature(Kind.ALLGATHER_OBJECT), Handle(request_name),
-            extra=len(data), data=data,
+            request_name,
+            Signature(Kind.ALLGATHER_OBJECT),
+            Handle(request_name),
+            data,
+            extra=len(data),
             finish=lambda parts: [pickle.loads(part) for part in parts],
-        )  # fmt: skip
+        )
 
     request_name, given = name_request(name)
     return submit_and_wait(request_name, given, build)
@@ -74,7 +80,7 @@ class BroadcastObject(CollectiveKind):
             raise SameEverywhere(
                 f"broadcast_object {response.name!r}: root rank {root} has joined."
             )
-        data = request.data if request is not None else b""
+        data = request.payload if request is not None else b""
         return engine.transport.broadcast_bytes(data, response.extras[root], root)
 
 
@@ -82,7 +88,7 @@ class AllgatherObject(CollectiveKind):
     label = "allgather_object"
 
     def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
-        data = request.data if request is not None else b""
+        data = request.payload if request is not None else b""
         return engine.transport.allgather_bytes(data, response.extras)
 
 

@@ -11,7 +11,7 @@ from .. import reduce
 from ..device import DeviceBuffer
 from ..dtypes import DType, classify
 from ..handles import Handle, Request
-from ..kind import GPU, CollectiveKind, identity, register
+from ..kind import GPU, Buffer, CollectiveKind, identity, register
 from ..negotiation import Kind, Signature
 from ..ops import Average, ReduceOp, as_op
 from .base import (
@@ -55,10 +55,14 @@ def reducescatter_async(
         return Request(
             request_name,
             Signature(Kind.REDUCESCATTER, code, reduce_op, -1, tuple(source.shape)),
-            Handle(request_name), send=contiguous(source, code),
-            prescale=float(prescale_factor), postscale=float(postscale_factor),
+            Handle(request_name),
+            Buffer(
+                contiguous(source, code),
+                prescale=float(prescale_factor),
+                postscale=float(postscale_factor),
+            ),
             finish=lambda result: result_as(source, result),
-        )  # fmt: skip
+        )
 
     request_name, given = name_request(name)
     return submit(request_name, given, build)
@@ -99,10 +103,7 @@ def gpu_reducescatter_async(
         return make(
             request_name,
             Signature(Kind.REDUCESCATTER, send.code, reduce_op, -1, tuple(shape), (), GPU),
-            send=send,
-            prescale=pre,
-            postscale=post,
-            ready=ready,
+            payload=Buffer(send, prescale=pre, postscale=post, ready=ready),
             finish=finish,
         )
 
@@ -117,13 +118,17 @@ class Reducescatter(CollectiveKind):
         signature = response.signature
         op, code = ReduceOp(signature.op), DType(signature.code)
         if request is not None:
-            send = request.send
+            send = request.payload.send
         else:  # joined: values that change nothing
             send = np.full(signature.shape, identity(op, code), code.storage)
-        block = engine.transport.reducescatter(send, op, code, request.prescale if request else 1.0)
+        block = engine.transport.reducescatter(
+            send, op, code, request.payload.prescale if request else 1.0
+        )
         if request is not None:
             average = op is ReduceOp.AVERAGE
-            factor = request.postscale / engine.size if average else request.postscale
+            factor = (
+                request.payload.postscale / engine.size if average else request.payload.postscale
+            )
             reduce.scale(block.reshape(-1), factor, code)
         return block
 
@@ -132,12 +137,17 @@ class Reducescatter(CollectiveKind):
         op, code = ReduceOp(signature.op), DType(signature.code)
         count = math.prod(signature.shape)
         row_elems = math.prod(signature.shape[1:])
-        send = request.send if request else np.full(count, identity(op, code), code.storage)
+        send = request.payload.send if request else np.full(count, identity(op, code), code.storage)
         return engine.gpu_plane().reducescatter(
-            send, signature.shape[0], row_elems, code, op,
-            request.prescale if request else 1.0, request.postscale if request else 1.0,
-            request.ready if request is not None else None,
-        )  # fmt: skip
+            send,
+            signature.shape[0],
+            row_elems,
+            code,
+            op,
+            request.payload.prescale if request else 1.0,
+            request.payload.postscale if request else 1.0,
+            request.payload.ready if request is not None else None,
+        )
 
 
 register(Kind.REDUCESCATTER, Reducescatter())
