@@ -65,6 +65,10 @@ _CACHE_CAPACITY = 4096
 # when that is free within this long (it holds `_mpi` only to look for work, or to run a
 # cycle that has deadlines of its own); otherwise the engine thread runs them.
 _DRIVE_ACQUIRE_SECONDS = 1e-3
+# A burst of asynchronous submissions (gradients) gathers into one cycle while it lasts:
+# until no submission arrived for the quiet spell, at most the maximum.
+_GATHER_QUIET_SECONDS = float(os.environ.get("RINGPLUG_GATHER_QUIET_US", "50")) * 1e-6
+_GATHER_MAX_SECONDS = float(os.environ.get("RINGPLUG_GATHER_MAX_US", "1000")) * 1e-6
 _UNNAMED = "noname."
 
 
@@ -173,7 +177,7 @@ class Engine:
         that work itself. Whoever holds `_mpi` is the one thread talking to MPI.
         """
         handle._engine = None
-        if threading.current_thread() is self._thread:
+        if threading.current_thread() is self._thread or not self._host_only:
             return
         if self._mpi.acquire(timeout=_DRIVE_ACQUIRE_SECONDS):
             try:
@@ -317,7 +321,7 @@ class Engine:
             delay = IDLE_SLEEP_SECONDS
         while True:
             with self._lock:
-                if self._ended or (driving and handle._done):
+                if self._ended or (driving and (handle._done or not self._host_only)):
                     return False
                 if not driving and self._handoff:
                     self._handoff = False  # a caller left work in flight: poll as in flight
@@ -343,7 +347,12 @@ class Engine:
                         self._lock.wait(0.05)
                 return False
             if time.perf_counter() < spin_until:
-                time.sleep(0)
+                # A driving caller yields as the engine's waits do; the engine thread
+                # sleeps for the timer slack instead, leaving the GIL to the caller.
+                if driving:
+                    self.waiter.pause()
+                else:
+                    time.sleep(0)
                 continue
             if driving:
                 return False  # a long wait: the engine thread polls and the caller sleeps
@@ -362,9 +371,20 @@ class Engine:
         cycle_start = time.perf_counter()
         if self.settings.cycle_time > 0:
             time.sleep(self.settings.cycle_time)  # let more requests gather for fusion
+        on_engine_thread = threading.current_thread() is self._thread
+        if self.settings.cycle_time <= 0 and len(self._queue) > 1 and on_engine_thread:
+            self._gather()
         with self._lock:
             fresh = list(self._queue)
             self._queue.clear()
+            if not (on_engine_thread or self._host_only):
+                # GPU collectives keep to the engine thread (the CUDA device is per thread):
+                # a driving caller leaves them queued for it.
+                self._queue.extend(r for r in fresh if r.signature.place == GPU)
+                fresh = [r for r in fresh if r.signature.place != GPU]
+                if self._queue:
+                    self._handoff = True
+                    self._lock.notify_all()
             stopping = self._stop_requested
             if self._join_handle is not None and not self._joined_cycle:
                 self._joined_cycle = self._cycle + 1
@@ -408,6 +428,20 @@ class Engine:
             timeline.marker(f"cycle {self._cycle}", cycle_start, ran=len(plan.responses))
             timeline.flush()
         return False
+
+    def _gather(self) -> None:
+        """A burst of submissions is under way (several arrived before the engine thread
+        woke): let it finish, so that it runs as one fused cycle rather than a cycle per
+        few tensors. Waits while the queue keeps growing, at most `_GATHER_MAX_SECONDS`."""
+        if _GATHER_MAX_SECONDS <= 0:
+            return
+        now = time.perf_counter()
+        deadline, quiet_until, seen = now + _GATHER_MAX_SECONDS, now + _GATHER_QUIET_SECONDS, 0
+        while now < min(deadline, quiet_until):
+            if len(self._queue) != seen:
+                seen, quiet_until = len(self._queue), now + _GATHER_QUIET_SECONDS
+            time.sleep(0)  # the submitting thread needs the GIL
+            now = time.perf_counter()
 
     def _message(self, stopping: bool) -> Message:
         message = Message(self._cycle, joined_cycle=self._joined_cycle, shutdown=stopping)
