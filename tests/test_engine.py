@@ -101,3 +101,12 @@ def test_the_timeline_is_valid_json_with_a_row_per_tensor_and_every_phase(tmp_pa
     rows = {event["args"]["name"] for event in events if event["name"] == "thread_name"}
     assert {"grad0", "grad1", "grad2", "grad3", "params"} <= rows
     assert any(event["ph"] == "i" and event["name"].startswith("cycle ") for event in events)
+
+
+def test_synchronous_calls_run_on_the_callers_thread_and_threads_get_their_own_results(tmp_path):
+    reports, _ = run("callers", tmp_path, ranks=2)
+    for report in reports:
+        assert report["wrong"] == [] and report["alive"] == []
+        # 40 synchronous allreduces in step on both ranks: the callers ran (most of) the
+        # cycles themselves instead of handing each to the engine thread and back.
+        assert report["driven"] > 0

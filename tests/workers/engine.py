@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 import ringplug
+import ringplug.core.runtime
 
 
 def tensor(name_index: int, rank: int, step: int) -> np.ndarray:
@@ -128,6 +129,37 @@ def idle_cpu(rank: int) -> dict:
     cpu, wall = time.process_time(), time.perf_counter()
     ringplug.allreduce(np.ones(8), name="late")
     return {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall}
+
+
+def callers(rank: int) -> dict:
+    """Synchronous calls run their cycles on the caller's thread when the engine is free;
+    several user threads calling at once still each get their own, correct result."""
+    engine = ringplug.core.runtime.engine()
+    ringplug.barrier()
+    before = engine.cycles_by_callers
+    size = ringplug.size()
+    wrong = []
+    for step in range(40):
+        got = ringplug.allreduce(np.full(16, float(rank + step)), op=ringplug.Sum, name="sync")
+        if not np.all(got == sum(r + step for r in range(size))):
+            wrong.append(("sync", step))
+    driven = engine.cycles_by_callers - before
+
+    def worker(index: int) -> None:
+        for step in range(15):
+            value = float(rank * 100 + index * 10 + step)
+            got = ringplug.allreduce(np.full(8, value), op=ringplug.Sum, name=f"t{index}.{step}")
+            expected = sum(r * 100 + index * 10 + step for r in range(size))
+            if not np.all(got == expected):
+                wrong.append((index, step))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    alive = [t.name for t in threads if t.is_alive()]
+    return {"wrong": wrong, "driven": driven, "alive": alive}
 
 
 def timeline(rank: int) -> dict:

@@ -70,11 +70,11 @@ def main(scenario: str, extra: list[str]) -> None:
     if scenario == "stop-negotiation":
         if rank == 1:
 
-            def frozen_exchange(own):
+            def frozen_exchange(cycle, own, pending):
                 fault(f"negotiation of cycle {own.cycle}")
                 freeze()
 
-            engine._exchange = frozen_exchange
+            engine._exchange.exchange = frozen_exchange
         forever(small)
     if scenario == "stop-ring":
         big = np.ones(1 << 20, np.float32)  # 4 MiB; RINGPLUG_RING_THRESHOLD puts it on the ring

@@ -1,11 +1,12 @@
 """The CUDA facilities the GPU data plane needs: the device, a stream, events, memory, copies.
 
-Two implementations of one small interface (`DeviceRuntime`), chosen per framework:
+One small interface (`DeviceRuntime`) with two implementations:
 
-- `TorchCuda`: torch's own (``torch.cuda`` streams and events, torch's caching
-  allocator), used for torch tensors, so ringplug's buffers live in torch's memory pool;
-- `CudaRuntime`: a ctypes binding to the CUDA runtime (``libcudart``), for frameworks whose
-  streams and allocations are not reachable from Python (TensorFlow, JAX).
+- `CudaRuntime` here: a ctypes binding to the CUDA runtime (``libcudart``), for frameworks
+  whose streams and allocations are not reachable from Python (TensorFlow, JAX);
+- `ringplug.torch.cuda.TorchCuda`: torch's own streams, events and caching allocator, so
+  that ringplug's buffers live in torch's memory pool. The core never imports torch:
+  ``import ringplug.torch`` registers it with `register_runtime`.
 
 All addresses are device pointers as ints. The current CUDA device is per thread, so the
 engine thread calls `set_device` before anything else.
@@ -17,6 +18,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,9 @@ class DeviceRuntime:
     """What the GPU data plane asks of a framework's CUDA facilities."""
 
     name = "abstract"
+    # Whether `scale` works for every op (Min, Max and Product take their scale factors
+    # as passes of their own; NCCL folds Sum's and Average's into the reduction).
+    scales_every_op = False
 
     def device_count(self) -> int:
         raise NotImplementedError
@@ -85,100 +90,6 @@ class DeviceRuntime:
             f"scaling {code.label} data on the GPU needs torch; with {self.name} use op=Sum or "
             "Average (their scale factors are applied inside NCCL)."
         )
-
-
-# ------------------------------------------------------------------ torch's facilities
-class _DeviceArray:
-    """A view of raw device memory that torch can wrap (CUDA array interface)."""
-
-    def __init__(self, address: int, count: int, typestr: str) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (count,),
-            "strides": None,
-            "typestr": typestr,
-            "data": (address, False),
-            "version": 3,
-            "stream": None,  # ordering is ringplug's job (events)
-        }
-
-
-_TYPESTR = {
-    DType.FLOAT16: "<f2",
-    DType.FLOAT32: "<f4",
-    DType.FLOAT64: "<f8",
-    DType.BFLOAT16: "<u2",  # viewed as torch.bfloat16 after wrapping
-}
-
-
-class TorchCuda(DeviceRuntime):
-    """torch.cuda's streams, events and allocator."""
-
-    name = "torch"
-
-    def __init__(self) -> None:
-        import torch
-
-        self.torch = torch
-        self.device = 0
-
-    def device_count(self) -> int:
-        return self.torch.cuda.device_count()
-
-    def set_device(self, index: int) -> None:
-        self.device = index
-        self.torch.cuda.set_device(index)
-
-    def new_stream(self) -> Any:
-        return self.torch.cuda.Stream(device=self.device)
-
-    def stream_handle(self, stream: Any) -> int:
-        return int(stream.cuda_stream)
-
-    def record(self, stream: Any) -> Any:
-        event = self.torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def query(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def alloc(self, nbytes: int) -> tuple[int, Any]:
-        buffer = self.torch.empty(
-            max(nbytes, 1), dtype=self.torch.uint8, device=f"cuda:{self.device}"
-        )
-        return buffer.data_ptr(), buffer
-
-    def _bytes(self, address: int, nbytes: int) -> Any:
-        return self.torch.as_tensor(
-            _DeviceArray(address, nbytes, "|u1"), device=f"cuda:{self.device}"
-        )
-
-    def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        if nbytes and dst != src:
-            with self.torch.cuda.stream(stream):
-                self._bytes(dst, nbytes).copy_(self._bytes(src, nbytes), non_blocking=True)
-
-    def upload(self, dst: int, data: np.ndarray, stream: Any) -> None:
-        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        with self.torch.cuda.stream(stream):
-            self._bytes(dst, raw.nbytes).copy_(self.torch.from_numpy(raw))
-        stream.synchronize()
-
-    def scale(self, address: int, count: int, code: DType, factor: float, stream: Any) -> None:
-        if factor == 1.0 or not count:
-            return
-        if code not in _TYPESTR:
-            raise TypeError(f"scale factors need a floating-point type, got {code.label}.")
-        values = self.torch.as_tensor(
-            _DeviceArray(address, count, _TYPESTR[code]), device=f"cuda:{self.device}"
-        )
-        if code is DType.BFLOAT16:
-            values = values.view(self.torch.bfloat16)
-        with self.torch.cuda.stream(stream):
-            values.mul_(factor)
 
 
 # ------------------------------------------------------------------ the CUDA runtime
@@ -315,18 +226,25 @@ class _Allocation:
 
 _default: DeviceRuntime | None = None
 _default_lock = threading.Lock()
+# A framework's facilities, registered by its adapter: (factory, whether it can serve now).
+_registered: tuple[Callable[[], DeviceRuntime], Callable[[], bool]] | None = None
+
+
+def register_runtime(factory: Callable[[], DeviceRuntime], usable: Callable[[], bool]) -> None:
+    """Let a framework adapter provide the facilities (``ringplug.torch`` registers torch's):
+    `default_runtime` makes one with `factory` when `usable()` says the framework has CUDA."""
+    global _registered
+    with _default_lock:
+        _registered = (factory, usable)
 
 
 def default_runtime() -> DeviceRuntime:
-    """torch's facilities when torch with CUDA is imported, else the CUDA runtime."""
+    """The registered framework's facilities when it has CUDA, else the CUDA runtime."""
     global _default
     with _default_lock:
         if _default is None:
-            import sys
-
-            torch = sys.modules.get("torch")
-            if torch is not None and torch.cuda.is_available():
-                _default = TorchCuda()
+            if _registered is not None and _registered[1]():
+                _default = _registered[0]()
             else:
                 _default = CudaRuntime()
         return _default

@@ -1,40 +1,35 @@
-"""The engine: one background thread per process that runs every collective.
+"""The engine: negotiates, fuses and runs the collectives of one process.
 
 Callers (the user's thread, autograd hooks, a Keras step) submit requests and get a
-`Handle`; they keep computing while the engine thread, the only thread that talks to MPI,
-works in cycles:
+`Handle`. Work goes in cycles, each run by whichever thread holds the engine's MPI lock
+(the one thread talking to MPI at a time):
 
 1. take what was submitted since the last cycle;
-2. negotiate: send every other rank one message with what is ready here (a bit vector
-   for requests agreed before, name and signature for new ones) and receive theirs;
-   `negotiation.decide` turns the messages into the same plan on every rank;
-3. run the plan: allreduces of the same dtype and op are packed into one persistent
-   fusion buffer (up to `RINGPLUG_FUSION_THRESHOLD` bytes) and reduced in one pass; a
-   group of tensors that already lie side by side in one buffer is reduced where it lies;
-4. complete the handles, record the timeline, and check for stalls.
+2. negotiate (`exchange`): send every other rank one message with what is ready here (a
+   bit vector for requests agreed before, name and signature for new ones) and receive
+   theirs; `negotiation.decide` turns the messages into the same plan on every rank;
+3. run the plan: allreduces in fused batches (`fusion`), every other collective through
+   its kind's object (`kind.kind_of`, the modules of `kinds`);
+4. complete the handles, record the timeline, and check for stalls (`stalls`).
 
-An idle engine sleeps on a condition variable and polls for peers' messages with a
-growing interval (at most 1 ms), so a waiting rank uses almost no CPU; a peer's message
-or a local submission wakes it.
+Who runs a cycle: a caller that waits for its collective runs it itself when the engine
+is free (a synchronous collective then costs no hand-off between threads); otherwise the
+engine's own thread does, which is what lets asynchronous collectives overlap the
+caller's work. An idle engine thread sleeps on a condition variable and polls for peers'
+messages with a growing interval (at most 1 ms), so a waiting rank uses almost no CPU.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
-import pickle
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from . import log, reduce, ring
 from .config import Settings
-from .dtypes import DType
 from .errors import (
     CommunicatorFailed,
     MismatchError,
@@ -42,10 +37,13 @@ from .errors import (
     PeerFailedError,
     PeerLeftError,
     RingplugError,
-    StallError,
 )
-from .negotiation import GPU, Cache, Kind, Message, Plan, Response, Signature, decide
-from .ops import ReduceOp
+from .exchange import Exchange
+from .fusion import Fusion, batches
+from .handles import Handle, Request, wake_waiters
+from .kind import GPU, SameEverywhere, check_joined, kind_of
+from .negotiation import Cache, Kind, Message, Plan, Response, decide
+from .stalls import StallInspector
 from .timeline import Timeline
 from .transport import Transport
 from .waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay
@@ -55,13 +53,22 @@ if TYPE_CHECKING:
 
     from .gpu import GpuPlane
 
+__all__ = ["Engine", "Handle", "Request", "cacheable_name"]
+
 logger = logging.getLogger(__name__)
 
-_CONTROL_TAG = 7100
 # After a cycle, the next submission or a peer's next message is usually well under a
 # millisecond away; poll (yielding the GIL and the core) that long before sleeping.
 _POLL_AFTER_CYCLE_SECONDS = 1e-3
 _CACHE_CAPACITY = 4096
+# A caller about to wait for its collective takes the cycles over from the engine thread
+# when that is free within this long (it holds `_mpi` only to look for work, or to run a
+# cycle that has deadlines of its own); otherwise the engine thread runs them.
+_DRIVE_ACQUIRE_SECONDS = 1e-3
+# A burst of asynchronous submissions (gradients) gathers into one cycle while it lasts:
+# until no submission arrived for the quiet spell, at most the maximum.
+_GATHER_QUIET_SECONDS = float(os.environ.get("RINGPLUG_GATHER_QUIET_US", "50")) * 1e-6
+_GATHER_MAX_SECONDS = float(os.environ.get("RINGPLUG_GATHER_MAX_US", "1000")) * 1e-6
 _UNNAMED = "noname."
 
 
@@ -79,114 +86,12 @@ def cacheable_name(name: str) -> bool:
     return not name.startswith(_UNNAMED) and "#" not in name
 
 
-# One signal for every handle of the process: the engine notifies it once per cycle
-# instead of waking one event per tensor.
-_completed = threading.Condition()
-_callbacks_lock = threading.Lock()
-
-
-class Handle:
-    """A collective in flight. `wait()` returns its result or raises its error.
-
-    Every rank gets the same outcome: the result, or the same error naming the ranks
-    involved.
-    """
-
-    __slots__ = ("name", "_done", "_result", "_error", "_callbacks")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._done = False
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Handle], None]] | None = None
-
-    def done(self) -> bool:
-        """Whether the collective has finished (successfully or not); never blocks."""
-        return self._done
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until the collective finished; return its result or raise its error."""
-        if not self._done:
-            with _completed:
-                if not _completed.wait_for(lambda: self._done, timeout):
-                    raise TimeoutError(
-                        f"collective {self.name!r} did not finish within {timeout} s"
-                    )
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    synchronize = wait
-
-    def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
-        """Call `callback(handle)` once the collective has finished (at once if it has).
-
-        Callbacks run on the engine thread: they must be quick and must not wait for
-        another collective (hand the work to a thread of your own).
-        """
-        with _callbacks_lock:
-            if not self._done:
-                self._callbacks = [*(self._callbacks or ()), callback]
-                return
-        callback(self)
-
-    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        """Record the outcome; waiters wake at the engine's next `_wake_waiters()`."""
-        self._result, self._error = result, error
-        with _callbacks_lock:
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, None
-        for callback in callbacks or ():
-            try:
-                callback(self)
-            except Exception:  # noqa: BLE001 - one caller's callback must not stop the engine
-                logger.exception("a callback of collective %r failed", self.name)
-
-
-def _wake_waiters() -> None:
-    with _completed:
-        _completed.notify_all()
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class Request:
-    """One collective submitted on this rank.
-
-    An allreduce carries its tensors as flat contiguous arrays in their storage type:
-    `sends[i]` is reduced into `outs[i]` (the same memory when in place). A grouped
-    allreduce has several.
-    """
-
-    name: str
-    signature: Signature
-    handle: Handle
-    cacheable: bool = False
-    extra: int = 0  # first dimension (allgather, alltoall) or byte length (objects)
-    send: np.ndarray | None = None  # contiguous input, storage type
-    out: np.ndarray | None = None  # contiguous output, storage type (broadcast)
-    sends: list[np.ndarray] = dataclasses.field(default_factory=list)  # allreduce inputs
-    outs: list[np.ndarray] = dataclasses.field(default_factory=list)  # allreduce outputs
-    in_place: bool = False  # outs are sends (the same memory)
-    span: np.ndarray | None = None  # one flat array whose consecutive views are the outs
-    prescale: float = 1.0
-    postscale: float = 1.0
-    splits: np.ndarray | None = None  # alltoall rows per destination
-    data: bytes = b""  # pickled object
-    # GPU requests (signature.place == GPU) hold DeviceBuffers where host ones hold arrays,
-    # and the event after which the caller's stream has produced the inputs (or None).
-    ready: Any = None
-    error: BaseException | None = None  # Kind.ERROR: what this rank rejected
-    finish: Callable[[Any], Any] | None = None  # turns the raw result into the user's
-    submitted: float = 0.0
-    announced: float = 0.0
-
-
 class Engine:
     """Negotiates, fuses and runs the collectives of one process, on its own thread."""
 
-    def __init__(self, comm: MPI.Comm | None, settings: Settings, local_rank: int = 0,
-                 local_size: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, comm: MPI.Comm | None, settings: Settings, local_rank: int = 0, local_size: int = 1
+    ) -> None:
         self.settings = settings
         self.local_rank = local_rank
         self._gpu: GpuPlane | None = None  # made at the first GPU collective
@@ -196,18 +101,18 @@ class Engine:
         # Every wait of this engine (negotiation, ring, MPI collectives) has its deadline.
         self.waiter = Waiter(self._ctrl, settings, self.rank, self.size)
         self.transport.waiter = self.waiter
+        self._exchange = Exchange(self._ctrl, self.waiter, self.rank, self.size)
         if local_size <= _cores():
             self.waiter.spin_with_a_core_each()
         self._renew = False  # a collective was abandoned: renew the data communicator
         self.left_early = False  # this rank ended ringplug while peers still waited for it
-        self._peers = [(self.rank + d) % self.size for d in range(1, self.size)]
         self._lock = threading.Condition()
         self._queue: collections.deque[Request] = collections.deque()
         self._in_flight: set[str] = set()
-        self._pending: dict[str, Request] = {}  # engine thread only
+        self.pending: dict[str, Request] = {}  # engine thread only
         self._cache = Cache(_CACHE_CAPACITY)
         self._cycle = 0
-        self._fusion = np.empty(0, np.uint8)
+        self._fusion = Fusion(self, settings)
         self._failure: BaseException | None = None
         self._failed_here: PeerFailedError | None = None  # a collective of this cycle failed
         self._position = 0  # of the next collective in this cycle's plan
@@ -215,22 +120,34 @@ class Engine:
         self._joined_cycle = 0
         self._join_handle: Handle | None = None
         self._unnamed_next = 1  # the number of the next unnamed request ("noname.N")
-        self._partial_since: dict[str, float] = {}
-        self._stall_warned: set[str] = set()
-        self._stall_abort: list[str] = []
-        self._timeline: Timeline | None = None
+        self._stalls = StallInspector(settings, self.rank, self.size)
+        self.timeline: Timeline | None = None
         self._timeline_lock = threading.Lock()
         self.cycles_run = 0
+        self.cycles_by_callers = 0  # of those, run by a waiting caller (`drive`; tests read it)
         self._last_activity = time.perf_counter()  # end of the last cycle that ran something
         self.collectives_run = 0  # fused batches count once (tests count them)
         if settings.timeline:
             self.start_timeline(settings.timeline)
+        # Whoever holds `_mpi` runs cycles and is the one thread talking to MPI: the engine
+        # thread, or a caller waiting for its synchronous collective (see `drive`).
+        self._mpi = threading.Lock()
+        self._handoff = False  # a driving caller left work in flight for the engine thread
+        self._host_only = True  # no GPU collective yet: callers may drive
+        self._ended = False  # a cycle shut the engine down (on whichever thread ran it)
         self._thread = threading.Thread(target=self._main, name="ringplug-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ callers' side
-    def submit(self, request: Request) -> Handle:
-        """Queue `request` for the engine thread; raise at once if it cannot be queued."""
+    def submit(self, request: Request, drive: bool = False) -> Handle:
+        """Queue `request` for the engine thread; raise at once if it cannot be queued.
+
+        With `drive`, the caller is about to wait for the handle (a synchronous collective):
+        the engine thread is not woken, as `wait()` runs the cycle on the caller's thread
+        when the engine is free (see `drive`).
+        """
+        if request.signature.place == GPU:
+            self._host_only = False  # the GPU plane keeps to the engine thread (its device)
         with self._lock:
             if self._failure is not None:
                 raise self._failure
@@ -245,8 +162,37 @@ class Engine:
             self._in_flight.add(request.name)
             request.submitted = time.perf_counter()
             self._queue.append(request)
-            self._lock.notify()
+            if self._host_only:
+                request.handle._engine = self  # its waiter may run the cycle (see `drive`)
+            if not (drive and self._host_only):
+                self._lock.notify_all()
         return request.handle
+
+    def drive(self, handle: Handle) -> None:
+        """Run engine cycles on the calling thread until `handle` is done, while no other
+        thread runs them; hand the rest to the engine thread.
+
+        A synchronous collective then costs no thread hand-off: the caller that would sleep
+        until the engine thread woke, negotiated, ran the collective and woke it again does
+        that work itself. Whoever holds `_mpi` is the one thread talking to MPI.
+        """
+        handle._engine = None
+        if threading.current_thread() is self._thread or not self._host_only:
+            return
+        if self._mpi.acquire(timeout=_DRIVE_ACQUIRE_SECONDS):
+            try:
+                while not (handle._done or self._ended):
+                    if not self._wait_for_work(handle):
+                        break
+                    self.cycles_by_callers += 1
+                    if self._guarded_cycle():
+                        break
+            finally:
+                self._mpi.release()
+        if not handle._done:
+            with self._lock:
+                self._handoff = True  # the engine thread takes over, polling as in flight
+                self._lock.notify_all()
 
     def unnamed(self) -> str:
         """A name for an unnamed request: "noname.1", "noname.2", ... in call order (the
@@ -260,7 +206,7 @@ class Engine:
         move its numbering past theirs, so that its calls after join() match theirs."""
         highest = 0
         for name in names:
-            if name.startswith(_UNNAMED) and name not in self._pending:
+            if name.startswith(_UNNAMED) and name not in self.pending:
                 number = name[len(_UNNAMED) :]
                 if number.isdigit():
                     highest = max(highest, int(number))
@@ -276,14 +222,14 @@ class Engine:
             if self._join_handle is not None:
                 raise ValueError("join() is already in progress on this rank.")
             self._join_handle = Handle("join")
-            self._lock.notify()
+            self._lock.notify_all()
             return self._join_handle
 
     def stop(self, timeout: float = 60.0) -> None:
         """Shut the engine down on every rank, finishing what already ran. Idempotent."""
         with self._lock:
             self._stop_requested = True
-            self._lock.notify()
+            self._lock.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         if self._thread.is_alive():
@@ -302,34 +248,65 @@ class Engine:
         if self.rank != 0:
             return
         with self._timeline_lock:
-            if self._timeline is not None:
-                self._timeline.stop()
-            self._timeline = Timeline(path, self.rank)
+            if self.timeline is not None:
+                self.timeline.stop()
+            self.timeline = Timeline(path, self.rank)
 
     def stop_timeline(self) -> None:
         with self._timeline_lock:
-            if self._timeline is not None:
-                self._timeline.stop()
-                self._timeline = None
+            if self.timeline is not None:
+                self.timeline.stop()
+                self.timeline = None
 
     # ------------------------------------------------------------------ engine thread
     def _main(self) -> None:
         try:
-            while True:
+            while not self._ended:
                 if not self._wait_for_work():
                     continue
-                if self._run_cycle():
-                    break
+                try:
+                    if self._guarded_cycle():
+                        return
+                finally:
+                    self._mpi.release()
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
+            logger.exception("the ringplug engine failed")
+            self.fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
+            self._ended = True
+
+    def _guarded_cycle(self) -> bool:
+        """Run one cycle; True when the engine should stop (shut down, or it failed)."""
+        try:
+            self._ended = self._run_cycle()
+            return self._ended
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
             if isinstance(exc, CommunicatorFailed):
                 logger.error("%s", exc)
-                self._fail_everything(exc)
-                return
+                self.fail_everything(exc)
+                self._ended = True
+                return True
+            if not isinstance(exc, Exception):  # e.g. KeyboardInterrupt in a driving caller
+                self.fail_everything(
+                    RingplugError(
+                        f"ringplug was interrupted ({type(exc).__name__}) in the middle of a "
+                        "collective on this rank; it cannot continue in this process."
+                    )
+                )
+                self._ended = True
+                raise
             logger.exception("the ringplug engine failed")
-            self._fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
+            self.fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
+            self._ended = True
+            return True
 
-    def _wait_for_work(self) -> bool:
-        """Sleep until there is a reason to run a cycle; False to look again."""
+    def _wait_for_work(self, handle: Handle | None = None) -> bool:
+        """Wait until there is a reason to run a cycle; True, holding `_mpi`, when there is.
+
+        On the engine thread (`handle` None), False means "look again". A caller driving
+        `handle` already holds `_mpi`; False tells it to stop: its handle is done, or the
+        wait got long and the engine thread takes over.
+        """
+        driving = handle is not None
         delay = 20e-6
         retry_at = time.monotonic() + self._idle_cycle_period()
         # Right after a cycle the next request or a peer's message is usually microseconds
@@ -338,30 +315,49 @@ class Engine:
         # wakes the engine at once, and peers wait for that request anyway. Then the engine
         # sleeps 1 ms at a time, leaving the core to the training thread (polling every
         # 200 us through the forward pass cost 20% of its speed on a 1-core rank).
-        in_flight = bool(self._pending) or self._join_handle is not None
+        in_flight = bool(self.pending) or self._join_handle is not None or driving
         spin_until = time.perf_counter() + (_POLL_AFTER_CYCLE_SECONDS if in_flight else 0.0)
         if not in_flight:
             delay = IDLE_SLEEP_SECONDS
         while True:
             with self._lock:
-                if self._queue or self._stop_requested:
+                if self._ended or (driving and (handle._done or not self._host_only)):
+                    return False
+                if not driving and self._handoff:
+                    self._handoff = False  # a caller left work in flight: poll as in flight
+                    return False
+                ready = bool(self._queue or self._stop_requested) or (
+                    self._join_handle is not None and not self._joined_cycle
+                )
+            if not ready and (self.pending or self._joined_cycle):
+                ready = time.monotonic() >= retry_at  # look again, for the stall inspector
+            # Without `_mpi` a caller is running the cycles: wait below.
+            if (ready or self._ctrl is not None) and (driving or self._mpi.acquire(blocking=False)):
+                if not ready:
+                    ready = self._exchange.peer_started()
+                if ready:
                     return True
-                if self._join_handle is not None and not self._joined_cycle:
-                    return True
-            if self._ctrl is not None and self._ctrl.Iprobe(tag=_CONTROL_TAG):
-                return True  # a peer started a cycle
-            if (self._pending or self._joined_cycle) and time.monotonic() >= retry_at:
-                return True  # look again, for the stall inspector
-            if self.size == 1 and not self._pending:
+                if not driving:
+                    self._mpi.release()
+            if self.size == 1 and not self.pending:
+                if driving:
+                    return False
                 with self._lock:
                     if not (self._queue or self._stop_requested or self._join_handle):
                         self._lock.wait(0.05)
                 return False
             if time.perf_counter() < spin_until:
-                time.sleep(0)
+                # A driving caller yields as the engine's waits do; the engine thread
+                # sleeps for the timer slack instead, leaving the GIL to the caller.
+                if driving:
+                    self.waiter.pause()
+                else:
+                    time.sleep(0)
                 continue
+            if driving:
+                return False  # a long wait: the engine thread polls and the caller sleeps
             with self._lock:
-                if not (self._queue or self._stop_requested):
+                if not (self._queue or self._stop_requested or self._handoff):
                     self._lock.wait(delay)
             if in_flight:
                 delay = next_delay(delay, self._last_activity)
@@ -375,18 +371,29 @@ class Engine:
         cycle_start = time.perf_counter()
         if self.settings.cycle_time > 0:
             time.sleep(self.settings.cycle_time)  # let more requests gather for fusion
+        on_engine_thread = threading.current_thread() is self._thread
+        if self.settings.cycle_time <= 0 and len(self._queue) > 1 and on_engine_thread:
+            self._gather()
         with self._lock:
             fresh = list(self._queue)
             self._queue.clear()
+            if not (on_engine_thread or self._host_only):
+                # GPU collectives keep to the engine thread (the CUDA device is per thread):
+                # a driving caller leaves them queued for it.
+                self._queue.extend(r for r in fresh if r.signature.place == GPU)
+                fresh = [r for r in fresh if r.signature.place != GPU]
+                if self._queue:
+                    self._handoff = True
+                    self._lock.notify_all()
             stopping = self._stop_requested
             if self._join_handle is not None and not self._joined_cycle:
                 self._joined_cycle = self._cycle + 1
         for request in fresh:
             request.announced = cycle_start
-            self._pending[request.name] = request
+            self.pending[request.name] = request
         self._cycle += 1
         own = self._message(stopping)
-        messages = self._exchange(own)
+        messages = self._exchange.exchange(self._cycle, own, list(self.pending))
         plan = decide(messages, self._cache)
         self.cycles_run += 1
         if plan.shutdown_by is not None:
@@ -400,108 +407,79 @@ class Engine:
             return True
         if any(m.renew for m in messages) and self._ctrl is not None:
             self.transport.renew(self._ctrl)
-        cacheable = {n for n, r in self._pending.items() if r.cacheable}
+        cacheable = {n for n, r in self.pending.items() if r.cacheable}
         # A joined rank lacks the others' requests; it must still learn the same slots
         # (given names are the cacheable ones), or its cache parts from theirs.
         cacheable.update(
-            r.name for r in plan.responses if r.name not in self._pending and cacheable_name(r.name)
+            r.name for r in plan.responses if r.name not in self.pending and cacheable_name(r.name)
         )
         self._cache.learn(plan, cacheable)
         self._execute(plan)
-        self._inspect_stalls(plan)
+        stalled = self._stalls.inspect(plan, self.pending)
+        if stalled is not None:
+            self.fail_everything(stalled)
         if plan.all_joined:
             self._finish_join(plan.last_joined)
-        _wake_waiters()
+        wake_waiters()
         if plan.responses or plan.errors:
             self._last_activity = time.perf_counter()
-        timeline = self._timeline
+        timeline = self.timeline
         if timeline is not None:
             timeline.marker(f"cycle {self._cycle}", cycle_start, ran=len(plan.responses))
             timeline.flush()
         return False
 
+    def _gather(self) -> None:
+        """A burst of submissions is under way (several arrived before the engine thread
+        woke): let it finish, so that it runs as one fused cycle rather than a cycle per
+        few tensors. Waits while the queue keeps growing, at most `_GATHER_MAX_SECONDS`."""
+        if _GATHER_MAX_SECONDS <= 0:
+            return
+        now = time.perf_counter()
+        deadline, quiet_until, seen = now + _GATHER_MAX_SECONDS, now + _GATHER_QUIET_SECONDS, 0
+        while now < min(deadline, quiet_until):
+            if len(self._queue) != seen:
+                seen, quiet_until = len(self._queue), now + _GATHER_QUIET_SECONDS
+            time.sleep(0)  # the submitting thread needs the GIL
+            now = time.perf_counter()
+
     def _message(self, stopping: bool) -> Message:
         message = Message(self._cycle, joined_cycle=self._joined_cycle, shutdown=stopping)
         message.renew, self._renew = self._renew, False
-        for name, request in self._pending.items():
+        for name, request in self.pending.items():
             slot = self._cache.slot_for(name, request.signature) if request.cacheable else None
             if slot is not None:
                 message.cached |= 1 << slot
             else:
                 message.new.append((name, request.signature, request.extra))
-        if self._stall_abort:
-            message.stall_abort, self._stall_abort = self._stall_abort, []
+        message.stall_abort = self._stalls.take_abort()
         return message
-
-    def _exchange(self, own: Message) -> list[Message]:
-        """Send `own` to every peer and receive theirs (this cycle's, in rank order)."""
-        messages: list[Message | None] = [None] * self.size
-        messages[self.rank] = own
-        if self.size == 1:
-            return messages  # type: ignore[return-value]
-        from mpi4py import MPI
-
-        ctrl = self._ctrl
-        payload = bytearray(pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL))
-        sends = [ctrl.Isend([payload, MPI.BYTE], peer, _CONTROL_TAG) for peer in self._peers]
-        waiting = list(self._peers)
-        status = MPI.Status()
-
-        def arrived() -> bool:
-            for peer in list(waiting):
-                if ctrl.Iprobe(source=peer, tag=_CONTROL_TAG, status=status):
-                    buffer = bytearray(status.Get_count(MPI.BYTE))
-                    ctrl.Recv([buffer, MPI.BYTE], peer, _CONTROL_TAG)
-                    messages[peer] = pickle.loads(buffer)
-                    waiting.remove(peer)
-            return not waiting
-
-        pending = sorted(self._pending)
-        shown = ", ".join(repr(n) for n in pending[:5]) + (", ..." if len(pending) > 5 else "")
-        self.waiter.begin(self._cycle, -1, "negotiation")
-        # A rank that sent its message is alive: only the others can be the ones missing.
-        self.waiter.wait(arrived, f"pending here: {shown or 'nothing of its own'}",
-                         missing=lambda: sorted(waiting))  # fmt: skip
-        self.waiter.wait_requests(sends, "sending this rank's negotiation message")
-        return messages  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ running a plan
     def _execute(self, plan: Plan) -> None:
         if self._join_handle is not None:
             self._follow_unnamed([r.name for r in plan.responses] + list(plan.errors))
         for name, message in plan.errors.items():
-            request = self._pending.pop(name, None)
+            request = self.pending.pop(name, None)
             if request is not None:
-                self._complete(request, error=_mismatch_error(request, message))
-        batch: list[Response] = []
-        batch_bytes = 0
+                self.complete(request, error=_mismatch_error(request, message))
         self._failed_here = None
         self._position = 0
-        for response in plan.responses:
-            signature = response.signature
-            if signature.kind is Kind.ALLREDUCE:
-                nbytes = (
-                    int(np.prod(signature.shape, dtype=np.int64)) * DType(signature.code).itemsize
-                )
-                if batch and (
-                    batch[0].signature.code != signature.code
-                    or batch[0].signature.op != signature.op
-                    or batch[0].signature.place != signature.place
-                    or batch_bytes + nbytes > self.settings.fusion_threshold
-                ):
-                    self._allreduce_batch(batch)
-                    batch, batch_bytes = [], 0
-                batch.append(response)
-                batch_bytes += nbytes
-                continue
-            if batch:
-                self._allreduce_batch(batch)
-                batch, batch_bytes = [], 0
-            self._run_single(response)
-        if batch:
-            self._allreduce_batch(batch)
+        for item in batches(plan.responses, self.settings.fusion_threshold):
+            if isinstance(item, list):
+                self._fusion.run(item)
+            else:
+                self._run_single(item)
 
-    def _begin(self, kind: str, responses: list[Response]) -> PeerFailedError | None:
+    def gpu_plane(self) -> GpuPlane:
+        """The GPU data plane (NCCL), made at the first GPU collective."""
+        if self._gpu is None:
+            from .gpu import GpuPlane  # only GPU jobs load NCCL
+
+            self._gpu = GpuPlane(self.transport, self.settings, self.local_rank)
+        return self._gpu
+
+    def begin_collective(self, kind: str, responses: list[Response]) -> PeerFailedError | None:
         """Name the collective the next waits belong to (its position in the plan is the
         same on every rank). Returns the error to fail it with when an earlier collective of
         this cycle failed (the ranks then left the data communicator), else None."""
@@ -524,7 +502,7 @@ class Engine:
                 return cause
         return PeerFailedError(f"{what} did not run: {cause}", caused_by=cause.caused_by)
 
-    def _failed(self, exc: BaseException, requests: list[Request | None]) -> None:
+    def collective_failed(self, exc: BaseException, requests: list[Request | None]) -> None:
         """A collective failed while running: fail its requests here, and make sure every
         peer hears of it instead of waiting for this rank forever."""
         if isinstance(exc, PeerFailedError):
@@ -536,286 +514,65 @@ class Engine:
             cause = PeerFailedError(f"rank {self.rank} failed {self.waiter.what}: {text}")
         self._renew = True  # its operations may still be posted: leave the communicator
         self._failed_here = cause
-        self._complete_each(requests, error=exc)
-
-    def _allreduce_batch(self, batch: list[Response]) -> None:
-        """Reduce the tensors of `batch` (same dtype and op) in one collective.
-
-        Large batches are reduced where the tensors lie (the ring sends several arrays as
-        one range); small ones, which MPI's own Allreduce handles best, are packed into the
-        fusion buffer first. Tensors that already sit side by side in one buffer are
-        reduced there either way.
-        """
-        code, op = DType(batch[0].signature.code), ReduceOp(batch[0].signature.op)
-        requests = [self._pending.pop(r.name, None) for r in batch]
-        if batch[0].signature.place == GPU:
-            self._gpu_allreduce_batch(batch, requests, code, op)
-            return
-        skipped = self._begin("allreduce", batch)
-        if skipped is not None:
-            self._complete_each(requests, error=skipped)
-            return
-        try:
-            self._host_allreduce_batch(batch, requests, code, op)
-        except CommunicatorFailed:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
-            self._failed(exc, requests)
-
-    def _host_allreduce_batch(self, batch: list[Response], requests: list[Request | None],
-                              code: DType, op: ReduceOp) -> None:  # fmt: skip
-        # One entry per tensor: (request or None for a joined rank, input, output).
-        entries: list[tuple[Request | None, np.ndarray, np.ndarray]] = []
-        for response, request in zip(batch, requests, strict=True):
-            if request is not None:
-                entries.extend((request, s, o) for s, o in zip(request.sends, request.outs,
-                                                                 strict=True))  # fmt: skip
-            else:
-                entries.extend((None, part, part) for part in _joined_parts(response, op, code))
-        total = sum(send.size for _, send, _ in entries)
-        start = time.perf_counter()
-        packed = False
-        present = [request for request in requests if request is not None]
-        span = None
-        if len(requests) == 1 and present and present[0].span is not None:
-            span = present[0].span  # a grouped allreduce's result buffer
-        elif len(present) == len(requests) and all(r.in_place for r in present):
-            span = _span([out for _, _, out in entries], code)  # e.g. a gradient buffer
-        if span is not None:
-            # The outputs lie side by side in one buffer: reduce there, after one copy in
-            # unless the tensors are reduced in place.
-            target: np.ndarray | ring.Pieces = span
-            parts = [out for _, _, out in entries]
-            if not all(r.in_place for r in present):
-                np.concatenate([send for _, send, _ in entries], out=span)
-        elif len(entries) == 1 or self.transport.uses_ring(total * code.itemsize, code, op):
-            parts = []
-            for request, send, out in entries:
-                if request is not None and not request.in_place:
-                    np.copyto(out, send)
-                parts.append(out)
-            target = parts[0] if len(parts) == 1 else ring.Pieces(parts)
-        else:
-            packed = True
-            target = self._fusion_view(code, total)
-            np.concatenate([send for _, send, _ in entries], out=target)
-            parts = ring.split(target, [send.size for _, send, _ in entries])
-        for (request, _, _), part in zip(entries, parts, strict=True):
-            if request is not None and request.prescale != 1.0:
-                reduce.scale(part, request.prescale, code)
-        copied_in = time.perf_counter()
-        average = op is ReduceOp.AVERAGE
-        factors = {request.postscale / self.size if average else request.postscale
-                   for request in present}  # fmt: skip
-        # One factor for the whole batch (the usual case) is applied inside the reduction,
-        # with no pass of its own over the result.
-        shared = factors.pop() if len(factors) == 1 else 1.0
-        self.transport.allreduce(target, op, code, postscale=shared)
-        reduced = time.perf_counter()
-        self.collectives_run += 1
-        for (request, _, out), part in zip(entries, parts, strict=True):
-            if request is None:
-                continue
-            if packed:
-                out[...] = part
-            factor = request.postscale / self.size if average else request.postscale
-            if shared == 1.0 and factor != 1.0:
-                reduce.scale(out, factor, code)
-        copied_out = time.perf_counter()
-        self._complete_each(requests)
-        timeline = self._timeline
-        if timeline is not None:
-            for request in requests:
-                if request is None:
-                    continue
-                self._trace_wait(timeline, request, start)
-                if copied_in - start > 1e-6:
-                    timeline.span(request.name, "COPY_IN", start, copied_in)
-                timeline.span(request.name, "ALLREDUCE", copied_in, reduced,
-                              fused=len(batch), path=self.transport.last_path)  # fmt: skip
-                if packed:
-                    timeline.span(request.name, "COPY_OUT", reduced, copied_out)
-
-    def _gpu_plane(self) -> GpuPlane:
-        if self._gpu is None:
-            from .gpu import GpuPlane  # only GPU jobs load NCCL
-
-            self._gpu = GpuPlane(self.transport, self.settings, self.local_rank)
-        return self._gpu
-
-    def _gpu_allreduce_batch(self, batch: list[Response], requests: list[Request | None],
-                             code: DType, op: ReduceOp) -> None:  # fmt: skip
-        """The GPU form of `_allreduce_batch`: NCCL, with the fusion buffer on the device."""
-        items: list[tuple[Any, Any, float, float]] = []
-        for response, request in zip(batch, requests, strict=True):
-            if request is None:  # joined: identity values from the host
-                items.extend((part, None, 1.0, 1.0) for part in _joined_parts(response, op, code))
-                continue
-            pairs = zip(request.sends, request.outs, strict=True)
-            items.extend((send, out, request.prescale, request.postscale) for send, out in pairs)
-        start = time.perf_counter()
-        try:
-            self._gpu_plane().allreduce(items, code, op, [r.ready for r in requests if r])
-        except CommunicatorFailed as exc:  # these requests left _pending: fail them here
-            self._complete_each(requests, error=exc)
-            raise
-        except Exception as exc:  # noqa: BLE001 - e.g. out of device memory for the fusion buffer
-            # Its callers hear it; peers inside the NCCL collective end at the GPU plane's
-            # timeout, which aborts the communicator on every rank.
-            self._complete_each(requests, error=exc)
-            return
-        done = time.perf_counter()
-        self.collectives_run += 1
-        self._complete_each(requests)
-        timeline = self._timeline
-        if timeline is not None:
-            for request in requests:
-                if request is not None:
-                    self._trace_wait(timeline, request, start)
-                    timeline.span(request.name, "NCCL_ALLREDUCE", start, done, fused=len(batch))
-
-    def _fusion_view(self, code: DType, count: int) -> np.ndarray:
-        nbytes = count * code.itemsize
-        if self._fusion.nbytes < nbytes:
-            # Grows to the largest batch seen (at most the fusion threshold) and is reused.
-            self._fusion = np.empty(max(nbytes, min(self.settings.fusion_threshold, 4 * nbytes)),
-                                    np.uint8)  # fmt: skip
-        return self._fusion[:nbytes].view(code.storage)
+        self.complete_each(requests, error=exc)
 
     def _run_single(self, response: Response) -> None:
-        """Run a collective that is not fused (everything but allreduce)."""
+        """Run a collective that is not fused (everything but allreduce) through its kind."""
         signature = response.signature
-        request = self._pending.pop(response.name, None)
+        request = self.pending.pop(response.name, None)
         if signature.kind is Kind.ERROR:  # every rank rejected its arguments: each raises its own
             if request is not None:
-                self._complete(request, error=request.error)
+                self.complete(request, error=request.error)
             return
+        collective = kind_of(signature.kind)
         start = time.perf_counter()
         if signature.place != GPU:
-            skipped = self._begin(signature.kind.label, [response])
+            skipped = self.begin_collective(collective.label, [response])
             if skipped is not None:
-                self._complete_each([request], error=skipped)
+                self.complete_each([request], error=skipped)
                 return
         try:
+            check_joined(signature, response)
             if signature.place == GPU:
-                result = self._dispatch_gpu(signature, response, request)
+                result = collective.run_gpu(self, response, request)
             else:
-                result = self._dispatch(signature, response, request)
+                result = collective.run_host(self, response, request)
         except CommunicatorFailed as exc:
             if request is not None:
-                self._complete(request, error=exc)
+                self.complete(request, error=exc)
             raise  # every other GPU collective must fail too
-        except _SameEverywhere as exc:  # raised alike on every rank, before any data moved
+        except SameEverywhere as exc:  # raised alike on every rank, before any data moved
             if request is not None:
-                self._complete(request, error=exc)
+                self.complete(request, error=exc)
             return
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
             if signature.place == GPU:
                 if request is not None:
-                    self._complete(request, error=exc)
+                    self.complete(request, error=exc)
                 return
-            self._failed(exc, [request])
+            self.collective_failed(exc, [request])
             return
         self.collectives_run += 1
         if request is not None:
-            self._complete(request, result=result)
-            timeline = self._timeline
+            self.complete(request, result=result)
+            timeline = self.timeline
             if timeline is not None:
-                self._trace_wait(timeline, request, start)
+                self.trace_wait(timeline, request, start)
                 timeline.span(request.name, signature.kind.name, start, time.perf_counter())
 
-    def _dispatch(self, signature: Signature, response: Response, request: Request | None) -> Any:
-        kind, transport = signature.kind, self.transport
-        code = DType(signature.code) if signature.code >= 0 else None
-        _check_joined(signature, response)
-        if kind is Kind.BARRIER:
-            return None
-        if kind is Kind.BROADCAST:
-            if not response.have[signature.root]:
-                raise _SameEverywhere(f"broadcast {response.name!r}: root rank {signature.root} "
-                                      "has joined and has nothing to send.")  # fmt: skip
-            buf = request.out if request is not None else np.empty(signature.shape, code.storage)
-            transport.broadcast(buf, signature.root)
-            return buf
-        if kind is Kind.ALLGATHER:
-            send = (
-                request.send
-                if request is not None
-                else np.empty((0, *signature.shape), code.storage)
-            )
-            return transport.allgather(send, response.extras)
-        if kind is Kind.REDUCESCATTER:
-            op = ReduceOp(signature.op)
-            send = (
-                request.send
-                if request is not None
-                else np.full(signature.shape, _identity(op, code), code.storage)
-            )
-            block = transport.reducescatter(send, op, code, request.prescale if request else 1.0)
-            if request is not None:
-                factor = (
-                    request.postscale / self.size if op is ReduceOp.AVERAGE else (request.postscale)
-                )
-                reduce.scale(block.reshape(-1), factor, code)
-            return block
-        if kind is Kind.ALLTOALL:
-            if not all(response.have):
-                raise _SameEverywhere(f"alltoall {response.name!r} cannot run after a rank joined.")
-            return transport.alltoall(request.send, request.splits)
-        if kind is Kind.BROADCAST_OBJECT:
-            if not response.have[signature.root]:
-                raise _SameEverywhere(f"broadcast_object {response.name!r}: root rank "
-                                      f"{signature.root} has joined.")  # fmt: skip
-            length = response.extras[signature.root]
-            data = request.data if request is not None else b""
-            return transport.broadcast_bytes(data, length, signature.root)
-        if kind is Kind.ALLGATHER_OBJECT:
-            data = request.data if request is not None else b""
-            return transport.allgather_bytes(data, response.extras)
-        raise _SameEverywhere(f"unknown collective kind {kind}")
-
-    def _dispatch_gpu(self, signature: Signature, response: Response,
-                      request: Request | None) -> Any:  # fmt: skip
-        """Broadcast, allgather and reducescatter of device buffers (results stay on the GPU)."""
-        _check_joined(signature, response)
-        kind, plane = signature.kind, self._gpu_plane()
-        code = DType(signature.code)
-        ready = request.ready if request is not None else None
-        if kind is Kind.BROADCAST:
-            if not response.have[signature.root]:
-                raise RingplugError(f"broadcast {response.name!r}: root rank {signature.root} "
-                                    "has joined and has nothing to send.")  # fmt: skip
-            count = int(np.prod(signature.shape, dtype=np.int64))
-            return plane.broadcast(request.out if request else None, count, code,
-                                   signature.root, ready)  # fmt: skip
-        row_elems = int(np.prod(signature.shape[1:] if kind is Kind.REDUCESCATTER
-                                else signature.shape, dtype=np.int64))  # fmt: skip
-        if kind is Kind.ALLGATHER:
-            send, out = (request.send, request.out) if request else (None, None)
-            return plane.allgather(send, response.extras, row_elems, code, ready, out)
-        if kind is Kind.REDUCESCATTER:
-            op = ReduceOp(signature.op)
-            count = int(np.prod(signature.shape, dtype=np.int64))
-            send = request.send if request else np.full(count, _identity(op, code), code.storage)
-            return plane.reducescatter(
-                send, signature.shape[0], row_elems, code, op,
-                request.prescale if request else 1.0, request.postscale if request else 1.0,
-                ready,
-            )  # fmt: skip
-        raise RingplugError(f"{kind.label} is not available for GPU tensors.")
-
     @staticmethod
-    def _trace_wait(timeline: Timeline, request: Request, start: float) -> None:
+    def trace_wait(timeline: Timeline, request: Request, start: float) -> None:
         timeline.span(request.name, "QUEUE", request.submitted, request.announced)
         timeline.span(request.name, "NEGOTIATE", request.announced, start)
 
-    def _complete_each(self, requests: list[Request | None],
-                       error: BaseException | None = None) -> None:  # fmt: skip
+    def complete_each(
+        self, requests: list[Request | None], error: BaseException | None = None
+    ) -> None:
         for request in requests:
             if request is not None:
-                self._complete(request, error=error)
+                self.complete(request, error=error)
 
-    def _complete(
+    def complete(
         self, request: Request, result: Any = None, error: BaseException | None = None
     ) -> None:
         if error is None and request.finish is not None:
@@ -828,131 +585,56 @@ class Engine:
         request.handle._finish(result, error)
 
     # ------------------------------------------------------------------ stalls, join, end
-    def _inspect_stalls(self, plan: Plan) -> None:
-        now = time.monotonic()
-        for name in list(self._partial_since):
-            if name not in plan.partial:
-                del self._partial_since[name]
-                self._stall_warned.discard(name)
-        for name in plan.partial:
-            self._partial_since.setdefault(name, now)
-        if plan.stall_abort:
-            self._fail_everything(StallError(self._stall_text(plan, plan.stall_abort, now)))
-            return
-        overdue = [n for n, t in self._partial_since.items()
-                   if n in self._pending and now - t >= self.settings.timeout]  # fmt: skip
-        if overdue:
-            name = overdue[0]
-            missing = [r for r in range(self.size) if r not in plan.partial[name]]
-            kind = self._pending[name].signature.kind.label
-            log.end_job(
-                self.rank,
-                f"rank {self.rank} waited {now - self._partial_since[name]:.0f} s in {kind} "
-                f"{name!r} for rank(s) {_ranks(missing)}, which never submitted it "
-                f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}). Ending the job: MPI cannot "
-                "cancel a collective. Look at what the missing ranks were doing (a stuck data "
-                "loader, an uneven number of batches, a branch only some ranks take).",
-                culprits=missing,
-            )
-        if self.rank != 0:
-            return
-        check, shutdown = self.settings.stall_check_seconds, self.settings.stall_shutdown_seconds
-        late = [n for n, t in self._partial_since.items() if now - t >= check]
-        fresh = [n for n in late if n not in self._stall_warned]
-        if fresh:
-            self._stall_warned.update(fresh)
-            logger.warning("%s", self._stall_text(plan, late, now))
-        if shutdown > 0:
-            doomed = [n for n, t in self._partial_since.items() if now - t >= shutdown]
-            if doomed:
-                self._stall_abort = doomed  # sent in the next cycle, so every rank fails alike
-
-    def _stall_text(self, plan: Plan, names: list[str], now: float) -> str:
-        active = range(self.size)
-        parts = []
-        for name in sorted(names)[:20]:
-            holders = plan.partial.get(name, [])
-            missing = [r for r in active if r not in holders]
-            waited = now - self._partial_since.get(name, now)
-            parts.append(f"{name!r} is ready on rank(s) {_ranks(holders)} but not on rank(s) "
-                         f"{_ranks(missing)} (for {waited:.0f} s)")  # fmt: skip
-        return (
-            "Stalled collectives: " + "; ".join(parts) + ". The missing ranks are elsewhere in "
-            "the program: a different number of batches, a branch only some ranks take, or "
-            "tensors submitted in a different set (RINGPLUG_STALL_CHECK_SECONDS="
-            f"{self.settings.stall_check_seconds:g}, RINGPLUG_STALL_SHUTDOWN_SECONDS="
-            f"{self.settings.stall_shutdown_seconds:g})."
-        )
-
     def _finish_join(self, last: int) -> None:
         with self._lock:
             handle, self._join_handle = self._join_handle, None
             self._joined_cycle = 0
         if handle is not None:
             handle._finish(last)
-            _wake_waiters()
+            wake_waiters()
 
     def _shut_down(self, by: int) -> None:
         if by == self.rank:
-            self._fail_everything(RingplugError(
-                "ringplug was shut down (by this rank) before this collective ran on every rank."
-            ))  # fmt: skip
+            self.fail_everything(
+                RingplugError(
+                    "ringplug was shut down (by this rank) before this collective ran on every "
+                    "rank."
+                )
+            )
             return
-        waiting = sorted(self._pending)
+        waiting = sorted(self.pending)
         what = (
             f" while this rank waited in {', '.join(repr(n) for n in waiting[:5])}"
             if waiting
             else ""
         )
-        self._fail_everything(PeerLeftError(
-            f"rank {by} left the job{what}: it ended ringplug (its program ended, or called "
-            "ringplug.shutdown()) before every rank was done with the collectives they share. "
-            "Every rank must run the same collectives; look at why rank "
-            f"{by} stopped early (an exception caught and ended with sys.exit, fewer batches).",
-            caused_by=(by,),
-        ))  # fmt: skip
+        self.fail_everything(
+            PeerLeftError(
+                f"rank {by} left the job{what}: it ended ringplug (its program ended, or called "
+                "ringplug.shutdown()) before every rank was done with the collectives they share. "
+                "Every rank must run the same collectives; look at why rank "
+                f"{by} stopped early (an exception caught and ended with sys.exit, fewer batches).",
+                caused_by=(by,),
+            )
+        )
 
-    def _fail_everything(self, error: BaseException) -> None:
+    def fail_everything(self, error: BaseException) -> None:
         with self._lock:
             self._failure = error
-            requests = list(self._pending.values()) + list(self._queue)
+            requests = list(self.pending.values()) + list(self._queue)
             self._queue.clear()
-            self._pending.clear()
+            self.pending.clear()
             self._in_flight.clear()
             join, self._join_handle = self._join_handle, None
         for request in requests:
             request.handle._finish(None, error)
         if join is not None:
             join._finish(None, error)
-        _wake_waiters()
+        wake_waiters()
 
 
 class _SameEverywhere(RingplugError):
     """A collective that cannot run, found from the plan alone: every rank raises it."""
-
-
-def _span(arrays: list[np.ndarray], code: DType) -> np.ndarray | None:
-    """The flat region of one buffer that holds `arrays` side by side in order, or None."""
-    if len(arrays) < 2:
-        return None
-    first = arrays[0]
-    base = first.base if first.base is not None else first
-    if not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
-        return None
-    address = first.ctypes.data
-    for array in arrays:
-        owner = array.base if array.base is not None else array
-        if owner is not base or array.ctypes.data != address:
-            return None
-        address += array.nbytes
-    start, misaligned = divmod(first.ctypes.data - base.ctypes.data, code.itemsize)
-    if misaligned or base.nbytes % code.itemsize:
-        return None
-    return base.reshape(-1).view(code.storage)[start : start + sum(a.size for a in arrays)]
-
-
-def _ranks(ranks: Any) -> str:
-    return ", ".join(map(str, ranks)) or "none"
 
 
 def _mismatch_error(request: Request, message: str) -> BaseException:
@@ -961,46 +643,3 @@ def _mismatch_error(request: Request, message: str) -> BaseException:
     if "rejected their arguments" in message:
         return PeerArgumentError(message)
     return MismatchError(message)
-
-
-def _check_joined(signature: Signature, response: Response) -> None:
-    """Fail a request that refuses joined ranks when one has joined (on every rank: they
-    all see the same response)."""
-    if signature.refuse_joined and not all(response.have):
-        joined = ", ".join(str(r) for r, has in enumerate(response.have) if not has)
-        raise RingplugError(
-            f"{signature.kind.label} {response.name!r} cannot run while rank(s) {joined} have "
-            "joined (hvd.join()): only allreduce takes part for a joined rank. Call join() "
-            "after the last allgather or broadcast."
-        )
-
-
-def _joined_parts(response: Response, op: ReduceOp, code: DType) -> list[np.ndarray]:
-    """What a joined rank contributes to an allreduce: identity values, one flat array per
-    tensor of the request."""
-    shapes = response.signature.parts or (response.signature.shape,)
-    return [np.full(int(np.prod(shape, dtype=np.int64)), _identity(op, code), code.storage)
-            for shape in shapes]  # fmt: skip
-
-
-def _identity(op: ReduceOp, code: DType) -> Any:
-    """The value a joined rank contributes, so that it changes nothing."""
-    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        return 0
-    if code is DType.BOOL:
-        return op in (ReduceOp.PRODUCT, ReduceOp.MIN)
-    if op is ReduceOp.PRODUCT:
-        return _BF16_ONE if code is DType.BFLOAT16 else 1
-    low = op is ReduceOp.MAX
-    if code is DType.BFLOAT16:
-        return _BF16_MINUS_INF if low else _BF16_INF
-    if code.is_floating:
-        return -np.inf if low else np.inf
-    info = np.iinfo(code.storage)
-    return info.min if low else info.max
-
-
-# bfloat16 words of 1.0, +inf and -inf.
-_BF16_ONE = 0x3F80
-_BF16_INF = 0x7F80
-_BF16_MINUS_INF = 0xFF80

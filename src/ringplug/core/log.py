@@ -77,8 +77,13 @@ def end_job(rank: int, message: str, culprits: Sequence[int] = (), linger: float
     lines = f"ringplug[{rank}] FATAL: {message}\n"
     token = os.environ.get(EVENTS_VARIABLE)
     if token:
-        event = {"event": FAULT, "rank": rank, "culprits": sorted(set(culprits)),
-                 "message": message, "timestamp": time.time()}  # fmt: skip
+        event = {
+            "event": FAULT,
+            "rank": rank,
+            "culprits": sorted(set(culprits)),
+            "message": message,
+            "timestamp": time.time(),
+        }
         lines += f"{EVENT_MARK}{token} {json.dumps(event, separators=(',', ':'))}\n"
     with contextlib.suppress(OSError, ValueError):
         stream.write(lines)

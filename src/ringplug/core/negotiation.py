@@ -19,8 +19,7 @@ import enum
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .dtypes import DType
-from .ops import ReduceOp
+from .kind import GPU, HOST, kind_of
 
 
 class Kind(enum.IntEnum):
@@ -41,11 +40,7 @@ class Kind(enum.IntEnum):
         return self.name.lower()
 
 
-# Where a request's buffers live (`Signature.place`): host memory or GPU memory (NCCL).
-HOST, GPU = 0, 1
-
-# Collectives whose signature repeats step after step; only these get cache slots.
-CACHEABLE = {Kind.ALLREDUCE, Kind.BROADCAST, Kind.REDUCESCATTER}
+__all__ = ["GPU", "HOST", "Cache", "Kind", "Message", "Plan", "Response", "Signature", "decide"]
 
 
 class Signature(NamedTuple):
@@ -67,26 +62,8 @@ class Signature(NamedTuple):
     refuse_joined: bool = False
 
     def describe(self) -> str:
-        if self.kind is Kind.ERROR:
-            return "invalid arguments (its own error says why)"
-        parts = [self.kind.label]
-        if self.parts:
-            parts.append(f"of {len(self.parts)} tensors with shapes "
-                         + ", ".join(_shape_text(p) for p in self.parts[:8])
-                         + (", ..." if len(self.parts) > 8 else ""))  # fmt: skip
-        elif self.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
-            parts.append(f"with rows of shape {_shape_text(self.shape)}")
-        elif self.code >= 0:
-            parts.append(f"with shape {_shape_text(self.shape)}")
-        if self.code >= 0:
-            parts.append(DType(self.code).label)
-        if self.op >= 0:
-            parts.append(f"op={ReduceOp(self.op).name.lower()}")
-        if self.root >= 0 or self.kind in (Kind.BROADCAST, Kind.BROADCAST_OBJECT):
-            parts.append(f"root_rank={self.root}")
-        parts.append("on the GPU" if self.place == GPU else "")
-        parts.append("refusing joined ranks" if self.refuse_joined else "")
-        return " ".join(p for p in parts if p)
+        """The request in words, for mismatch errors (its kind's `describe`)."""
+        return kind_of(self.kind).describe(self)
 
 
 @dataclasses.dataclass
@@ -145,7 +122,7 @@ class Cache:
         """Give agreed, cacheable requests a slot (or their new signature)."""
         for response in plan.responses:
             name = response.name
-            if response.signature.kind not in CACHEABLE or name not in cacheable_names:
+            if not kind_of(response.signature.kind).cacheable or name not in cacheable_names:
                 continue
             slot = self.by_name.get(name)
             if slot is not None:
@@ -157,6 +134,21 @@ class Cache:
 
 def decide(messages: Sequence[Message], cache: Cache) -> Plan:
     """The plan for one cycle; every rank computes the same one from the same messages."""
+    first = messages[0]
+    if all(
+        m.cached == first.cached and not (m.new or m.joined_cycle or m.shutdown) for m in messages
+    ):
+        # A repeated step: every rank has the same cached requests ready, and nothing else.
+        plan = Plan(stall_abort=list(first.stall_abort))
+        count = len(messages)
+        bits, slot = first.cached, 0
+        while bits:
+            if bits & 1:
+                name, signature = cache.slots[slot]
+                plan.responses.append(Response(name, signature, [0] * count, [True] * count))
+            bits >>= 1
+            slot += 1
+        return plan
     plan = Plan()
     for rank, message in enumerate(messages):
         if message.shutdown:
@@ -234,12 +226,11 @@ def mismatch_message(name: str, signatures: dict[int, Signature]) -> str:
         else ""
     )
     return (
-        f"{name!r} does not match across ranks: " + "; ".join(lines) + ". " + hint
+        f"{name!r} does not match across ranks: "
+        + "; ".join(lines)
+        + ". "
+        + hint
         + "Every rank must submit the same collectives under the same names with the same "
         "shapes, dtypes, ops and root ranks; check that every rank builds the same model "
         "and reads the same config."
-    )  # fmt: skip
-
-
-def _shape_text(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+    )

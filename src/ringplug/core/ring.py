@@ -146,8 +146,15 @@ def reduce_scatter(
             landing = work[: r_hi - r_lo]
             targets = pieces.views(r_lo, r_hi)
             arrivals = split(landing, [part.size for part in targets])
-            _exchange(comm, pieces.views(s_lo, s_hi), arrivals, right, left, waiter,
-                      f"ring reduce-scatter step {step + 1} of {size - 1}")  # fmt: skip
+            _exchange(
+                comm,
+                pieces.views(s_lo, s_hi),
+                arrivals,
+                right,
+                left,
+                waiter,
+                f"ring reduce-scatter step {step + 1} of {size - 1}",
+            )
             last = step == size - 2
             for part, arrived in zip(targets, arrivals, strict=True):
                 combine(part, arrived, op, code)
@@ -172,8 +179,15 @@ def allgather_chunks(
         recv_index = (rank - owner_shift - step) % size
         outgoing = pieces.views(bounds[send_index], bounds[send_index + 1])
         incoming = pieces.views(bounds[recv_index], bounds[recv_index + 1])
-        _exchange(comm, outgoing, incoming, right, left, waiter,
-                  f"ring allgather step {step + 1} of {size - 1}")  # fmt: skip
+        _exchange(
+            comm,
+            outgoing,
+            incoming,
+            right,
+            left,
+            waiter,
+            f"ring allgather step {step + 1} of {size - 1}",
+        )
 
 
 def allreduce(

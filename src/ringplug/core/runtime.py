@@ -159,8 +159,12 @@ def init() -> None:
         if agreed != settings:
             logger.warning("RINGPLUG_* settings differ between ranks; using rank 0's: %s", agreed)
         _state.topology = _topology(mpi, world)
-        _state.engine = Engine(world, agreed, local_rank=_state.topology.local_rank,
-                               local_size=_state.topology.local_size)  # fmt: skip
+        _state.engine = Engine(
+            world,
+            agreed,
+            local_rank=_state.topology.local_rank,
+            local_size=_state.topology.local_size,
+        )
         _install_excepthook()
         _register_atexit()
         logger.info("ringplug initialised: %s", _state.topology)

@@ -57,8 +57,14 @@ class Timeline:
             args["call"] = name
         with self._lock:
             duration = round(max(end - start, 0.0) * 1e6, 3)
-            event = {"name": phase, "ph": "X", "pid": self.rank, "tid": self._row(row),
-                     "ts": self._us(start), "dur": duration}  # fmt: skip
+            event = {
+                "name": phase,
+                "ph": "X",
+                "pid": self.rank,
+                "tid": self._row(row),
+                "ts": self._us(start),
+                "dur": duration,
+            }
             if args:
                 event["args"] = args
             self._events.append(event)
@@ -66,8 +72,17 @@ class Timeline:
     def marker(self, label: str, when: float, **args: Any) -> None:
         """An instant event on the engine row (one per cycle)."""
         with self._lock:
-            self._events.append({"name": label, "ph": "i", "s": "t", "pid": self.rank,
-                                 "tid": 0, "ts": self._us(when), "args": args})  # fmt: skip
+            self._events.append(
+                {
+                    "name": label,
+                    "ph": "i",
+                    "s": "t",
+                    "pid": self.rank,
+                    "tid": 0,
+                    "ts": self._us(when),
+                    "args": args,
+                }
+            )
 
     def flush(self) -> None:
         """Append the events collected so far to the file."""

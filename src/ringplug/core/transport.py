@@ -82,8 +82,9 @@ class Transport:
     def _wait(self, request: MPI.Request, phase: str) -> None:
         self.waiter.wait_requests([request], phase)
 
-    def allreduce(self, buf: np.ndarray | ring.Pieces, op: ReduceOp, code: DType,
-                  postscale: float = 1.0) -> None:  # fmt: skip
+    def allreduce(
+        self, buf: np.ndarray | ring.Pieces, op: ReduceOp, code: DType, postscale: float = 1.0
+    ) -> None:
         """buf <- reduction over ranks times `postscale`, in place (Average is summed here:
         pass 1/size as `postscale`).
 
@@ -93,8 +94,9 @@ class Transport:
             self.last_path = "local"
         elif self.uses_ring(buf.size * code.itemsize, code, op):
             self.last_path = "ring"
-            ring.allreduce(self._comm, buf, ring_op(op), code, self._scratch, postscale,
-                           self.waiter)  # fmt: skip
+            ring.allreduce(
+                self._comm, buf, ring_op(op), code, self._scratch, postscale, self.waiter
+            )
             return
         else:
             self.last_path = "mpi"
@@ -149,8 +151,16 @@ class Transport:
         if self.size > 1:
             if self.uses_ring(send.nbytes, code, op):
                 bounds = [b * row_elems for b in rows]
-                ring.reduce_scatter(self._comm, work, bounds, ring_op(op), code, self._scratch, 1,
-                                    waiter=self.waiter)  # fmt: skip
+                ring.reduce_scatter(
+                    self._comm,
+                    work,
+                    bounds,
+                    ring_op(op),
+                    code,
+                    self._scratch,
+                    1,
+                    waiter=self.waiter,
+                )
             else:  # small: MPI's Allreduce, then keep this rank's rows
                 self._mpi_allreduce(work, op, code)
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
@@ -168,11 +178,9 @@ class Transport:
         out = np.empty((int(recv_rows.sum()), *send.shape[1:]), send.dtype)
         send_counts, recv_counts = send_rows * row_bytes, recv_rows * row_bytes
         request = self._comm.Ialltoallv(
-            [send.reshape(-1).view(np.uint8), (send_counts, displacements(send_counts)),
-             MPI.BYTE],
-            [out.reshape(-1).view(np.uint8), (recv_counts, displacements(recv_counts)),
-             MPI.BYTE],
-        )  # fmt: skip
+            [send.reshape(-1).view(np.uint8), (send_counts, displacements(send_counts)), MPI.BYTE],
+            [out.reshape(-1).view(np.uint8), (recv_counts, displacements(recv_counts)), MPI.BYTE],
+        )
         self._wait(request, "MPI Ialltoallv")
         return out, recv_rows
 

@@ -132,7 +132,7 @@ class Waiter:
         # How long a wait tests and yields before it sleeps, and how it yields meanwhile (see
         # `spin_with_a_core_each`).
         self.spin_seconds = _SPIN_SECONDS
-        self._yield: Callable[[], None] = _sleep_zero
+        self.pause: Callable[[], None] = _sleep_zero  # one yield of the core between tests
         self.abandoned: list[Any] = []  # requests of collectives given up (see wait_requests)
 
     # ------------------------------------------------------------------ context
@@ -161,7 +161,7 @@ class Waiter:
         for the timer slack (about 60 us here), which made each yield cost a small
         allreduce as much as MPI's whole collective."""
         self.spin_seconds = SPIN_SECONDS_WITH_A_CORE_EACH
-        self._yield = os.sched_yield if hasattr(os, "sched_yield") else _sleep_zero
+        self.pause = os.sched_yield if hasattr(os, "sched_yield") else _sleep_zero
 
     # ------------------------------------------------------------------ waiting
     def wait_requests(self, requests: Sequence[Any], phase: str = "") -> None:
@@ -209,7 +209,7 @@ class Waiter:
             if now >= spin_until:
                 break
             if now >= tight_until:
-                self._yield()
+                self.pause()
         settings = self.settings
         look_at = start + _NOTICE_PERIOD_SECONDS
         check, limit = settings.stall_check_seconds, self._limit()

@@ -23,6 +23,7 @@ from ..core import (
     size,
 )
 from . import backend as _backend
+from . import cuda as _cuda
 from .collectives import (
     TensorHandle,
     allgather,
@@ -51,6 +52,7 @@ from .state import (
 from .sync_batchnorm import SyncBatchNorm
 
 _backend.register()  # torch.distributed.init_process_group("ringplug")
+_cuda.register()  # the GPU data plane uses torch's streams, events and allocator
 
 __all__ = [
     "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",

@@ -1,0 +1,267 @@
+"""Allreduce in fused batches: the plan's consecutive allreduces of one dtype, op and place
+are reduced in one collective.
+
+Large batches are reduced where the tensors lie (the ring takes several arrays as one
+range); small ones, which MPI's own Allreduce handles best, are packed into one persistent
+fusion buffer (up to `RINGPLUG_FUSION_THRESHOLD` bytes) first. Tensors that already lie side
+by side in one buffer (a gradient bucket, a grouped allreduce's result) are reduced there
+either way. On the GPU the same batch goes to NCCL with a fusion buffer on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import reduce, ring
+from .config import Settings
+from .dtypes import DType
+from .errors import CommunicatorFailed
+from .kind import GPU, identity
+from .negotiation import Kind, Response
+from .ops import ReduceOp
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .handles import Request
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Reduction:
+    """An allreduce request's payload: `sends[i]` is reduced into `outs[i]` (the same memory
+    when `in_place`); a grouped allreduce has several. `span` is one flat array whose
+    consecutive views are the outs, when they lie side by side; `ready` the GPU event."""
+
+    sends: list[Any]
+    outs: list[Any]
+    in_place: bool = False
+    span: np.ndarray | None = None
+    prescale: float = 1.0
+    postscale: float = 1.0
+    ready: Any = None
+
+
+def batches(responses: list[Response], threshold: int) -> Iterator[list[Response] | Response]:
+    """The plan in running order: lists of allreduces to fuse (same dtype, op and place, at
+    most `threshold` bytes together, or one larger tensor), and other collectives alone."""
+    batch: list[Response] = []
+    batch_bytes = 0
+    for response in responses:
+        signature = response.signature
+        if signature.kind is not Kind.ALLREDUCE:
+            if batch:
+                yield batch
+                batch, batch_bytes = [], 0
+            yield response
+            continue
+        nbytes = math.prod(signature.shape) * DType(signature.code).itemsize
+        if batch and (
+            batch[0].signature.code != signature.code
+            or batch[0].signature.op != signature.op
+            or batch[0].signature.place != signature.place
+            or batch_bytes + nbytes > threshold
+        ):
+            yield batch
+            batch, batch_bytes = [], 0
+        batch.append(response)
+        batch_bytes += nbytes
+    if batch:
+        yield batch
+
+
+class Fusion:
+    """Runs the fused allreduce batches of one engine, with its reused fusion buffer."""
+
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self._buffer = np.empty(0, np.uint8)
+
+    def run(self, batch: list[Response]) -> None:
+        """Reduce the tensors of `batch` (same dtype and op) in one collective.
+
+        Large batches are reduced where the tensors lie (the ring sends several arrays as
+        one range); small ones, which MPI's own Allreduce handles best, are packed into the
+        fusion buffer first. Tensors that already sit side by side in one buffer are
+        reduced there either way.
+        """
+        engine = self.engine
+        code, op = DType(batch[0].signature.code), ReduceOp(batch[0].signature.op)
+        requests = [engine.pending.pop(r.name, None) for r in batch]
+        if batch[0].signature.place == GPU:
+            self._gpu(batch, requests, code, op)
+            return
+        skipped = engine.begin_collective("allreduce", batch)
+        if skipped is not None:
+            engine.complete_each(requests, error=skipped)
+            return
+        try:
+            self._host(batch, requests, code, op)
+        except CommunicatorFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
+            engine.collective_failed(exc, requests)
+
+    def _host(
+        self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp
+    ) -> None:
+        engine = self.engine
+        # One entry per tensor: (request or None for a joined rank, input, output).
+        entries: list[tuple[Request | None, np.ndarray, np.ndarray]] = []
+        for response, request in zip(batch, requests, strict=True):
+            if request is not None:
+                reduction = request.payload
+                pairs = zip(reduction.sends, reduction.outs, strict=True)
+                entries.extend((request, send, out) for send, out in pairs)
+            else:
+                entries.extend((None, part, part) for part in joined_parts(response, op, code))
+        total = sum(send.size for _, send, _ in entries)
+        start = time.perf_counter()
+        packed = False
+        present = [request for request in requests if request is not None]
+        span = None
+        if len(requests) == 1 and present and present[0].payload.span is not None:
+            span = present[0].payload.span  # a grouped allreduce's result buffer
+        elif len(present) == len(requests) and all(r.payload.in_place for r in present):
+            span = side_by_side([out for _, _, out in entries], code)  # e.g. a gradient buffer
+        if span is not None:
+            # The outputs lie side by side in one buffer: reduce there, after one copy in
+            # unless the tensors are reduced in place.
+            target: np.ndarray | ring.Pieces = span
+            parts = [out for _, _, out in entries]
+            if not all(r.payload.in_place for r in present):
+                np.concatenate([send for _, send, _ in entries], out=span)
+        elif len(entries) == 1 or engine.transport.uses_ring(total * code.itemsize, code, op):
+            parts = []
+            for request, send, out in entries:
+                if request is not None and not request.payload.in_place:
+                    np.copyto(out, send)
+                parts.append(out)
+            target = parts[0] if len(parts) == 1 else ring.Pieces(parts)
+        else:
+            packed = True
+            target = self._view(code, total)
+            np.concatenate([send for _, send, _ in entries], out=target)
+            parts = ring.split(target, [send.size for _, send, _ in entries])
+        for (request, _, _), part in zip(entries, parts, strict=True):
+            if request is not None and request.payload.prescale != 1.0:
+                reduce.scale(part, request.payload.prescale, code)
+        copied_in = time.perf_counter()
+        average = op is ReduceOp.AVERAGE
+        factors = {
+            request.payload.postscale / engine.size if average else request.payload.postscale
+            for request in present
+        }
+        # One factor for the whole batch (the usual case) is applied inside the reduction,
+        # with no pass of its own over the result.
+        shared = factors.pop() if len(factors) == 1 else 1.0
+        engine.transport.allreduce(target, op, code, postscale=shared)
+        reduced = time.perf_counter()
+        engine.collectives_run += 1
+        for (request, _, out), part in zip(entries, parts, strict=True):
+            if request is None:
+                continue
+            if packed:
+                out[...] = part
+            factor = (
+                request.payload.postscale / engine.size if average else request.payload.postscale
+            )
+            if shared == 1.0 and factor != 1.0:
+                reduce.scale(out, factor, code)
+        copied_out = time.perf_counter()
+        engine.complete_each(requests)
+        timeline = engine.timeline
+        if timeline is not None:
+            for request in requests:
+                if request is None:
+                    continue
+                engine.trace_wait(timeline, request, start)
+                if copied_in - start > 1e-6:
+                    timeline.span(request.name, "COPY_IN", start, copied_in)
+                timeline.span(
+                    request.name,
+                    "ALLREDUCE",
+                    copied_in,
+                    reduced,
+                    fused=len(batch),
+                    path=engine.transport.last_path,
+                )
+                if packed:
+                    timeline.span(request.name, "COPY_OUT", reduced, copied_out)
+
+    def _gpu(
+        self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp
+    ) -> None:
+        """The GPU form of `_allreduce_batch`: NCCL, with the fusion buffer on the device."""
+        engine = self.engine
+        items: list[tuple[Any, Any, float, float]] = []
+        for response, request in zip(batch, requests, strict=True):
+            if request is None:  # joined: identity values from the host
+                items.extend((part, None, 1.0, 1.0) for part in joined_parts(response, op, code))
+                continue
+            pairs = zip(request.payload.sends, request.payload.outs, strict=True)
+            items.extend(
+                (send, out, request.payload.prescale, request.payload.postscale)
+                for send, out in pairs
+            )
+        start = time.perf_counter()
+        try:
+            engine.gpu_plane().allreduce(items, code, op, [r.payload.ready for r in requests if r])
+        except CommunicatorFailed as exc:  # these requests left _pending: fail them here
+            engine.complete_each(requests, error=exc)
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. out of device memory for the fusion buffer
+            # Its callers hear it; peers inside the NCCL collective end at the GPU plane's
+            # timeout, which aborts the communicator on every rank.
+            engine.complete_each(requests, error=exc)
+            return
+        done = time.perf_counter()
+        engine.collectives_run += 1
+        engine.complete_each(requests)
+        timeline = engine.timeline
+        if timeline is not None:
+            for request in requests:
+                if request is not None:
+                    engine.trace_wait(timeline, request, start)
+                    timeline.span(request.name, "NCCL_ALLREDUCE", start, done, fused=len(batch))
+
+    def _view(self, code: DType, count: int) -> np.ndarray:
+        nbytes = count * code.itemsize
+        if self._buffer.nbytes < nbytes:
+            # Grows to the largest batch seen (at most the fusion threshold) and is reused.
+            self._buffer = np.empty(
+                max(nbytes, min(self.settings.fusion_threshold, 4 * nbytes)), np.uint8
+            )
+        return self._buffer[:nbytes].view(code.storage)
+
+
+def joined_parts(response: Response, op: ReduceOp, code: DType) -> list[np.ndarray]:
+    """What a joined rank contributes to an allreduce: identity values, one flat array per
+    tensor of the request."""
+    shapes = response.signature.parts or (response.signature.shape,)
+    return [np.full(math.prod(shape), identity(op, code), code.storage) for shape in shapes]
+
+
+def side_by_side(arrays: list[np.ndarray], code: DType) -> np.ndarray | None:
+    """The flat region of one buffer that holds `arrays` side by side in order, or None."""
+    if len(arrays) < 2:
+        return None
+    first = arrays[0]
+    base = first.base if first.base is not None else first
+    if not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
+        return None
+    address = first.ctypes.data
+    for array in arrays:
+        owner = array.base if array.base is not None else array
+        if owner is not base or array.ctypes.data != address:
+            return None
+        address += array.nbytes
+    start, misaligned = divmod(first.ctypes.data - base.ctypes.data, code.itemsize)
+    if misaligned or base.nbytes % code.itemsize:
+        return None
+    return base.reshape(-1).view(code.storage)[start : start + sum(a.size for a in arrays)]

@@ -1,0 +1,113 @@
+"""What a submitted collective is: its `Request` (for the engine) and its `Handle` (for the
+caller)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .negotiation import Signature
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+# One signal for every handle of the process: the engine notifies it once per cycle
+# instead of waking one event per tensor.
+_completed = threading.Condition()
+_callbacks_lock = threading.Lock()
+
+
+class Handle:
+    """A collective in flight. `wait()` returns its result or raises its error.
+
+    Every rank gets the same outcome: the result, or the same error naming the ranks
+    involved.
+    """
+
+    __slots__ = ("name", "_done", "_result", "_error", "_callbacks", "_engine")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Handle], None]] | None = None
+        self._engine: Engine | None = None  # set when the waiter may run the engine's cycles
+
+    def done(self) -> bool:
+        """Whether the collective has finished (successfully or not); never blocks."""
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the collective finished; return its result or raise its error."""
+        engine = self._engine
+        if engine is not None and not self._done:
+            engine.drive(self)
+        if not self._done:
+            with _completed:
+                if not _completed.wait_for(lambda: self._done, timeout):
+                    raise TimeoutError(
+                        f"collective {self.name!r} did not finish within {timeout} s"
+                    )
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    synchronize = wait
+
+    def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
+        """Call `callback(handle)` once the collective has finished (at once if it has).
+
+        Callbacks run on the thread that ran the collective (the engine thread, or a caller
+        waiting in `wait()`): they must be quick and must not wait for another collective
+        (hand the work to a thread of your own).
+        """
+        with _callbacks_lock:
+            if not self._done:
+                self._callbacks = [*(self._callbacks or ()), callback]
+                return
+        callback(self)
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Record the outcome; waiters wake at the engine's next `_wake_waiters()`."""
+        self._result, self._error = result, error
+        with _callbacks_lock:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 - one caller's callback must not stop the engine
+                logger.exception("a callback of collective %r failed", self.name)
+
+
+def wake_waiters() -> None:
+    with _completed:
+        _completed.notify_all()
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Request:
+    """One collective submitted on this rank: what every kind has, and the kind's own
+    `payload` (its buffers and factors: `fusion.Reduction` for an allreduce, `kind.Buffer`
+    for the one-buffer kinds, the pickled bytes of an object).
+
+    GPU requests (``signature.place == GPU``) hold `DeviceBuffer`s where host ones hold
+    flat contiguous arrays in their storage type.
+    """
+
+    name: str
+    signature: Signature
+    handle: Handle
+    payload: Any = None
+    cacheable: bool = False
+    extra: int = 0  # negotiated per rank: first dimension (allgather, alltoall), object bytes
+    error: BaseException | None = None  # Kind.ERROR: what this rank rejected
+    finish: Callable[[Any], Any] | None = None  # turns the raw result into the user's
+    submitted: float = 0.0
+    announced: float = 0.0

@@ -1,0 +1,142 @@
+"""What every kind of collective provides, and the registry the engine dispatches through.
+
+A kind is one object (a module of `ringplug.core.kinds` makes and registers it): how it
+describes itself in errors and the timeline, how it runs on host buffers and on the GPU,
+and what a rank that has joined contributes. Its request builders live in the same module.
+The engine knows no kind by name: it asks `kind_of(signature.kind)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .dtypes import DType
+from .errors import RingplugError
+from .ops import ReduceOp
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .handles import Request
+    from .negotiation import Response, Signature
+
+
+# Where a request's buffers live (`Signature.place`): host memory or GPU memory (NCCL).
+HOST, GPU = 0, 1
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Buffer:
+    """The payload of a one-buffer collective (broadcast, allgather, reducescatter,
+    alltoall): its input, output and factors, and for the GPU the event after which the
+    caller's stream has produced the input (or None)."""
+
+    send: Any
+    out: Any = None
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: np.ndarray | None = None  # alltoall: rows per destination
+    ready: Any = None
+
+
+class SameEverywhere(RingplugError):
+    """A collective that cannot run, found from the plan alone: every rank raises it."""
+
+
+class CollectiveKind:
+    """One kind of collective. Subclasses set `label` and override what they support."""
+
+    label = ""
+    # Its signature repeats step after step (gradients, buffers): the negotiation cache
+    # gives it a slot, so that a repeated request costs a bit, not its name and signature.
+    cacheable = False
+    # Run in fused batches with its neighbours in the plan (allreduce: `core/fusion.py`),
+    # not one by one through `run_host`/`run_gpu`.
+    fused = False
+
+    def shape_text(self, signature: Signature) -> str:
+        """The shape part of `describe` ("with shape 4x3")."""
+        if signature.code < 0:
+            return ""
+        return f"with shape {shape_text(signature.shape)}"
+
+    def describe(self, signature: Signature) -> str:
+        """The request in words, for mismatch errors: kind, shape, dtype, op, root, place."""
+        parts = [self.label, self.shape_text(signature)]
+        if signature.code >= 0:
+            parts.append(DType(signature.code).label)
+        if signature.op >= 0:
+            parts.append(f"op={ReduceOp(signature.op).name.lower()}")
+        if signature.root >= 0:
+            parts.append(f"root_rank={signature.root}")
+        parts.append("on the GPU" if signature.place == GPU else "")
+        parts.append("refusing joined ranks" if signature.refuse_joined else "")
+        return " ".join(p for p in parts if p)
+
+    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+        """Run on host buffers (`request` is None on a rank that has joined); the result
+        goes to the request's `finish`."""
+        raise SameEverywhere(f"{self.label} cannot run on host buffers.")
+
+    def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
+        """Run on GPU buffers through the engine's GPU plane (results stay on the GPU)."""
+        raise RingplugError(f"{self.label} is not available for GPU tensors.")
+
+
+_KINDS: dict[int, CollectiveKind] = {}
+
+
+def register(kind: int, collective: CollectiveKind) -> CollectiveKind:
+    """Make `collective` the object of `kind` (a `negotiation.Kind`)."""
+    _KINDS[int(kind)] = collective
+    return collective
+
+
+def kind_of(kind: int) -> CollectiveKind:
+    """The registered object of `kind`."""
+    try:
+        return _KINDS[int(kind)]
+    except KeyError:
+        raise SameEverywhere(f"unknown collective kind {kind}") from None
+
+
+def check_joined(signature: Signature, response: Response) -> None:
+    """Fail a request that refuses joined ranks when one has joined (on every rank: they
+    all see the same response)."""
+    if signature.refuse_joined and not all(response.have):
+        joined = ", ".join(str(r) for r, has in enumerate(response.have) if not has)
+        raise RingplugError(
+            f"{kind_of(signature.kind).label} {response.name!r} cannot run while rank(s) "
+            f"{joined} have joined (hvd.join()): only allreduce takes part for a joined rank. "
+            "Call join() after the last allgather or broadcast."
+        )
+
+
+def identity(op: ReduceOp, code: DType) -> Any:
+    """The value a joined rank contributes to a reduction, so that it changes nothing."""
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        return 0
+    if code is DType.BOOL:
+        return op in (ReduceOp.PRODUCT, ReduceOp.MIN)
+    if op is ReduceOp.PRODUCT:
+        return _BF16_ONE if code is DType.BFLOAT16 else 1
+    low = op is ReduceOp.MAX
+    if code is DType.BFLOAT16:
+        return _BF16_MINUS_INF if low else _BF16_INF
+    if code.is_floating:
+        return -np.inf if low else np.inf
+    info = np.iinfo(code.storage)
+    return info.min if low else info.max
+
+
+# bfloat16 words of 1.0, +inf and -inf.
+_BF16_ONE = 0x3F80
+_BF16_INF = 0x7F80
+_BF16_MINUS_INF = 0xFF80
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    """A shape as errors show it: "(4, 3)", "(5,)", "()"."""
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"

@@ -1,0 +1,132 @@
+"""Allgather: every rank's rows, concatenated in rank order (the first dimension may
+differ between ranks)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..device import DeviceBuffer
+from ..dtypes import DType, classify
+from ..handles import Handle, Request
+from ..kind import GPU, Buffer, CollectiveKind, register, shape_text
+from ..negotiation import Kind, Signature
+from .base import (
+    ArrayLike,
+    Finish,
+    as_array,
+    blocking,
+    check_buffers,
+    contiguous,
+    make,
+    name_request,
+    result_as,
+    start,
+    submit,
+)
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..negotiation import Response
+
+
+def allgather_async(
+    array: ArrayLike,
+    *,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+    refuse_joined: bool = False,
+) -> Handle:
+    """Start an allgather; the handle's `wait()` returns what `allgather` returns.
+
+    With `refuse_joined`, it fails on every rank if a rank has joined (Horovod's join
+    semantics) instead of gathering no rows from that rank."""
+
+    def build(request_name: str) -> Request:
+        source = as_array(array)
+        code = classify(source, dtype)
+        send = contiguous(source.reshape(1) if source.ndim == 0 else source, code)
+        return Request(
+            request_name,
+            Signature(
+                Kind.ALLGATHER, code, -1, -1, tuple(send.shape[1:]), refuse_joined=refuse_joined
+            ),
+            Handle(request_name),
+            Buffer(send),
+            extra=send.shape[0],
+            finish=lambda result: result_as(source, result),
+        )
+
+    request_name, given = name_request(name)
+    return submit(request_name, given, build)
+
+
+allgather = blocking(
+    allgather_async,
+    np.ndarray,
+    """Concatenate `array` from every rank along the first dimension, in rank order.
+
+    The first dimension may differ between ranks; the other dimensions and the dtype
+    must match. A 0-d array counts as one row.
+    """,
+)
+
+
+def gpu_allgather_async(
+    send: DeviceBuffer,
+    shape: tuple[int, ...],
+    *,
+    name: str | None = None,
+    ready: Any = None,
+    out: DeviceBuffer | None = None,
+    finish: Finish | None = None,
+    refuse_joined: bool = False,
+) -> Handle:
+    """Start an allgather of `send` (rows = shape[0], which may differ between ranks); the
+    result is `out`, or new device memory when `out` is None (`refuse_joined`: as the
+    host's)."""
+
+    def build(request_name: str) -> Request:
+        check_buffers([send] if out is None else [send, out], "allgather")
+        rows = tuple(shape) if shape else (1,)
+        return make(
+            request_name,
+            Signature(Kind.ALLGATHER, send.code, -1, -1, rows[1:], (), GPU, refuse_joined),
+            payload=Buffer(send, out, ready=ready),
+            extra=rows[0],
+            finish=finish,
+        )
+
+    return start(name, build)
+
+
+class Allgather(CollectiveKind):
+    label = "allgather"
+
+    def shape_text(self, signature: Signature) -> str:
+        return f"with rows of shape {shape_text(signature.shape)}"
+
+    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+        signature = response.signature
+        if request is not None:
+            send = request.payload.send
+        else:  # joined: no rows from this rank
+            send = np.empty((0, *signature.shape), DType(signature.code).storage)
+        return engine.transport.allgather(send, response.extras)
+
+    def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
+        signature = response.signature
+        row_elems = math.prod(signature.shape)
+        send, out, ready = (
+            (request.payload.send, request.payload.out, request.payload.ready)
+            if request is not None
+            else (None, None, None)
+        )
+        return engine.gpu_plane().allgather(
+            send, response.extras, row_elems, DType(signature.code), ready, out
+        )
+
+
+register(Kind.ALLGATHER, Allgather())

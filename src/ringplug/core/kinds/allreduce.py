@@ -1,0 +1,257 @@
+"""Allreduce: every rank gets the elementwise reduction of every rank's array.
+
+Allreduces run in fused batches (`core/fusion.py`); this module builds and checks their
+requests (host arrays, grouped arrays, GPU buffers) and describes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import reduce, ring
+from ..device import DeviceBuffer
+from ..dtypes import DType, classify, storage_view
+from ..fusion import Reduction
+from ..handles import Handle, Request
+from ..kind import GPU, CollectiveKind, register, shape_text
+from ..negotiation import Kind, Signature
+from ..ops import Average, ReduceOp, as_op
+from .base import (
+    ArrayLike,
+    Finish,
+    as_array,
+    blocking,
+    check_buffers,
+    check_scaling,
+    contiguous,
+    make,
+    name_request,
+    result_as,
+    start,
+    submit,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+def allreduce_async(
+    array: ArrayLike,
+    op: ReduceOp | str = Average,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    out: np.ndarray | None = None,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> Handle:
+    """Start an allreduce; the handle's `wait()` returns what `allreduce` returns.
+
+    Don't touch `array` or `out` until the handle is done.
+    """
+    request_name, given = name_request(name)
+
+    def build(request_name: str) -> Request:
+        source = as_array(array)
+        code = classify(source, dtype)
+        reduce_op = as_op(op)
+        reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
+        target = np.empty_like(source) if out is None else out
+        if target is not source and (
+            not isinstance(target, np.ndarray)
+            or target.shape != source.shape
+            or target.dtype != source.dtype
+        ):
+            raise ValueError(
+                f"out must be an array of shape {source.shape} and dtype {source.dtype}."
+            )
+        send = contiguous(source, code)
+        view = storage_view(target, code)
+        work = view if view.flags.c_contiguous else np.empty(view.shape, view.dtype)
+
+        def finish(result: np.ndarray) -> np.ndarray:
+            if work is not view:
+                view[...] = work
+            return target
+
+        return Request(
+            request_name,
+            Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape),
+            Handle(request_name),
+            Reduction(
+                [send.reshape(-1)],
+                [work.reshape(-1)],
+                in_place=work is send or work.ctypes.data == send.ctypes.data,
+                prescale=float(prescale_factor),
+                postscale=float(postscale_factor),
+            ),
+            finish=finish,
+        )
+
+    return submit(request_name, given, build)
+
+
+allreduce = blocking(
+    allreduce_async,
+    np.ndarray,
+    """Combine `array` from every rank elementwise with `op`; every rank gets the result.
+
+    Args:
+        array: the same shape and dtype on every rank.
+        op: `ringplug.Average` (default), `Sum`, `Min`, `Max` or `Product`.
+        prescale_factor: multiply each rank's input by this first (floating types).
+        postscale_factor: multiply the result by this (floating types).
+        out: where to write the result (same shape and dtype); `out=array` works in place.
+        name: matches this call across ranks (and names it in errors and the timeline).
+        dtype: reinterpret the buffer, e.g. ``"bfloat16"`` for raw 16-bit words.
+
+    Returns:
+        `out`, or a new array.
+
+    Example:
+        >>> import numpy as np, ringplug
+        >>> ringplug.init()
+        >>> ringplug.allreduce(np.ones(3, np.float32), op=ringplug.Sum)  # doctest: +SKIP
+        array([2., 2., 2.], dtype=float32)   # on 2 ranks
+    """,
+)
+
+
+def grouped_allreduce_async(
+    arrays: Sequence[ArrayLike],
+    op: ReduceOp | str = Average,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    out: Sequence[np.ndarray] | None = None,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> Handle:
+    """Start one allreduce of several arrays; `wait()` returns the list of results.
+
+    The group is negotiated as one request and reduced in one fused pass: the cheapest way
+    to reduce many small tensors. Arrays must share a dtype. With ``out=arrays`` the group is
+    reduced in place, where the arrays lie (the ring reads and writes them directly: no
+    fusion buffer, no copy); otherwise the results are views of one new buffer.
+    """
+
+    def build(request_name: str) -> Request:
+        sources = [as_array(array) for array in arrays]
+        if not sources:
+            raise ValueError("grouped_allreduce needs at least one array.")
+        code = classify(sources[0], dtype)
+        if any(source.dtype != sources[0].dtype for source in sources):
+            raise TypeError("grouped_allreduce needs arrays of one dtype; group them by dtype.")
+        reduce_op = as_op(op)
+        reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
+        sends = [contiguous(source, code).reshape(-1) for source in sources]
+        if out is None:
+            # The results are views of one buffer, so the engine reduces the group there.
+            span: np.ndarray | None = np.empty(sum(send.size for send in sends), sends[0].dtype)
+            outs = ring.split(span, [send.size for send in sends])
+            targets = [o.reshape(s.shape) for s, o in zip(sources, outs, strict=True)]
+        else:
+            span, targets = None, list(out)
+            if len(targets) != len(sources) or any(
+                not isinstance(t, np.ndarray)
+                or t.shape != s.shape
+                or t.dtype != s.dtype
+                or not t.flags.c_contiguous
+                for t, s in zip(targets, sources, strict=False)
+            ):
+                raise ValueError(
+                    "out must hold one C-contiguous array per input, of the "
+                    "input's shape and dtype."
+                )
+            outs = [storage_view(t, code).reshape(-1) for t in targets]
+        in_place = all(o.ctypes.data == s.ctypes.data for o, s in zip(outs, sends, strict=True))
+
+        def finish(result: Any) -> list[np.ndarray]:
+            return [
+                result_as(source, target) for source, target in zip(sources, targets, strict=True)
+            ]
+
+        return Request(
+            request_name,
+            Signature(
+                Kind.ALLREDUCE,
+                code,
+                reduce_op,
+                -1,
+                (sum(send.size for send in sends),),
+                tuple(source.shape for source in sources),
+            ),
+            Handle(request_name),
+            Reduction(sends, outs, in_place, span, float(prescale_factor), float(postscale_factor)),
+            finish=finish,
+        )
+
+    request_name, given = name_request(name)
+    return submit(request_name, given, build)
+
+
+grouped_allreduce = blocking(
+    grouped_allreduce_async,
+    list[np.ndarray],
+    """Allreduce several arrays in one negotiation and one fused pass; returns the results
+    (new arrays, or ``out``: ``out=arrays`` reduces them in place).""",
+)
+
+
+def gpu_allreduce_async(
+    sends: Sequence[DeviceBuffer],
+    outs: Sequence[DeviceBuffer],
+    shapes: Sequence[tuple[int, ...]],
+    op: ReduceOp | str,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    ready: Any = None,
+    finish: Finish | None = None,
+) -> Handle:
+    """Start one allreduce of one or more GPU buffers of one dtype, `sends[i]` into
+    `outs[i]` (the same memory for in place)."""
+
+    def build(request_name: str) -> Request:
+        if not sends:
+            raise ValueError("allreduce needs at least one tensor.")
+        code = sends[0].code
+        if any(buffer.code is not code for buffer in [*sends, *outs]):
+            raise TypeError("a grouped allreduce needs tensors of one dtype; group them by dtype.")
+        check_buffers([*sends, *outs], "allreduce")
+        reduce_op = as_op(op)
+        pre, post = float(prescale_factor), float(postscale_factor)
+        reduce.check_op(reduce_op, code, pre, post)
+        check_scaling(reduce_op, pre, post)
+        total = sum(buffer.count for buffer in sends)
+        shape, parts = (tuple(shapes[0]), ()) if len(sends) == 1 else ((total,), tuple(shapes))
+        return make(
+            request_name,
+            Signature(Kind.ALLREDUCE, code, reduce_op, -1, shape, parts, GPU),
+            payload=Reduction(list(sends), list(outs), prescale=pre, postscale=post, ready=ready),
+            finish=finish,
+        )
+
+    return start(name, build)
+
+
+class Allreduce(CollectiveKind):
+    """Run by `core/fusion.py` in batches; what a joined rank contributes is there too."""
+
+    label = "allreduce"
+    cacheable = True
+    fused = True
+
+    def shape_text(self, signature: Signature) -> str:
+        if signature.parts:
+            shown = ", ".join(shape_text(p) for p in signature.parts[:8])
+            more = ", ..." if len(signature.parts) > 8 else ""
+            return f"of {len(signature.parts)} tensors with shapes {shown}{more}"
+        return super().shape_text(signature)
+
+
+register(Kind.ALLREDUCE, Allreduce())

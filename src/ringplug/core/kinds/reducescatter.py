@@ -1,0 +1,153 @@
+"""Reducescatter: the reduction over ranks, each rank keeping its block of rows."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import reduce
+from ..device import DeviceBuffer
+from ..dtypes import DType, classify
+from ..handles import Handle, Request
+from ..kind import GPU, Buffer, CollectiveKind, identity, register
+from ..negotiation import Kind, Signature
+from ..ops import Average, ReduceOp, as_op
+from .base import (
+    ArrayLike,
+    Finish,
+    as_array,
+    blocking,
+    check_buffers,
+    check_scaling,
+    contiguous,
+    make,
+    name_request,
+    result_as,
+    start,
+    submit,
+)
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..negotiation import Response
+
+
+def reducescatter_async(
+    array: ArrayLike,
+    op: ReduceOp | str = Average,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> Handle:
+    """Start a reducescatter; the handle's `wait()` returns what `reducescatter` returns."""
+
+    def build(request_name: str) -> Request:
+        source = as_array(array)
+        code = classify(source, dtype)
+        reduce_op = as_op(op)
+        if source.ndim == 0:
+            raise ValueError("reducescatter needs an array with at least one dimension to split.")
+        reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
+        return Request(
+            request_name,
+            Signature(Kind.REDUCESCATTER, code, reduce_op, -1, tuple(source.shape)),
+            Handle(request_name),
+            Buffer(
+                contiguous(source, code),
+                prescale=float(prescale_factor),
+                postscale=float(postscale_factor),
+            ),
+            finish=lambda result: result_as(source, result),
+        )
+
+    request_name, given = name_request(name)
+    return submit(request_name, given, build)
+
+
+reducescatter = blocking(
+    reducescatter_async,
+    np.ndarray,
+    """Reduce `array` over ranks and give each rank its block of rows of the result.
+
+    The first dimension is split as evenly as possible: with R rows and N ranks, rank r
+    gets R // N rows, and the first R % N ranks one more.
+    """,
+)
+
+
+def gpu_reducescatter_async(
+    send: DeviceBuffer,
+    shape: tuple[int, ...],
+    op: ReduceOp | str,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    ready: Any = None,
+    finish: Finish | None = None,
+) -> Handle:
+    """Start a reducescatter: this rank gets its block of rows of the reduction."""
+
+    def build(request_name: str) -> Request:
+        check_buffers([send], "reducescatter")
+        if not shape:
+            raise ValueError("reducescatter needs a tensor with at least one dimension.")
+        reduce_op = as_op(op)
+        pre, post = float(prescale_factor), float(postscale_factor)
+        reduce.check_op(reduce_op, send.code, pre, post)
+        check_scaling(reduce_op, pre, post)
+        return make(
+            request_name,
+            Signature(Kind.REDUCESCATTER, send.code, reduce_op, -1, tuple(shape), (), GPU),
+            payload=Buffer(send, prescale=pre, postscale=post, ready=ready),
+            finish=finish,
+        )
+
+    return start(name, build)
+
+
+class Reducescatter(CollectiveKind):
+    label = "reducescatter"
+    cacheable = True
+
+    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+        signature = response.signature
+        op, code = ReduceOp(signature.op), DType(signature.code)
+        if request is not None:
+            send = request.payload.send
+        else:  # joined: values that change nothing
+            send = np.full(signature.shape, identity(op, code), code.storage)
+        block = engine.transport.reducescatter(
+            send, op, code, request.payload.prescale if request else 1.0
+        )
+        if request is not None:
+            average = op is ReduceOp.AVERAGE
+            factor = (
+                request.payload.postscale / engine.size if average else request.payload.postscale
+            )
+            reduce.scale(block.reshape(-1), factor, code)
+        return block
+
+    def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
+        signature = response.signature
+        op, code = ReduceOp(signature.op), DType(signature.code)
+        count = math.prod(signature.shape)
+        row_elems = math.prod(signature.shape[1:])
+        send = request.payload.send if request else np.full(count, identity(op, code), code.storage)
+        return engine.gpu_plane().reducescatter(
+            send,
+            signature.shape[0],
+            row_elems,
+            code,
+            op,
+            request.payload.prescale if request else 1.0,
+            request.payload.postscale if request else 1.0,
+            request.payload.ready if request is not None else None,
+        )
+
+
+register(Kind.REDUCESCATTER, Reducescatter())

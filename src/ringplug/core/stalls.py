@@ -1,0 +1,109 @@
+"""The stall inspector: requests that some ranks submitted and others did not.
+
+Each cycle's plan lists them (`Plan.partial`). Rank 0 warns after
+`RINGPLUG_STALL_CHECK_SECONDS`, naming who has each request and who lacks it; after
+`RINGPLUG_STALL_SHUTDOWN_SECONDS` it tells every rank (in its next message) to fail them
+alike. A rank that waits in one past `RINGPLUG_TIMEOUT` ends the job naming the ranks
+that never submitted it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import log
+from .config import Settings
+from .errors import StallError
+from .negotiation import Plan
+
+if TYPE_CHECKING:
+    from .handles import Request
+
+logger = logging.getLogger(__name__)
+
+
+class StallInspector:
+    """Tracks since when each partly submitted request has waited, on one rank."""
+
+    def __init__(self, settings: Settings, rank: int, size: int) -> None:
+        self.settings = settings
+        self.rank, self.size = rank, size
+        self._partial_since: dict[str, float] = {}
+        self._warned: set[str] = set()
+        self._abort: list[str] = []  # rank 0's verdict, for its next message
+
+    def take_abort(self) -> list[str]:
+        """The requests rank 0 decided to fail, once (they go into its next message)."""
+        names, self._abort = self._abort, []
+        return names
+
+    def inspect(self, plan: Plan, pending: dict[str, Request]) -> StallError | None:
+        """Look at this cycle's plan: warn (rank 0) about requests some ranks lack, end the
+        job past the timeout, and return the error to fail everything with when rank 0
+        decided (in the previous cycle) to shut the stalled requests down."""
+        now = time.monotonic()
+        for name in list(self._partial_since):
+            if name not in plan.partial:
+                del self._partial_since[name]
+                self._warned.discard(name)
+        for name in plan.partial:
+            self._partial_since.setdefault(name, now)
+        if plan.stall_abort:
+            return StallError(self._text(plan, plan.stall_abort, now))
+        overdue = [
+            n
+            for n, t in self._partial_since.items()
+            if n in pending and now - t >= self.settings.timeout
+        ]
+        if overdue:
+            name = overdue[0]
+            missing = [r for r in range(self.size) if r not in plan.partial[name]]
+            kind = pending[name].signature.kind.label
+            log.end_job(
+                self.rank,
+                f"rank {self.rank} waited {now - self._partial_since[name]:.0f} s in {kind} "
+                f"{name!r} for rank(s) {ranks_text(missing)}, which never submitted it "
+                f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}). Ending the job: MPI cannot "
+                "cancel a collective. Look at what the missing ranks were doing (a stuck data "
+                "loader, an uneven number of batches, a branch only some ranks take).",
+                culprits=missing,
+            )
+        if self.rank != 0:
+            return None
+        check, shutdown = self.settings.stall_check_seconds, self.settings.stall_shutdown_seconds
+        late = [n for n, t in self._partial_since.items() if now - t >= check]
+        fresh = [n for n in late if n not in self._warned]
+        if fresh:
+            self._warned.update(fresh)
+            logger.warning("%s", self._text(plan, late, now))
+        if shutdown > 0:
+            doomed = [n for n, t in self._partial_since.items() if now - t >= shutdown]
+            if doomed:
+                self._abort = doomed  # sent in the next cycle, so every rank fails alike
+        return None
+
+    def _text(self, plan: Plan, names: list[str], now: float) -> str:
+        active = range(self.size)
+        parts = []
+        for name in sorted(names)[:20]:
+            holders = plan.partial.get(name, [])
+            missing = [r for r in active if r not in holders]
+            waited = now - self._partial_since.get(name, now)
+            parts.append(
+                f"{name!r} is ready on rank(s) {ranks_text(holders)} but not on rank(s) "
+                f"{ranks_text(missing)} (for {waited:.0f} s)"
+            )
+        return (
+            "Stalled collectives: " + "; ".join(parts) + ". The missing ranks are elsewhere in "
+            "the program: a different number of batches, a branch only some ranks take, or "
+            "tensors submitted in a different set (RINGPLUG_STALL_CHECK_SECONDS="
+            f"{self.settings.stall_check_seconds:g}, RINGPLUG_STALL_SHUTDOWN_SECONDS="
+            f"{self.settings.stall_shutdown_seconds:g})."
+        )
+
+
+def ranks_text(ranks: Any) -> str:
+    """Ranks as messages list them: "0, 2", or "none"."""
+    return ", ".join(map(str, ranks)) or "none"
