@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import log, reduce, ring
+from . import activity, log, reduce, ring
 from .config import Settings
 from .dtypes import DType
 from .errors import (
@@ -218,6 +218,7 @@ class Engine:
         self._partial_since: dict[str, float] = {}
         self._stall_warned: set[str] = set()
         self._stall_abort: list[str] = []
+        self._activities: list[tuple[str, float]] = []  # every rank's, from the last cycle
         self._timeline: Timeline | None = None
         self._timeline_lock = threading.Lock()
         self.cycles_run = 0
@@ -306,6 +307,11 @@ class Engine:
                 self._timeline.stop()
             self._timeline = Timeline(path, self.rank)
 
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline being recorded (rank 0 only), for framework adapters' own tracks."""
+        return self._timeline
+
     def stop_timeline(self) -> None:
         with self._timeline_lock:
             if self._timeline is not None:
@@ -387,6 +393,7 @@ class Engine:
         self._cycle += 1
         own = self._message(stopping)
         messages = self._exchange(own)
+        self._activities = [m.activity for m in messages]  # for the stall reports
         plan = decide(messages, self._cache)
         self.cycles_run += 1
         if plan.shutdown_by is not None:
@@ -423,6 +430,7 @@ class Engine:
     def _message(self, stopping: bool) -> Message:
         message = Message(self._cycle, joined_cycle=self._joined_cycle, shutdown=stopping)
         message.renew, self._renew = self._renew, False
+        message.activity = activity.current()
         for name, request in self._pending.items():
             slot = self._cache.slot_for(name, request.signature) if request.cacheable else None
             if slot is not None:
@@ -849,9 +857,11 @@ class Engine:
                 self.rank,
                 f"rank {self.rank} waited {now - self._partial_since[name]:.0f} s in {kind} "
                 f"{name!r} for rank(s) {_ranks(missing)}, which never submitted it "
-                f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}). Ending the job: MPI cannot "
-                "cancel a collective. Look at what the missing ranks were doing (a stuck data "
-                "loader, an uneven number of batches, a branch only some ranks take).",
+                f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}); "
+                f"{activity.describe(missing, self._activities, plan.partial)}. Ending the "
+                "job: MPI cannot cancel a collective. Look at what the missing ranks were "
+                "doing (a stuck data loader, an uneven number of batches, a branch only some "
+                "ranks take).",
                 culprits=missing,
             )
         if self.rank != 0:
@@ -874,8 +884,9 @@ class Engine:
             holders = plan.partial.get(name, [])
             missing = [r for r in active if r not in holders]
             waited = now - self._partial_since.get(name, now)
+            doing = activity.describe(missing, self._activities, plan.partial)
             parts.append(f"{name!r} is ready on rank(s) {_ranks(holders)} but not on rank(s) "
-                         f"{_ranks(missing)} (for {waited:.0f} s)")  # fmt: skip
+                         f"{_ranks(missing)} (for {waited:.0f} s; {doing})")  # fmt: skip
         return (
             "Stalled collectives: " + "; ".join(parts) + ". The missing ranks are elsewhere in "
             "the program: a different number of batches, a branch only some ranks take, or "
