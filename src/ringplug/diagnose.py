@@ -212,6 +212,8 @@ class StepClock:
         self._step = _Step()
         self._last_end = time.perf_counter()
         self._reports = 0
+        self.steps = 0  # steps measured so far
+        self.fetch_began = 0.0  # see fetched()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -254,6 +256,15 @@ class StepClock:
             self.arrived(now)
             yield item
 
+    def fetched(self, now: float | None = None) -> None:
+        """The batch reached the step after a fetch that began at `fetch_began` (set by the
+        adapter; else when the previous step ended): for frameworks that fetch inside
+        their own step function, as Keras does."""
+        now = time.perf_counter() if now is None else now
+        if not self._step.arrived:
+            self.data(max(self.fetch_began, self._last_end), now)
+        self.arrived(now)
+
     def arrived(self, now: float | None = None) -> None:
         """The batch reached the training step: compute begins (the first call of a step
         counts, so accumulation micro-batches add up)."""
@@ -288,15 +299,21 @@ class StepClock:
             self._rows.append((self._last_end, s.data_start, s.data, s.arrived, s.backward_end,
                                s.reduce_start, s.reduced, end, s.nbytes))  # fmt: skip
             self._since_report += 1
+            self.steps += 1
         self._step = _Step()
         self._last_end = end
         activity.set_phase(activity.WAITING_FOR_DATA)
         if self.every_n_steps and self._since_report >= self.every_n_steps:
-            self.report(list(self._rows)[-self._since_report :], final=False)
+            self.report(self.recent(self._since_report), final=False)
 
     # ------------------------------------------------------------------ reports
-    def report(self, rows: list[tuple], final: bool) -> Diagnosis:
-        """Gather every rank's medians over `rows` (a collective) and build the verdict."""
+    def recent(self, count: int) -> list[tuple]:
+        """The rows of the last `count` steps (for a report over them)."""
+        return list(self._rows)[-count:] if count > 0 else []
+
+    def report(self, rows: list[tuple], final: bool, show: bool = True) -> Diagnosis:
+        """Gather every rank's medians over `rows` (a collective) and build the verdict;
+        rank 0 prints the table when `show` (and the clock's ``print_table``)."""
         from . import core
 
         self._since_report = 0
@@ -314,7 +331,7 @@ class StepClock:
         self.diagnosis = diagnosis
         if core.rank() == 0:
             _trace(everyone)
-            if self.print_table:
+            if self.print_table and show:
                 print(diagnosis.table(), file=sys.stdout, flush=True)
         if self.on_report is not None:
             self.on_report(diagnosis)
@@ -367,10 +384,11 @@ def verdict(ranks: list[RankSummary], ceiling_busbw: float | None = None) -> Ver
     """Name the bottleneck from every rank's medians.
 
     In order: a rank whose own data loading takes at least `DATA_SHARE` of the step is
-    data-bound (the others wait for it, wherever that shows); then a rank computing at
-    least `STRAGGLER_RATIO` times the others' median (and `STRAGGLER_SHARE` of the step
-    more) is a straggler; then an exposed reduction of at least `COMMUNICATION_SHARE` of
-    the median rank's step is communication-bound; otherwise compute-bound.
+    data-bound (the others wait for it, wherever that shows); then, when every rank waits
+    at least `COMMUNICATION_SHARE` of its step for the reduction after backward, the job
+    is communication-bound (behind a straggler or a slow loader only the others wait);
+    then a rank computing at least `STRAGGLER_RATIO` times the others' median (and
+    `STRAGGLER_SHARE` of the step more) is a straggler; otherwise compute-bound.
     """
     if not ranks or all(r.steps == 0 for r in ranks):
         return Verdict("no steps", None, "no training steps were measured.")
@@ -386,6 +404,25 @@ def verdict(ranks: list[RankSummary], ceiling_busbw: float | None = None) -> Ver
             "num_workers, persistent_workers=True, pin_memory on GPUs; tf.data "
             "prefetch/AUTOTUNE), or make loading cheaper (decode once, cache)."
         ))  # fmt: skip
+    # Every rank waits for a slow network; behind a straggler only the others do.
+    exposed = min(r.share("communication") for r in ranks)
+    if exposed >= COMMUNICATION_SHARE:
+        nbytes = statistics.median(r.bytes_per_step for r in ranks)
+        busbw = achieved_busbw(ranks)
+        reached = f", {busbw / 1e9:.2f} GB/s bus bandwidth" if busbw else ""
+        if ceiling_busbw:
+            against = f" against {ceiling_busbw / 1e9:.2f} GB/s by ringrun --check --bench"
+            if busbw and busbw < 0.5 * ceiling_busbw:
+                against += (" (the link can do more: look for contention, waits or the wrong "
+                            "interface)")  # fmt: skip
+        else:
+            against = " (ringrun --check --bench -np N measures what the link reaches)"
+        return Verdict("communication-bound", None, (
+            f"communication-bound: every rank waits {exposed:.0%} or more of each step for the "
+            f"gradient reduction after backward ({nbytes / 2**20:.1f} MiB per step{reached}"
+            f"{against}): larger batches per rank, gradient accumulation "
+            "(backward_passes_per_step), compression='fp16', or a faster interconnect."
+        ))  # fmt: skip
     if len(ranks) >= 2:
         slowest = max(ranks, key=lambda r: r.compute)
         typical = statistics.median(r.compute for r in ranks if r is not slowest)
@@ -400,28 +437,11 @@ def verdict(ranks: list[RankSummary], ceiling_busbw: float | None = None) -> Ver
                 "host or GPU, throttling, larger batches, extra work such as logging or "
                 "checkpointing only on that rank)."
             ))  # fmt: skip
-    exposed = statistics.median(r.share("communication") for r in ranks)
-    if exposed >= COMMUNICATION_SHARE:
-        nbytes = statistics.median(r.bytes_per_step for r in ranks)
-        busbw = achieved_busbw(ranks)
-        reached = f", {busbw / 1e9:.2f} GB/s bus bandwidth" if busbw else ""
-        if ceiling_busbw:
-            against = f" against {ceiling_busbw / 1e9:.2f} GB/s by ringrun --check --bench"
-            if busbw and busbw < 0.5 * ceiling_busbw:
-                against += (" (the link can do more: look for contention, waits or the wrong "
-                            "interface)")  # fmt: skip
-        else:
-            against = " (ringrun --check --bench -np N measures what the link reaches)"
-        return Verdict("communication-bound", None, (
-            f"communication-bound: {exposed:.0%} of each step waits for the gradient reduction "
-            f"after backward ({nbytes / 2**20:.1f} MiB per step{reached}{against}): larger "
-            "batches per rank, gradient accumulation (backward_passes_per_step), "
-            "compression='fp16', or a faster interconnect."
-        ))  # fmt: skip
     busy = statistics.median(r.share("compute") + r.share("optimizer") for r in ranks)
+    waiting = statistics.median(r.share("communication") for r in ranks)
     return Verdict("compute-bound", None, (
         f"compute-bound: ranks spend {busy:.0%} of each step in forward, backward and the "
-        f"optimizer, and {exposed:.0%} waiting for gradients: nothing to fix in distribution."
+        f"optimizer, and {waiting:.0%} waiting for gradients: nothing to fix in distribution."
     ))  # fmt: skip
 
 

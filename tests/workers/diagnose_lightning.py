@@ -4,7 +4,9 @@
 pay for importing Lightning once) and writes OUTDIR/<scenario>-<rank>.json with the
 diagnosis. Planted on rank 1: a loader that sleeps per batch ("data"), a training_step that
 sleeps ("straggler"); on every rank: a 32 MiB embedding table of which a step uses 2 rows
-("communication"), a small network on large batches ("compute").
+("communication"), a training_step that sleeps ("compute": the sleep stands in for work on
+an accelerator, which the CPU waits for, and keeps the ranks' compute equal on a loaded
+machine, where real CPU work on two ranks differs by half from step to step).
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ def shapes(scenario: str) -> tuple[int, int, int]:
     """(features, hidden, batch) of each scenario's model and data."""
     if scenario == "communication":
         return 1 << 16, 128, 2  # a 32 MiB table, next to nothing to compute
-    if scenario == "compute":
-        return 128, 256, 512
     return 16, 32, 8
 
 
@@ -43,12 +43,10 @@ class Net(L.LightningModule):
         first = torch.nn.Embedding(features, hidden) if scenario == "communication" else None
         self.embedding = first
         layers = [] if first is not None else [torch.nn.Linear(features, hidden), torch.nn.Tanh()]
-        if scenario == "compute":
-            layers += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()] * 2
         self.net = torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 1))
 
     def training_step(self, batch, batch_idx):
-        if self.scenario == "straggler" and ringplug.rank() == 1:
+        if self.scenario == "compute" or (self.scenario == "straggler" and ringplug.rank() == 1):
             time.sleep(PLANTED_SLEEP_S)
         (x,) = batch
         if self.embedding is not None:
@@ -59,21 +57,22 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-4)
 
 
-def slow_collate(samples):
+def slow_collate(batch):
     time.sleep(PLANTED_SLEEP_S)  # rank 1's loader: decoding that takes its time
-    return torch.utils.data.default_collate(samples)
+    return batch
 
 
 def fit(scenario: str, outdir: Path) -> dict:
     features, _, batch = shapes(scenario)
     size = ringplug.size()
-    rows = batch * size * (STEPS + 1)
+    # Items are whole batches (batch_size=None), so that loading costs no collation.
+    items = size * (STEPS + 1)
     if scenario == "communication":
-        data = TensorDataset(torch.randint(0, features, (rows,)))
+        data = TensorDataset(torch.randint(0, features, (items, batch)))
     else:
-        data = TensorDataset(torch.randn(rows, features))
+        data = TensorDataset(torch.randn(items, batch, features))
     collate = slow_collate if scenario == "data" and ringplug.rank() == 1 else None
-    loader = DataLoader(data, batch_size=batch, collate_fn=collate)
+    loader = DataLoader(data, batch_size=None, collate_fn=collate)
     traced = scenario == "data"
     trainer = L.Trainer(
         strategy=RingStrategy(timeline=str(outdir / "timeline.json") if traced else None),
