@@ -16,7 +16,7 @@ COMPUTING = "in forward/backward"
 REDUCING = "waiting for gradient reduction"
 STEPPING = "in the optimizer step"
 BETWEEN_STEPS = "between steps"
-OUT_OF_DATA = "finished its data"
+OUT_OF_DATA = "done with its data"
 
 _phase: list = ["", time.monotonic()]  # [phase, monotonic time it began]
 
@@ -50,8 +50,8 @@ def describe(
         if elsewhere:
             shown = ", ".join(repr(n) for n in elsewhere[:3]) + (", ..." if len(elsewhere) > 3
                                                                   else "")  # fmt: skip
-            parts.append(f"rank {rank} waits in a different collective ({shown})"
-                         + (f", {phase}" if phase else ""))  # fmt: skip
+            parts.append(f"rank {rank} waits in a different collective ({shown}"
+                         + (f"; last phase: {phase})" if phase else ")"))  # fmt: skip
         elif phase:
             parts.append(f"rank {rank} was {phase} for {seconds:.0f} s")
         else:
