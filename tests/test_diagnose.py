@@ -251,3 +251,37 @@ def test_stall_warnings_say_what_the_missing_rank_was_doing():
     assert "rank 1 was in forward/backward for" in warnings["'stall.compute'"]
     assert "rank 1 waits in a different collective ('stall.other'" in warnings["'stall.different'"]
     assert "rank 1 was done with its data for" in warnings["'stall.finished'"]
+
+
+# ---------------------------------------------------------------------- measured ceiling
+def test_a_measured_ceiling_is_found_again_for_the_same_ranks_and_hosts(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert diagnose.read_ceiling(2, ["a"]) is None
+    diagnose.write_ceiling(2, ["b", "a"], 5e9)
+    diagnose.write_ceiling(4, ["a", "b"], 3e9)
+    diagnose.write_ceiling(2, ["a", "b"], 6e9)  # measured again: replaces the first
+    assert diagnose.read_ceiling(2, ["a", "b"]) == 6e9
+    assert diagnose.read_ceiling(4, ["a", "b"]) == 3e9
+    assert diagnose.read_ceiling(2, ["a"]) is None
+    assert len(json.loads((tmp_path / "ringplug" / "ceiling.json").read_text())) == 2
+
+
+def test_bench_without_check_is_refused_with_the_right_usage():
+    result = run_ringrun("--bench", "-np", "2", timeout=30)
+    assert result.returncode == 2
+    assert "--bench goes with --check: ringrun --check --bench -np N" in result.stderr
+
+
+@pytest.mark.multirank
+def test_check_bench_sweeps_allreduce_on_the_jobs_ranks_and_remembers_the_peak(tmp_path):
+    result = run_ringrun("--check", "--bench", "-np", "2",
+                         extra_env={"XDG_CACHE_HOME": str(tmp_path)}, timeout=120)  # fmt: skip
+    assert "ringplug allreduce sweep: 2 ranks" in result.stdout, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if " MiB " in line
+            and "peak" not in line and "sweep" not in line]  # fmt: skip
+    assert [row[1] for row in rows] == ["0.06", "1.00", "8.00", "32.00"]
+    (entry,) = json.loads((tmp_path / "ringplug" / "ceiling.json").read_text())
+    assert entry["ranks"] == 2 and len(entry["hosts"]) == 1
+    best = max(float(row[-1]) for row in rows)  # the busbw column, as printed
+    assert entry["busbw"] / 1e9 == pytest.approx(best, abs=0.006)
+    assert f"peak bus bandwidth {entry['busbw'] / 1e9:.2f} GB/s" in result.stdout

@@ -8,6 +8,9 @@ strategy's own collectives, Lightning's per-batch work) dominate: there it repor
 median time per step of each side. Every job uses one torch thread per rank
 (OMP_NUM_THREADS=1), per-rank batch 32 and synthetic data. Reports medians of the pairs'
 ratios.
+
+With ``--diagnose`` it measures instead what the step-time breakdown costs: RingStrategy
+with ``RINGPLUG_DIAGNOSE=1`` against ``=0`` on 2 ranks, on the MLP and on the tiny MLP.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from .common import alternating_pairs, write_job_json
 
 JOB = str(Path(__file__).with_name("lightning_job.py"))
 TINY = "-tiny"  # an impl with this suffix trains the tiny MLP
+DIAGNOSE = {"ring+diagnose": "1", "ring-diagnose": "0"}  # RingStrategy, breakdown on / off
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="width of the tiny MLP (8: about 8 k parameters)")  # fmt: skip
     parser.add_argument("--tiny-steps", type=int, default=200,
                         help="training steps per tiny-model job")  # fmt: skip
+    parser.add_argument("--diagnose", action="store_true",
+                        help="instead: the cost of the step-time breakdown (RINGPLUG_DIAGNOSE=1 "
+                        "against 0, 2 ranks)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
 
@@ -44,10 +51,13 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
     tiny = impl.endswith(TINY)
     impl = impl.removesuffix(TINY)
     steps, hidden = (args.tiny_steps, args.tiny_hidden) if tiny else (args.steps, args.hidden)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if impl in DIAGNOSE:
+        env["RINGPLUG_DIAGNOSE"] = DIAGNOSE[impl]
+        impl = "ring"
     command = [sys.executable, JOB, impl, str(steps), str(hidden), str(out)]
     if impl == "ring":
         command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *command]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900,
                             check=False)  # fmt: skip
     if result.returncode != 0:
@@ -58,6 +68,8 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.diagnose:
+        return _run_diagnose(args)
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
         records, ratios = alternating_pairs(
             args.pairs, [("ring/ddp", "ring", "ddp", 2), ("ring-1/none", "ring", "none", 1),
@@ -84,4 +96,25 @@ def run(args: argparse.Namespace) -> int:
                         "tiny_hidden": args.tiny_hidden, "tiny_steps": args.tiny_steps,
                         "median_tiny_step_ms": step_ms},
                        records)  # fmt: skip
+    return 0
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    """The step-time breakdown's cost: throughput with it on over off, in pairs."""
+    on, off = DIAGNOSE
+    with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
+        records, ratios = alternating_pairs(
+            args.pairs, [("diagnose on/off", on, off, 2),
+                         ("diagnose on/off tiny", on + TINY, off + TINY, 2)],
+            lambda impl, ranks: _job(impl, ranks, args, Path(tmp)), lambda impl, _: impl,
+        )  # fmt: skip
+    costs = {name: 1 - statistics.median(values) for name, values in ratios.items()}
+    print(f"# median cost of the step-time breakdown, 2 ranks: MLP ({args.hidden} wide) "
+          f"{costs['diagnose on/off'] * 100:.2f}%, tiny MLP ({args.tiny_hidden} wide) "
+          f"{costs['diagnose on/off tiny'] * 100:.2f}% of throughput (target < 1%)")  # fmt: skip
+    if args.json:
+        write_job_json(args.json, "lightning-diagnose",
+                       {"pairs": args.pairs, "steps": args.steps, "hidden": args.hidden,
+                        "tiny_hidden": args.tiny_hidden, "tiny_steps": args.tiny_steps,
+                        "median_cost": costs}, records)  # fmt: skip
     return 0

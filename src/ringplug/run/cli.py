@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--hostfile, also check every host (ssh, versions, interfaces) and give a verdict",
     )
     parser.add_argument(
+        "--bench",
+        action="store_true",
+        help="with --check: also run a short allreduce sweep on the job's ranks (-np, -H) and "
+        "print the bus bandwidth against this machine's memory copy bandwidth",
+    )
+    parser.add_argument(
         "--config-file",
         metavar="FILE",
         help="YAML or TOML file with these settings; flags override it",
@@ -596,8 +602,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(bool(args.verbose))
     try:
         settings = settings_from_args(args)
+        if args.bench and not args.check:
+            raise UsageError("--bench goes with --check: ringrun --check --bench -np N")
         if args.check:
-            return run_check(_check_context(settings))
+            code = run_check(_check_context(settings))
+            if args.bench:  # the measured ceiling: a short job of ringplug.run.ceiling
+                ceiling = [sys.executable, "-m", "ringplug.run.ceiling"]
+                code = max(code, _launch(job_from_settings(settings, ceiling), settings,
+                                         args.dry_run))  # fmt: skip
+            return code
         if not command:
             raise UsageError("no command given; usage: ringrun -np N [options] command [args...]")
         spec = job_from_settings(settings, command)
