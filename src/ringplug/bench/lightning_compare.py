@@ -9,8 +9,9 @@ median time per step of each side. Every job uses one torch thread per rank
 (OMP_NUM_THREADS=1), per-rank batch 32 and synthetic data. Reports medians of the pairs'
 ratios.
 
-With ``--diagnose`` it measures instead what the step-time breakdown costs: RingStrategy
-with ``RINGPLUG_DIAGNOSE=1`` against ``=0`` on 2 ranks, on the MLP and on the tiny MLP.
+With ``--diagnose`` it measures instead what the step-time breakdown costs per step: jobs
+of RingStrategy on 2 ranks (the MLP and the tiny MLP) that switch it on and off every few
+steps, comparing the median step time of the two halves.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from .common import alternating_pairs, write_job_json
 
 JOB = str(Path(__file__).with_name("lightning_job.py"))
 TINY = "-tiny"  # an impl with this suffix trains the tiny MLP
-DIAGNOSE = {"ring+diagnose": "1", "ring-diagnose": "0"}  # RingStrategy, breakdown on / off
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny-steps", type=int, default=200,
                         help="training steps per tiny-model job")  # fmt: skip
     parser.add_argument("--diagnose", action="store_true",
-                        help="instead: the cost of the step-time breakdown (RINGPLUG_DIAGNOSE=1 "
-                        "against 0, 2 ranks)")  # fmt: skip
+                        help="instead: the cost of the step-time breakdown per step (on and "
+                        "off in turns within each 2-rank job)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
 
@@ -52,11 +52,8 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
     impl = impl.removesuffix(TINY)
     steps, hidden = (args.tiny_steps, args.tiny_hidden) if tiny else (args.steps, args.hidden)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if impl in DIAGNOSE:
-        env["RINGPLUG_DIAGNOSE"] = DIAGNOSE[impl]
-        impl = "ring"
     command = [sys.executable, JOB, impl, str(steps), str(hidden), str(out)]
-    if impl == "ring":
+    if impl.startswith("ring"):
         command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *command]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900,
                             check=False)  # fmt: skip
@@ -100,21 +97,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_diagnose(args: argparse.Namespace) -> int:
-    """The step-time breakdown's cost: throughput with it on over off, in pairs."""
-    on, off = DIAGNOSE
+    """The step-time breakdown's cost per step: each job (2 ranks) switches it on and off
+    every few steps and compares the median step times of the two halves, so that the
+    machine's drift between jobs does not enter the ratio."""
+    costs: dict[str, list[float]] = {"MLP": [], "tiny MLP": []}
+    records = []
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
-        records, ratios = alternating_pairs(
-            args.pairs, [("diagnose on/off", on, off, 2),
-                         ("diagnose on/off tiny", on + TINY, off + TINY, 2)],
-            lambda impl, ranks: _job(impl, ranks, args, Path(tmp)), lambda impl, _: impl,
-        )  # fmt: skip
-    costs = {name: 1 - statistics.median(values) for name, values in ratios.items()}
-    print(f"# median cost of the step-time breakdown, 2 ranks: MLP ({args.hidden} wide) "
-          f"{costs['diagnose on/off'] * 100:.2f}%, tiny MLP ({args.tiny_hidden} wide) "
-          f"{costs['diagnose on/off tiny'] * 100:.2f}% of throughput (target < 1%)")  # fmt: skip
+        for job in range(args.pairs):
+            for name, impl in (("MLP", "ring-toggle"), ("tiny MLP", "ring-toggle" + TINY)):
+                result = _job(impl, 2, args, Path(tmp))
+                on, off = result["step_ms_on"], result["step_ms_off"]
+                costs[name].append(on / off - 1)
+                records.append({"job": job, "model": name, **result})
+                print(
+                    f"job {job}: {name}: median step {on:.2f} ms with the breakdown, "
+                    f"{off:.2f} ms without ({(on / off - 1) * 100:+.2f}%)",
+                    flush=True,
+                )
+    medians = {name: statistics.median(values) for name, values in costs.items()}
+    print(f"# median cost of the step-time breakdown per step, 2 ranks: MLP ({args.hidden} "
+          f"wide) {medians['MLP'] * 100:+.2f}%, tiny MLP ({args.tiny_hidden} wide) "
+          f"{medians['tiny MLP'] * 100:+.2f}% (target < 1%)")  # fmt: skip
     if args.json:
-        write_job_json(args.json, "lightning-diagnose",
-                       {"pairs": args.pairs, "steps": args.steps, "hidden": args.hidden,
-                        "tiny_hidden": args.tiny_hidden, "tiny_steps": args.tiny_steps,
-                        "median_cost": costs}, records)  # fmt: skip
+        with open(args.json, "w") as handle:
+            json.dump({"bench": "lightning-diagnose", "pairs": args.pairs, "steps": args.steps,
+                       "tiny_steps": args.tiny_steps, "median_cost": medians,
+                       "jobs": records}, handle, indent=1)  # fmt: skip
     return 0
