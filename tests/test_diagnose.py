@@ -285,3 +285,13 @@ def test_check_bench_sweeps_allreduce_on_the_jobs_ranks_and_remembers_the_peak(t
     best = max(float(row[-1]) for row in rows)  # the busbw column, as printed
     assert entry["busbw"] / 1e9 == pytest.approx(best, abs=0.006)
     assert f"peak bus bandwidth {entry['busbw'] / 1e9:.2f} GB/s" in result.stdout
+
+
+def test_ring_strategy_refuses_a_diagnose_value_it_cannot_mean():
+    pytest.importorskip("lightning")
+    from ringplug.lightning.diagnostics import diagnostics_for
+
+    for wrong in (0, -5, "yes", 2.5):
+        with pytest.raises(ValueError, match="use True, False, None or a positive number"):
+            diagnostics_for(wrong)
+    assert diagnostics_for(False) is None

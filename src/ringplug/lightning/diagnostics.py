@@ -26,16 +26,18 @@ def diagnostics_for(diagnose: bool | int | None, trace: bool = True) -> RingDiag
     """The diagnostics a RingStrategy(diagnose=...) fit gets: ``None`` follows
     ``RINGPLUG_DIAGNOSE`` (default on) and ``RINGPLUG_DIAGNOSE_EVERY``; ``False`` none;
     ``True`` a report at the end of fit; an int N also one every N steps."""
+    if not isinstance(diagnose, (bool, type(None))) and (
+        not isinstance(diagnose, int) or diagnose < 1
+    ):
+        raise ValueError(f"RingStrategy(diagnose={diagnose!r}): use True, False, None or a "
+                         "positive number of steps between reports.")  # fmt: skip
     enabled, every = diagnose_setting()
     if diagnose is None:
         diagnose = DEFAULT_ON if enabled is None else enabled
     if diagnose is False or core.size() == 1:  # one rank: no distribution to diagnose
         return None
     if diagnose is not True:
-        if isinstance(diagnose, bool) or not isinstance(diagnose, int) or diagnose < 1:
-            raise ValueError(f"RingStrategy(diagnose={diagnose!r}): use True, False, None or a "
-                             "positive number of steps between reports.")  # fmt: skip
-        every = diagnose
+        every = int(diagnose)
     return RingDiagnostics(every, trace=trace)
 
 
