@@ -139,6 +139,7 @@ def test_a_missing_rank_is_described_by_its_phase_or_the_collective_it_waits_in(
     text = activity.describe([1, 2], activities, partial)
     assert text == ("rank 1 was waiting for data for 12 s; rank 2 waits in a different "
                     "collective ('other'; last phase: in forward/backward)")  # fmt: skip
+    assert activity.describe([0], activities, {"other": [2]}) == ""  # rank 0 named no phase
 
 
 def test_timeline_tracks_give_each_rank_its_own_process(tmp_path):

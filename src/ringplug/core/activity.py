@@ -37,7 +37,8 @@ def describe(
     activities: Sequence[tuple[str, float]],
     partial: Mapping[str, Sequence[int]],
 ) -> str:
-    """What the `ranks` missing from a collective were last doing, as one sentence part.
+    """What the `ranks` missing from a collective were last doing, as one sentence part
+    (empty when none of them named a phase: a program without a framework adapter).
 
     `activities` is every rank's `current()` as its last negotiation message carried it;
     `partial` names the collectives some ranks have ready (and which ranks), so a missing
@@ -54,6 +55,4 @@ def describe(
                          + (f"; last phase: {phase})" if phase else ")"))  # fmt: skip
         elif phase:
             parts.append(f"rank {rank} was {phase} for {seconds:.0f} s")
-        else:
-            parts.append(f"rank {rank} did not say what it was doing")
-    return "; ".join(parts)
+    return "; ".join(parts)  # "" when no missing rank said anything

@@ -857,9 +857,9 @@ class Engine:
                 self.rank,
                 f"rank {self.rank} waited {now - self._partial_since[name]:.0f} s in {kind} "
                 f"{name!r} for rank(s) {_ranks(missing)}, which never submitted it "
-                f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}); "
-                f"{activity.describe(missing, self._activities, plan.partial)}. Ending the "
-                "job: MPI cannot cancel a collective. Look at what the missing ranks were "
+                f"(RINGPLUG_TIMEOUT={self.settings.timeout:g})"
+                f"{_then(activity.describe(missing, self._activities, plan.partial))}. Ending "
+                "the job: MPI cannot cancel a collective. Look at what the missing ranks were "
                 "doing (a stuck data loader, an uneven number of batches, a branch only some "
                 "ranks take).",
                 culprits=missing,
@@ -886,7 +886,7 @@ class Engine:
             waited = now - self._partial_since.get(name, now)
             doing = activity.describe(missing, self._activities, plan.partial)
             parts.append(f"{name!r} is ready on rank(s) {_ranks(holders)} but not on rank(s) "
-                         f"{_ranks(missing)} (for {waited:.0f} s; {doing})")  # fmt: skip
+                         f"{_ranks(missing)} (for {waited:.0f} s{_then(doing)})")  # fmt: skip
         return (
             "Stalled collectives: " + "; ".join(parts) + ". The missing ranks are elsewhere in "
             "the program: a different number of batches, a branch only some ranks take, or "
@@ -960,6 +960,10 @@ def _span(arrays: list[np.ndarray], code: DType) -> np.ndarray | None:
     if misaligned or base.nbytes % code.itemsize:
         return None
     return base.reshape(-1).view(code.storage)[start : start + sum(a.size for a in arrays)]
+
+
+def _then(clause: str) -> str:
+    return f"; {clause}" if clause else ""
 
 
 def _ranks(ranks: Any) -> str:
