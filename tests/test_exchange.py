@@ -14,6 +14,7 @@ MESSAGES = [
     Message(9, shutdown=True, renew=True),
     Message(4, cached=2, new=[("w", Signature(Kind.ALLREDUCE, 2, 1, -1, (3, 4)), 0)]),
     Message(5, stall_abort=["grad"]),
+    Message(6, cached=1, activity=("waiting for data", 12.5)),
 ]
 
 

@@ -8,6 +8,10 @@ strategy's own collectives, Lightning's per-batch work) dominate: there it repor
 median time per step of each side. Every job uses one torch thread per rank
 (OMP_NUM_THREADS=1), per-rank batch 32 and synthetic data. Reports medians of the pairs'
 ratios.
+
+With ``--diagnose`` it measures instead what the step-time breakdown costs per step: jobs
+of RingStrategy on 2 ranks (the MLP and the tiny MLP) that switch it on and off every few
+steps, comparing the median step time of the two halves.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="width of the tiny MLP (8: about 8 k parameters)")  # fmt: skip
     parser.add_argument("--tiny-steps", type=int, default=200,
                         help="training steps per tiny-model job")  # fmt: skip
+    parser.add_argument("--diagnose", action="store_true",
+                        help="instead: the cost of the step-time breakdown per step (on and "
+                        "off in turns within each 2-rank job)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
 
@@ -44,10 +51,10 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
     tiny = impl.endswith(TINY)
     impl = impl.removesuffix(TINY)
     steps, hidden = (args.tiny_steps, args.tiny_hidden) if tiny else (args.steps, args.hidden)
-    command = [sys.executable, JOB, impl, str(steps), str(hidden), str(out)]
-    if impl == "ring":
-        command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *command]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, JOB, impl, str(steps), str(hidden), str(out)]
+    if impl.startswith("ring"):
+        command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *command]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900,
                             check=False)  # fmt: skip
     if result.returncode != 0:
@@ -58,6 +65,8 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.diagnose:
+        return _run_diagnose(args)
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
         records, ratios = alternating_pairs(
             args.pairs, [("ring/ddp", "ring", "ddp", 2), ("ring-1/none", "ring", "none", 1),
@@ -84,4 +93,34 @@ def run(args: argparse.Namespace) -> int:
                         "tiny_hidden": args.tiny_hidden, "tiny_steps": args.tiny_steps,
                         "median_tiny_step_ms": step_ms},
                        records)  # fmt: skip
+    return 0
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    """The step-time breakdown's cost per step: each job (2 ranks) switches it on and off
+    every few steps and compares the median step times of the two halves, so that the
+    machine's drift between jobs does not enter the ratio."""
+    costs: dict[str, list[float]] = {"MLP": [], "tiny MLP": []}
+    records = []
+    with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
+        for job in range(args.pairs):
+            for name, impl in (("MLP", "ring-toggle"), ("tiny MLP", "ring-toggle" + TINY)):
+                result = _job(impl, 2, args, Path(tmp))
+                on, off = result["step_ms_on"], result["step_ms_off"]
+                costs[name].append(on / off - 1)
+                records.append({"job": job, "model": name, **result})
+                print(
+                    f"job {job}: {name}: median step {on:.2f} ms with the breakdown, "
+                    f"{off:.2f} ms without ({(on / off - 1) * 100:+.2f}%)",
+                    flush=True,
+                )
+    medians = {name: statistics.median(values) for name, values in costs.items()}
+    print(f"# median cost of the step-time breakdown per step, 2 ranks: MLP ({args.hidden} "
+          f"wide) {medians['MLP'] * 100:+.2f}%, tiny MLP ({args.tiny_hidden} wide) "
+          f"{medians['tiny MLP'] * 100:+.2f}% (target < 1%)")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"bench": "lightning-diagnose", "pairs": args.pairs, "steps": args.steps,
+                       "tiny_steps": args.tiny_steps, "median_cost": medians,
+                       "jobs": records}, handle, indent=1)  # fmt: skip
     return 0

@@ -6,12 +6,15 @@ folder first on `sys.path`.)
 ``python lightning_job.py IMPL STEPS HIDDEN OUT`` trains an MLP on synthetic data with
 IMPL = ring (RingStrategy, ranks from the launcher), ddp (Lightning's DDPStrategy on gloo,
 2 processes it starts itself) or none (one process, no strategy), and rank 0 writes the
-throughput measured after warm-up to OUT as JSON.
+throughput measured after warm-up to OUT as JSON. IMPL = ring-toggle is RingStrategy with
+the step-time breakdown switched on and off every `TOGGLE` steps on every rank: OUT then
+also holds the median step time of each half, taken in the same job.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 
@@ -21,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 BATCH = 32
 WARMUP = 3
+TOGGLE = 10  # ring-toggle: steps in each state before switching
 
 
 class MLP(L.LightningModule):
@@ -53,11 +57,35 @@ class Clock(L.Callback):
         self.end = time.perf_counter()
 
 
+class Toggle(L.Callback):
+    """Switches the step-time breakdown on and off every TOGGLE steps (between steps, on
+    every rank alike) and keeps each step's duration under the state it ran in."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.steps = 0
+        self.times: dict[bool, list[float]] = {True: [], False: []}
+
+    def on_train_batch_end(self, trainer, *_: object) -> None:
+        import ringplug.diagnose
+
+        now = time.perf_counter()
+        self.steps += 1
+        clock = trainer.strategy._diagnostics.clock
+        on = ringplug.diagnose.active() is not None
+        if self.steps > WARMUP:
+            self.times[on].append(now - self.last)
+        if self.steps % TOGGLE == 0:
+            ringplug.diagnose._active = None if on else clock
+        self.last = time.perf_counter()
+
+
 def main(impl: str, steps: int, hidden: int, out: str) -> None:
-    if impl == "ring":
+    toggle = Toggle() if impl == "ring-toggle" else None
+    if impl in ("ring", "ring-toggle"):
         from ringplug.lightning import RingStrategy
 
-        strategy, devices = RingStrategy(), 1
+        strategy, devices = RingStrategy(diagnose=True if toggle else None), 1
     elif impl == "ddp":
         strategy, devices = "ddp", 2
     else:
@@ -65,7 +93,8 @@ def main(impl: str, steps: int, hidden: int, out: str) -> None:
     clock = Clock()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, callbacks=[clock])  # fmt: skip
+                        enable_checkpointing=False,
+                        callbacks=[clock] + ([toggle] if toggle else []))  # fmt: skip
     world = trainer.world_size
     rows = BATCH * world * steps
     data = TensorDataset(torch.randn(rows, 1024), torch.randint(0, 10, (rows,)))
@@ -77,6 +106,9 @@ def main(impl: str, steps: int, hidden: int, out: str) -> None:
         parameters = sum(p.numel() for p in trainer.lightning_module.parameters())
         record = {"impl": impl, "ranks": world, "steps_timed": timed, "seconds": seconds,
                   "samples_per_s": samples / seconds, "parameters": parameters}  # fmt: skip
+        if toggle is not None:
+            for on, label in ((True, "on"), (False, "off")):
+                record[f"step_ms_{label}"] = 1e3 * statistics.median(toggle.times[on])
         with open(out, "w") as handle:
             json.dump(record, handle)
 

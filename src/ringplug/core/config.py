@@ -133,3 +133,21 @@ def _log_level() -> str:
             f"RINGPLUG_LOG_LEVEL={level!r} is not a log level; use one of {', '.join(_LOG_LEVELS)}."
         )
     return level
+
+
+def diagnose_setting() -> tuple[bool | None, int | None]:
+    """``RINGPLUG_DIAGNOSE`` (1/0 turns the step-time breakdown on/off; unset: ``None``,
+    the adapter's default) and ``RINGPLUG_DIAGNOSE_EVERY`` (a verdict every N steps too)."""
+    raw = _env("RINGPLUG_DIAGNOSE")
+    words = {"1": True, "true": True, "on": True, "yes": True,
+             "0": False, "false": False, "off": False, "no": False}  # fmt: skip
+    if raw is not None and raw.lower() not in words:
+        raise ValueError(f"RINGPLUG_DIAGNOSE={raw!r}: use 1 (on) or 0 (off).")
+    every = _env("RINGPLUG_DIAGNOSE_EVERY")
+    steps = None
+    if every is not None:
+        if not every.isdigit() or int(every) < 1:
+            raise ValueError(f"RINGPLUG_DIAGNOSE_EVERY={every!r} must be a positive number of "
+                             "steps.")  # fmt: skip
+        steps = int(every)
+    return (None if raw is None else words[raw.lower()]), steps

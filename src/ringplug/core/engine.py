@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from . import activity
 from .config import Settings
 from .errors import (
     CommunicatorFailed,
@@ -252,6 +253,11 @@ class Engine:
                 self.timeline.stop()
             self.timeline = Timeline(path, self.rank)
 
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline being recorded (rank 0 only), for framework adapters' own tracks."""
+        return self._timeline
+
     def stop_timeline(self) -> None:
         with self._timeline_lock:
             if self.timeline is not None:
@@ -394,6 +400,7 @@ class Engine:
         self._cycle += 1
         own = self._message(stopping)
         messages = self._exchange.exchange(self._cycle, own, list(self.pending))
+        self._stalls.activities = [m.activity for m in messages]  # for the stall reports
         plan = decide(messages, self._cache)
         self.cycles_run += 1
         if plan.shutdown_by is not None:
@@ -446,6 +453,7 @@ class Engine:
     def _message(self, stopping: bool) -> Message:
         message = Message(self._cycle, joined_cycle=self._joined_cycle, shutdown=stopping)
         message.renew, self._renew = self._renew, False
+        message.activity = activity.current()
         for name, request in self.pending.items():
             slot = self._cache.slot_for(name, request.signature) if request.cacheable else None
             if slot is not None:
@@ -631,10 +639,6 @@ class Engine:
         if join is not None:
             join._finish(None, error)
         wake_waiters()
-
-
-class _SameEverywhere(RingplugError):
-    """A collective that cannot run, found from the plan alone: every rank raises it."""
 
 
 def _mismatch_error(request: Request, message: str) -> BaseException:

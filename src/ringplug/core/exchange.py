@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 CONTROL_TAG = 7100
 
 # A repeated step's message (cached bits only) goes as a few bytes: a marker, the cycle,
-# the joined cycle, the flags, then the bit vector; anything else is pickled.
+# the joined cycle, the flags, the training phase's seconds and length, the phase, then the
+# bit vector; anything else is pickled.
 _COMPACT = b"\x00"
-_HEADER = struct.Struct("<qqB")
+_HEADER = struct.Struct("<qqBdH")
 _SHUTDOWN, _RENEW = 1, 2
 
 
@@ -32,10 +33,13 @@ def encode(message: Message) -> bytearray:
     if message.new or message.stall_abort:
         return bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
     flags = (_SHUTDOWN if message.shutdown else 0) | (_RENEW if message.renew else 0)
+    phase, seconds = message.activity
+    words = phase.encode()
     bits = message.cached
     return bytearray(
         _COMPACT
-        + _HEADER.pack(message.cycle, message.joined_cycle, flags)
+        + _HEADER.pack(message.cycle, message.joined_cycle, flags, seconds, len(words))
+        + words
         + bits.to_bytes((bits.bit_length() + 7) // 8, "little")
     )
 
@@ -44,14 +48,17 @@ def decode(data: bytes | bytearray) -> Message:
     """The message `encode` made (a pickle never starts with a zero byte)."""
     if data[:1] != _COMPACT:
         return pickle.loads(data)
-    cycle, joined, flags = _HEADER.unpack_from(data, 1)
-    cached = int.from_bytes(data[1 + _HEADER.size :], "little")
+    cycle, joined, flags, seconds, length = _HEADER.unpack_from(data, 1)
+    start = 1 + _HEADER.size
+    phase = bytes(data[start : start + length]).decode()
+    cached = int.from_bytes(data[start + length :], "little")
     return Message(
         cycle,
         cached,
         joined_cycle=joined,
         shutdown=bool(flags & _SHUTDOWN),
         renew=bool(flags & _RENEW),
+        activity=(phase, seconds),
     )
 
 

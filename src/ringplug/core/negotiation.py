@@ -79,6 +79,7 @@ class Message:
     shutdown: bool = False
     stall_abort: list[str] = dataclasses.field(default_factory=list)  # rank 0's verdict
     renew: bool = False  # a collective was abandoned here: every rank renews its communicator
+    activity: tuple[str, float] = ("", 0.0)  # the training's phase, seconds in it (activity.py)
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import log
+from . import activity, log
 from .config import Settings
 from .errors import StallError
 from .negotiation import Plan
@@ -33,6 +33,8 @@ class StallInspector:
         self._partial_since: dict[str, float] = {}
         self._warned: set[str] = set()
         self._abort: list[str] = []  # rank 0's verdict, for its next message
+        # Every rank's training phase as its last message carried it (`core/activity.py`).
+        self.activities: list[tuple[str, float]] = []
 
     def take_abort(self) -> list[str]:
         """The requests rank 0 decided to fail, once (they go into its next message)."""
@@ -65,9 +67,11 @@ class StallInspector:
                 self.rank,
                 f"rank {self.rank} waited {now - self._partial_since[name]:.0f} s in {kind} "
                 f"{name!r} for rank(s) {ranks_text(missing)}, which never submitted it "
-                f"(RINGPLUG_TIMEOUT={self.settings.timeout:g}). Ending the job: MPI cannot "
-                "cancel a collective. Look at what the missing ranks were doing (a stuck data "
-                "loader, an uneven number of batches, a branch only some ranks take).",
+                f"(RINGPLUG_TIMEOUT={self.settings.timeout:g})"
+                f"{_then(activity.describe(missing, self.activities, plan.partial))}. Ending "
+                "the job: MPI cannot cancel a collective. Look at what the missing ranks were "
+                "doing (a stuck data loader, an uneven number of batches, a branch only some "
+                "ranks take).",
                 culprits=missing,
             )
         if self.rank != 0:
@@ -91,9 +95,10 @@ class StallInspector:
             holders = plan.partial.get(name, [])
             missing = [r for r in active if r not in holders]
             waited = now - self._partial_since.get(name, now)
+            doing = activity.describe(missing, self.activities, plan.partial)
             parts.append(
                 f"{name!r} is ready on rank(s) {ranks_text(holders)} but not on rank(s) "
-                f"{ranks_text(missing)} (for {waited:.0f} s)"
+                f"{ranks_text(missing)} (for {waited:.0f} s{_then(doing)})"
             )
         return (
             "Stalled collectives: " + "; ".join(parts) + ". The missing ranks are elsewhere in "
@@ -102,6 +107,10 @@ class StallInspector:
             f"{self.settings.stall_check_seconds:g}, RINGPLUG_STALL_SHUTDOWN_SECONDS="
             f"{self.settings.stall_shutdown_seconds:g})."
         )
+
+
+def _then(clause: str) -> str:
+    return f"; {clause}" if clause else ""
 
 
 def ranks_text(ranks: Any) -> str:

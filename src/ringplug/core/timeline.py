@@ -31,6 +31,7 @@ class Timeline:
         self._lock = threading.Lock()
         self._first = True
         self._rows: dict[str, int] = {}
+        self._tracks: set[int] = set()  # ranks with a training-step track
         self._events: list[dict[str, Any]] = []
         self._origin = time.perf_counter()
         self._meta("process_name", 0, {"name": f"ringplug rank {rank}"})
@@ -68,6 +69,19 @@ class Timeline:
             if args:
                 event["args"] = args
             self._events.append(event)
+
+    def track(self, rank: int, phase: str, start: float, end: float) -> None:
+        """One phase of one training step of `rank`, on that rank's own track (its process
+        group in Perfetto), so every rank's data wait, compute and communication line up."""
+        with self._lock:
+            if rank not in self._tracks:
+                self._tracks.add(rank)
+                pid = 1000 + rank  # apart from the engine's pid (its rank)
+                self._events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                                     "args": {"name": f"rank {rank} training steps"}})  # fmt: skip
+            self._events.append({"name": phase, "ph": "X", "pid": 1000 + rank, "tid": 0,
+                                 "ts": self._us(start),
+                                 "dur": round(max(end - start, 0.0) * 1e6, 3)})  # fmt: skip
 
     def marker(self, label: str, when: float, **args: Any) -> None:
         """An instant event on the engine row (one per cycle)."""

@@ -32,6 +32,7 @@ from .callbacks import (
     broadcast_variables,
 )
 from .data import ShardedPyDataset, bucketed_dataset, shard
+from .diagnostics import RingDiagnose
 from .optimizer import DistributedOptimizer
 
 
@@ -92,7 +93,8 @@ def verbose(level: int | str = "auto") -> Any:
 
 
 __all__ = [
-    "Average", "DistributedOptimizer", "RingBroadcast", "RingMetricAverage", "RingWarmup",
+    "Average", "DistributedOptimizer", "RingBroadcast", "RingDiagnose", "RingMetricAverage",
+    "RingWarmup",
     "ShardedPyDataset", "Sum", "WarmupSchedule", "broadcast_variables", "bucketed_dataset",
     "init",
     "on_rank_zero", "scale_lr", "shard", "verbose",

@@ -13,13 +13,15 @@ repeated steps hit the negotiation cache.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 import numpy as np
 
-from .. import core
+from .. import core, diagnose
+from ..core import activity
 from ..core.ops import ReduceOp
 from . import _tf_gpu
 
@@ -27,6 +29,12 @@ from . import _tf_gpu
 def reduce_numpy(arrays: Sequence[np.ndarray], op: ReduceOp, name: str,
                  fp16: bool) -> list[np.ndarray]:  # fmt: skip
     """The reductions of `arrays` (new arrays, same dtypes), one request per dtype."""
+    clock = diagnose.active()
+    if clock is not None:
+        clock.backward_ended(time.perf_counter())  # Keras reduces after the whole backward
+    else:
+        activity.set_phase(activity.REDUCING)
+    nbytes = 0
     groups: dict[np.dtype, list[int]] = {}
     for index, array in enumerate(arrays):
         groups.setdefault(np.asarray(array).dtype, []).append(index)
@@ -35,12 +43,15 @@ def reduce_numpy(arrays: Sequence[np.ndarray], op: ReduceOp, name: str,
         members = [np.ascontiguousarray(arrays[i]) for i in indices]
         if fp16 and dtype in (np.float32, np.float64):
             members = [member.astype(np.float16) for member in members]
+        nbytes += sum(member.nbytes for member in members)
         handles.append((indices, core.grouped_allreduce_async(members, op,
                                                               name=f"{name}.{dtype}")))  # fmt: skip
     results: list[np.ndarray] = [np.empty(0)] * len(arrays)
     for indices, handle in handles:
         for index, result in zip(indices, handle.wait(), strict=True):
             results[index] = result.astype(np.asarray(arrays[index]).dtype, copy=False)
+    if clock is not None:
+        clock.reduced(time.perf_counter(), nbytes)
     return results
 
 

@@ -24,12 +24,14 @@ from torch.utils.data import DataLoader
 from .. import core
 from ..core.ops import ReduceOp
 from ..core.runtime import launcher_world_size, refuse_torchrun_world, threads_per_rank
+from ..diagnose import arrived as batch_arrived
 from ..torch import allgather, allreduce, broadcast_parameters
 from ..torch import backend as torch_backend
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
 from ..torch.state import broadcast_buffers
 from ..torch.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
 from .devices import launched_devices
+from .diagnostics import RingDiagnostics, diagnostics_for
 from .environment import RingEnvironment
 from .launcher import RingLauncher
 from .uneven import AgreedLoader, SigtermFlag, Uneven, check_mode
@@ -81,6 +83,11 @@ class RingStrategy(ParallelStrategy):
             Defaults to ``"drop"``. Evaluation is never padded: validation and test
             samplers give each sample to exactly one rank, so epoch metrics logged with
             ``sync_dist=True`` count every sample once.
+        diagnose: the step-time breakdown (`ringplug.lightning.diagnostics`): at the end of
+            fit rank 0 prints each rank's data / compute / communication / optimizer
+            medians and names the bottleneck; the numbers go to the Trainer's loggers.
+            ``True``, ``False``, or N to report every N steps too. Defaults to ``None``:
+            ``RINGPLUG_DIAGNOSE`` (1/0, on when unset) and ``RINGPLUG_DIAGNOSE_EVERY``.
 
     Example:
         >>> trainer = Trainer(strategy=RingStrategy(), accelerator="cpu")  # doctest: +SKIP
@@ -101,6 +108,7 @@ class RingStrategy(ParallelStrategy):
         timeline: str | None = None,
         broadcast_buffers: bool = True,
         uneven: Uneven = "drop",
+        diagnose: bool | int | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -121,6 +129,8 @@ class RingStrategy(ParallelStrategy):
         self._phantom_step = False
         self._sigterm: SigtermFlag | None = None
         self._next_loader_stage: RunningStage | None = None
+        self.diagnose = diagnose
+        self._diagnostics: RingDiagnostics | None = None
 
     @property
     def _layer_sync(self) -> LayerSync | None:
@@ -265,7 +275,17 @@ class RingStrategy(ParallelStrategy):
             raise SIGTERMException()
 
     # ------------------------------------------------------------------ steps
+    def on_train_start(self) -> None:
+        self._diagnostics = diagnostics_for(self.diagnose, trace=True)
+        if self._diagnostics is not None:
+            self._diagnostics.on_train_start(self.lightning_module.trainer)
+
+    def on_train_end(self) -> None:
+        if self._diagnostics is not None:
+            self._diagnostics.on_train_end()
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch_arrived()
         # A repeated batch of a rank out of data (uneven="join") counts zero (see backward).
         self._phantom_step = bool(self._phantoms.popleft()) if self._phantoms else False
         self._sync_buffers(force=True)

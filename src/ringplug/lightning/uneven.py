@@ -24,12 +24,14 @@ of rank 0's flag is not needed (RingStrategy replaces it with a look at this one
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
 
-from .. import core
+from .. import core, diagnose
+from ..core import activity
 from ..core.errors import RingplugError
 
 Uneven = Literal["drop", "join", "error"]
@@ -158,10 +160,17 @@ class _AgreedIterator:
         """Fetch the next local batch (if any) and start the ranks' agreement on it."""
         batch, has = None, False
         if self._inner is not None:
+            activity.set_phase(activity.WAITING_FOR_DATA)
+            start = time.perf_counter()
             try:
                 batch, has = next(self._inner), True
             except StopIteration:
                 self._inner = None
+            clock = diagnose.active()
+            if clock is not None and has:
+                clock.data(start, time.perf_counter())  # this rank's own loading only
+        if not has:
+            activity.set_phase(activity.OUT_OF_DATA)
         owner = self._owner
         flags = np.array([has, owner._ringplug_sigterm(), self._fetched], np.int64)
         self._fetched += has

@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--hostfile, also check every host (ssh, versions, interfaces) and give a verdict",
     )
     parser.add_argument(
+        "--bench",
+        action="store_true",
+        help="with --check: also run a short allreduce sweep on the job's ranks (-np, -H) and "
+        "print the bus bandwidth against this machine's memory copy bandwidth",
+    )
+    parser.add_argument(
         "--config-file",
         metavar="FILE",
         help="YAML or TOML file with these settings; flags override it",
@@ -520,9 +526,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
         hosts, origin = hosts_from_settings(settings)
+        if args.bench and not args.check:
+            raise UsageError("--bench goes with --check: ringrun --check --bench -np N")
         if args.check:
             _say_hosts_origin(hosts, origin)
-            return run_check(_check_context(settings, hosts))
+            code = run_check(_check_context(settings, hosts))
+            if args.bench:  # the measured ceiling: a short job of ringplug.run.ceiling
+                ceiling = [sys.executable, "-m", "ringplug.run.ceiling"]
+                spec = job_from_settings(settings, ceiling, hosts)
+                code = max(code, _launch(spec, settings, args.dry_run))
+            return code
         if not command:
             raise UsageError("no command given; usage: ringrun -np N [options] command [args...]")
         spec = job_from_settings(settings, command, hosts)

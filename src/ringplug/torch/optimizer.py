@@ -18,13 +18,15 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from ..core import runtime
+from .. import diagnose
+from ..core import activity, runtime
 from ..core.ops import Average, ReduceOp, as_op
 from .collectives import TensorHandle, allreduce_async_, grouped_allreduce_async_
 
@@ -50,6 +52,7 @@ class _Bucket:
         self.grads: list[torch.Tensor] = []  # what is being reduced
         self.packed: torch.Tensor | None = None  # their float16 copy (fp16 compression)
         self.sparse: dict[int, int] = {}  # param index -> sparse_dim of its sparse gradient
+        self.nbytes = sum(p.numel() * p.element_size() for p in params)  # on the wire, dense
 
 
 class _Distributed:
@@ -136,6 +139,9 @@ class _Distributed:
                 bucket.sparse[index] = p.grad.sparse_dim()
                 p.grad = p.grad.to_dense()
         bucket.grads = [p.grad for p in bucket.params]
+        clock = diagnose.active()
+        if clock is not None:
+            clock.reduction_started(time.perf_counter())
         average = self._ringplug_op is ReduceOp.AVERAGE
         scales = {"prescale_factor": 1.0 / self._ringplug_predivide if average else 1.0,
                   "postscale_factor": self._ringplug_predivide if average else 1.0}  # fmt: skip
@@ -158,11 +164,19 @@ class _Distributed:
         Parameters that got no gradient this step are reduced as zeros, so every rank
         runs the same collectives.
         """
+        clock = diagnose.active()
+        if clock is not None:
+            clock.backward_ended(time.perf_counter())  # what is left to wait for is exposed
+        else:
+            activity.set_phase(activity.REDUCING)
+        nbytes = 0
         for bucket in self._ringplug_buckets:
             if bucket.handle is None:
                 self._ringplug_start(bucket)
         for bucket in self._ringplug_buckets:
             bucket.handle.wait()
+            packed = bucket.packed
+            nbytes += bucket.nbytes if packed is None else packed.numel() * packed.element_size()
             if bucket.packed is not None:
                 offset = 0
                 for grad in bucket.grads:
@@ -179,6 +193,10 @@ class _Distributed:
         for key in self._ringplug_counts:
             self._ringplug_counts[key] = 0
         self._ringplug_synchronized = True
+        if clock is not None:
+            clock.reduced(time.perf_counter(), nbytes)
+        else:
+            activity.set_phase(activity.STEPPING)
 
     def detach_hooks(self) -> None:
         """Stop watching the parameters' gradients (when this optimizer is done with)."""
@@ -199,7 +217,13 @@ class _Distributed:
         if not self._ringplug_skip and not self._ringplug_synchronized:
             self.synchronize()
         self._ringplug_synchronized = False
-        return super().step(closure)  # type: ignore[misc]
+        result = super().step(closure)  # type: ignore[misc]
+        clock = diagnose.active()
+        if clock is not None:
+            clock.step_ended()
+        else:
+            activity.set_phase(activity.BETWEEN_STEPS)
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, as torch's `zero_grad` (refused while they are being averaged).
