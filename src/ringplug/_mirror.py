@@ -152,8 +152,12 @@ class _Renamer(ast.NodeTransformer):
     def __init__(self, file: Path, package: str, renames: Mapping[str, str]) -> None:
         self.file, self.package = file, package
         self.renames = sorted(renames.items(), key=lambda item: -len(item[0]))
-        # What must not be imported after renaming: the namespaces being replaced.
-        self.replaced = {old.partition(".")[0] for old in renames if not old.startswith("ringplug")}
+        # What must not be imported after renaming: the top-level packages moved away from.
+        self.replaced = {
+            old.partition(".")[0]
+            for old, new in renames.items()
+            if old.partition(".")[0] != new.partition(".")[0]
+        }
 
     def _rename(self, name: str, lineno: int) -> str:
         for old, new in self.renames:
