@@ -174,7 +174,8 @@ class _Renamer(ast.NodeTransformer):
     def visit_Import(self, node: ast.Import) -> ast.Import:  # noqa: N802 - ast's spelling
         for alias in node.names:
             renamed = self._rename(alias.name, node.lineno)
-            if renamed != alias.name and alias.asname is None and "." in alias.name:
+            if renamed != alias.name and alias.asname is None:
+                # `import a.b` binds `a`, which the code then names: renaming would break it.
                 raise MirrorError(
                     f"{self.file}:{node.lineno}: `import {alias.name}` binds a name the mirror "
                     f"cannot rename; write `import {alias.name} as ...` or a from-import."
