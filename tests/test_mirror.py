@@ -123,3 +123,12 @@ def test_imports_the_mirror_cannot_rename_are_refused_naming_file_and_line(packa
     with pytest.raises(_mirror.MirrorError, match=message) as caught:
         importlib.import_module("mirror_integration")
     assert f"{helper}:2" in str(caught.value)
+
+
+def test_a_read_only_install_caches_in_the_users_cache_directory(packages, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(packages / "user-cache"))
+    (packages / "src_integration" / "__pycache__").write_text("")  # no cache directory here
+    importlib.import_module("mirror_integration")
+    cached = sorted(p.name.split(".")[0] for p in (packages / "user-cache").rglob("*.pyc"))
+    assert cached == ["__init__", "helper", "strategy"]

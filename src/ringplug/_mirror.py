@@ -19,13 +19,16 @@ a ``lightning`` name, no bare ``import lightning.pytorch``); `mirror` refuses wh
 rewrite rather than import the wrong namespace.
 
 The rewritten code is cached beside the original's bytecode
-(``__pycache__/strategy.cpython-311.opt-ringplugpytorchlightning.pyc``, checked against a hash
-of the source), so importing a mirrored module costs what importing a module costs.
+(``__pycache__/strategy.cpython-311.opt-ringplugpytorchlightning.pyc``), or in
+``~/.cache/ringplug/mirror`` where the install is read-only, and checked against a hash of the
+source; so, once cached, importing a mirrored module costs about what importing a module costs.
+Nothing is written under ``PYTHONDONTWRITEBYTECODE``.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib.abc
 import importlib.machinery
@@ -113,41 +116,63 @@ class _MirrorLoader(importlib.abc.Loader):
 
 def _code(file: Path, source_name: str, is_package: bool, mirror_name: str,
           renames: Mapping[str, str]) -> CodeType:  # fmt: skip
-    """The rewritten code of `file` (module `source_name`), from the cache when it is fresh."""
+    """The rewritten code of `file` (module `source_name`), from a cache when one is fresh."""
     data = file.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([_FORMAT, data, repr(sorted(renames.items())).encode(), mirror_name.encode()])
+        b"\0".join(
+            [
+                _FORMAT,
+                data,
+                repr(sorted(renames.items())).encode(),
+                mirror_name.encode(),
+                str(file).encode(),
+            ]
+        )
     ).digest()[:16]
     header = importlib.util.MAGIC_NUMBER + key
-    tag = "".join(c for c in mirror_name if c.isalnum())
-    cache = Path(importlib.util.cache_from_source(str(file), optimization=tag))
-    try:
-        cached = cache.read_bytes()
-        if cached.startswith(header):
-            return marshal.loads(cached[len(header) :])
-    except (OSError, ValueError, EOFError, TypeError):
-        pass  # no cache yet, or an unreadable one: compile
+    caches = _cache_paths(file, mirror_name, key)
+    for cache in caches:
+        try:
+            cached = cache.read_bytes()
+            if cached.startswith(header):
+                return marshal.loads(cached[len(header) :])
+        except (OSError, ValueError, EOFError, TypeError):
+            pass  # no cache there yet, or an unreadable one
     package = source_name if is_package else source_name.rpartition(".")[0]
-    tree = _Renamer(file, package, renames).visit(ast.parse(data, str(file)))
+    tree = ast.parse(data, str(file))
+    _Renamer(file, package, renames).rename(tree)
     code = compile(tree, str(file), "exec", dont_inherit=True)
     if not sys.dont_write_bytecode:
-        _write_cache(cache, header + marshal.dumps(code))
+        payload = header + marshal.dumps(code)
+        any(_write_cache(cache, payload) for cache in caches)  # the first that takes it
     return code
 
 
-def _write_cache(cache: Path, payload: bytes) -> None:
-    """Write atomically (ranks start together); a read-only install just compiles each time."""
+def _cache_paths(file: Path, mirror_name: str, key: bytes) -> list[Path]:
+    """Where the rewritten code may be cached: beside the original's bytecode, else (a
+    read-only install) in the user's cache directory, as Python's own pycache_prefix would."""
+    tag = "".join(c for c in mirror_name if c.isalnum())
+    beside = Path(importlib.util.cache_from_source(str(file), optimization=tag))
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return [beside, user / "ringplug" / "mirror" / f"{file.stem}.{tag}.{key.hex()}.pyc"]
+
+
+def _write_cache(cache: Path, payload: bytes) -> bool:
+    """Write atomically (ranks start together); False where the directory is not writable."""
     temporary = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
     try:
-        cache.parent.mkdir(exist_ok=True)
+        cache.parent.mkdir(parents=True, exist_ok=True)
         temporary.write_bytes(payload)
         os.replace(temporary, cache)
+        return True
     except OSError:
-        temporary.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        return False
 
 
-class _Renamer(ast.NodeTransformer):
-    """Rewrites the module names of import statements by `renames`."""
+class _Renamer:
+    """Rewrites the module names of import statements by `renames`, in place."""
 
     def __init__(self, file: Path, package: str, renames: Mapping[str, str]) -> None:
         self.file, self.package = file, package
@@ -171,7 +196,20 @@ class _Renamer(ast.NodeTransformer):
             )
         return name
 
-    def visit_Import(self, node: ast.Import) -> ast.Import:  # noqa: N802 - ast's spelling
+    def rename(self, tree: ast.Module) -> None:
+        # Imports are statements: walking the statement lists alone (not every expression)
+        # keeps the rewrite cheap next to the compile.
+        pending: list[Any] = list(tree.body)
+        while pending:
+            node = pending.pop()
+            if isinstance(node, ast.Import):
+                self._import(node)
+            elif isinstance(node, ast.ImportFrom):
+                self._import_from(node)
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                pending.extend(getattr(node, field, None) or ())
+
+    def _import(self, node: ast.Import) -> None:
         for alias in node.names:
             renamed = self._rename(alias.name, node.lineno)
             if renamed != alias.name and alias.asname is None:
@@ -181,13 +219,11 @@ class _Renamer(ast.NodeTransformer):
                     f"cannot rename; write `import {alias.name} as ...` or a from-import."
                 )
             alias.name = renamed
-        return node
 
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.ImportFrom:  # noqa: N802
+    def _import_from(self, node: ast.ImportFrom) -> None:
         if node.module == "__future__":
-            return node
+            return
         module = node.module or ""
         if node.level:
             module = importlib.util.resolve_name("." * node.level + module, self.package)
         node.module, node.level = self._rename(module, node.lineno), 0
-        return node
