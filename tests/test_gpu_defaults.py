@@ -22,7 +22,7 @@ WORKERS = Path(__file__).parent / "workers"
 def test_auto_on_four_gpu_hosts_gives_eight_ranks_one_gpu_each():
     torch = pytest.importorskip("torch")
     pytest.importorskip("lightning")
-    from ringplug.lightning.devices import launched_devices
+    from ringplug.fabric.devices import launched_devices
 
     every_gpu = [torch.device("cuda", i) for i in range(4)]
     # ringrun -np 8 -H a:4,b:4: local ranks 0..3 on each host.
@@ -38,7 +38,7 @@ def test_auto_on_four_gpu_hosts_gives_eight_ranks_one_gpu_each():
 def test_explicit_devices_that_match_the_launcher_are_kept():
     torch = pytest.importorskip("torch")
     pytest.importorskip("lightning")
-    from ringplug.lightning.devices import launched_devices
+    from ringplug.fabric.devices import launched_devices
 
     two = [torch.device("cuda", 2), torch.device("cuda", 3)]
     assert launched_devices(two, visible_gpus=4, local_rank=1, local_size=2, world_size=4,
@@ -67,7 +67,7 @@ def test_devices_that_contradict_the_launcher_say_what_to_change(
 ):
     torch = pytest.importorskip("torch")
     pytest.importorskip("lightning")
-    from ringplug.lightning.devices import launched_devices
+    from ringplug.fabric.devices import launched_devices
 
     with pytest.raises(ValueError, match=message) as caught:
         launched_devices([torch.device("cuda", i) for i in devices], visible_gpus=visible,

@@ -1,4 +1,9 @@
-"""RingStrategy under ringrun: Lightning trains like one process on the union of batches."""
+"""RingStrategy under ringrun: Lightning trains like one process on the union of batches.
+
+The key scenarios run in both Lightning namespaces: ``lightning.pytorch`` (with
+`ringplug.lightning`) and the standalone ``pytorch_lightning`` (with `ringplug.pytorch_lightning`,
+the same files mirrored); the workers pick theirs from ``TEST_LIGHTNING_PACKAGE``.
+"""
 
 from __future__ import annotations
 
@@ -19,9 +24,14 @@ WORKER = str(Path(__file__).parent / "workers" / "lightning_fit.py")
 STEPS = 6
 
 
-def fit(scenario: str, tmp_path: Path, ranks: int = 2) -> list[dict]:
+def in_package(package: str) -> dict[str, str]:
+    """The environment that makes a worker train with `package`'s Lightning."""
+    return {"TEST_LIGHTNING_PACKAGE": package}
+
+
+def fit(scenario: str, tmp_path: Path, ranks: int = 2, package: str = "lightning") -> list[dict]:
     result = run_ringrun("-np", str(ranks), sys.executable, WORKER, scenario, str(tmp_path),
-                         timeout=240)  # fmt: skip
+                         extra_env=in_package(package), timeout=240)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     return [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
 
@@ -34,10 +44,21 @@ def test_buffers_are_rank_zeros_on_every_rank_after_fit(tmp_path):
     assert all(report["ranks_identical"] for report in reports)
 
 
-@pytest.mark.parametrize("scenario", ["plain", "by-name", "clip", "batchnorm", "compiled"])
-def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(tmp_path, scenario):
-    for report in fit(scenario, tmp_path):
+@pytest.mark.parametrize(
+    ("package", "scenario"),
+    [
+        *(("lightning", s) for s in ["plain", "by-name", "clip", "batchnorm", "compiled"]),
+        # pl.Trainer(strategy=RingStrategy()) and pl.Trainer(strategy="ring")
+        ("pytorch_lightning", "plain"),
+        ("pytorch_lightning", "by-name"),
+    ],
+)
+def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(tmp_path, package,
+                                                                      scenario):  # fmt: skip
+    for report in fit(scenario, tmp_path, package=package):
         assert report["strategy"] == "RingStrategy"
+        assert report["strategy_of_this_lightning"]  # a Strategy of the Trainer's package
+        assert not report["other_lightning_imported"]
         assert report["sampler_replicas"] == 2  # Lightning added the distributed sampler
         assert report["matches_one_process"], report["max_difference"]
         assert report["ranks_identical"]
@@ -63,20 +84,41 @@ def test_accumulated_batches_send_gradients_once_per_optimizer_step(tmp_path):
     assert plain[0]["collectives"] - accumulated[0]["collectives"] == STEPS // 2
 
 
-@pytest.mark.parametrize(
-    "imports",
-    ["import ringplug\nimport lightning as L", "import lightning as L\nimport ringplug"],
-    ids=["ringplug-first", "lightning-first"],
-)
-def test_strategy_ring_works_after_importing_ringplug_in_either_order(imports):
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+@pytest.mark.parametrize("ringplug_first", [True, False], ids=["ringplug-first", "lightning-first"])
+def test_strategy_ring_works_after_importing_ringplug_in_either_order(package, ringplug_first):
+    imports = ["import ringplug", f"import {package} as L"]
+    other = "pytorch_lightning" if package == "lightning" else "lightning"
+    code = "\n".join([*(imports if ringplug_first else imports[::-1]), "import sys",
+                      "trainer = L.Trainer(strategy='ring', accelerator='cpu', logger=False)",
+                      "strategy = type(trainer.strategy)",
+                      f"print(strategy.__module__, strategy.__name__, {other!r} in sys.modules)",
+                      ])  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    integration = "ringplug.lightning" if package == "lightning" else "ringplug.pytorch_lightning"
+    # The Trainer's own package's strategy, and no import of the other Lightning.
+    assert result.stdout.strip().splitlines()[-1] == f"{integration}.strategy RingStrategy False"
+
+
+def test_pytorch_lightning_strategy_is_built_on_pytorch_lightning_classes_alone():
     code = (
-        imports + "\nimport sys\ntrainer = L.Trainer(strategy='ring', accelerator='cpu', "
-        "logger=False)\nprint(type(trainer.strategy).__name__, 'lightning' in sys.modules)"
+        "import sys, pytorch_lightning as pl, lightning_fabric\n"
+        "from pytorch_lightning.strategies.launchers.launcher import _Launcher\n"
+        "from ringplug.pytorch_lightning import RingEnvironment, RingStrategy, RingSyncBatchNorm\n"
+        "from ringplug.pytorch_lightning.launcher import RingLauncher\n"
+        "print(issubclass(RingStrategy, pl.strategies.ParallelStrategy),\n"
+        "      issubclass(RingEnvironment, lightning_fabric.plugins.ClusterEnvironment),\n"
+        "      issubclass(RingSyncBatchNorm, pl.plugins.LayerSync),\n"
+        "      issubclass(RingLauncher, _Launcher),\n"
+        "      sorted(m for m in ('lightning', 'ringplug.lightning', 'ringplug.fabric')\n"
+        "             if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "RingStrategy True"
+    assert result.stdout.strip().splitlines()[-1] == "True True True True []"
 
 
 def test_importing_ringplug_alone_does_not_import_lightning():
@@ -162,26 +204,28 @@ def test_manual_optimization_two_optimizers_loader_workers_and_torchmetrics(tmp_
 CLI = str(Path(__file__).parent / "workers" / "lightning_cli.py")
 
 
-def test_lightning_cli_yaml_selects_ring_strategy_with_its_arguments(tmp_path):
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_lightning_cli_yaml_selects_ring_strategy_with_its_arguments(tmp_path, package):
     pytest.importorskip("jsonargparse")
+    integration = "ringplug.lightning" if package == "lightning" else "ringplug.pytorch_lightning"
     config = tmp_path / "config.yaml"
     config.write_text(
         "trainer:\n"
         "  accelerator: cpu\n  max_steps: 3\n  logger: false\n  enable_checkpointing: false\n"
         "  enable_progress_bar: false\n  enable_model_summary: false\n"
         "  strategy:\n"
-        "    class_path: ringplug.lightning.RingStrategy\n"
+        f"    class_path: {integration}.RingStrategy\n"
         "    init_args:\n      compression: fp16\n      bucket_bytes: 1048576\n"
         "  callbacks:\n"
         "    - class_path: __main__.Report\n"
         f"      init_args:\n        outdir: {tmp_path}\n"
     )  # fmt: skip
     result = run_ringrun("-np", "2", sys.executable, CLI, "fit", "--config", str(config),
-                         timeout=240)  # fmt: skip
+                         extra_env=in_package(package), timeout=240)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(2):
         report = json.loads((tmp_path / f"cli-{rank}.json").read_text())
-        assert report["strategy"] == "ringplug.lightning.strategy.RingStrategy"
+        assert report["strategy"] == f"{integration}.strategy.RingStrategy"
         assert report["compression"] == "Compression.fp16"
         assert report["bucket_bytes"] == 1048576
         assert report["world_size"] == 2 and report["steps"] == 3

@@ -18,9 +18,10 @@ WORKER = str(Path(__file__).parent / "workers" / "lightning_uneven.py")
 EPOCHS = 2
 
 
-def job(tmp_path: Path, *args: str, ranks: int):
+def job(tmp_path: Path, *args: str, ranks: int, package: str = "lightning"):
+    """Run the worker on `ranks` ranks with `package`'s Lightning (see lightning_namespace)."""
     result = run_ringrun("-np", str(ranks), sys.executable, WORKER, *args, str(tmp_path),
-                         timeout=240)  # fmt: skip
+                         extra_env={"TEST_LIGHTNING_PACKAGE": package}, timeout=240)  # fmt: skip
     output = result.stdout + result.stderr
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
     return result.returncode, output, reports
@@ -58,10 +59,15 @@ def test_sized_per_rank_data_drop_warns_with_the_counts(tmp_path):
         assert output.count(line) == 1, output
 
 
-@pytest.mark.parametrize(("source", "counts"), [("iterable", "6,4,5"), ("map", "6,4")])
-def test_join_trains_on_every_batch_with_zeros_from_ranks_out_of_data(tmp_path, source, counts):
+@pytest.mark.parametrize(
+    ("source", "counts", "package"),
+    [("iterable", "6,4,5", "lightning"), ("map", "6,4", "lightning"),
+     ("map", "6,4", "pytorch_lightning")],
+)  # fmt: skip
+def test_join_trains_on_every_batch_with_zeros_from_ranks_out_of_data(tmp_path, source, counts,
+                                                                      package):  # fmt: skip
     ranks = len(counts.split(","))
-    rc, output, reports = job(tmp_path, source, "join", counts, ranks=ranks)
+    rc, output, reports = job(tmp_path, source, "join", counts, ranks=ranks, package=package)
     assert rc == 0, output
     assert_trained_as_the_mode_defines(reports, ranks, steps=6)
     assert "RingStrategy(uneven=" not in output  # nothing dropped, nothing to warn about

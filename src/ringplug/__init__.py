@@ -34,20 +34,27 @@ if TYPE_CHECKING:
     from .core import *  # noqa: F403
 
 
-class _RegisterWithLightning(importlib.abc.MetaPathFinder):
-    """Registers strategy="ring" once Lightning's strategies module has been imported.
+class _RegisterStrategies(importlib.abc.MetaPathFinder):
+    """Registers strategy="ring" with each Lightning namespace once its strategies module has
+    been imported: `Trainer(strategy="ring")` in `lightning.pytorch` and `pytorch_lightning`,
+    `Fabric(strategy="ring")` in `lightning.fabric` and `lightning_fabric`.
 
-    Lightning has no entry point for strategies, and `import ringplug` must not import
-    Lightning: so the name is registered when the user's own code imports Lightning.
+    Lightning has no entry point for strategies (its registries are filled from its own
+    modules), and `import ringplug` must not import Lightning: so the name is registered
+    when the user's own code imports Lightning, by importing ringplug's integration for
+    that namespace right after Lightning's strategies module has run.
     """
 
-    target = "lightning.pytorch.strategies"
+    def __init__(self, pending: dict[str, str]) -> None:
+        self.pending = pending  # Lightning's strategies module -> ringplug's integration
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.target:
+        integration = self.pending.pop(fullname, None)
+        if integration is None:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        if not self.pending:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)  # this finder no longer answers for it
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
@@ -57,20 +64,32 @@ class _RegisterWithLightning(importlib.abc.MetaPathFinder):
             original(module)
             # A Lightning too old for ringplug: leave the user's import untouched.
             with contextlib.suppress(ImportError):
-                importlib.import_module(".lightning", __name__)  # registers "ring"
+                importlib.import_module(integration, __name__)  # registers "ring"
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-def _register_strategy_name() -> None:
-    if _RegisterWithLightning.target in sys.modules:
-        importlib.import_module(".lightning", __name__)
-    elif not any(isinstance(f, _RegisterWithLightning) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterWithLightning())
+_INTEGRATIONS = {
+    "lightning.fabric.strategies": ".fabric",
+    "lightning.pytorch.strategies": ".lightning",
+    "lightning_fabric.strategies": ".lightning_fabric",
+    "pytorch_lightning.strategies": ".pytorch_lightning",
+}
 
 
-_register_strategy_name()
+def _register_strategy_names() -> None:
+    pending = {}
+    for strategies, integration in _INTEGRATIONS.items():
+        if strategies in sys.modules:
+            importlib.import_module(integration, __name__)
+        else:
+            pending[strategies] = integration
+    if pending and not any(isinstance(f, _RegisterStrategies) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterStrategies(pending))
+
+
+_register_strategy_names()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""Multi-rank worker: a LightningCLI script whose YAML (or command line) picks RingStrategy.
+"""Multi-rank worker: a LightningCLI script whose YAML (or command line) picks RingStrategy
+(the LightningCLI of the Lightning `lightning_namespace` picks).
 
 ``python lightning_cli.py fit --config CONFIG --report OUTDIR`` trains a small model; each
 rank writes OUTDIR/cli-<rank>.json with the strategy it ran under and its settings.
@@ -9,9 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import lightning as L
 import torch
-from lightning.pytorch.cli import LightningCLI
+from lightning_namespace import L, lightning_cli
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringplug
@@ -61,4 +61,4 @@ class Report(L.Callback):
 
 
 if __name__ == "__main__":
-    LightningCLI(Regressor, save_config_callback=None)
+    lightning_cli()(Regressor, save_config_callback=None)

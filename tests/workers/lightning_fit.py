@@ -1,11 +1,11 @@
 """Multi-rank worker: Lightning fit with RingStrategy equals one process on the union.
 
-``python lightning_fit.py SCENARIO OUTDIR``. Each rank also trains a plain torch reference
-on the full global batches, locally, and compares. Scenarios: plain, by-name
-(``strategy="ring"``), accumulate (2 micro-batches per step), clip (gradient clipping by
-norm), batchnorm (``sync_batchnorm=True``: the reference is plain BatchNorm on the union) and
-buffers (plain BatchNorm: only the buffers' agreement is checked) and compiled
-(``trainer.fit(torch.compile(model))``).
+``python lightning_fit.py SCENARIO OUTDIR``, in the Lightning `lightning_namespace` picks.
+Each rank also trains a plain torch reference on the full global batches, locally, and
+compares. Scenarios: plain, by-name (``strategy="ring"``), accumulate (2 micro-batches per
+step), clip (gradient clipping by norm), batchnorm (``sync_batchnorm=True``: the reference
+is plain BatchNorm on the union) and buffers (plain BatchNorm: only the buffers' agreement is
+checked) and compiled (``trainer.fit(torch.compile(model))``).
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
+from lightning_namespace import L, RingStrategy, Strategy, other_namespace_imported
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import ringplug
-import ringplug.lightning  # noqa: F401 - registers strategy="ring"
+import ringplug  # registers strategy="ring" with the Lightning the script imports
 import ringplug.torch as rpt
-from ringplug.lightning import RingStrategy
 
 PER_RANK, STEPS = 4, 6
 CLIP = 0.05  # well below the gradient norms here, so clipping changes every step
@@ -133,6 +131,8 @@ def main(scenario: str, outdir: Path) -> None:
         "norms_equal": len({tuple(n) for n in ringplug.allgather_object(
             [round(v, 6) for v in model.after_backward_norms])}) == 1,
         "strategy": type(trainer.strategy).__name__,
+        "strategy_of_this_lightning": isinstance(trainer.strategy, Strategy),
+        "other_lightning_imported": other_namespace_imported(),
         "sampler_replicas": trainer.train_dataloader.sampler.num_replicas
         if hasattr(trainer.train_dataloader, "sampler") else None,
         "collectives": collectives,

@@ -1,4 +1,5 @@
-"""Multi-rank worker: RingStrategy when the ranks have different numbers of batches.
+"""Multi-rank worker: RingStrategy when the ranks have different numbers of batches (in the
+Lightning `lightning_namespace` picks).
 
 ``python lightning_uneven.py SOURCE MODE COUNTS OUTDIR``: SOURCE is ``iterable`` (an
 IterableDataset of per-rank batches, no length) or ``map`` (a per-rank TensorDataset with
@@ -23,13 +24,12 @@ import signal
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
+from lightning_namespace import L, RingStrategy
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ringplug
 import ringplug.torch as rpt
-from ringplug.lightning import RingStrategy
 
 BATCH, EPOCHS, LR = 3, 2, 0.1
 

@@ -1,6 +1,8 @@
 """ringplug for PyTorch Lightning: `Trainer(strategy=RingStrategy())` or `strategy="ring"`.
 
-``import ringplug.lightning`` imports Lightning and registers the name "ring".
+``import ringplug.lightning`` imports Lightning and registers the name "ring". For the
+standalone ``pytorch_lightning`` package the same strategy is `ringplug.pytorch_lightning`
+(these files, mirrored: see `ringplug._mirror`), and for Lightning Fabric `ringplug.fabric`.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

@@ -1,53 +1,15 @@
-"""RingLauncher: `python train.py` with `Trainer(strategy="ring", devices=N)` runs N ranks.
-
-Lightning's own launchers would start N processes that are each an MPI world of one (N
-models training apart, silently). Instead, this process re-runs the exact command line
-under `ringrun -np N` (one MPI world), supervises it, and exits with the job's status;
-the ranks, started by the launcher, take the external path and train.
-"""
+"""RingLauncher for the Trainer: Fabric's `ringplug.fabric.launcher.RingLauncher` (which re-runs
+the script under ``ringrun -np N``), as the Trainer's kind of launcher (it can also `kill`)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from typing import Any
-
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
-from ..run.processes import parent_death_signal
-
-# Variables an MPI singleton in this process may have set; the job's ranks get fresh ones.
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_LOCAL", "HYDRA_", "OMPI_")
+from ..fabric.launcher import RingLauncher as _RingLauncher
 
 
-class RingLauncher(_Launcher):
+class RingLauncher(_RingLauncher, _Launcher):
     """Starts `ranks` copies of this script in one MPI world and waits for them."""
 
-    def __init__(self, ranks: int) -> None:
-        self.ranks = ranks
-        self.process: subprocess.Popen | None = None
 
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return False  # it re-runs the script, which a notebook doesn't have
-
-    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(self.ranks), "--",
-                   *getattr(sys, "orig_argv", [sys.executable, *sys.argv])]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
-        print(f"ringplug: starting {self.ranks} ranks: {' '.join(command)}", flush=True)
-        # If this supervisor dies, ringrun gets SIGTERM and stops the ranks.
-        self.process = subprocess.Popen(
-            command, env=env, preexec_fn=parent_death_signal(signal.SIGTERM)
-        )
-        returncode = self.process.wait()
-        # The ranks did the work (and ran the rest of the script); this process only
-        # supervised them, and ends with their status.
-        sys.stdout.flush()
-        os._exit(returncode)
-
-    def kill(self, signum: Any) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signum)
+__all__ = ["RingLauncher"]

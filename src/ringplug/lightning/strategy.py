@@ -22,22 +22,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 
 from .. import core
-from ..core.ops import ReduceOp
-from ..core.runtime import launcher_world_size, refuse_torchrun_world, threads_per_rank
+from ..core.runtime import launcher_world_size, refuse_torchrun_world
 from ..diagnose import arrived as batch_arrived
-from ..torch import allgather, allreduce, broadcast_parameters
+from ..fabric.common import gather_over_ranks, reduce_over_ranks, split_threads
+from ..fabric.devices import launched_devices
 from ..torch import backend as torch_backend
+from ..torch import broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
 from ..torch.state import broadcast_buffers
 from ..torch.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
-from .devices import launched_devices
 from .diagnostics import RingDiagnostics, diagnostics_for
 from .environment import RingEnvironment
 from .launcher import RingLauncher
 from .uneven import AgreedLoader, SigtermFlag, Uneven, check_mode
-
-_OPS = {"mean": "average", "avg": "average", "average": "average", "sum": "sum", "max": "max",
-        "min": "min", "product": "product"}  # fmt: skip
 
 
 class RingSyncBatchNorm(LayerSync):
@@ -186,7 +183,7 @@ class RingStrategy(ParallelStrategy):
         requested = len(self.parallel_devices or [])
         if launcher_world_size() is not None:
             # Started by ringrun / mpiexec / srun: the launcher's world is the job, and
-            # devices="auto" on GPUs means cuda:LOCAL_RANK (see devices.py).
+            # devices="auto" on GPUs means cuda:LOCAL_RANK (see ringplug/fabric/devices.py).
             core.init()
             self.parallel_devices = launched_devices(
                 self.parallel_devices or [], visible_gpus=torch.cuda.device_count(),
@@ -204,7 +201,7 @@ class RingStrategy(ParallelStrategy):
         core.init()
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)  # NCCL and the caching allocator follow it
-        _split_threads()
+        split_threads()
         if self.timeline:
             core.start_timeline(self.timeline)
         # torchmetrics, SyncBatchNorm, Lightning's own torch.distributed calls and user code
@@ -329,21 +326,11 @@ class RingStrategy(ParallelStrategy):
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce a tensor over ranks ("mean"/"avg", "sum", "max", "min" or a ReduceOp)."""
-        if not isinstance(tensor, torch.Tensor):
-            return tensor
-        op = _op_name(reduce_op)
-        local = tensor.detach().cpu()
-        if op == "average" and not (local.is_floating_point() or local.is_complex()):
-            # As DDP: the mean of integers (Lightning's batch-size counters) is a float.
-            return (allreduce(local, "sum") / self.world_size).to(tensor.device)
-        return allreduce(local, op).to(tensor.device)
+        return reduce_over_ranks(tensor, reduce_op, self.world_size, group)
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False):
         """Every rank's tensor stacked on a new first dimension, as DDP's all_gather."""
-        stacked = tensor.unsqueeze(0)
-        if not sync_grads:
-            stacked = stacked.detach()
-        return allgather(stacked.contiguous())
+        return gather_over_ranks(tensor, sync_grads, group)
 
     def on_exception(self, exception: BaseException) -> None:
         # This rank is failing: its peers are elsewhere, so teardown must not wait for them.
@@ -436,26 +423,3 @@ def _prepare_loaders_for_ring(trainer: Any, strategy: RingStrategy) -> None:
     connector._ringplug_original_prepare = prepare
     connector._prepare_dataloader = prepare_for_ring
     connector._ringplug_strategy = strategy
-
-
-def _split_threads() -> None:
-    """Give each of the N ranks on a host 1/N of its cores for torch's intra-op threads
-    (left alone when OMP_NUM_THREADS says how many)."""
-    share = threads_per_rank()
-    if share is not None and torch.get_num_threads() > share:
-        torch.set_num_threads(share)
-
-
-def _op_name(reduce_op: Any) -> str:
-    if isinstance(reduce_op, ReduceOp):
-        return reduce_op.name.lower()
-    if isinstance(reduce_op, str):
-        name = _OPS.get(reduce_op.lower())
-        if name is not None:
-            return name
-    name = getattr(reduce_op, "name", str(reduce_op)).lower()  # torch.distributed.ReduceOp
-    for key, value in _OPS.items():
-        if name.endswith(key):
-            return value
-    raise ValueError(f"RingStrategy.reduce: unsupported reduce_op {reduce_op!r}; use 'mean', "
-                     "'sum', 'max' or 'min'.")  # fmt: skip

@@ -1,0 +1,87 @@
+"""What the Trainer's `RingStrategy` and Fabric's `RingFabricStrategy` share: Lightning's
+conventions for reducing and gathering tensors over the ranks, and each rank's share of
+the host's cores.
+
+It lives with Fabric because Fabric is the layer the Trainer is built on (``lightning.pytorch``
+imports ``lightning.fabric``, and ``pytorch_lightning`` imports ``lightning_fabric``), so
+both strategies, and both of their mirrors, can import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core.ops import ReduceOp
+from ..core.runtime import threads_per_rank
+from ..torch import allgather, allreduce
+
+_OPS = {"mean": "average", "avg": "average", "average": "average", "sum": "sum", "max": "max",
+        "min": "min", "product": "product"}  # fmt: skip
+
+
+def reduce_over_ranks(tensor: Any, reduce_op: Any, world_size: int, group: Any = None,
+                      who: str = "RingStrategy.reduce") -> Any:  # fmt: skip
+    """Reduce `tensor` over every rank, as Lightning's strategies do ("mean"/"avg", "sum",
+    "max", "min", "product", a ringplug or torch.distributed ``ReduceOp``; ``None`` is sum).
+
+    A new tensor on `tensor`'s device; anything but a tensor comes back as it is. As DDP, the
+    mean of integers (Lightning's batch-size counters) is a float. Only the world is a group
+    here (`group` None or torch.distributed's WORLD): ringplug's ranks form one world.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    _check_group(group, who)
+    op = op_name(reduce_op, who)
+    local = tensor.detach().cpu()
+    if op == "average" and not (local.is_floating_point() or local.is_complex()):
+        return (allreduce(local, "sum") / world_size).to(tensor.device)
+    return allreduce(local, op).to(tensor.device)
+
+
+def gather_over_ranks(tensor: torch.Tensor, sync_grads: bool = False, group: Any = None,
+                      who: str = "RingStrategy.all_gather") -> torch.Tensor:  # fmt: skip
+    """Every rank's `tensor` stacked on a new first dimension, as DDP's ``all_gather``;
+    differentiable with `sync_grads` (each rank's gradient flows back to its own rows)."""
+    _check_group(group, who)
+    stacked = tensor.unsqueeze(0)
+    if not sync_grads:
+        stacked = stacked.detach()
+    return allgather(stacked.contiguous())
+
+
+def split_threads() -> None:
+    """Give each of the N ranks on a host 1/N of its cores for torch's intra-op threads
+    (left alone when OMP_NUM_THREADS says how many)."""
+    share = threads_per_rank()
+    if share is not None and torch.get_num_threads() > share:
+        torch.set_num_threads(share)
+
+
+def op_name(reduce_op: Any, who: str = "RingStrategy.reduce") -> str:
+    """The ringplug name of a Lightning / torch.distributed / ringplug reduce op."""
+    if reduce_op is None:
+        return "sum"  # torch.distributed's default, and Fabric's for None
+    if isinstance(reduce_op, ReduceOp):
+        return reduce_op.name.lower()
+    if isinstance(reduce_op, str):
+        name = _OPS.get(reduce_op.lower())
+        if name is not None:
+            return name
+    name = getattr(reduce_op, "name", str(reduce_op)).lower()  # torch.distributed.ReduceOp
+    for key, value in _OPS.items():
+        if name.endswith(key):
+            return value
+    raise ValueError(f"{who}: unsupported reduce_op {reduce_op!r}; use 'mean', 'sum', 'max' "
+                     "or 'min'.")  # fmt: skip
+
+
+def _check_group(group: Any, who: str) -> None:
+    if group is None or (dist.is_available() and group is dist.group.WORLD):
+        return
+    raise ValueError(
+        f"{who}: group={group!r} is not supported; ringplug reduces over every rank of the "
+        "job. Leave group at its default (None)."
+    )

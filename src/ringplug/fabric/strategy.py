@@ -1,0 +1,277 @@
+"""RingFabricStrategy: data-parallel training in Lightning Fabric with gradients averaged by
+ringplug."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from .. import core
+from ..core.runtime import launcher_world_size, refuse_torchrun_world
+from ..torch import backend as torch_backend
+from ..torch import broadcast_parameters
+from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
+from .common import gather_over_ranks, reduce_over_ranks, split_threads
+from .devices import launched_devices
+from .environment import RingEnvironment
+from .launcher import RingLauncher
+
+
+class RingFabricStrategy(ParallelStrategy):
+    """Lightning Fabric strategy that averages gradients over ranks through ringplug's engine.
+
+    Start the ranks with the MPI launcher (``ringrun -np 4 python train.py``), or run
+    ``python train.py`` with ``Fabric(strategy="ring", devices=4)`` and the script re-runs
+    itself as 4 ranks under ringrun. ``fabric.setup(model, optimizer)`` gives every rank
+    rank 0's parameters and buffers and wraps the optimizer so that gradients are averaged
+    in buckets while backward runs: when ``fabric.backward(loss)`` returns, every rank holds
+    the same averaged gradients (clip them, inspect them), and ``optimizer.step()`` keeps the
+    weights identical. ``fabric.setup_dataloaders`` gives each rank its shard (a
+    DistributedSampler); ``fabric.no_backward_sync(model)`` lets gradients accumulate
+    locally, to be averaged once with the last micro-batch; ``fabric.all_reduce``,
+    ``all_gather``, ``broadcast`` and ``barrier`` go through ringplug's engine, and so do
+    torch.distributed calls (torchmetrics): the ``ringplug`` process group is set up at
+    launch. On CPUs the gradients take ringplug's MPI ring; with ``accelerator="gpu"`` each
+    rank uses the GPU of its local rank and the gradients take NCCL.
+
+    Args:
+        accelerator: set by Fabric. Defaults to ``None``.
+        parallel_devices: set by Fabric. Defaults to ``None``.
+        cluster_environment: defaults to `RingEnvironment` (the MPI world).
+        checkpoint_io: defaults to Fabric's.
+        precision: defaults to Fabric's.
+        compression: ``"none"`` (default) or ``"fp16"`` for the gradients on the wire.
+        gradient_predivide_factor: see `ringplug.torch.DistributedOptimizer`. Defaults to 1.0.
+        bucket_bytes: gradient bucket size. Defaults to 25 MiB.
+        timeline: path of a Chrome trace of the engine (rank 0). Defaults to ``None``.
+
+    Example:
+        >>> fabric = Fabric(strategy=RingFabricStrategy(compression="fp16"))  # doctest: +SKIP
+        >>> fabric.launch()
+        >>> model, optimizer = fabric.setup(model, optimizer)
+    """
+
+    strategy_name = "ring"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        compression: Literal["none", "fp16"] | Compression = "none",
+        gradient_predivide_factor: float = 1.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeline: str | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment or RingEnvironment(),
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self.compression = Compression(compression)
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.bucket_bytes = bucket_bytes
+        self.timeline = timeline
+        self._num_nodes = 1
+        self._backward_sync_control = _RingBackwardSyncControl(self)
+        self._optimizers: list[Optimizer] = []  # distributed by setup_optimizer
+        self._names: dict[int, str] = {}  # parameter id -> name, from the modules set up
+        self._owns_process_group = False
+
+    # ------------------------------------------------------------------ rank facts
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        if devices[0].type == "cpu":
+            return torch.device("cpu")
+        # One rank per GPU, as DDP: local rank i takes device i (the only one when the
+        # launcher gave each rank its own CUDA_VISIBLE_DEVICES).
+        return devices[self.local_rank] if len(devices) > 1 else devices[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        self._num_nodes = value
+
+    @property
+    def num_processes(self) -> int:
+        return 1  # one process per device; the launcher decides how many
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _set_world_ranks(self) -> None:
+        rank_zero_only.rank = self.global_rank  # fabric.print and rank_zero_* on rank 0 only
+
+    def _configure_launcher(self) -> None:
+        devices = {device.type for device in self.parallel_devices or []}
+        if devices - {"cpu", "cuda"}:
+            raise NotImplementedError(
+                f"RingFabricStrategy trains on CPUs and CUDA GPUs, not on {sorted(devices)}; "
+                "use Fabric(accelerator='cpu') or accelerator='gpu' with strategy='ring'."
+            )
+        refuse_torchrun_world()  # each torchrun worker would otherwise start its own job
+        requested = len(self.parallel_devices or [])
+        if launcher_world_size() is not None:
+            # Started by ringrun / mpiexec / srun: the launcher's world is the job, and
+            # devices="auto" on GPUs means cuda:LOCAL_RANK (see devices.py).
+            core.init()
+            self.parallel_devices = launched_devices(
+                self.parallel_devices or [],
+                visible_gpus=torch.cuda.device_count(),
+                local_rank=self.local_rank,
+                local_size=core.local_size(),
+                world_size=self.world_size,
+                num_nodes=self.num_nodes,
+            )
+            self._launcher = None
+        elif requested > 1:
+            self._launcher = RingLauncher(requested)  # `python train.py`: start the ranks
+        else:
+            self._launcher = None  # one process: a world of one
+
+    # ------------------------------------------------------------------ set-up
+    def setup_environment(self) -> None:
+        core.init()
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)  # NCCL and the caching allocator follow it
+        split_threads()
+        if self.timeline:
+            core.start_timeline(self.timeline)
+        # torchmetrics and user code reach the engine through the ringplug backend.
+        self._owns_process_group = torch_backend.init_process_group()
+        super().setup_environment()
+
+    def setup_module(self, module: Module) -> Module:
+        """Every rank starts from rank 0's parameters and buffers (the module is not wrapped:
+        the optimizers set up with it average its gradients)."""
+        broadcast_parameters(module.state_dict(), root_rank=0)
+        self._names.update({id(p): name for name, p in module.named_parameters()})
+        return module
+
+    def module_to_device(self, module: Module) -> None:
+        module.to(self.root_device)
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """`optimizer`, wrapped so that its parameters' gradients are averaged over the ranks
+        while backward runs (`ringplug.torch.DistributedOptimizer`)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        named = [(self._names[id(p)], p) for p in params if id(p) in self._names]
+        distributed = DistributedOptimizer(
+            optimizer, named_parameters=named if len(named) == len(params) else None,
+            compression=self.compression,
+            gradient_predivide_factor=self.gradient_predivide_factor,
+            bucket_bytes=self.bucket_bytes,
+        )  # fmt: skip
+        # Averaged before fabric.backward returns, so clipping sees the averaged gradients.
+        distributed._ringplug_sync_in_backward = True
+        self._optimizers.append(distributed)
+        return distributed
+
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[Module, list[Optimizer], Any]:
+        module = self.setup_module(module)
+        distributed = [self.setup_optimizer(optimizer) for optimizer in optimizers]
+        for original, wrapped in zip(optimizers, distributed, strict=True):
+            if scheduler is not None and getattr(scheduler, "optimizer", None) is original:
+                scheduler.optimizer = wrapped  # it steps the learning rate of the one in use
+        return module, distributed, scheduler
+
+    # ------------------------------------------------------------------ steps
+    def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any,
+                 **kwargs: Any) -> None:  # fmt: skip
+        if not self._optimizers and self.world_size > 1:
+            raise RuntimeError(
+                "RingFabricStrategy averages gradients through the optimizers set up with "
+                "Fabric, and none was: this backward would leave each rank with its own "
+                "gradients. Pass the optimizer to fabric.setup(model, optimizer) (or to "
+                "fabric.setup_optimizers) before training."
+            )
+        super().backward(tensor, module, *args, **kwargs)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce a tensor over ranks ("mean"/"avg", "sum", "max", "min" or a ReduceOp); a new
+        tensor (the input is left as it is)."""
+        return reduce_over_ranks(tensor, reduce_op, self.world_size, group,
+                                 who="RingFabricStrategy.all_reduce")  # fmt: skip
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None,
+                   sync_grads: bool = False) -> torch.Tensor:  # fmt: skip
+        """Every rank's tensor stacked on a new first dimension, as DDP's all_gather."""
+        return gather_over_ranks(tensor, sync_grads, group, who="RingFabricStrategy.all_gather")
+
+    def barrier(self, name: str | None = None) -> None:
+        core.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return core.broadcast_object(obj, src)
+
+    def teardown(self) -> None:
+        for optimizer in self._optimizers:
+            optimizer.detach_hooks()
+        self._optimizers.clear()
+        if self.timeline:
+            core.stop_timeline()
+        if self._owns_process_group:
+            dist.destroy_process_group()  # local: the group holds no threads or sockets
+            self._owns_process_group = False
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Data-parallel training over ringplug's ring",
+            override=True,
+        )  # fmt: skip
+
+
+class _RingBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: inside it, backward adds gradients up locally and
+    sends nothing; the first backward outside averages the sum."""
+
+    def __init__(self, strategy: RingFabricStrategy) -> None:
+        self._strategy = strategy
+
+    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if not enabled:
+            return contextlib.nullcontext()
+        return self._blocked(module)
+
+    @contextlib.contextmanager
+    def _blocked(self, module: Module) -> Generator[None, None, None]:
+        params = {id(p) for p in module.parameters()}
+        owners = [
+            optimizer
+            for optimizer in self._strategy._optimizers
+            if any(id(p) in params for group in optimizer.param_groups for p in group["params"])
+        ]
+        for optimizer in owners:
+            optimizer._ringplug_blocked = True
+        try:
+            yield
+        finally:
+            for optimizer in owners:
+                optimizer._ringplug_blocked = False
