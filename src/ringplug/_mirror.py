@@ -80,8 +80,7 @@ def mirror(namespace: MutableMapping[str, Any], source: str, renames: Mapping[st
 class _MirrorFinder(importlib.abc.MetaPathFinder):
     """Finds ``<name>.x.y`` as ``<source>.x.y``'s file, to be loaded rewritten."""
 
-    def __init__(self, name: str, source: str, directory: Path,
-                 renames: Mapping[str, str]) -> None:  # fmt: skip
+    def __init__(self, name: str, source: str, directory: Path, renames: Mapping[str, str]) -> None:
         self.name, self.source, self.directory, self.renames = name, source, directory, renames
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
@@ -94,15 +93,23 @@ class _MirrorFinder(importlib.abc.MetaPathFinder):
                 source_name = ".".join([self.source, *parts])
                 loader = _MirrorLoader(file, source_name, is_package, self.name, self.renames)
                 return importlib.util.spec_from_file_location(
-                    fullname, file, loader=loader,
+                    fullname,
+                    file,
+                    loader=loader,
                     submodule_search_locations=[] if is_package else None,
-                )  # fmt: skip
+                )
         return None
 
 
 class _MirrorLoader(importlib.abc.Loader):
-    def __init__(self, file: Path, source_name: str, is_package: bool, mirror_name: str,
-                 renames: Mapping[str, str]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        file: Path,
+        source_name: str,
+        is_package: bool,
+        mirror_name: str,
+        renames: Mapping[str, str],
+    ) -> None:
         self.file, self.source_name, self.is_package = file, source_name, is_package
         self.mirror_name, self.renames = mirror_name, renames
 
@@ -114,8 +121,9 @@ class _MirrorLoader(importlib.abc.Loader):
         exec(code, module.__dict__)  # noqa: S102
 
 
-def _code(file: Path, source_name: str, is_package: bool, mirror_name: str,
-          renames: Mapping[str, str]) -> CodeType:  # fmt: skip
+def _code(
+    file: Path, source_name: str, is_package: bool, mirror_name: str, renames: Mapping[str, str]
+) -> CodeType:
     """The rewritten code of `file` (module `source_name`), from a cache when one is fresh."""
     data = file.read_bytes()
     key = hashlib.sha256(

@@ -132,8 +132,9 @@ class Diagnosis:
         ]
         for r in self.ranks:
             cells = "  ".join(f"{getattr(r, p) * 1e3:7.2f}" for p in ("step", *PHASES))
-            lines.append(f"{r.rank:>4}  {r.host:<{width}}  {cells}  "
-                         f"{r.bytes_per_step / 2**20:8.2f}")  # fmt: skip
+            lines.append(
+                f"{r.rank:>4}  {r.host:<{width}}  {cells}  {r.bytes_per_step / 2**20:8.2f}"
+            )
         lines.append(f"verdict: {self.verdict.text}")
         return "\n".join(lines)
 
@@ -154,16 +155,27 @@ class Diagnosis:
 
     def as_dict(self) -> dict[str, Any]:
         """Everything, as plain data (for JSON)."""
-        return {"ranks": [dataclasses.asdict(r) for r in self.ranks],
-                "verdict": dataclasses.asdict(self.verdict), "busbw": self.busbw,
-                "ceiling_busbw": self.ceiling_busbw, "final": self.final}  # fmt: skip
+        return {
+            "ranks": [dataclasses.asdict(r) for r in self.ranks],
+            "verdict": dataclasses.asdict(self.verdict),
+            "busbw": self.busbw,
+            "ceiling_busbw": self.ceiling_busbw,
+            "final": self.final,
+        }
 
 
 class _Step:
     """The timestamps of the step in progress (time.perf_counter seconds; 0: not yet)."""
 
-    __slots__ = ("data", "data_start", "arrived", "backward_end", "reduce_start", "reduced",
-                 "nbytes")  # fmt: skip
+    __slots__ = (
+        "data",
+        "data_start",
+        "arrived",
+        "backward_end",
+        "reduce_start",
+        "reduced",
+        "nbytes",
+    )
 
     def __init__(self) -> None:
         self.data = 0.0
@@ -199,8 +211,9 @@ class StepClock:
         print_table: bool = True,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be a positive number of steps, not "
-                             f"{every_n_steps}.")  # fmt: skip
+            raise ValueError(
+                f"every_n_steps must be a positive number of steps, not {every_n_steps}."
+            )
         self.every_n_steps = every_n_steps
         self.on_report = on_report
         self.trace = trace
@@ -296,8 +309,19 @@ class StepClock:
         end = time.perf_counter() if now is None else now
         s = self._step
         if s.arrived:  # a step() with no batch (a dry run) is not a training step
-            self._rows.append((self._last_end, s.data_start, s.data, s.arrived, s.backward_end,
-                               s.reduce_start, s.reduced, end, s.nbytes))  # fmt: skip
+            self._rows.append(
+                (
+                    self._last_end,
+                    s.data_start,
+                    s.data,
+                    s.arrived,
+                    s.backward_end,
+                    s.reduce_start,
+                    s.reduced,
+                    end,
+                    s.nbytes,
+                )
+            )
             self._since_report += 1
             self.steps += 1
         self._step = _Step()
@@ -323,8 +347,9 @@ class StepClock:
         if self.trace:
             # Wall clock minus this process's perf_counter, so rank 0 can line ranks up.
             spans = (time.time() - time.perf_counter(), rows[-_TRACE_STEPS:])
-        everyone = core.allgather_object((summary, spans),
-                                         name=f"ringplug.diagnose.{self._reports}")  # fmt: skip
+        everyone = core.allgather_object(
+            (summary, spans), name=f"ringplug.diagnose.{self._reports}"
+        )
         ranks = [s for s, _ in everyone]
         ceiling = read_ceiling(len(ranks), sorted({r.host for r in ranks}))
         diagnosis = Diagnosis(ranks, verdict(ranks, ceiling), ceiling, final)
@@ -364,9 +389,19 @@ def summarize(rows: list[tuple], rank: int, host: str) -> RankSummary:
         values = columns[name]
         return statistics.median(values) if values else 0.0
 
-    return RankSummary(rank, host, len(rows), median("step"), median("data"), median("compute"),
-                       median("communication"), median("optimizer"), median("other"),
-                       median("bytes"), median("window"))  # fmt: skip
+    return RankSummary(
+        rank,
+        host,
+        len(rows),
+        median("step"),
+        median("data"),
+        median("compute"),
+        median("communication"),
+        median("optimizer"),
+        median("other"),
+        median("bytes"),
+        median("window"),
+    )
 
 
 def achieved_busbw(ranks: list[RankSummary]) -> float | None:
@@ -397,13 +432,17 @@ def verdict(ranks: list[RankSummary], ceiling_busbw: float | None = None) -> Ver
     if loader.share("data") >= DATA_SHARE:
         others = [r.rank for r in ranks if r is not loader and r.share("data") >= DATA_SHARE]
         also = f" (so do {_rank_list(others)})" if others else ""
-        return Verdict("data-bound", loader.rank, (
-            f"data-bound: rank {loader.rank} waits {loader.share('data'):.0%} of each step for "
-            f"data ({loader.data * 1e3:.1f} of {loader.step * 1e3:.1f} ms){also}, and every "
-            "rank waits for the slowest: give its loader more workers (DataLoader "
-            "num_workers, persistent_workers=True, pin_memory on GPUs; tf.data "
-            "prefetch/AUTOTUNE), or make loading cheaper (decode once, cache)."
-        ))  # fmt: skip
+        return Verdict(
+            "data-bound",
+            loader.rank,
+            (
+                f"data-bound: rank {loader.rank} waits {loader.share('data'):.0%} of each step for "
+                f"data ({loader.data * 1e3:.1f} of {loader.step * 1e3:.1f} ms){also}, and every "
+                "rank waits for the slowest: give its loader more workers (DataLoader "
+                "num_workers, persistent_workers=True, pin_memory on GPUs; tf.data "
+                "prefetch/AUTOTUNE), or make loading cheaper (decode once, cache)."
+            ),
+        )
     # Every rank waits for a slow network; behind a straggler only the others do.
     exposed = min(r.share("communication") for r in ranks)
     if exposed >= COMMUNICATION_SHARE:
@@ -413,36 +452,51 @@ def verdict(ranks: list[RankSummary], ceiling_busbw: float | None = None) -> Ver
         if ceiling_busbw:
             against = f" against {ceiling_busbw / 1e9:.2f} GB/s by ringrun --check --bench"
             if busbw and busbw < 0.5 * ceiling_busbw:
-                against += (" (the link can do more: look for contention, waits or the wrong "
-                            "interface)")  # fmt: skip
+                against += (
+                    " (the link can do more: look for contention, waits or the wrong interface)"
+                )
         else:
             against = " (ringrun --check --bench -np N measures what the link reaches)"
-        return Verdict("communication-bound", None, (
-            f"communication-bound: every rank waits {exposed:.0%} or more of each step for the "
-            f"gradient reduction after backward ({nbytes / 2**20:.1f} MiB per step{reached}"
-            f"{against}): larger batches per rank, gradient accumulation "
-            "(backward_passes_per_step), compression='fp16', or a faster interconnect."
-        ))  # fmt: skip
+        return Verdict(
+            "communication-bound",
+            None,
+            (
+                f"communication-bound: every rank waits {exposed:.0%} or more of each step for the "
+                f"gradient reduction after backward ({nbytes / 2**20:.1f} MiB per step{reached}"
+                f"{against}): larger batches per rank, gradient accumulation "
+                "(backward_passes_per_step), compression='fp16', or a faster interconnect."
+            ),
+        )
     if len(ranks) >= 2:
         slowest = max(ranks, key=lambda r: r.compute)
         typical = statistics.median(r.compute for r in ranks if r is not slowest)
-        if (slowest.compute >= STRAGGLER_RATIO * typical
-                and slowest.compute - typical >= STRAGGLER_SHARE * step):  # fmt: skip
+        if (
+            slowest.compute >= STRAGGLER_RATIO * typical
+            and slowest.compute - typical >= STRAGGLER_SHARE * step
+        ):
             ratio = slowest.compute / typical if typical > 0 else math.inf
             slower = f"{ratio - 1:.0%} slower than" if ratio < 2 else f"{ratio:.1f}x as long as"
-            return Verdict("straggler", slowest.rank, (
-                f"straggler: rank {slowest.rank} computes {slower} the median of the others "
-                f"({slowest.compute * 1e3:.1f} against {typical * 1e3:.1f} ms "
-                "per step) and every rank waits for it: look at what differs there (a busier "
-                "host or GPU, throttling, larger batches, extra work such as logging or "
-                "checkpointing only on that rank)."
-            ))  # fmt: skip
+            return Verdict(
+                "straggler",
+                slowest.rank,
+                (
+                    f"straggler: rank {slowest.rank} computes {slower} the median of the others "
+                    f"({slowest.compute * 1e3:.1f} against {typical * 1e3:.1f} ms "
+                    "per step) and every rank waits for it: look at what differs there (a busier "
+                    "host or GPU, throttling, larger batches, extra work such as logging or "
+                    "checkpointing only on that rank)."
+                ),
+            )
     busy = statistics.median(r.share("compute") + r.share("optimizer") for r in ranks)
     waiting = statistics.median(r.share("communication") for r in ranks)
-    return Verdict("compute-bound", None, (
-        f"compute-bound: ranks spend {busy:.0%} of each step in forward, backward and the "
-        f"optimizer, and {waiting:.0%} waiting for gradients: nothing to fix in distribution."
-    ))  # fmt: skip
+    return Verdict(
+        "compute-bound",
+        None,
+        (
+            f"compute-bound: ranks spend {busy:.0%} of each step in forward, backward and the "
+            f"optimizer, and {waiting:.0%} waiting for gradients: nothing to fix in distribution."
+        ),
+    )
 
 
 def _rank_list(ranks: list[int]) -> str:
@@ -505,8 +559,7 @@ def write_ceiling(ranks: int, hosts: list[str], busbw: float, **extra: Any) -> P
     hosts = sorted(hosts)
     entries = [e for e in entries if not (e.get("ranks") == ranks and e.get("hosts") == hosts)]
     measured = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    entries.append({"ranks": ranks, "hosts": hosts, "busbw": busbw, "measured": measured,
-                    **extra})  # fmt: skip
+    entries.append({"ranks": ranks, "hosts": hosts, "busbw": busbw, "measured": measured, **extra})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(entries, indent=1) + "\n")
     return path

@@ -134,8 +134,9 @@ def _verify_cuda(dtype: np.dtype, count: int) -> None:
 
     import ringplug.torch as rpt
 
-    probe = torch.full((count,), ringplug.rank() + 1, dtype=getattr(torch, dtype.name),
-                       device="cuda")  # fmt: skip
+    probe = torch.full(
+        (count,), ringplug.rank() + 1, dtype=getattr(torch, dtype.name), device="cuda"
+    )
     rpt.allreduce_(probe, "sum", name="bench.verify")
     size = ringplug.size()
     if not bool((probe == size * (size + 1) // 2).all()):

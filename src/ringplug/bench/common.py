@@ -177,12 +177,28 @@ def alternating_pairs(
             ratio = results[first]["samples_per_s"] / results[second]["samples_per_s"]
             ratios[name].append(ratio)
             for impl, result in results.items():
-                records.append(Record(label(impl, ranks), "train", "float32", 0,
-                                      result["ranks"], result["seconds"], 0.0, 0.0,
-                                      result["steps_timed"],
-                                      {"samples_per_s": result["samples_per_s"], "pair": pair,
-                                       "parameters": result["parameters"]}))  # fmt: skip
-            print(f"pair {pair}: {name} = {ratio:.3f} ("
-                  + ", ".join(f"{k} {v['samples_per_s']:.1f} samples/s"
-                              for k, v in results.items()) + ")", flush=True)  # fmt: skip
+                records.append(
+                    Record(
+                        label(impl, ranks),
+                        "train",
+                        "float32",
+                        0,
+                        result["ranks"],
+                        result["seconds"],
+                        0.0,
+                        0.0,
+                        result["steps_timed"],
+                        {
+                            "samples_per_s": result["samples_per_s"],
+                            "pair": pair,
+                            "parameters": result["parameters"],
+                        },
+                    )
+                )
+            print(
+                f"pair {pair}: {name} = {ratio:.3f} ("
+                + ", ".join(f"{k} {v['samples_per_s']:.1f} samples/s" for k, v in results.items())
+                + ")",
+                flush=True,
+            )
     return records, ratios

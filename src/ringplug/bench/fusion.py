@@ -43,12 +43,16 @@ def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:
                 ((width, in_channels, 1), (width, width, 3), (out_channels, width, 1)), start=1
             ):
                 shapes.append((f"{prefix}.conv{index}.weight", (cout, cin, k, k)))
-                shapes += [(f"{prefix}.bn{index}.weight", (cout,)),
-                           (f"{prefix}.bn{index}.bias", (cout,))]  # fmt: skip
+                shapes += [
+                    (f"{prefix}.bn{index}.weight", (cout,)),
+                    (f"{prefix}.bn{index}.bias", (cout,)),
+                ]
             if block == 0:
                 shapes.append((f"{prefix}.downsample.0.weight", (out_channels, in_channels, 1, 1)))
-                shapes += [(f"{prefix}.downsample.1.weight", (out_channels,)),
-                           (f"{prefix}.downsample.1.bias", (out_channels,))]  # fmt: skip
+                shapes += [
+                    (f"{prefix}.downsample.1.weight", (out_channels,)),
+                    (f"{prefix}.downsample.1.bias", (out_channels,)),
+                ]
             in_channels = out_channels
     shapes += [("fc.weight", (1000, 2048)), ("fc.bias", (1000,))]
     return shapes
@@ -120,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
     four_mib = np.zeros(1 << 20, np.float32)
 
     def small_many() -> None:
-        handles = [ringplug.allreduce_async(m, op=ringplug.Sum, out=m, name=f"small{i}")
-                   for i, m in enumerate(many)]  # fmt: skip
+        handles = [
+            ringplug.allreduce_async(m, op=ringplug.Sum, out=m, name=f"small{i}")
+            for i, m in enumerate(many)
+        ]
         for handle in handles:
             handle.wait()
 
@@ -129,29 +135,55 @@ def run(args: argparse.Namespace) -> int:
         ringplug.grouped_allreduce(many, op=ringplug.Sum, name="small-group")
 
     if "small" in impls:
-        runners["small-1"] = lambda: ringplug.allreduce(small, op=ringplug.Sum, out=small,
-                                                        name="small")  # fmt: skip
+        runners["small-1"] = lambda: ringplug.allreduce(
+            small, op=ringplug.Sum, out=small, name="small"
+        )
         runners["small-1000"] = small_many
         runners["small-1000-grouped"] = small_grouped
-        runners["single-4M"] = lambda: ringplug.allreduce(four_mib, op=ringplug.Sum,
-                                                          out=four_mib, name="four")  # fmt: skip
+        runners["single-4M"] = lambda: ringplug.allreduce(
+            four_mib, op=ringplug.Sum, out=four_mib, name="four"
+        )
     small_rows = ("small-1", "small-1000", "small-1000-grouped", "single-4M")
-    chosen = [name for name in runners
-              if name in impls or ("small" in impls and name in small_rows)]  # fmt: skip
+    chosen = [
+        name for name in runners if name in impls or ("small" in impls and name in small_rows)
+    ]
     records: list[Record] = []
     for impl in chosen:
-        times = measure(runners[impl], budget_s=0.0, min_iters=args.iters,
-                        max_iters=args.iters, warmup=args.warmup)  # fmt: skip
-        nbytes = {"small-1": 4096, "small-1000": 4096 * 1000, "small-1000-grouped": 4096 * 1000,
-                  "single-4M": 4 << 20}.get(impl, total * 4)  # fmt: skip
-        count = {"small-1": 1, "small-1000": 1000, "small-1000-grouped": 1000, "single-4M": 1,
-                 "single": 1}.get(impl, len(arrays))  # fmt: skip
+        times = measure(
+            runners[impl],
+            budget_s=0.0,
+            min_iters=args.iters,
+            max_iters=args.iters,
+            warmup=args.warmup,
+        )
+        nbytes = {
+            "small-1": 4096,
+            "small-1000": 4096 * 1000,
+            "small-1000-grouped": 4096 * 1000,
+            "single-4M": 4 << 20,
+        }.get(impl, total * 4)
+        count = {
+            "small-1": 1,
+            "small-1000": 1000,
+            "small-1000-grouped": 1000,
+            "single-4M": 1,
+            "single": 1,
+        }.get(impl, len(arrays))
         seconds = median(times)
-        records.append(Record(impl, "sum", "float32", nbytes, ranks, seconds,
-                              nbytes / seconds / 1e9,
-                              nbytes / seconds / 1e9 * (2 * (ranks - 1) / ranks if ranks > 1
-                                                        else 1.0),
-                              len(times), {"tensors": count}))  # fmt: skip
+        records.append(
+            Record(
+                impl,
+                "sum",
+                "float32",
+                nbytes,
+                ranks,
+                seconds,
+                nbytes / seconds / 1e9,
+                nbytes / seconds / 1e9 * (2 * (ranks - 1) / ranks if ranks > 1 else 1.0),
+                len(times),
+                {"tensors": count},
+            )
+        )
     if "gloo" in impls:
         import torch.distributed as dist
 
@@ -168,26 +200,30 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(records: list[Record], ranks: int, parameters: int, tensors: int) -> None:
     by = {r.impl: r for r in records}
-    print(f"# ringplug-bench fusion: ResNet-50 gradients ({tensors} tensors, {parameters:,} "
-          f"float32 parameters), {ranks} ranks; time = median of the slowest rank")  # fmt: skip
+    print(
+        f"# ringplug-bench fusion: ResNet-50 gradients ({tensors} tensors, {parameters:,} "
+        f"float32 parameters), {ranks} ranks; time = median of the slowest rank"
+    )
     print(f"# {'impl':<16} {'tensors':>7} {'MiB':>8} {'time ms':>10}")
     for record in records:
-        print(f"  {record.impl:<16} {record.extra['tensors']:>7} "
-              f"{record.bytes / 2**20:8.2f} {record.time_s * 1e3:10.3f}")  # fmt: skip
+        print(
+            f"  {record.impl:<16} {record.extra['tensors']:>7} "
+            f"{record.bytes / 2**20:8.2f} {record.time_s * 1e3:10.3f}"
+        )
     if {"ringplug", "single", "copy"} <= by.keys():
         floor = by["single"].time_s + by["copy"].time_s
-        print(f"# ringplug / (single + copy) = {by['ringplug'].time_s / floor:.2f} "
-              f"(target <= 1.2)")  # fmt: skip
+        print(f"# ringplug / (single + copy) = {by['ringplug'].time_s / floor:.2f} (target <= 1.2)")
     if {"ringplug-views", "single"} <= by.keys():
         print(
             f"# ringplug-views / single = {by['ringplug-views'].time_s / by['single'].time_s:.2f}"
         )
     if {"ringplug", "gloo"} <= by.keys():
-        print(f"# gloo / ringplug = {by['gloo'].time_s / by['ringplug'].time_s:.2f} "
-              "(target >= 4)")  # fmt: skip
+        print(f"# gloo / ringplug = {by['gloo'].time_s / by['ringplug'].time_s:.2f} (target >= 4)")
     if "small-1" in by:
-        print(f"# one 4 KiB tensor, submit to result: {by['small-1'].time_s * 1e3:.3f} ms "
-              "(target <= 0.3)")  # fmt: skip
+        print(
+            f"# one 4 KiB tensor, submit to result: {by['small-1'].time_s * 1e3:.3f} ms "
+            "(target <= 0.3)"
+        )
     for impl in ("small-1000", "small-1000-grouped"):
         if {impl, "single-4M"} <= by.keys():
             ratio = by[impl].time_s / by["single-4M"].time_s

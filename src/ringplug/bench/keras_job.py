@@ -47,10 +47,14 @@ class Clock(keras.callbacks.Callback):
 
 def build(hidden: int) -> keras.Model:
     keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((1024,)), keras.layers.Dense(hidden, activation="relu"),
-        keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(10),
-    ])  # fmt: skip
+    return keras.Sequential(
+        [
+            keras.Input((1024,)),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def main(impl: str, steps: int, hidden: int, out: str) -> None:
@@ -70,12 +74,14 @@ def main(impl: str, steps: int, hidden: int, out: str) -> None:
     else:
         model = build(hidden)
         optimizer = keras.optimizers.SGD(0.01)
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    model.compile(
+        optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     x, y = _data(rank, BATCH * steps)
     clock = Clock()
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[clock, *callbacks])  # fmt: skip
+    model.fit(
+        x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[clock, *callbacks]
+    )
     if rank == 0:
         _write(out, impl, world, clock.steps - WARMUP, clock.end - clock.start, model)
 
@@ -85,11 +91,15 @@ def _data(seed: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.normal(size=(rows, 1024)).astype("float32"), rng.integers(0, 10, rows)
 
 
-def _write(out: str, impl: str, world: int, timed: int, seconds: float,
-           model: keras.Model) -> None:  # fmt: skip
-    record = {"impl": impl, "ranks": world, "steps_timed": timed, "seconds": seconds,
-              "samples_per_s": timed * BATCH * world / seconds,
-              "parameters": int(model.count_params())}  # fmt: skip
+def _write(out: str, impl: str, world: int, timed: int, seconds: float, model: keras.Model) -> None:
+    record = {
+        "impl": impl,
+        "ranks": world,
+        "steps_timed": timed,
+        "seconds": seconds,
+        "samples_per_s": timed * BATCH * world / seconds,
+        "parameters": int(model.count_params()),
+    }
     with open(out, "w") as handle:
         json.dump(record, handle)
 

@@ -34,15 +34,21 @@ TINY = "-tiny"  # an impl with this suffix trains the tiny MLP
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pairs", type=int, default=5, help="alternating pairs per comparison")
     parser.add_argument("--steps", type=int, default=20, help="training steps per job")
-    parser.add_argument("--hidden", type=int, default=4096,
-                        help="MLP width (4096: about 21 M parameters)")  # fmt: skip
-    parser.add_argument("--tiny-hidden", type=int, default=8,
-                        help="width of the tiny MLP (8: about 8 k parameters)")  # fmt: skip
-    parser.add_argument("--tiny-steps", type=int, default=200,
-                        help="training steps per tiny-model job")  # fmt: skip
-    parser.add_argument("--diagnose", action="store_true",
-                        help="instead: the cost of the step-time breakdown per step (on and "
-                        "off in turns within each 2-rank job)")  # fmt: skip
+    parser.add_argument(
+        "--hidden", type=int, default=4096, help="MLP width (4096: about 21 M parameters)"
+    )
+    parser.add_argument(
+        "--tiny-hidden", type=int, default=8, help="width of the tiny MLP (8: about 8 k parameters)"
+    )
+    parser.add_argument(
+        "--tiny-steps", type=int, default=200, help="training steps per tiny-model job"
+    )
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="instead: the cost of the step-time breakdown per step (on and "
+        "off in turns within each 2-rank job)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
 
@@ -55,8 +61,9 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
     command = [sys.executable, JOB, impl, str(steps), str(hidden), str(out)]
     if impl.startswith("ring"):
         command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *command]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900,
-                            check=False)  # fmt: skip
+    result = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=900, check=False
+    )
     if result.returncode != 0:
         raise SystemExit(
             f"ringplug-bench lightning: the {impl} job failed:\n{result.stderr[-3000:]}"
@@ -69,16 +76,23 @@ def run(args: argparse.Namespace) -> int:
         return _run_diagnose(args)
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
         records, ratios = alternating_pairs(
-            args.pairs, [("ring/ddp", "ring", "ddp", 2), ("ring-1/none", "ring", "none", 1),
-                         ("ring/ddp tiny", "ring" + TINY, "ddp" + TINY, 2)],
+            args.pairs,
+            [
+                ("ring/ddp", "ring", "ddp", 2),
+                ("ring-1/none", "ring", "none", 1),
+                ("ring/ddp tiny", "ring" + TINY, "ddp" + TINY, 2),
+            ],
             lambda impl, ranks: _job(impl, ranks, args, Path(tmp)),
             lambda impl, ranks: f"{impl}-1" if ranks == 1 and impl == "ring" else impl,
-        )  # fmt: skip
+        )
     ring_ddp = statistics.median(ratios["ring/ddp"])
     overhead = 1 - statistics.median(ratios["ring-1/none"])
-    step_ms = {impl: statistics.median(1e3 * r.time_s / r.iterations for r in records
-                                       if r.impl == impl + TINY)
-               for impl in ("ring", "ddp")}  # fmt: skip
+    step_ms = {
+        impl: statistics.median(
+            1e3 * r.time_s / r.iterations for r in records if r.impl == impl + TINY
+        )
+        for impl in ("ring", "ddp")
+    }
     print(f"# median RingStrategy / DDP throughput, 2 ranks: {ring_ddp:.3f}x (target >= 1.3)")
     print(f"# median RingStrategy overhead with 1 rank: {overhead * 100:.1f}% (target <= 5%)")
     print(
@@ -87,12 +101,21 @@ def run(args: argparse.Namespace) -> int:
         f"(DDP / RingStrategy {step_ms['ddp'] / step_ms['ring']:.2f}x)"
     )
     if args.json:
-        write_job_json(args.json, "lightning",
-                       {"pairs": args.pairs, "steps": args.steps, "hidden": args.hidden,
-                        "median_ring_over_ddp": ring_ddp, "median_overhead_1_rank": overhead,
-                        "tiny_hidden": args.tiny_hidden, "tiny_steps": args.tiny_steps,
-                        "median_tiny_step_ms": step_ms},
-                       records)  # fmt: skip
+        write_job_json(
+            args.json,
+            "lightning",
+            {
+                "pairs": args.pairs,
+                "steps": args.steps,
+                "hidden": args.hidden,
+                "median_ring_over_ddp": ring_ddp,
+                "median_overhead_1_rank": overhead,
+                "tiny_hidden": args.tiny_hidden,
+                "tiny_steps": args.tiny_steps,
+                "median_tiny_step_ms": step_ms,
+            },
+            records,
+        )
     return 0
 
 
@@ -115,12 +138,23 @@ def _run_diagnose(args: argparse.Namespace) -> int:
                     flush=True,
                 )
     medians = {name: statistics.median(values) for name, values in costs.items()}
-    print(f"# median cost of the step-time breakdown per step, 2 ranks: MLP ({args.hidden} "
-          f"wide) {medians['MLP'] * 100:+.2f}%, tiny MLP ({args.tiny_hidden} wide) "
-          f"{medians['tiny MLP'] * 100:+.2f}% (target < 1%)")  # fmt: skip
+    print(
+        f"# median cost of the step-time breakdown per step, 2 ranks: MLP ({args.hidden} "
+        f"wide) {medians['MLP'] * 100:+.2f}%, tiny MLP ({args.tiny_hidden} wide) "
+        f"{medians['tiny MLP'] * 100:+.2f}% (target < 1%)"
+    )
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"bench": "lightning-diagnose", "pairs": args.pairs, "steps": args.steps,
-                       "tiny_steps": args.tiny_steps, "median_cost": medians,
-                       "jobs": records}, handle, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "bench": "lightning-diagnose",
+                    "pairs": args.pairs,
+                    "steps": args.steps,
+                    "tiny_steps": args.tiny_steps,
+                    "median_cost": medians,
+                    "jobs": records,
+                },
+                handle,
+                indent=1,
+            )
     return 0

@@ -31,9 +31,12 @@ class MLP(L.LightningModule):
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(1024, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
-            torch.nn.ReLU(), torch.nn.Linear(hidden, 10),
-        )  # fmt: skip
+            torch.nn.Linear(1024, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 10),
+        )
 
     def training_step(self, batch, _):
         x, y = batch
@@ -91,10 +94,17 @@ def main(impl: str, steps: int, hidden: int, out: str) -> None:
     else:
         strategy, devices = "auto", 1
     clock = Clock()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False,
-                        callbacks=[clock] + ([toggle] if toggle else []))  # fmt: skip
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[clock] + ([toggle] if toggle else []),
+    )
     world = trainer.world_size
     rows = BATCH * world * steps
     data = TensorDataset(torch.randn(rows, 1024), torch.randint(0, 10, (rows,)))
@@ -104,8 +114,14 @@ def main(impl: str, steps: int, hidden: int, out: str) -> None:
         samples = timed * BATCH * world
         seconds = clock.end - clock.start
         parameters = sum(p.numel() for p in trainer.lightning_module.parameters())
-        record = {"impl": impl, "ranks": world, "steps_timed": timed, "seconds": seconds,
-                  "samples_per_s": samples / seconds, "parameters": parameters}  # fmt: skip
+        record = {
+            "impl": impl,
+            "ranks": world,
+            "steps_timed": timed,
+            "seconds": seconds,
+            "samples_per_s": samples / seconds,
+            "parameters": parameters,
+        }
         if toggle is not None:
             for on, label in ((True, "on"), (False, "off")):
                 record[f"step_ms_{label}"] = 1e3 * statistics.median(toggle.times[on])

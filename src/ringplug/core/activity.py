@@ -49,10 +49,13 @@ def describe(
         phase, seconds = activities[rank] if rank < len(activities) else ("", 0.0)
         elsewhere = sorted(name for name, holders in partial.items() if rank in holders)
         if elsewhere:
-            shown = ", ".join(repr(n) for n in elsewhere[:3]) + (", ..." if len(elsewhere) > 3
-                                                                  else "")  # fmt: skip
-            parts.append(f"rank {rank} waits in a different collective ({shown}"
-                         + (f"; last phase: {phase})" if phase else ")"))  # fmt: skip
+            shown = ", ".join(repr(n) for n in elsewhere[:3]) + (
+                ", ..." if len(elsewhere) > 3 else ""
+            )
+            parts.append(
+                f"rank {rank} waits in a different collective ({shown}"
+                + (f"; last phase: {phase})" if phase else ")")
+            )
         elif phase:
             parts.append(f"rank {rank} was {phase} for {seconds:.0f} s")
     return "; ".join(parts)  # "" when no missing rank said anything

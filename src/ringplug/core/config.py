@@ -139,15 +139,24 @@ def diagnose_setting() -> tuple[bool | None, int | None]:
     """``RINGPLUG_DIAGNOSE`` (1/0 turns the step-time breakdown on/off; unset: ``None``,
     the adapter's default) and ``RINGPLUG_DIAGNOSE_EVERY`` (a verdict every N steps too)."""
     raw = _env("RINGPLUG_DIAGNOSE")
-    words = {"1": True, "true": True, "on": True, "yes": True,
-             "0": False, "false": False, "off": False, "no": False}  # fmt: skip
+    words = {
+        "1": True,
+        "true": True,
+        "on": True,
+        "yes": True,
+        "0": False,
+        "false": False,
+        "off": False,
+        "no": False,
+    }
     if raw is not None and raw.lower() not in words:
         raise ValueError(f"RINGPLUG_DIAGNOSE={raw!r}: use 1 (on) or 0 (off).")
     every = _env("RINGPLUG_DIAGNOSE_EVERY")
     steps = None
     if every is not None:
         if not every.isdigit() or int(every) < 1:
-            raise ValueError(f"RINGPLUG_DIAGNOSE_EVERY={every!r} must be a positive number of "
-                             "steps.")  # fmt: skip
+            raise ValueError(
+                f"RINGPLUG_DIAGNOSE_EVERY={every!r} must be a positive number of steps."
+            )
         steps = int(every)
     return (None if raw is None else words[raw.lower()]), steps

@@ -77,11 +77,25 @@ class Timeline:
             if rank not in self._tracks:
                 self._tracks.add(rank)
                 pid = 1000 + rank  # apart from the engine's pid (its rank)
-                self._events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                                     "args": {"name": f"rank {rank} training steps"}})  # fmt: skip
-            self._events.append({"name": phase, "ph": "X", "pid": 1000 + rank, "tid": 0,
-                                 "ts": self._us(start),
-                                 "dur": round(max(end - start, 0.0) * 1e6, 3)})  # fmt: skip
+                self._events.append(
+                    {
+                        "name": "process_name",
+                        "ph": "M",
+                        "pid": pid,
+                        "tid": 0,
+                        "args": {"name": f"rank {rank} training steps"},
+                    }
+                )
+            self._events.append(
+                {
+                    "name": phase,
+                    "ph": "X",
+                    "pid": 1000 + rank,
+                    "tid": 0,
+                    "ts": self._us(start),
+                    "dur": round(max(end - start, 0.0) * 1e6, 3),
+                }
+            )
 
     def marker(self, label: str, when: float, **args: Any) -> None:
         """An instant event on the engine row (one per cycle)."""

@@ -24,5 +24,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ringplug.data' has no attribute {name!r}")
 
 
-__all__ = ["DistributedBucketSampler", "Plan", "global_mean_scale", "pad_collate",
-           "pad_numpy", "plan_batches"]  # fmt: skip
+__all__ = [
+    "DistributedBucketSampler",
+    "Plan",
+    "global_mean_scale",
+    "pad_collate",
+    "pad_numpy",
+    "plan_batches",
+]

@@ -76,11 +76,14 @@ def plan_batches(
     return Plan(batches[rank::num_replicas], len(batches), repeated, dropped)
 
 
-def _check(sizes: np.ndarray, batch_size: int | None, max_tokens: int | None,
-           num_replicas: int, rank: int) -> None:  # fmt: skip
+def _check(
+    sizes: np.ndarray, batch_size: int | None, max_tokens: int | None, num_replicas: int, rank: int
+) -> None:
     if (batch_size is None) == (max_tokens is None):
-        raise ValueError("give exactly one of batch_size (samples per batch) and max_tokens "
-                         "(padded elements per batch).")  # fmt: skip
+        raise ValueError(
+            "give exactly one of batch_size (samples per batch) and max_tokens "
+            "(padded elements per batch)."
+        )
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}.")
     if not 0 <= rank < num_replicas:
@@ -95,8 +98,9 @@ def _check(sizes: np.ndarray, batch_size: int | None, max_tokens: int | None,
         )
 
 
-def _cut(order: np.ndarray, sizes: np.ndarray, batch_size: int | None,
-         max_tokens: int | None) -> list[list[int]]:  # fmt: skip
+def _cut(
+    order: np.ndarray, sizes: np.ndarray, batch_size: int | None, max_tokens: int | None
+) -> list[list[int]]:
     """Batches of similar lengths, pool by pool."""
     if batch_size is not None:
         pool = batch_size * _POOL_BATCHES
@@ -108,8 +112,9 @@ def _cut(order: np.ndarray, sizes: np.ndarray, batch_size: int | None,
         chunk = order[start : start + pool]
         chunk = chunk[np.argsort(sizes[chunk], kind="stable")]
         if batch_size is not None:
-            batches.extend(chunk[i : i + batch_size].tolist()
-                           for i in range(0, len(chunk), batch_size))  # fmt: skip
+            batches.extend(
+                chunk[i : i + batch_size].tolist() for i in range(0, len(chunk), batch_size)
+            )
             continue
         current: list[int] = []
         longest = 0
@@ -125,8 +130,9 @@ def _cut(order: np.ndarray, sizes: np.ndarray, batch_size: int | None,
     return batches
 
 
-def pad_numpy(samples: Sequence[tuple], pad_value: float = 0.0,
-              target_pad: int = 0) -> tuple[np.ndarray, ...]:  # fmt: skip
+def pad_numpy(
+    samples: Sequence[tuple], pad_value: float = 0.0, target_pad: int = 0
+) -> tuple[np.ndarray, ...]:
     """Collate (input, target sequence, *extras) samples of varying lengths with numpy:
     ``(inputs, input_lengths, targets, target_lengths, *extras)``, inputs padded with
     `pad_value` along their last dimension and targets with `target_pad` (the layout of
@@ -135,8 +141,9 @@ def pad_numpy(samples: Sequence[tuple], pad_value: float = 0.0,
     targets = [np.asarray(sample[1]).reshape(-1) for sample in samples]
     input_lengths = np.array([x.shape[-1] for x in inputs], dtype=np.int64)
     target_lengths = np.array([len(t) for t in targets], dtype=np.int64)
-    padded = np.full((len(inputs), *inputs[0].shape[:-1], input_lengths.max()), pad_value,
-                     dtype=inputs[0].dtype)  # fmt: skip
+    padded = np.full(
+        (len(inputs), *inputs[0].shape[:-1], input_lengths.max()), pad_value, dtype=inputs[0].dtype
+    )
     for row, x in enumerate(inputs):
         padded[row, ..., : x.shape[-1]] = x
     labels = np.full((len(targets), target_lengths.max()), target_pad, dtype=np.int64)

@@ -98,10 +98,17 @@ class DistributedBucketSampler(BatchSampler):
         replicas, rank = self._ranks()
         key = (epoch, replicas, rank)
         if self._cached is None or self._cached[0] != key:
-            plan = plan_batches(self.lengths, batch_size=self.batch_size,
-                                max_tokens=self.max_tokens, num_replicas=replicas, rank=rank,
-                                shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-                                drop_last=self.drop_last)  # fmt: skip
+            plan = plan_batches(
+                self.lengths,
+                batch_size=self.batch_size,
+                max_tokens=self.max_tokens,
+                num_replicas=replicas,
+                rank=rank,
+                shuffle=self.shuffle,
+                seed=self.seed,
+                epoch=epoch,
+                drop_last=self.drop_last,
+            )
             self._cached = (key, plan)
         return self._cached[1]
 
@@ -113,16 +120,19 @@ class DistributedBucketSampler(BatchSampler):
             logging.getLogger("ringplug").info(
                 "DistributedBucketSampler: %d samples are repeated per epoch so that each of "
                 "the %d ranks gets %d batches.",
-                plan.repeated_samples, self._ranks()[0], len(plan.batches),
-            )  # fmt: skip
+                plan.repeated_samples,
+                self._ranks()[0],
+                len(plan.batches),
+            )
         return iter(plan.batches)
 
     def __len__(self) -> int:
         return len(self._plan(self.epoch).batches)
 
 
-def pad_collate(batch: list[tuple[Any, ...]], pad_value: float = 0.0,
-                target_pad: int = 0) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def pad_collate(
+    batch: list[tuple[Any, ...]], pad_value: float = 0.0, target_pad: int = 0
+) -> tuple[torch.Tensor, ...]:
     """Collate (input, target sequence, *extras) samples of varying lengths.
 
     Inputs are padded with `pad_value` along their last dimension (an image's width, a
@@ -142,8 +152,11 @@ def pad_collate(batch: list[tuple[Any, ...]], pad_value: float = 0.0,
     labels = torch.full((len(batch), longest), target_pad, dtype=torch.int64)
     for row, t in enumerate(targets):
         labels[row, : len(t)] = t
-    extras = [torch.as_tensor([sample[k] for sample in batch])
-              for k in range(2, len(batch[0]))] if batch else []  # fmt: skip
+    extras = (
+        [torch.as_tensor([sample[k] for sample in batch]) for k in range(2, len(batch[0]))]
+        if batch
+        else []
+    )
     return (padded, input_lengths, labels, target_lengths, *extras)
 
 

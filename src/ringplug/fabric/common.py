@@ -18,12 +18,24 @@ from ..core.ops import ReduceOp
 from ..core.runtime import threads_per_rank
 from ..torch import allgather, allreduce
 
-_OPS = {"mean": "average", "avg": "average", "average": "average", "sum": "sum", "max": "max",
-        "min": "min", "product": "product"}  # fmt: skip
+_OPS = {
+    "mean": "average",
+    "avg": "average",
+    "average": "average",
+    "sum": "sum",
+    "max": "max",
+    "min": "min",
+    "product": "product",
+}
 
 
-def reduce_over_ranks(tensor: Any, reduce_op: Any, world_size: int, group: Any = None,
-                      who: str = "RingStrategy.reduce") -> Any:  # fmt: skip
+def reduce_over_ranks(
+    tensor: Any,
+    reduce_op: Any,
+    world_size: int,
+    group: Any = None,
+    who: str = "RingStrategy.reduce",
+) -> Any:
     """Reduce `tensor` over every rank, as Lightning's strategies do ("mean"/"avg", "sum",
     "max", "min", "product", a ringplug or torch.distributed ``ReduceOp``; ``None`` is sum).
 
@@ -41,8 +53,12 @@ def reduce_over_ranks(tensor: Any, reduce_op: Any, world_size: int, group: Any =
     return allreduce(local, op).to(tensor.device)
 
 
-def gather_over_ranks(tensor: torch.Tensor, sync_grads: bool = False, group: Any = None,
-                      who: str = "RingStrategy.all_gather") -> torch.Tensor:  # fmt: skip
+def gather_over_ranks(
+    tensor: torch.Tensor,
+    sync_grads: bool = False,
+    group: Any = None,
+    who: str = "RingStrategy.all_gather",
+) -> torch.Tensor:
     """Every rank's `tensor` stacked on a new first dimension, as DDP's ``all_gather``;
     differentiable with `sync_grads` (each rank's gradient flows back to its own rows)."""
     _check_group(group, who)
@@ -74,8 +90,9 @@ def op_name(reduce_op: Any, who: str = "RingStrategy.reduce") -> str:
     for key, value in _OPS.items():
         if name.endswith(key):
             return value
-    raise ValueError(f"{who}: unsupported reduce_op {reduce_op!r}; use 'mean', 'sum', 'max' "
-                     "or 'min'.")  # fmt: skip
+    raise ValueError(
+        f"{who}: unsupported reduce_op {reduce_op!r}; use 'mean', 'sum', 'max' or 'min'."
+    )
 
 
 def _check_group(group: Any, who: str) -> None:

@@ -79,9 +79,12 @@ def _every_visible_gpu(devices: list[torch.device], visible_gpus: int) -> bool:
 
 
 def _one_gpu_per_local_rank(
-    devices: list[torch.device], local_rank: int, local_size: int, world_size: int,
+    devices: list[torch.device],
+    local_rank: int,
+    local_size: int,
+    world_size: int,
     num_nodes: int,
-) -> list[torch.device]:  # fmt: skip
+) -> list[torch.device]:
     if num_nodes != 1 and num_nodes * local_size != world_size:
         raise ValueError(
             f"Trainer(num_nodes={num_nodes}) with {local_size} ranks on this host asks for "

@@ -35,8 +35,15 @@ class RingLauncher(_Launcher):
         return False  # it re-runs the script, which a notebook doesn't have
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(self.ranks), "--",
-                   *getattr(sys, "orig_argv", [sys.executable, *sys.argv])]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "ringplug.run.cli",
+            "-np",
+            str(self.ranks),
+            "--",
+            *getattr(sys, "orig_argv", [sys.executable, *sys.argv]),
+        ]
         env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
         print(f"ringplug: starting {self.ranks} ranks: {' '.join(command)}", flush=True)
         # If this supervisor dies, ringrun gets SIGTERM and stops the ranks.

@@ -179,11 +179,12 @@ class RingFabricStrategy(ParallelStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         named = [(self._names[id(p)], p) for p in params if id(p) in self._names]
         distributed = DistributedOptimizer(
-            optimizer, named_parameters=named if len(named) == len(params) else None,
+            optimizer,
+            named_parameters=named if len(named) == len(params) else None,
             compression=self.compression,
             gradient_predivide_factor=self.gradient_predivide_factor,
             bucket_bytes=self.bucket_bytes,
-        )  # fmt: skip
+        )
         # Averaged before fabric.backward returns, so clipping sees the averaged gradients.
         distributed._ringplug_sync_in_backward = True
         self._optimizers.append(distributed)
@@ -200,8 +201,9 @@ class RingFabricStrategy(ParallelStrategy):
         return module, distributed, scheduler
 
     # ------------------------------------------------------------------ steps
-    def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def backward(
+        self, tensor: torch.Tensor, module: Module | None, *args: Any, **kwargs: Any
+    ) -> None:
         if not self._optimizers and self.world_size > 1:
             raise RuntimeError(
                 "RingFabricStrategy averages gradients through the optimizers set up with "
@@ -215,11 +217,13 @@ class RingFabricStrategy(ParallelStrategy):
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce a tensor over ranks ("mean"/"avg", "sum", "max", "min" or a ReduceOp); a new
         tensor (the input is left as it is)."""
-        return reduce_over_ranks(tensor, reduce_op, self.world_size, group,
-                                 who="RingFabricStrategy.all_reduce")  # fmt: skip
+        return reduce_over_ranks(
+            tensor, reduce_op, self.world_size, group, who="RingFabricStrategy.all_reduce"
+        )
 
-    def all_gather(self, tensor: torch.Tensor, group: Any = None,
-                   sync_grads: bool = False) -> torch.Tensor:  # fmt: skip
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False
+    ) -> torch.Tensor:
         """Every rank's tensor stacked on a new first dimension, as DDP's all_gather."""
         return gather_over_ranks(tensor, sync_grads, group, who="RingFabricStrategy.all_gather")
 
@@ -243,9 +247,11 @@ class RingFabricStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls, description="Data-parallel training over ringplug's ring",
+            cls.strategy_name,
+            cls,
+            description="Data-parallel training over ringplug's ring",
             override=True,
-        )  # fmt: skip
+        )
 
 
 class _RingBackwardSyncControl(_BackwardSyncControl):

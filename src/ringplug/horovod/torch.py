@@ -124,8 +124,14 @@ def _scale_integer(tensor: torch.Tensor, factor: float) -> None:
             tensor.copy_((tensor.to(torch.float64) * factor).to(tensor.dtype))
 
 
-def _start_allreduce(works: list[torch.Tensor], op: ReduceOp, name: str | None, pre: float,
-                     post: float, grouped: bool) -> tuple[Any, Callable[[], None]]:  # fmt: skip
+def _start_allreduce(
+    works: list[torch.Tensor],
+    op: ReduceOp,
+    name: str | None,
+    pre: float,
+    post: float,
+    grouped: bool,
+) -> tuple[Any, Callable[[], None]]:
     """Start reducing `works` in place; returns the handle and what to run after it."""
     core_op, pre, post, here = _plan(works[0] if works else None, op, pre, post)
     if here:
@@ -136,11 +142,13 @@ def _start_allreduce(works: list[torch.Tensor], op: ReduceOp, name: str | None, 
     else:
         scale_after = 1.0
     if grouped:
-        handle = rt.grouped_allreduce_async_(works, core_op, name=name, prescale_factor=pre,
-                                             postscale_factor=post)  # fmt: skip
+        handle = rt.grouped_allreduce_async_(
+            works, core_op, name=name, prescale_factor=pre, postscale_factor=post
+        )
     else:
-        handle = rt.allreduce_async_(works[0], core_op, name=name, prescale_factor=pre,
-                                     postscale_factor=post)  # fmt: skip
+        handle = rt.allreduce_async_(
+            works[0], core_op, name=name, prescale_factor=pre, postscale_factor=post
+        )
 
     def after() -> None:
         for work in works:
@@ -159,8 +167,9 @@ def _op(average: bool | None, op: Any, process_set: Any) -> ReduceOp:
     return resolve_op(average, op)
 
 
-def _allreduce_into(tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float,
-                    post: float) -> Handle:  # fmt: skip
+def _allreduce_into(
+    tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float, post: float
+) -> Handle:
     handle, after = _start_allreduce([tensor], op, name, pre, post, grouped=False)
 
     def finish(result: torch.Tensor) -> torch.Tensor:
@@ -172,8 +181,9 @@ def _allreduce_into(tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: f
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float,
-                post: float) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float, post: float
+    ) -> torch.Tensor:
         ctx.op, ctx.pre, ctx.post = op, pre, post
         return _allreduce_into(_copy(tensor), op, name, pre, post).wait()
 
@@ -200,16 +210,20 @@ def allreduce(
     if compressed.requires_grad and torch.is_grad_enabled():
         result = _Allreduce.apply(compressed, reduce_op, name, prescale_factor, postscale_factor)
     else:
-        result = _allreduce_into(_checked_copy(compressed, "allreduce", name), reduce_op, name,
-                                 prescale_factor, postscale_factor).wait()  # fmt: skip
+        result = _allreduce_into(
+            _checked_copy(compressed, "allreduce", name),
+            reduce_op,
+            name,
+            prescale_factor,
+            postscale_factor,
+        ).wait()
     return compression.decompress(result, ctx)
 
 
 def _checked_copy(tensor: Any, what: str, name: str | None) -> torch.Tensor:
     """A contiguous copy of `tensor`; something that is not a tensor fails on every rank."""
     if not isinstance(tensor, torch.Tensor):
-        _core.reject(TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}."),
-                     name)  # fmt: skip
+        _core.reject(TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}."), name)
     return _copy(tensor)
 
 
@@ -223,9 +237,13 @@ def allreduce_async(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `allreduce`; `synchronize(handle)` returns the result (the input is not changed)."""
-    return _allreduce_into(_checked_copy(tensor, "allreduce_async", name),
-                           _op(average, op, process_set), name, prescale_factor,
-                           postscale_factor)  # fmt: skip
+    return _allreduce_into(
+        _checked_copy(tensor, "allreduce_async", name),
+        _op(average, op, process_set),
+        name,
+        prescale_factor,
+        postscale_factor,
+    )
 
 
 def allreduce_(
@@ -238,8 +256,9 @@ def allreduce_(
     process_set: Any = global_process_set,
 ) -> torch.Tensor:
     """`allreduce` in place; returns `tensor`."""
-    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                            process_set).wait()  # fmt: skip
+    return allreduce_async_(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set
+    ).wait()
 
 
 def allreduce_async_(
@@ -252,12 +271,14 @@ def allreduce_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `allreduce_` (in place); `synchronize(handle)` returns `tensor`."""
-    return _allreduce_into(tensor, _op(average, op, process_set), name, prescale_factor,
-                           postscale_factor)  # fmt: skip
+    return _allreduce_into(
+        tensor, _op(average, op, process_set), name, prescale_factor, postscale_factor
+    )
 
 
-def _grouped_into(tensors: list[torch.Tensor], op: ReduceOp, name: str | None, pre: float,
-                  post: float) -> Handle:  # fmt: skip
+def _grouped_into(
+    tensors: list[torch.Tensor], op: ReduceOp, name: str | None, pre: float, post: float
+) -> Handle:
     handle, after = _start_allreduce(tensors, op, name, pre, post, grouped=True)
 
     def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -269,15 +290,15 @@ def _grouped_into(tensors: list[torch.Tensor], op: ReduceOp, name: str | None, p
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, op: ReduceOp, name: str | None, pre: float, post: float,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        ctx: Any, op: ReduceOp, name: str | None, pre: float, post: float, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.op, ctx.pre, ctx.post = op, pre, post
         return tuple(_grouped_into([_copy(t) for t in tensors], op, name, pre, post).wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _grouped_into([_copy(g) for g in grads], ctx.op, None, ctx.pre,
-                                ctx.post).wait()  # fmt: skip
+        reduced = _grouped_into([_copy(g) for g in grads], ctx.op, None, ctx.pre, ctx.post).wait()
         return (None, None, None, None, *reduced)
 
 
@@ -295,14 +316,15 @@ def grouped_allreduce(
     reduce_op = _op(average, op, process_set)
     packed = [compression.compress(t) for t in tensors]
     compressed = [c for c, _ in packed]
-    if torch.is_grad_enabled() and any(isinstance(c, torch.Tensor) and c.requires_grad
-                                       for c in compressed):  # fmt: skip
-        results = list(_GroupedAllreduce.apply(reduce_op, name, prescale_factor,
-                                               postscale_factor, *compressed))  # fmt: skip
+    if torch.is_grad_enabled() and any(
+        isinstance(c, torch.Tensor) and c.requires_grad for c in compressed
+    ):
+        results = list(
+            _GroupedAllreduce.apply(reduce_op, name, prescale_factor, postscale_factor, *compressed)
+        )
     else:
         copies = [_checked_copy(c, "grouped_allreduce", name) for c in compressed]
-        results = _grouped_into(copies, reduce_op, name, prescale_factor,
-                                postscale_factor).wait()  # fmt: skip
+        results = _grouped_into(copies, reduce_op, name, prescale_factor, postscale_factor).wait()
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
 
 
@@ -317,8 +339,9 @@ def grouped_allreduce_async(
 ) -> Handle:
     """Start `grouped_allreduce`; `synchronize(handle)` returns the new tensors."""
     copies = [_checked_copy(t, "grouped_allreduce_async", name) for t in tensors]
-    return _grouped_into(copies, _op(average, op, process_set), name, prescale_factor,
-                         postscale_factor)  # fmt: skip
+    return _grouped_into(
+        copies, _op(average, op, process_set), name, prescale_factor, postscale_factor
+    )
 
 
 def grouped_allreduce_(
@@ -346,8 +369,9 @@ def grouped_allreduce_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `grouped_allreduce_` (in place); `synchronize(handle)` returns `tensors`."""
-    return _grouped_into(list(tensors), _op(average, op, process_set), name, prescale_factor,
-                         postscale_factor)  # fmt: skip
+    return _grouped_into(
+        list(tensors), _op(average, op, process_set), name, prescale_factor, postscale_factor
+    )
 
 
 def sparse_allreduce_async(
@@ -405,8 +429,9 @@ class _Allgather(torch.autograd.Function):
 
 def _gather_handle(tensor: Any, name: str | None) -> Any:
     if not isinstance(tensor, torch.Tensor):
-        _core.reject(TypeError(f"allgather takes a torch.Tensor, got {type(tensor).__name__}."),
-                     name)  # fmt: skip
+        _core.reject(
+            TypeError(f"allgather takes a torch.Tensor, got {type(tensor).__name__}."), name
+        )
     return rt.allgather_async(tensor, name=name, refuse_joined=True)
 
 
@@ -444,33 +469,39 @@ class _GroupedAllgather(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         averaged = grouped_allreduce([g.contiguous() for g in grads], op=Average)
         mine = [_my_rows(g, rows) for g, rows in zip(averaged, ctx.rows, strict=True)]
-        return (None, *[m.reshape(()) if s else m for m, s in zip(mine, ctx.scalars,
-                                                                  strict=True)])  # fmt: skip
+        return (None, *[m.reshape(()) if s else m for m, s in zip(mine, ctx.scalars, strict=True)])
 
 
 def grouped_allgather(
-    tensors: Sequence[torch.Tensor], name: str | None = None,
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
     process_set: Any = global_process_set,
-) -> list[torch.Tensor]:  # fmt: skip
+) -> list[torch.Tensor]:
     """`allgather` of several tensors started together; returns the gathered tensors
     (differentiable)."""
     check_process_set(process_set)
     tensors = list(tensors)
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in tensors):  # fmt: skip
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    ):
         return list(_GroupedAllgather.apply(name, *tensors))
     return grouped_allgather_async(tensors, name).wait()
 
 
 def grouped_allgather_async(
-    tensors: Sequence[torch.Tensor], name: str | None = None,
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
     process_set: Any = global_process_set,
-) -> Handle:  # fmt: skip
+) -> Handle:
     """Start `grouped_allgather`; `synchronize(handle)` returns the list."""
     check_process_set(process_set)
     tensors = list(tensors)
-    return Handle([_gather_handle(t, n) for t, n in zip(tensors, _group_names(name, len(tensors)),
-                                                        strict=True)])  # fmt: skip
+    return Handle(
+        [
+            _gather_handle(t, n)
+            for t, n in zip(tensors, _group_names(name, len(tensors)), strict=True)
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------- broadcast
@@ -491,8 +522,7 @@ class _Broadcast(torch.autograd.Function):
 
 def _checked(tensor: Any, what: str, name: str | None) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
-        _core.reject(TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}."),
-                     name)  # fmt: skip
+        _core.reject(TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}."), name)
     return tensor
 
 
@@ -547,8 +577,11 @@ def broadcast_async_(
 ) -> Handle:
     """Start `broadcast_` (in place); `synchronize(handle)` returns `tensor`."""
     check_process_set(process_set)
-    return Handle(rt.broadcast_async_(_checked(tensor, "broadcast_async_", name), root_rank,
-                                      name=name, refuse_joined=True))  # fmt: skip
+    return Handle(
+        rt.broadcast_async_(
+            _checked(tensor, "broadcast_async_", name), root_rank, name=name, refuse_joined=True
+        )
+    )
 
 
 # ---------------------------------------------------------------------------- alltoall
@@ -557,8 +590,10 @@ def _alltoall_handle(tensor: Any, splits: Any, name: str | None) -> Handle:
     _checked(tensor, "alltoall", name)
     if isinstance(splits, torch.Tensor):
         if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype is torch.bool:
-            _core.reject(ValueError(f"alltoall splits must be integers (torch.int32), got "
-                                    f"{splits.dtype}."), name)  # fmt: skip
+            _core.reject(
+                ValueError(f"alltoall splits must be integers (torch.int32), got {splits.dtype}."),
+                name,
+            )
         splits = splits.tolist()
     rt._check(tensor, "alltoall", name)
     source = tensor.detach().cpu().contiguous()  # CUDA rows travel through host memory
@@ -620,8 +655,9 @@ def alltoall_async(
 
 
 # ---------------------------------------------------------------------------- reducescatter
-def _reducescatter_handle(tensor: Any, op: ReduceOp, name: str | None, pre: float,
-                          post: float) -> Handle:  # fmt: skip
+def _reducescatter_handle(
+    tensor: Any, op: ReduceOp, name: str | None, pre: float, post: float
+) -> Handle:
     _checked(tensor, "reducescatter", name)
     rt._check(tensor, "reducescatter", name)
     work = tensor.detach().contiguous()
@@ -640,8 +676,9 @@ def _reducescatter_handle(tensor: Any, op: ReduceOp, name: str | None, pre: floa
         handle: Any = _Done(result)
     else:
         array, dtype = rt.as_numpy(work)
-        handle = _core.reducescatter_async(array, core_op, name=name, dtype=dtype,
-                                           prescale_factor=pre, postscale_factor=post)  # fmt: skip
+        handle = _core.reducescatter_async(
+            array, core_op, name=name, dtype=dtype, prescale_factor=pre, postscale_factor=post
+        )
 
     def finish(result: Any) -> torch.Tensor:
         block = result if isinstance(result, torch.Tensor) else rt.from_numpy(result, work)
@@ -673,8 +710,9 @@ def _reducescatter_grad(grad: torch.Tensor, op: ReduceOp, pre: float, post: floa
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float,
-                post: float) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float, post: float
+    ) -> torch.Tensor:
         ctx.op, ctx.pre, ctx.post = op, pre, post
         return _reducescatter_handle(tensor, op, name, pre, post).wait()
 
@@ -703,11 +741,13 @@ def reducescatter(
         and compressed.requires_grad
         and torch.is_grad_enabled()
     ):
-        result = _Reducescatter.apply(compressed, reduce_op, name, prescale_factor,
-                                      postscale_factor)  # fmt: skip
+        result = _Reducescatter.apply(
+            compressed, reduce_op, name, prescale_factor, postscale_factor
+        )
     else:
-        result = _reducescatter_handle(compressed, reduce_op, name, prescale_factor,
-                                       postscale_factor).wait()  # fmt: skip
+        result = _reducescatter_handle(
+            compressed, reduce_op, name, prescale_factor, postscale_factor
+        ).wait()
     return compression.decompress(result, ctx)
 
 
@@ -721,14 +761,16 @@ def reducescatter_async(
 ) -> Handle:
     """Start `reducescatter`; `synchronize(handle)` returns this rank's block."""
     check_process_set(process_set)
-    return _reducescatter_handle(tensor, resolve_op(None, op), name, prescale_factor,
-                                 postscale_factor)  # fmt: skip
+    return _reducescatter_handle(
+        tensor, resolve_op(None, op), name, prescale_factor, postscale_factor
+    )
 
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, op: ReduceOp, name: str | None, pre: float, post: float,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        ctx: Any, op: ReduceOp, name: str | None, pre: float, post: float, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.op, ctx.pre, ctx.post = op, pre, post
         return tuple(_grouped_reducescatter(list(tensors), op, name, pre, post).wait())
 
@@ -738,10 +780,13 @@ class _GroupedReducescatter(torch.autograd.Function):
         return (None, None, None, None, *grouped_allgather_async(scaled).wait())
 
 
-def _grouped_reducescatter(tensors: list[torch.Tensor], op: ReduceOp, name: str | None,
-                           pre: float, post: float) -> Handle:  # fmt: skip
-    parts = [_reducescatter_handle(t, op, n, pre, post)
-             for t, n in zip(tensors, _group_names(name, len(tensors)), strict=True)]  # fmt: skip
+def _grouped_reducescatter(
+    tensors: list[torch.Tensor], op: ReduceOp, name: str | None, pre: float, post: float
+) -> Handle:
+    parts = [
+        _reducescatter_handle(t, op, n, pre, post)
+        for t, n in zip(tensors, _group_names(name, len(tensors)), strict=True)
+    ]
     return Handle(parts)
 
 
@@ -760,13 +805,18 @@ def grouped_reducescatter(
     reduce_op = resolve_op(None, op)
     packed = [compression.compress(t) for t in tensors]
     compressed = [c for c, _ in packed]
-    if torch.is_grad_enabled() and any(isinstance(c, torch.Tensor) and c.requires_grad
-                                       for c in compressed):  # fmt: skip
-        results = list(_GroupedReducescatter.apply(reduce_op, name, prescale_factor,
-                                                   postscale_factor, *compressed))  # fmt: skip
+    if torch.is_grad_enabled() and any(
+        isinstance(c, torch.Tensor) and c.requires_grad for c in compressed
+    ):
+        results = list(
+            _GroupedReducescatter.apply(
+                reduce_op, name, prescale_factor, postscale_factor, *compressed
+            )
+        )
     else:
-        results = _grouped_reducescatter(compressed, reduce_op, name, prescale_factor,
-                                         postscale_factor).wait()  # fmt: skip
+        results = _grouped_reducescatter(
+            compressed, reduce_op, name, prescale_factor, postscale_factor
+        ).wait()
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
 
 
@@ -780,8 +830,9 @@ def grouped_reducescatter_async(
 ) -> Handle:
     """Start `grouped_reducescatter`; `synchronize(handle)` returns the blocks."""
     check_process_set(process_set)
-    return _grouped_reducescatter(list(tensors), resolve_op(None, op), name, prescale_factor,
-                                  postscale_factor)  # fmt: skip
+    return _grouped_reducescatter(
+        list(tensors), resolve_op(None, op), name, prescale_factor, postscale_factor
+    )
 
 
 # ---------------------------------------------------------------------------- the rest
@@ -818,8 +869,10 @@ def broadcast_optimizer_state(
     parameters that do not require grad are left without a gradient.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("broadcast_optimizer_state cannot broadcast torch.optim.LBFGS state; "
-                         "build it the same way on every rank instead.")  # fmt: skip
+        raise ValueError(
+            "broadcast_optimizer_state cannot broadcast torch.optim.LBFGS state; "
+            "build it the same way on every rank instead."
+        )
     if not optimizer.state:
         sparse = _sparse_parameters(model)
         for group in optimizer.param_groups:
@@ -839,8 +892,12 @@ def broadcast_optimizer_state(
 def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
     if model is None:
         return set()
-    return {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
-            for p in m.parameters()}  # fmt: skip
+    return {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and m.sparse
+        for p in m.parameters()
+    }
 
 
 class _HorovodSteps:
@@ -879,13 +936,17 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if named_parameters is not None:
         named_parameters = list(named_parameters)
         if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
-            raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                             "tuples, such as model.named_parameters().")  # fmt: skip
+            raise ValueError(
+                "named_parameters should be a sequence of (name, parameter) "
+                "tuples, such as model.named_parameters()."
+            )
         names = [name for name, _ in named_parameters]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
-            raise ValueError(f"named_parameters has duplicate names: {', '.join(duplicates)}. "
-                             "Give every parameter its own name.")  # fmt: skip
+            raise ValueError(
+                f"named_parameters has duplicate names: {', '.join(duplicates)}. "
+                "Give every parameter its own name."
+            )
     fp16 = compression is Compression.fp16
     kind = _optimizer.Compression.fp16 if fp16 else _optimizer.Compression.none
     distributed = _optimizer.DistributedOptimizer(
@@ -896,8 +957,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         op=reduce_op,
         gradient_predivide_factor=gradient_predivide_factor,
     )
-    distributed.__class__ = type(distributed.__class__.__name__,
-                                 (_HorovodSteps, distributed.__class__), {})  # fmt: skip
+    distributed.__class__ = type(
+        distributed.__class__.__name__, (_HorovodSteps, distributed.__class__), {}
+    )
     if named_parameters is not None:
         given = {id(p): name for name, p in named_parameters}
     else:
@@ -905,19 +967,48 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         given = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
     # Horovod's attribute: parameter -> the name its gradient is reduced under.
     distributed._parameter_names = {
-        p: given[id(p)] for group in distributed.param_groups for p in group["params"]
+        p: given[id(p)]
+        for group in distributed.param_groups
+        for p in group["params"]
         if id(p) in given
-    }  # fmt: skip
+    }
     return distributed
 
 
 __all__ = [
-    *_BASICS, "Compression", "DistributedOptimizer", "SyncBatchNorm", "allgather",
-    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "grouped_allgather", "grouped_allgather_async",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "join",
-    "poll", "reducescatter", "reducescatter_async", "sparse_allreduce_async", "synchronize",
-]  # fmt: skip
+    *_BASICS,
+    "Compression",
+    "DistributedOptimizer",
+    "SyncBatchNorm",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "join",
+    "poll",
+    "reducescatter",
+    "reducescatter_async",
+    "sparse_allreduce_async",
+    "synchronize",
+]

@@ -93,9 +93,20 @@ def verbose(level: int | str = "auto") -> Any:
 
 
 __all__ = [
-    "Average", "DistributedOptimizer", "RingBroadcast", "RingDiagnose", "RingMetricAverage",
+    "Average",
+    "DistributedOptimizer",
+    "RingBroadcast",
+    "RingDiagnose",
+    "RingMetricAverage",
     "RingWarmup",
-    "ShardedPyDataset", "Sum", "WarmupSchedule", "broadcast_variables", "bucketed_dataset",
+    "ShardedPyDataset",
+    "Sum",
+    "WarmupSchedule",
+    "broadcast_variables",
+    "bucketed_dataset",
     "init",
-    "on_rank_zero", "scale_lr", "shard", "verbose",
-]  # fmt: skip
+    "on_rank_zero",
+    "scale_lr",
+    "shard",
+    "verbose",
+]

@@ -91,9 +91,11 @@ def _pin_tensorflow() -> int | None:
             return index  # already this rank's GPU (pinned by hand, or one rank here)
         names = ", ".join(device.name for device in visible) or "none"
         raise _too_late(
-            "TensorFlow", f"visible: {names}", index,
+            "TensorFlow",
+            f"visible: {names}",
+            index,
             'tf.config.set_visible_devices(gpus[local_rank], "GPU")',
-        ) from None  # fmt: skip
+        ) from None
     logger.debug("TensorFlow pinned to %s", wanted.name)
     return index
 
@@ -144,8 +146,12 @@ def _check_jax_started(jax: Any) -> int | None:
     if len(gpus) <= 1 or core.local_size() == 1:
         return 0
     index = gpu_for_this_rank(len(gpus), "JAX")
-    raise _too_late("JAX", f"{len(gpus)} GPUs", index,
-                    'jax.config.update("jax_cuda_visible_devices", str(local_rank))')  # fmt: skip
+    raise _too_late(
+        "JAX",
+        f"{len(gpus)} GPUs",
+        index,
+        'jax.config.update("jax_cuda_visible_devices", str(local_rank))',
+    )
 
 
 def _jax_has_cuda() -> bool:

@@ -26,8 +26,9 @@ from ..core.ops import ReduceOp
 from . import _tf_gpu
 
 
-def reduce_numpy(arrays: Sequence[np.ndarray], op: ReduceOp, name: str,
-                 fp16: bool) -> list[np.ndarray]:  # fmt: skip
+def reduce_numpy(
+    arrays: Sequence[np.ndarray], op: ReduceOp, name: str, fp16: bool
+) -> list[np.ndarray]:
     """The reductions of `arrays` (new arrays, same dtypes), one request per dtype."""
     clock = diagnose.active()
     if clock is not None:
@@ -44,8 +45,7 @@ def reduce_numpy(arrays: Sequence[np.ndarray], op: ReduceOp, name: str,
         if fp16 and dtype in (np.float32, np.float64):
             members = [member.astype(np.float16) for member in members]
         nbytes += sum(member.nbytes for member in members)
-        handles.append((indices, core.grouped_allreduce_async(members, op,
-                                                              name=f"{name}.{dtype}")))  # fmt: skip
+        handles.append((indices, core.grouped_allreduce_async(members, op, name=f"{name}.{dtype}")))
     results: list[np.ndarray] = [np.empty(0)] * len(arrays)
     for indices, handle in handles:
         for index, result in zip(indices, handle.wait(), strict=True):
@@ -55,8 +55,9 @@ def reduce_numpy(arrays: Sequence[np.ndarray], op: ReduceOp, name: str,
     return results
 
 
-def reduce_gradients(grads: list[Any], op: ReduceOp, name: str, fp16: bool,
-                     when: Any = None) -> list[Any]:  # fmt: skip
+def reduce_gradients(
+    grads: list[Any], op: ReduceOp, name: str, fp16: bool, when: Any = None
+) -> list[Any]:
     """`grads` (backend tensors, None for no gradient) reduced over every rank; with `when`
     (a traced JAX boolean, the same on every rank), only where it is true."""
     present = [i for i, g in enumerate(grads) if g is not None]
@@ -71,8 +72,9 @@ def reduce_gradients(grads: list[Any], op: ReduceOp, name: str, fp16: bool,
     elif backend == "jax":
         reduced = _jax(values, op, name, fp16, when)
     else:
-        raise NotImplementedError(f"ringplug.keras supports the tensorflow, torch and jax "
-                                  f"backends, not {backend!r}.")  # fmt: skip
+        raise NotImplementedError(
+            f"ringplug.keras supports the tensorflow, torch and jax backends, not {backend!r}."
+        )
     out = list(grads)
     for index, value in zip(present, reduced, strict=True):
         out[index] = value
@@ -86,9 +88,12 @@ def _tensorflow(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[A
     if _tf_gpu.on_gpu(dense):
         # GPU gradients go to NCCL by DLPack; py_function hands over eager device tensors
         # (numpy_function would copy them to the host) and, being stateful, keeps its place.
-        reduced = tf.py_function(lambda *values: _tf_gpu.reduce_gradients(values, op, name, fp16),
-                                 dense, Tout=[g.dtype for g in dense],
-                                 name="ringplug_allreduce_gpu")  # fmt: skip
+        reduced = tf.py_function(
+            lambda *values: _tf_gpu.reduce_gradients(values, op, name, fp16),
+            dense,
+            Tout=[g.dtype for g in dense],
+            name="ringplug_allreduce_gpu",
+        )
         for out, grad in zip(reduced, dense, strict=True):
             out.set_shape(grad.shape)
         return list(reduced)
@@ -96,8 +101,9 @@ def _tensorflow(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[A
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
         return reduce_numpy(arrays, op, name, fp16)
 
-    reduced = tf.numpy_function(run, dense, Tout=[g.dtype for g in dense], stateful=True,
-                                name="ringplug_allreduce")  # fmt: skip
+    reduced = tf.numpy_function(
+        run, dense, Tout=[g.dtype for g in dense], stateful=True, name="ringplug_allreduce"
+    )
     for out, grad in zip(reduced, dense, strict=True):
         out.set_shape(grad.shape)
     return list(reduced)
@@ -111,14 +117,16 @@ def _torch(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[Any]:
     if all(g.device.type == "cuda" for g in grads):  # NCCL, one request per dtype
         wide = (torch.float32, torch.float64)
         # One copy each, the reduction's own (fp16: the cast is that copy).
-        works = [g.detach().half() if fp16 and g.dtype in wide else g.detach().clone()
-                 for g in grads]  # fmt: skip
+        works = [
+            g.detach().half() if fp16 and g.dtype in wide else g.detach().clone() for g in grads
+        ]
         groups: dict[Any, list[int]] = {}
         for index, work in enumerate(works):
             groups.setdefault(work.dtype, []).append(index)
-        handles = [grouped_allreduce_async_([works[i] for i in indices], op,
-                                            name=f"{name}.{dtype}")
-                   for dtype, indices in groups.items()]  # fmt: skip
+        handles = [
+            grouped_allreduce_async_([works[i] for i in indices], op, name=f"{name}.{dtype}")
+            for dtype, indices in groups.items()
+        ]
         for handle in handles:
             handle.wait()
         return [w.to(g.dtype) for w, g in zip(works, grads, strict=True)]

@@ -66,16 +66,21 @@ class RingBroadcast(keras.callbacks.Callback):
         reduce_at_the_outermost(model)
         if keras.backend.backend() == "tensorflow" and getattr(model, "jit_compile", False):
             # XLA cannot compile the reduction op (a host callback): train without XLA.
-            warnings.warn("ringplug: XLA cannot compile the gradient reduction, so the train "
-                          "step runs with jit_compile=False (compile(jit_compile=False) "
-                          "silences this).", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                "ringplug: XLA cannot compile the gradient reduction, so the train "
+                "step runs with jit_compile=False (compile(jit_compile=False) "
+                "silences this).",
+                stacklevel=2,
+            )
             model.jit_compile = False
             model.make_train_function(force=True)
         if core.size() > 1 and not is_distributed(model.optimizer):
-            message = ("ringplug: the model's optimizer is not a ringplug.keras."
-                       "DistributedOptimizer, so gradients are not averaged and the ranks "
-                       "will drift apart. compile(optimizer=ringplug.keras."
-                       "DistributedOptimizer(...)).")  # fmt: skip
+            message = (
+                "ringplug: the model's optimizer is not a ringplug.keras."
+                "DistributedOptimizer, so gradients are not averaged and the ranks "
+                "will drift apart. compile(optimizer=ringplug.keras."
+                "DistributedOptimizer(...))."
+            )
             warnings.warn(message, stacklevel=2)
             logging.getLogger("ringplug").warning(message)
         self._done = False
@@ -128,8 +133,9 @@ class RingMetricAverage(keras.callbacks.Callback):
         keys = sorted(k for k, v in logs.items() if _is_number(v))
         everyone = core.allgather_object(keys, name="keras.metric-names")
         if any(other != keys for other in everyone):
-            raise ValueError(f"RingMetricAverage: the ranks log different metrics: "
-                             f"{dict(enumerate(everyone))}.")  # fmt: skip
+            raise ValueError(
+                f"RingMetricAverage: the ranks log different metrics: {dict(enumerate(everyone))}."
+            )
         values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
         averaged = core.allreduce(values, "average", name="keras.metrics")
         for key, value in zip(keys, averaged, strict=True):
@@ -179,9 +185,14 @@ class RingWarmup(keras.callbacks.Callback):
         ...     ringplug.keras.RingBroadcast(0), ringplug.keras.RingWarmup(warmup_epochs=3)])
     """
 
-    def __init__(self, warmup_epochs: float = 5, initial_lr: float | None = None,
-                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
-                 verbose: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        warmup_epochs: float = 5,
+        initial_lr: float | None = None,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+        verbose: int = 0,
+    ) -> None:
         super().__init__()
         if warmup_epochs <= 0:
             raise ValueError(f"warmup_epochs must be positive, got {warmup_epochs}.")
@@ -209,8 +220,10 @@ class RingWarmup(keras.callbacks.Callback):
             )
         steps = self.steps_per_epoch or (self.params or {}).get("steps")
         if not steps:
-            raise ValueError("RingWarmup needs the number of batches per epoch: pass "
-                             "steps_per_epoch= (fit does not know it for this data).")  # fmt: skip
+            raise ValueError(
+                "RingWarmup needs the number of batches per epoch: pass "
+                "steps_per_epoch= (fit does not know it for this data)."
+            )
         self._steps = steps
         target = self.initial_lr if self.initial_lr is not None else self._resumed_target(optimizer)
         if core.size() > 1:
@@ -239,8 +252,10 @@ class RingWarmup(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         last = epoch + 1 >= self.warmup_epochs > epoch
         if last and self.verbose and core.rank() == 0:
-            print(f"\nEpoch {epoch + 1}: finished the gradual learning rate warmup to "
-                  f"{self._target:g}.")  # fmt: skip
+            print(
+                f"\nEpoch {epoch + 1}: finished the gradual learning rate warmup to "
+                f"{self._target:g}."
+            )
 
     def _set(self, lr: float) -> None:
         set_learning_rate(self.model.optimizer, lr, self.momentum_correction)
@@ -280,8 +295,12 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         size: N, the number of ranks. Defaults to ``ringplug.size()`` when built.
     """
 
-    def __init__(self, after: float | keras.optimizers.schedules.LearningRateSchedule,
-                 warmup_steps: int, size: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        after: float | keras.optimizers.schedules.LearningRateSchedule,
+        warmup_steps: int,
+        size: int | None = None,
+    ) -> None:
         self.after = after
         self.warmup_steps = int(warmup_steps)
         self.size = int(size) if size is not None else core.size()

@@ -53,8 +53,11 @@ def shard(dataset: Any, rank: int | None = None, size: int | None = None) -> Any
     if count % size and rank == 0:
         logging.getLogger("ringplug").warning(
             "shard: %d samples over %d ranks; dropping the last %d so every rank gets %d.",
-            count, size, count - each * size, each,
-        )  # fmt: skip
+            count,
+            size,
+            count - each * size,
+            each,
+        )
     return dataset.shard(size, rank).take(each)
 
 
@@ -67,8 +70,13 @@ class ShardedPyDataset(keras.utils.PyDataset):
     every rank, so that the ranks' shares stay disjoint.
     """
 
-    def __init__(self, dataset: keras.utils.PyDataset, rank: int | None = None,
-                 size: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dataset: keras.utils.PyDataset,
+        rank: int | None = None,
+        size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.dataset = dataset
         self.rank = core.rank() if rank is None else rank
@@ -126,9 +134,17 @@ def bucketed_dataset(
     epochs = itertools.count()
 
     def plan(epoch: int) -> list[list[int]]:
-        return plan_batches(lengths, batch_size=batch_size, max_tokens=max_tokens,
-                            num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed,
-                            epoch=epoch, drop_last=drop_last).batches  # fmt: skip
+        return plan_batches(
+            lengths,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            num_replicas=replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            epoch=epoch,
+            drop_last=drop_last,
+        ).batches
 
     def batches() -> Any:
         for batch in plan(next(epochs)):

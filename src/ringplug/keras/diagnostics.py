@@ -59,8 +59,11 @@ class RingDiagnose(keras.callbacks.Callback):
             return
         backend = keras.backend.backend()
         if backend not in ("tensorflow", "torch"):
-            warnings.warn(f"ringplug: RingDiagnose measures the tensorflow and torch backends, "
-                          f"not {backend!r}; this fit is not measured.", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"ringplug: RingDiagnose measures the tensorflow and torch backends, "
+                f"not {backend!r}; this fit is not measured.",
+                stacklevel=2,
+            )
             return
         self._fetches_inside = backend == "tensorflow"
         self.clock = StepClock(self.every_n_steps or every)
@@ -120,8 +123,13 @@ def _mark_arrivals(model: keras.Model, backend: str) -> None:
                 return original(data)
             # Stateful and fed by the batch: runs when the batch is there, in program order
             # with the (stateful) gradient reduction.
-            token = tf.numpy_function(_arrived, [tf.size(leaves[0])], tf.int64, stateful=True,
-                                      name="ringplug_batch_arrived")  # fmt: skip
+            token = tf.numpy_function(
+                _arrived,
+                [tf.size(leaves[0])],
+                tf.int64,
+                stateful=True,
+                name="ringplug_batch_arrived",
+            )
             with tf.control_dependencies([token]):
                 data = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), data)
             return original(data)

@@ -63,11 +63,14 @@ class _ReduceBeforeClipping:
             grads = list(grads)
             local = _local_positions(self, settings, len(grads))
             shared = [None if i in local else g for i, g in enumerate(grads)]
-            reduced = reduce_gradients(shared, settings.op, settings.name, settings.fp16,
-                                       when=self._ringplug_update_step())  # fmt: skip
+            reduced = reduce_gradients(
+                shared, settings.op, settings.name, settings.fp16, when=self._ringplug_update_step()
+            )
             scale = settings.local_scale
-            grads = [(g if scale == 1.0 else g * scale) if i in local else r
-                     for i, (g, r) in enumerate(zip(grads, reduced, strict=True))]  # fmt: skip
+            grads = [
+                (g if scale == 1.0 else g * scale) if i in local else r
+                for i, (g, r) in enumerate(zip(grads, reduced, strict=True))
+            ]
         return super()._clip_gradients(grads)  # type: ignore[misc]
 
     def _ringplug_update_step(self) -> Any:
@@ -87,8 +90,9 @@ class _ReduceBeforeFinitenessCheck:
     def apply(self, grads: list[Any], trainable_variables: Any = None) -> Any:
         return super().apply(self._ringplug_reduce(grads), trainable_variables)  # type: ignore[misc]
 
-    def stateless_apply(self, optimizer_variables: Any, grads: list[Any],
-                        trainable_variables: Any) -> Any:  # fmt: skip
+    def stateless_apply(
+        self, optimizer_variables: Any, grads: list[Any], trainable_variables: Any
+    ) -> Any:
         # The JAX backend's path.
         return super().stateless_apply(  # type: ignore[misc]
             optimizer_variables, self._ringplug_reduce(grads), trainable_variables
@@ -140,8 +144,11 @@ def _class_for(base: type) -> type:
     loss_scaled = issubclass(base, keras.optimizers.LossScaleOptimizer)
     mixin = _ReduceBeforeFinitenessCheck if loss_scaled else _ReduceBeforeClipping
     # Same name and module as the original, so that saving writes the original class.
-    return type(base.__name__, (mixin, base), {"__module__": base.__module__,
-                                                 "__qualname__": base.__qualname__})  # fmt: skip
+    return type(
+        base.__name__,
+        (mixin, base),
+        {"__module__": base.__module__, "__qualname__": base.__qualname__},
+    )
 
 
 def is_distributed_class(cls: type) -> bool:
@@ -201,8 +208,9 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     if inner is not None and getattr(inner, "_ringplug", None) is not None:
         inner._ringplug.enabled = False  # the loss-scale wrapper reduces instead
     optimizer.__class__ = _class_for(type(optimizer))
-    optimizer._ringplug = _Settings(reduce_op, compression == "fp16",
-                                    f"keras.gradients.{next(_IDS)}")  # fmt: skip
+    optimizer._ringplug = _Settings(
+        reduce_op, compression == "fp16", f"keras.gradients.{next(_IDS)}"
+    )
     return optimizer
 
 

@@ -29,8 +29,10 @@ def diagnostics_for(diagnose: bool | int | None, trace: bool = True) -> RingDiag
     if not isinstance(diagnose, (bool, type(None))) and (
         not isinstance(diagnose, int) or diagnose < 1
     ):
-        raise ValueError(f"RingStrategy(diagnose={diagnose!r}): use True, False, None or a "
-                         "positive number of steps between reports.")  # fmt: skip
+        raise ValueError(
+            f"RingStrategy(diagnose={diagnose!r}): use True, False, None or a "
+            "positive number of steps between reports."
+        )
     enabled, every = diagnose_setting()
     if diagnose is None:
         diagnose = DEFAULT_ON if enabled is None else enabled

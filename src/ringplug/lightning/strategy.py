@@ -186,10 +186,13 @@ class RingStrategy(ParallelStrategy):
             # devices="auto" on GPUs means cuda:LOCAL_RANK (see ringplug/fabric/devices.py).
             core.init()
             self.parallel_devices = launched_devices(
-                self.parallel_devices or [], visible_gpus=torch.cuda.device_count(),
-                local_rank=self.local_rank, local_size=core.local_size(),
-                world_size=self.world_size, num_nodes=self.num_nodes,
-            )  # fmt: skip
+                self.parallel_devices or [],
+                visible_gpus=torch.cuda.device_count(),
+                local_rank=self.local_rank,
+                local_size=core.local_size(),
+                world_size=self.world_size,
+                num_nodes=self.num_nodes,
+            )
             self._launcher = None
         elif requested > 1:
             self._launcher = RingLauncher(requested)  # `python train.py`: start the ranks
@@ -230,11 +233,12 @@ class RingStrategy(ParallelStrategy):
 
     def _distribute(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         distributed = DistributedOptimizer(
-            optimizer, named_parameters=self.model.named_parameters(),
+            optimizer,
+            named_parameters=self.model.named_parameters(),
             compression=self.compression,
             gradient_predivide_factor=self.gradient_predivide_factor,
             bucket_bytes=self.bucket_bytes,
-        )  # fmt: skip
+        )
         distributed._ringplug_sync_in_backward = True
         for config in self.lr_scheduler_configs:
             if config.scheduler.optimizer is optimizer:
@@ -360,9 +364,11 @@ class RingStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls, description="Data-parallel training over ringplug's ring",
+            cls.strategy_name,
+            cls,
+            description="Data-parallel training over ringplug's ring",
             override=True,
-        )  # fmt: skip
+        )
 
 
 def allow_compiled_models() -> None:

@@ -42,8 +42,9 @@ _NAME = "ringplug.lightning.next-batch"
 
 def check_mode(mode: str) -> Uneven:
     if mode not in MODES:
-        raise ValueError(f"RingStrategy(uneven={mode!r}): use 'drop' (the default), 'join' or "
-                         "'error'.")  # fmt: skip
+        raise ValueError(
+            f"RingStrategy(uneven={mode!r}): use 'drop' (the default), 'join' or 'error'."
+        )
     return mode  # type: ignore[return-value]
 
 
@@ -69,8 +70,9 @@ class AgreedLoader:
     Made on every rank in the same order (one collective learns every rank's length).
     """
 
-    def __init__(self, loader: Any, mode: Uneven, phantoms: collections.deque[bool],
-                 sigterm: Any) -> None:  # fmt: skip
+    def __init__(
+        self, loader: Any, mode: Uneven, phantoms: collections.deque[bool], sigterm: Any
+    ) -> None:
         own = object.__setattr__
         own(self, "_ringplug_loader", loader)
         own(self, "_ringplug_mode", mode)
@@ -113,8 +115,12 @@ class AgreedLoader:
         epoch = self._ringplug_epoch
         object.__setattr__(self, "_ringplug_epoch", epoch + 1)
         lengths = self._ringplug_lengths
-        if (core.rank() == 0 and self._ringplug_mode == "drop" and None not in lengths
-                and len(set(lengths)) > 1):  # fmt: skip
+        if (
+            core.rank() == 0
+            and self._ringplug_mode == "drop"
+            and None not in lengths
+            and len(set(lengths)) > 1
+        ):
             shortest = min(lengths)
             dropping = [r for r, n in enumerate(lengths) if n > shortest]
             _warn(

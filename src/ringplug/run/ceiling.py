@@ -48,8 +48,7 @@ def sweep() -> list[tuple[int, float]]:
             core.allreduce(buffer, "sum", out=buffer, name=name)
             times.append(time.perf_counter() - start)
         # The slowest rank's median: the collective is done when every rank is.
-        slowest = core.allreduce(np.array([statistics.median(times)]), "max",
-                                 name=f"{name}.time")  # fmt: skip
+        slowest = core.allreduce(np.array([statistics.median(times)]), "max", name=f"{name}.time")
         rows.append((nbytes, float(slowest[0])))
     return rows
 
@@ -75,8 +74,11 @@ def main() -> int:
     core.init()
     ranks, hosts = core.size(), core.allgather_object(socket.gethostname())
     if ranks < 2:
-        print("ringrun --check --bench: one rank has nothing to reduce with; give -np 2 or "
-              "more (and -H for several hosts).", file=sys.stderr)  # fmt: skip
+        print(
+            "ringrun --check --bench: one rank has nothing to reduce with; give -np 2 or "
+            "more (and -H for several hosts).",
+            file=sys.stderr,
+        )
         return 2
     rows = sweep()
     copy = memory_copy_bandwidth()
@@ -84,28 +86,37 @@ def main() -> int:
         return 0
     unique = sorted(set(hosts))
     header = f"{'size':>10}  {'time(us)':>10}  {'algbw(GB/s)':>11}  {'busbw(GB/s)':>11}"
-    lines = [f"ringplug allreduce sweep: {ranks} ranks on {', '.join(unique)}, float32, sum",
-             header]  # fmt: skip
+    lines = [
+        f"ringplug allreduce sweep: {ranks} ranks on {', '.join(unique)}, float32, sum",
+        header,
+    ]
     for nbytes, seconds in rows:
         algbw, busbw = nbytes / seconds, _busbw(nbytes, seconds, ranks)
-        lines.append(f"{nbytes / 2**20:>6.2f} MiB  {seconds * 1e6:>10.1f}  "
-                     f"{algbw / 1e9:>11.2f}  {busbw / 1e9:>11.2f}")  # fmt: skip
+        lines.append(
+            f"{nbytes / 2**20:>6.2f} MiB  {seconds * 1e6:>10.1f}  "
+            f"{algbw / 1e9:>11.2f}  {busbw / 1e9:>11.2f}"
+        )
     peak_size, peak_time = max(rows, key=lambda row: _busbw(row[0], row[1], ranks))
     peak = _busbw(peak_size, peak_time, ranks)
-    lines.append(f"peak bus bandwidth {peak / 1e9:.2f} GB/s at {peak_size / 2**20:.0f} MiB; "
-                 f"memory copy on {socket.gethostname()} {copy / 1e9:.2f} GB/s "
-                 f"(the ring reaches {peak / copy:.0%} of it)")  # fmt: skip
+    lines.append(
+        f"peak bus bandwidth {peak / 1e9:.2f} GB/s at {peak_size / 2**20:.0f} MiB; "
+        f"memory copy on {socket.gethostname()} {copy / 1e9:.2f} GB/s "
+        f"(the ring reaches {peak / copy:.0%} of it)"
+    )
     if len(unique) > 1:
         links = [i for i in candidate_interfaces(local_interfaces()) if i.speed_mbps > 0]
         if links:
             nominal = links[0].speed_mbps * 1e6 / 8
-            lines.append(f"fastest interface here: {links[0].name} at {links[0].speed_mbps} "
-                         f"Mb/s nominal ({nominal / 1e9:.2f} GB/s): the sweep reaches "
-                         f"{peak / nominal:.0%} of it")  # fmt: skip
+            lines.append(
+                f"fastest interface here: {links[0].name} at {links[0].speed_mbps} "
+                f"Mb/s nominal ({nominal / 1e9:.2f} GB/s): the sweep reaches "
+                f"{peak / nominal:.0%} of it"
+            )
         else:
             lines.append("the network interfaces' nominal speed is unknown here (sysfs)")
-    path = diagnose.write_ceiling(ranks, unique, peak, memory_copy=copy,
-                                  sweep=[[n, t] for n, t in rows])  # fmt: skip
+    path = diagnose.write_ceiling(
+        ranks, unique, peak, memory_copy=copy, sweep=[[n, t] for n, t in rows]
+    )
     lines.append(
         f"saved to {path}: training verdicts of {ranks}-rank jobs on these hosts compare against it"
     )

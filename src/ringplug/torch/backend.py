@@ -79,8 +79,12 @@ class RingWork(dist._Work):
     tensors, completed without anyone calling ``wait()`` (DDP's reducer relies on that).
     """
 
-    def __init__(self, parts: Sequence[rt.TensorHandle], outputs: list[torch.Tensor],
-                 finish: Callable[[list[Any]], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        parts: Sequence[rt.TensorHandle],
+        outputs: list[torch.Tensor],
+        finish: Callable[[list[Any]], None] | None = None,
+    ) -> None:
         super().__init__()
         self._parts = list(parts)
         self._outputs = outputs
@@ -189,11 +193,14 @@ class RingProcessGroup(dist.ProcessGroup):
         op = _OPS.get(kind)
         if op is None:
             supported = "SUM, AVG, PRODUCT, MIN, MAX"
-            core.reject(NotImplementedError(
-                f"torch.distributed.{call} on the ringplug backend: ReduceOp "
-                f"{kind.name} is not supported (ringplug reduces with "
-                f"{supported})."
-            ), name)  # fmt: skip
+            core.reject(
+                NotImplementedError(
+                    f"torch.distributed.{call} on the ringplug backend: ReduceOp "
+                    f"{kind.name} is not supported (ringplug reduces with "
+                    f"{supported})."
+                ),
+                name,
+            )
         return op
 
     # ------------------------------------------------------------------ reductions
@@ -233,8 +240,9 @@ class RingProcessGroup(dist.ProcessGroup):
 
         return RingWork([handle], [tensor], finish)
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
-                       opts: Any = None) -> RingWork:  # fmt: skip
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> RingWork:
         opts = opts or dist.ReduceScatterOptions()
         name = self._name()
         op = self._op("reduce_scatter", opts, name)
@@ -243,20 +251,25 @@ class RingProcessGroup(dist.ProcessGroup):
         stacked = torch.stack([piece.reshape(-1) for piece in pieces])
         return self._reduce_scatter_into(output, stacked, op, name)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
-                             opts: Any = None) -> RingWork:  # fmt: skip
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> RingWork:
         opts = opts or dist.ReduceScatterOptions()
         name = self._name()
         op = self._op("reduce_scatter_tensor", opts, name)
         if input.numel() != output.numel() * self.size():
-            core.reject(ValueError(
-                f"torch.distributed.reduce_scatter_tensor: the input has {input.numel()} "
-                f"elements, but {self.size()} ranks x the output's {output.numel()} are needed."
-            ), name)  # fmt: skip
+            core.reject(
+                ValueError(
+                    f"torch.distributed.reduce_scatter_tensor: the input has {input.numel()} "
+                    f"elements, but {self.size()} ranks x the output's {output.numel()} are needed."
+                ),
+                name,
+            )
         return self._reduce_scatter_into(output, input.reshape(self.size(), -1), op, name)
 
-    def _reduce_scatter_into(self, output: torch.Tensor, rows: torch.Tensor, op: ReduceOp,
-                             name: str) -> RingWork:  # fmt: skip
+    def _reduce_scatter_into(
+        self, output: torch.Tensor, rows: torch.Tensor, op: ReduceOp, name: str
+    ) -> RingWork:
         handle = rt.reducescatter_async(rows, op, name=name)
         return RingWork([handle], [output], lambda results: _copy(output, results[0]))
 
@@ -266,42 +279,46 @@ class RingProcessGroup(dist.ProcessGroup):
         name = self._name()
         parts = [rt.broadcast_async_(tensors[0], opts.rootRank, name=name)]
         for index, tensor in enumerate(tensors[1:], 1):
-            parts.append(rt.broadcast_async_(tensor, opts.rootRank,
-                                             name=f"{name}.{index}"))  # fmt: skip
+            parts.append(rt.broadcast_async_(tensor, opts.rootRank, name=f"{name}.{index}"))
         return RingWork(parts, list(tensors))
 
     # ------------------------------------------------------------------ gathers
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                  opts: Any = None) -> RingWork:  # fmt: skip
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingWork:
         name = self._name()
         slots = outputs[0]
         _check_count("all_gather", slots, self.size(), name)
         return self._gather_into(slots, inputs[0], name)
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
-                        opts: Any = None) -> RingWork:  # fmt: skip
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> RingWork:
         name = self._name()
         if output.numel() != input.numel() * self.size():
-            core.reject(ValueError(
-                f"torch.distributed.all_gather_into_tensor: the output has {output.numel()} "
-                f"elements, but {self.size()} ranks x the input's {input.numel()} are needed."
-            ), name)  # fmt: skip
+            core.reject(
+                ValueError(
+                    f"torch.distributed.all_gather_into_tensor: the output has {output.numel()} "
+                    f"elements, but {self.size()} ranks x the input's {input.numel()} are needed."
+                ),
+                name,
+            )
         handle = rt.allgather_async(input.reshape(-1), name=name)
         return RingWork([handle], [output], lambda results: _copy(output, results[0]))
 
-    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor],
-                                        opts: Any = None) -> RingWork:  # fmt: skip
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingWork:
         works = [self._allgather_base(out, inp) for out, inp in zip(outputs, inputs, strict=True)]
         return _combined(works, list(outputs))
 
-    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                            opts: Any = None) -> RingWork:  # fmt: skip
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingWork:
         works = [self.allgather([out], [inp]) for out, inp in zip(outputs, inputs, strict=True)]
         return _combined(works, [t for o in outputs for t in o])
 
-    def _gather_into(self, slots: list[torch.Tensor], tensor: torch.Tensor,
-                     name: str) -> RingWork:  # fmt: skip
+    def _gather_into(self, slots: list[torch.Tensor], tensor: torch.Tensor, name: str) -> RingWork:
         # Flattened, so ranks may send different numbers of elements (as NCCL allows).
         handle = rt.allgather_async(tensor.reshape(-1), name=name)
 
@@ -319,8 +336,9 @@ class RingProcessGroup(dist.ProcessGroup):
 
         return RingWork([handle], list(slots), finish)
 
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-               opts: Any = None) -> RingWork:  # fmt: skip
+    def gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingWork:
         opts = opts or dist.GatherOptions()
         name = self._name()
         if self.rank() == opts.rootRank:
@@ -330,8 +348,9 @@ class RingProcessGroup(dist.ProcessGroup):
         handle = rt.allgather_async(inputs[0].reshape(-1), name=name)
         return RingWork([handle], [])
 
-    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
-                opts: Any = None) -> RingWork:  # fmt: skip
+    def scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> RingWork:
         opts = opts or dist.ScatterOptions()
         name = self._name()
         output = outputs[0]
@@ -346,9 +365,14 @@ class RingProcessGroup(dist.ProcessGroup):
         handle = rt.alltoall_async(rows, splits, name=name)
         return RingWork([handle], [output], lambda results: _copy(output, results[0][0]))
 
-    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
-                      output_split_sizes: list[int], input_split_sizes: list[int],
-                      opts: Any = None) -> RingWork:  # fmt: skip
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> RingWork:
         name = self._name()
         splits = list(input_split_sizes) or None
         handle = rt.alltoall_async(input, splits, name=name)
@@ -365,14 +389,20 @@ class RingProcessGroup(dist.ProcessGroup):
 
         return RingWork([handle], [output], finish)
 
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                 opts: Any = None) -> RingWork:  # fmt: skip
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingWork:
         name = self._name()
         _check_count("all_to_all", inputs, self.size(), name)
         _check_count("all_to_all", outputs, self.size(), name)
         if len({t.dtype for t in inputs}) > 1:
-            core.reject(TypeError("torch.distributed.all_to_all on the ringplug backend needs "
-                                  "input tensors of one dtype."), name)  # fmt: skip
+            core.reject(
+                TypeError(
+                    "torch.distributed.all_to_all on the ringplug backend needs "
+                    "input tensors of one dtype."
+                ),
+                name,
+            )
         flat = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0)
         handle = rt.alltoall_async(flat, [t.numel() for t in inputs], name=name)
 
@@ -389,11 +419,13 @@ class RingProcessGroup(dist.ProcessGroup):
 
         return RingWork([handle], list(outputs), finish)
 
-    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor],
-                                        opts: Any = None) -> RingWork:  # fmt: skip
-        works = [self._reduce_scatter_base(out, inp, opts)
-                 for out, inp in zip(outputs, inputs, strict=True)]  # fmt: skip
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingWork:
+        works = [
+            self._reduce_scatter_base(out, inp, opts)
+            for out, inp in zip(outputs, inputs, strict=True)
+        ]
         return _combined(works, list(outputs))
 
     # torch 2.13's Python API calls these names; C++ callers use the older ones.
@@ -427,16 +459,22 @@ _NO_P2P = (
 
 def _combined(works: list[RingWork], outputs: list[torch.Tensor]) -> RingWork:
     """One work for several calls started together (the coalesced forms)."""
-    return RingWork([part for work in works for part in work._parts], outputs,
-                    lambda _: [work.wait() for work in works])  # fmt: skip
+    return RingWork(
+        [part for work in works for part in work._parts],
+        outputs,
+        lambda _: [work.wait() for work in works],
+    )
 
 
 def _check_count(call: str, tensors: Sequence[torch.Tensor], size: int, name: str) -> None:
     if len(tensors) != size:
-        core.reject(ValueError(
-            f"torch.distributed.{call}: {len(tensors)} tensors given, but the group has "
-            f"{size} ranks; pass one tensor per rank."
-        ), name)  # fmt: skip
+        core.reject(
+            ValueError(
+                f"torch.distributed.{call}: {len(tensors)} tensors given, but the group has "
+                f"{size} ranks; pass one tensor per rank."
+            ),
+            name,
+        )
 
 
 def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -486,8 +524,9 @@ def _mpi_env_rendezvous(original: Callable[..., Iterator[Any]]) -> Callable[...,
     takes rank and world size from MPI and starts the store over it (torch's own would stop
     with "environment variable MASTER_ADDR expected")."""
 
-    def handler(url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-                **kwargs: Any) -> Iterator[Any]:  # fmt: skip
+    def handler(
+        url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30), **kwargs: Any
+    ) -> Iterator[Any]:
         if os.environ.get("MASTER_ADDR") or runtime.launcher_world_size() is None:
             yield from original(url, timeout=timeout, **kwargs)
             return
@@ -518,6 +557,7 @@ def init_process_group() -> bool:
     if dist.is_initialized():
         return False
     runtime.init()
-    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=runtime.rank(),
-                            world_size=runtime.size())  # fmt: skip
+    dist.init_process_group(
+        BACKEND, store=dist.HashStore(), rank=runtime.rank(), world_size=runtime.size()
+    )
     return True

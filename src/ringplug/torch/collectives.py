@@ -73,33 +73,43 @@ def _check(tensor: torch.Tensor, what: str, name: str | None) -> None:
         core.reject(TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}."), name)
     if tensor.dtype not in _SUPPORTED:
         names = ", ".join(str(d).removeprefix("torch.") for d in _SUPPORTED)
-        core.reject(TypeError(
-            f"{what}: unsupported dtype {tensor.dtype}; ringplug reduces {names}. "
-            "Convert the tensor first (for example with .float())."
-        ), name)  # fmt: skip
+        core.reject(
+            TypeError(
+                f"{what}: unsupported dtype {tensor.dtype}; ringplug reduces {names}. "
+                "Convert the tensor first (for example with .float())."
+            ),
+            name,
+        )
     if tensor.device.type not in ("cpu", "cuda"):
-        core.reject(NotImplementedError(
-            f"{what}: ringplug reduces CPU and CUDA tensors, not tensors on {tensor.device}; "
-            "move the tensor first (.cpu())."
-        ), name)  # fmt: skip
+        core.reject(
+            NotImplementedError(
+                f"{what}: ringplug reduces CPU and CUDA tensors, not tensors on {tensor.device}; "
+                "move the tensor first (.cpu())."
+            ),
+            name,
+        )
 
 
 def _on_gpu(tensors: Sequence[torch.Tensor], what: str, name: str | None) -> bool:
     """Whether the request goes to the GPU plane; refuses a mix of CPU and CUDA tensors."""
     kinds = {tensor.device.type for tensor in tensors}
     if len(kinds) > 1:
-        core.reject(ValueError(
-            f"{what}: one request mixes CPU and CUDA tensors ({', '.join(sorted(kinds))}); "
-            "the CPU ring and NCCL cannot reduce them together. Move them to one device, or "
-            "make one request per device."
-        ), name)  # fmt: skip
+        core.reject(
+            ValueError(
+                f"{what}: one request mixes CPU and CUDA tensors ({', '.join(sorted(kinds))}); "
+                "the CPU ring and NCCL cannot reduce them together. Move them to one device, or "
+                "make one request per device."
+            ),
+            name,
+        )
     return kinds == {"cuda"}
 
 
 def device_buffer(tensor: torch.Tensor) -> DeviceBuffer:
     """A contiguous CUDA tensor's memory, for the GPU data plane (the tensor is its owner)."""
-    return DeviceBuffer(tensor.data_ptr(), tensor.numel(), _CODES[tensor.dtype],
-                        tensor.device.index, tensor)  # fmt: skip
+    return DeviceBuffer(
+        tensor.data_ptr(), tensor.numel(), _CODES[tensor.dtype], tensor.device.index, tensor
+    )
 
 
 def _ready(tensor: torch.Tensor) -> Any:
@@ -107,8 +117,9 @@ def _ready(tensor: torch.Tensor) -> Any:
     return torch.cuda.current_stream(tensor.device).record_event()
 
 
-def tensor_from_buffer(buffer: DeviceBuffer, shape: Sequence[int],
-                       dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def tensor_from_buffer(
+    buffer: DeviceBuffer, shape: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
     """A tensor over device memory the GPU plane allocated (a torch uint8 tensor owns it)."""
     owner = buffer.owner
     start = buffer.address - owner.data_ptr()
@@ -144,13 +155,20 @@ def allreduce_async(
     return _allreduce_into(result, op, name, prescale_factor, postscale_factor, lambda: result)
 
 
-def _device_allreduce(works: list[torch.Tensor], op, name, prescale, postscale,
-                      finish) -> TensorHandle:  # fmt: skip
+def _device_allreduce(
+    works: list[torch.Tensor], op, name, prescale, postscale, finish
+) -> TensorHandle:
     buffers = [device_buffer(work) for work in works]
     handle = device.allreduce_async(
-        buffers, buffers, [tuple(work.shape) for work in works], op, name=name,
-        prescale_factor=prescale, postscale_factor=postscale, ready=_ready(works[0]),
-    )  # fmt: skip
+        buffers,
+        buffers,
+        [tuple(work.shape) for work in works],
+        op,
+        name=name,
+        prescale_factor=prescale,
+        postscale_factor=postscale,
+        ready=_ready(works[0]),
+    )
     return TensorHandle(handle, finish)
 
 
@@ -165,8 +183,7 @@ def allreduce_async_(
     """Start an allreduce of `tensor` in place; `wait()` returns `tensor`."""
     _check(tensor, "allreduce_", name)
     if tensor.is_contiguous():
-        return _allreduce_into(tensor, op, name, prescale_factor, postscale_factor,
-                               lambda: tensor)  # fmt: skip
+        return _allreduce_into(tensor, op, name, prescale_factor, postscale_factor, lambda: tensor)
     work = tensor.detach().contiguous()
 
     def write_back() -> torch.Tensor:
@@ -181,8 +198,15 @@ def _allreduce_into(work, op, name, prescale, postscale, finish) -> TensorHandle
     if work.is_cuda:
         return _device_allreduce([work], op, name, prescale, postscale, lambda _: finish())
     array, dtype = as_numpy(work)
-    handle = core.allreduce_async(array, op, out=array, name=name, dtype=dtype,
-                                  prescale_factor=prescale, postscale_factor=postscale)  # fmt: skip
+    handle = core.allreduce_async(
+        array,
+        op,
+        out=array,
+        name=name,
+        dtype=dtype,
+        prescale_factor=prescale,
+        postscale_factor=postscale,
+    )
     return TensorHandle(handle, lambda _: finish())
 
 
@@ -213,8 +237,9 @@ def grouped_allreduce_async_(
     if not tensors:
         core.reject(ValueError("grouped_allreduce_ needs at least one tensor."), name)
     if len({tensor.dtype for tensor in tensors}) > 1:
-        core.reject(TypeError("grouped_allreduce_ needs tensors of one dtype; group them by "
-                              "dtype."), name)  # fmt: skip
+        core.reject(
+            TypeError("grouped_allreduce_ needs tensors of one dtype; group them by dtype."), name
+        )
     works = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
 
     def write_back(_: Any) -> list[torch.Tensor]:
@@ -228,40 +253,62 @@ def grouped_allreduce_async_(
         return _device_allreduce(works, op, name, prescale_factor, postscale_factor, write_back)
     arrays = [as_numpy(work)[0] for work in works]
     handle = core.grouped_allreduce_async(
-        arrays, op, out=arrays, name=name, dtype=as_numpy(works[0])[1],
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-    )  # fmt: skip
+        arrays,
+        op,
+        out=arrays,
+        name=name,
+        dtype=as_numpy(works[0])[1],
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+    )
     return TensorHandle(handle, write_back)
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], op: ReduceOp | str = Average,
-                       **kwargs: Any) -> list[torch.Tensor]:  # fmt: skip
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor], op: ReduceOp | str = Average, **kwargs: Any
+) -> list[torch.Tensor]:
     """Reduce several tensors of one dtype in place, negotiated and fused as one."""
     return grouped_allreduce_async_(tensors, op, **kwargs).wait()
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], op: ReduceOp | str = Average,
-                      **kwargs: Any) -> list[torch.Tensor]:  # fmt: skip
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor], op: ReduceOp | str = Average, **kwargs: Any
+) -> list[torch.Tensor]:
     """The reductions of several tensors of one dtype, as new tensors (inputs unchanged)."""
-    copies = [t.detach().clone(memory_format=torch.contiguous_format)
-              if isinstance(t, torch.Tensor) else t for t in tensors]  # fmt: skip
+    copies = [
+        t.detach().clone(memory_format=torch.contiguous_format)
+        if isinstance(t, torch.Tensor)
+        else t
+        for t in tensors
+    ]
     return grouped_allreduce_async_(copies, op, **kwargs).wait()
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, *, name: str | None = None,
-                     refuse_joined: bool = False) -> TensorHandle:  # fmt: skip
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int = 0,
+    *,
+    name: str | None = None,
+    refuse_joined: bool = False,
+) -> TensorHandle:
     """Start overwriting `tensor` with root's, in place; `wait()` returns `tensor`.
     (`refuse_joined`: fail on every rank while a rank has joined, as Horovod.)"""
     _check(tensor, "broadcast_", name)
     work = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
     if work.is_cuda:
-        handle = device.broadcast_async(device_buffer(work), tuple(work.shape), root_rank,
-                                        name=name, ready=_ready(work),
-                                        refuse_joined=refuse_joined)  # fmt: skip
+        handle = device.broadcast_async(
+            device_buffer(work),
+            tuple(work.shape),
+            root_rank,
+            name=name,
+            ready=_ready(work),
+            refuse_joined=refuse_joined,
+        )
     else:
         array, dtype = as_numpy(work)
-        handle = core.broadcast_async(array, root_rank, out=array, name=name, dtype=dtype,
-                                      refuse_joined=refuse_joined)  # fmt: skip
+        handle = core.broadcast_async(
+            array, root_rank, out=array, name=name, dtype=dtype, refuse_joined=refuse_joined
+        )
 
     def finish(_: Any) -> torch.Tensor:
         if work.data_ptr() != tensor.data_ptr():
@@ -279,16 +326,18 @@ def broadcast_(tensor: torch.Tensor, root_rank: int = 0, *, name: str | None = N
 
 def broadcast(tensor: torch.Tensor, root_rank: int = 0, *, name: str | None = None):
     """Root's `tensor`, as a new tensor on every rank."""
-    return broadcast_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank,
-                      name=name)  # fmt: skip
+    return broadcast_(
+        tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name=name
+    )
 
 
 def _allgather(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
     return allgather_async(tensor, name=name).wait()
 
 
-def allgather_async(tensor: torch.Tensor, *, name: str | None = None,
-                    refuse_joined: bool = False) -> TensorHandle:  # fmt: skip
+def allgather_async(
+    tensor: torch.Tensor, *, name: str | None = None, refuse_joined: bool = False
+) -> TensorHandle:
     """Start an allgather; `wait()` returns every rank's `tensor` concatenated (no autograd).
     (`refuse_joined`: fail on every rank while a rank has joined, as Horovod.)"""
     _check(tensor, "allgather", name)
@@ -300,9 +349,9 @@ def allgather_async(tensor: torch.Tensor, *, name: str | None = None,
             rows = gathered.count // max(1, int(np.prod(shape[1:], dtype=np.int64)))
             return tensor_from_buffer(gathered, (rows, *shape[1:]), tensor.dtype)
 
-        handle = device.allgather_async(device_buffer(work), shape, name=name,
-                                        ready=_ready(work),
-                                        refuse_joined=refuse_joined)  # fmt: skip
+        handle = device.allgather_async(
+            device_buffer(work), shape, name=name, ready=_ready(work), refuse_joined=refuse_joined
+        )
         return TensorHandle(handle, finish)
     array, dtype = as_numpy(work)
     handle = core.allgather_async(array, name=name, dtype=dtype, refuse_joined=refuse_joined)
@@ -346,37 +395,46 @@ def allgather(tensor: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
     return _allgather(tensor, name)
 
 
-def reducescatter_async(tensor: torch.Tensor, op: ReduceOp | str = Average, *,
-                        name: str | None = None) -> TensorHandle:  # fmt: skip
+def reducescatter_async(
+    tensor: torch.Tensor, op: ReduceOp | str = Average, *, name: str | None = None
+) -> TensorHandle:
     """Start a reducescatter; `wait()` returns this rank's block of rows of the reduction."""
     _check(tensor, "reducescatter", name)
     work = tensor.detach().contiguous()
     if work.is_cuda:
         if work.dim() == 0:
-            core.reject(ValueError("reducescatter needs a tensor with at least one dimension."),
-                        name)  # fmt: skip
+            core.reject(
+                ValueError("reducescatter needs a tensor with at least one dimension."), name
+            )
         row_elems = max(1, int(np.prod(work.shape[1:], dtype=np.int64)))
 
         def finish(block: DeviceBuffer) -> torch.Tensor:
-            return tensor_from_buffer(block, (block.count // row_elems, *work.shape[1:]),
-                                      tensor.dtype)  # fmt: skip
+            return tensor_from_buffer(
+                block, (block.count // row_elems, *work.shape[1:]), tensor.dtype
+            )
 
-        handle = device.reducescatter_async(device_buffer(work), tuple(work.shape), op, name=name,
-                                            ready=_ready(work))  # fmt: skip
+        handle = device.reducescatter_async(
+            device_buffer(work), tuple(work.shape), op, name=name, ready=_ready(work)
+        )
         return TensorHandle(handle, finish)
     array, dtype = as_numpy(work)
     handle = core.reducescatter_async(array, op, name=name, dtype=dtype)
     return TensorHandle(handle, lambda block: from_numpy(block, tensor))
 
 
-def reducescatter(tensor: torch.Tensor, op: ReduceOp | str = Average, *,
-                  name: str | None = None) -> torch.Tensor:  # fmt: skip
+def reducescatter(
+    tensor: torch.Tensor, op: ReduceOp | str = Average, *, name: str | None = None
+) -> torch.Tensor:
     """This rank's block of rows of the reduction of `tensor` over every rank."""
     return reducescatter_async(tensor, op, name=name).wait()
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, *,
-                   name: str | None = None) -> TensorHandle:  # fmt: skip
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    *,
+    name: str | None = None,
+) -> TensorHandle:
     """Start an alltoall; `wait()` returns the rows received and their counts per rank."""
     _check(tensor, "alltoall", name)
     if isinstance(splits, torch.Tensor):
@@ -391,8 +449,12 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     return TensorHandle(core.alltoall_async(array, splits, name=name, dtype=dtype), finish)
 
 
-def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, *,
-             name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    *,
+    name: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Send rows `splits[i]` of `tensor` to rank i; returns the rows received and their counts.
 
     CUDA tensors travel through host memory (NCCL has no alltoall with per-rank splits).

@@ -42,15 +42,21 @@ def use_local_gpu() -> int | None:
     if not torch.cuda.is_available():
         return None
     if torch.cuda.is_initialized():
-        logger.debug("CUDA already in use; leaving torch's current device (%d) as it is.",
-                     torch.cuda.current_device())  # fmt: skip
+        logger.debug(
+            "CUDA already in use; leaving torch's current device (%d) as it is.",
+            torch.cuda.current_device(),
+        )
         return None
     local_rank = runtime.local_rank()
     index = local_gpu_index(local_rank, torch.cuda.device_count())
     if index is None:
         # CPU work stays possible; a GPU collective will say what is wrong.
-        logger.info("Local rank %d has no GPU of its own (%d visible); torch's current "
-                    "device is left as it is.", local_rank, torch.cuda.device_count())  # fmt: skip
+        logger.info(
+            "Local rank %d has no GPU of its own (%d visible); torch's current "
+            "device is left as it is.",
+            local_rank,
+            torch.cuda.device_count(),
+        )
         return None
     if _queued != [index]:  # once, however often init() and new groups call this
         _queued[:] = [index]

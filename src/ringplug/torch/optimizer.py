@@ -94,8 +94,9 @@ class _Distributed:
         self._ringplug_counts: dict[int, int] = {id(p): 0 for p in params}
         # A world of one has nothing to reduce: no buckets, no hooks, plain steps.
         alone = runtime.size() == 1
-        self._ringplug_buckets = [] if alone else _make_buckets(list(reversed(params)),
-                                                                bucket_bytes)  # fmt: skip
+        self._ringplug_buckets = (
+            [] if alone else _make_buckets(list(reversed(params)), bucket_bytes)
+        )
         self._ringplug_bucket_of: dict[int, _Bucket] = {}
         self._ringplug_hooks: list[Any] = []
         for bucket in self._ringplug_buckets:
@@ -143,15 +144,18 @@ class _Distributed:
         if clock is not None:
             clock.reduction_started(time.perf_counter())
         average = self._ringplug_op is ReduceOp.AVERAGE
-        scales = {"prescale_factor": 1.0 / self._ringplug_predivide if average else 1.0,
-                  "postscale_factor": self._ringplug_predivide if average else 1.0}  # fmt: skip
+        scales = {
+            "prescale_factor": 1.0 / self._ringplug_predivide if average else 1.0,
+            "postscale_factor": self._ringplug_predivide if average else 1.0,
+        }
         name = f"{self._ringplug_prefix}.{bucket.index}"
         if self._ringplug_compression is Compression.fp16 and bucket.grads[0].is_floating_point():
             bucket.packed = torch.cat([g.reshape(-1) for g in bucket.grads]).to(torch.float16)
             bucket.handle = allreduce_async_(bucket.packed, self._ringplug_op, name=name, **scales)
         else:
-            bucket.handle = grouped_allreduce_async_(bucket.grads, self._ringplug_op, name=name,
-                                                     **scales)  # fmt: skip
+            bucket.handle = grouped_allreduce_async_(
+                bucket.grads, self._ringplug_op, name=name, **scales
+            )
 
     def _ringplug_end_backward(self) -> None:
         self._ringplug_callback_queued = False
@@ -296,9 +300,13 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     distributed.__dict__.update(optimizer.__dict__)  # same param_groups, state and hooks
     _retarget_scheduler_patch(distributed)
     distributed._ringplug_setup(
-        named_parameters, backward_passes_per_step, compression, as_op(op),
-        float(gradient_predivide_factor), int(bucket_bytes),
-    )  # fmt: skip
+        named_parameters,
+        backward_passes_per_step,
+        compression,
+        as_op(op),
+        float(gradient_predivide_factor),
+        int(bucket_bytes),
+    )
     return distributed
 
 

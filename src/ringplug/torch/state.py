@@ -31,15 +31,17 @@ def broadcast_parameters(
     handles: list[TensorHandle] = []
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, "
-                            "not a tensor.")  # fmt: skip
+            raise TypeError(
+                f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor."
+            )
         handles.append(broadcast_async_(tensor.data, root_rank, name=f"broadcast.{name}"))
     for handle in handles:
         handle.wait()
 
 
-def broadcast_buffers(tensors: Iterable[torch.Tensor], root_rank: int = 0,
-                      name: str = "buffers") -> None:  # fmt: skip
+def broadcast_buffers(
+    tensors: Iterable[torch.Tensor], root_rank: int = 0, name: str = "buffers"
+) -> None:
     """Overwrite `tensors` (every rank passes the same list) with root's values, in place:
     one broadcast per dtype through a flat copy, cheap for many small tensors (BatchNorm's
     running statistics, counters)."""
@@ -64,9 +66,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     same parameters.
     """
     state = core.broadcast_object(
-        optimizer.state_dict() if runtime.rank() == root_rank else None, root_rank,
+        optimizer.state_dict() if runtime.rank() == root_rank else None,
+        root_rank,
         name="broadcast_optimizer_state",
-    )  # fmt: skip
+    )
     if runtime.rank() != root_rank:
         optimizer.load_state_dict(state)
 

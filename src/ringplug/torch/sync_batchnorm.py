@@ -44,10 +44,13 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         dtype: Any = None,
     ) -> None:
         if process_group is not None:
-            raise ValueError("ringplug.torch.SyncBatchNorm synchronizes over all ranks; "
-                             "leave process_group=None.")  # fmt: skip
-        super().__init__(num_features, eps, momentum, affine, track_running_stats,
-                         device=device, dtype=dtype)  # fmt: skip
+            raise ValueError(
+                "ringplug.torch.SyncBatchNorm synchronizes over all ranks; "
+                "leave process_group=None."
+            )
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
+        )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
@@ -63,19 +66,31 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         running_mean = self.running_mean if tracked else None
         running_var = self.running_var if tracked else None
         if not (uses_batch and self.training and core.is_initialized() and core.size() > 1):
-            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
-                                uses_batch, factor, self.eps)  # fmt: skip
-        return _SyncBatchNorm.apply(input, self.weight, self.bias, running_mean, running_var,
-                                    self.eps, factor)  # fmt: skip
+            return F.batch_norm(
+                input,
+                running_mean,
+                running_var,
+                self.weight,
+                self.bias,
+                uses_batch,
+                factor,
+                self.eps,
+            )
+        return _SyncBatchNorm.apply(
+            input, self.weight, self.bias, running_mean, running_var, self.eps, factor
+        )
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: torch.nn.Module,
-                               process_group: Any = None) -> torch.nn.Module:  # fmt: skip
+    def convert_sync_batchnorm(
+        cls, module: torch.nn.Module, process_group: Any = None
+    ) -> torch.nn.Module:
         """Return ``module`` with every ``BatchNorm1d/2d/3d`` (and torch ``SyncBatchNorm``)
         replaced by a ringplug `SyncBatchNorm` sharing its parameters and running statistics."""
         if process_group is not None:
-            raise ValueError("ringplug.torch.SyncBatchNorm synchronizes over all ranks; "
-                             "leave process_group=None.")  # fmt: skip
+            raise ValueError(
+                "ringplug.torch.SyncBatchNorm synchronizes over all ranks; "
+                "leave process_group=None."
+            )
         converted = module
         batchnorm = isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
         if batchnorm and not isinstance(module, cls):
@@ -117,9 +132,11 @@ class _SyncBatchNorm(torch.autograd.Function):
         counts, means, m2s = stats[:, :1], stats[:, 1 : 1 + channels], stats[:, 1 + channels :]
         total = float(counts.sum())
         if total <= 1:
-            raise ValueError(f"SyncBatchNorm expects more than 1 value per channel when training "
-                             f"over all ranks, got {int(total)} (input shape on this rank "
-                             f"{list(input.shape)}).")  # fmt: skip
+            raise ValueError(
+                f"SyncBatchNorm expects more than 1 value per channel when training "
+                f"over all ranks, got {int(total)} (input shape on this rank "
+                f"{list(input.shape)})."
+            )
         global_mean = (counts * means).sum(0) / total
         global_m2 = (m2s + counts * (means - global_mean) ** 2).sum(0)
         global_var = global_m2 / total
@@ -184,8 +201,9 @@ def revert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
 
 def _rebuilt(module: torch.nn.modules.batchnorm._BatchNorm, cls: type) -> torch.nn.Module:
     """A ``cls`` layer with ``module``'s settings, sharing its parameters and statistics."""
-    layer = cls(module.num_features, module.eps, module.momentum, module.affine,
-                module.track_running_stats)  # fmt: skip
+    layer = cls(
+        module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+    )
     if module.affine:
         layer.weight = module.weight
         layer.bias = module.bias

@@ -7,5 +7,13 @@ Needs torch and Pillow (``pip install 'ringplug[demo]'``).
 from .data import BLANK, CHARSET, TextLines, cer, decode_greedy, edit_distance, labels_to_text
 from .model import CRNN
 
-__all__ = ["BLANK", "CHARSET", "CRNN", "TextLines", "cer", "decode_greedy", "edit_distance",
-           "labels_to_text"]  # fmt: skip
+__all__ = [
+    "BLANK",
+    "CHARSET",
+    "CRNN",
+    "TextLines",
+    "cer",
+    "decode_greedy",
+    "edit_distance",
+    "labels_to_text",
+]

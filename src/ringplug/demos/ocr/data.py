@@ -42,8 +42,10 @@ def _font(size: int) -> ImageFont.FreeTypeFont:
     """Pillow's default font at ``size`` pixels (scalable since Pillow 10.1)."""
     font = ImageFont.load_default(size=size)
     if not isinstance(font, ImageFont.FreeTypeFont):
-        raise RuntimeError("ImageFont.load_default(size=...) returned a fixed bitmap font; "
-                           "the OCR example needs Pillow >= 10.1 built with FreeType.")  # fmt: skip
+        raise RuntimeError(
+            "ImageFont.load_default(size=...) returned a fixed bitmap font; "
+            "the OCR example needs Pillow >= 10.1 built with FreeType."
+        )
     return font
 
 
@@ -109,12 +111,16 @@ class TextLines(torch.utils.data.Dataset):
         height: int = 32,
     ) -> None:
         if not 1 <= min_chars <= max_chars:
-            raise ValueError(f"Need 1 <= min_chars <= max_chars, got min_chars={min_chars} "
-                             f"and max_chars={max_chars}.")  # fmt: skip
+            raise ValueError(
+                f"Need 1 <= min_chars <= max_chars, got min_chars={min_chars} "
+                f"and max_chars={max_chars}."
+            )
         tallest = max(sum(_ink_extent(size)) for size in _FONT_SIZES)
         if height < tallest + 2:
-            raise ValueError(f"height={height} is too small for the largest font, whose ink "
-                             f"is {tallest} pixels tall; use height >= {tallest + 2}.")  # fmt: skip
+            raise ValueError(
+                f"height={height} is too small for the largest font, whose ink "
+                f"is {tallest} pixels tall; use height >= {tallest + 2}."
+            )
         self.count = count
         self.seed = seed
         self.min_chars = min_chars
@@ -216,8 +222,10 @@ def edit_distance(a: Sequence[int], b: Sequence[int]) -> int:
 def cer(predictions: Sequence[Sequence[int]], targets: Sequence[Sequence[int]]) -> float:
     """Character error rate: total edit distance over total target characters."""
     if len(predictions) != len(targets):
-        raise ValueError(f"Got {len(predictions)} predictions for {len(targets)} targets; "
-                         "pass one prediction per target.")  # fmt: skip
+        raise ValueError(
+            f"Got {len(predictions)} predictions for {len(targets)} targets; "
+            "pass one prediction per target."
+        )
     total = sum(len(target) for target in targets)
     if total == 0:
         raise ValueError("The targets hold no characters, so the error rate is undefined.")

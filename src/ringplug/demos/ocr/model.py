@@ -53,8 +53,7 @@ class CRNN(nn.Module):
     ) -> None:
         super().__init__()
         if height % 16 != 0:
-            raise ValueError(f"CRNN needs an image height that is a multiple of 16, "
-                             f"got {height}.")  # fmt: skip
+            raise ValueError(f"CRNN needs an image height that is a multiple of 16, got {height}.")
         c1, c2, c3, c4 = channels
         self.features = nn.Sequential(
             _conv_block(1, c1, stride=(2, 2)),
