@@ -122,6 +122,7 @@ class Engine:
         self._join_handle: Handle | None = None
         self._unnamed_next = 1  # the number of the next unnamed request ("noname.N")
         self._stalls = StallInspector(settings, self.rank, self.size)
+        # The timeline being recorded (rank 0 only); framework adapters add their tracks.
         self.timeline: Timeline | None = None
         self._timeline_lock = threading.Lock()
         self.cycles_run = 0
@@ -252,11 +253,6 @@ class Engine:
             if self.timeline is not None:
                 self.timeline.stop()
             self.timeline = Timeline(path, self.rank)
-
-    @property
-    def timeline(self) -> Timeline | None:
-        """The timeline being recorded (rank 0 only), for framework adapters' own tracks."""
-        return self._timeline
 
     def stop_timeline(self) -> None:
         with self._timeline_lock:
