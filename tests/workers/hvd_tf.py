@@ -158,6 +158,41 @@ def main(outdir: Path) -> None:
         ),
     )
 
+    # A local source named by the TF variable under a Keras variable is that variable.
+    with tf.GradientTape() as tape:
+        out = tf.reduce_sum(model(data))
+    by_backend = hvd.DistributedGradientTape(tape)
+    for weight_of_local in model.layers[1].trainable_weights:
+        by_backend.register_local_source(weight_of_local.value)
+    named_by_backend = by_backend.gradient(out, model.trainable_weights)
+    check(
+        "local-source-by-backend-variable",
+        lambda: (
+            all(np.allclose(m, a) for m, a in zip(named_by_backend[:2], averaged[:2], strict=True))
+            and all(
+                np.allclose(m, p / size)
+                for m, p in zip(named_by_backend[2:], plain[2:], strict=True)
+            )
+        ),
+    )
+
+    # hvd.keras's object collectives take Horovod's arguments (obj, [root,] session, name).
+    check(
+        "keras-objects-horovod-arguments",
+        lambda: (
+            hvd.keras.allgather_object(rank, None, "objects") == list(range(size))
+            and hvd.keras.broadcast_object(10 * (rank + 1), 0, None, "object") == 10
+        ),
+    )
+    check(
+        "keras-objects-refuse-process-sets",
+        lambda: raises(
+            lambda: hvd.keras.allgather_object(rank, process_set=object()),
+            NotImplementedError,
+            "process set",
+        ),
+    )
+
     # grouped_allreduce with a mix of dense tensors and IndexedSlices.
     slices = tf.IndexedSlices(
         tf.ones([1, 2]) * (rank + 1), tf.constant([rank]), tf.constant([4, 2])

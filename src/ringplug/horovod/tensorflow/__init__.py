@@ -45,7 +45,17 @@ from ...core import collectives as _core
 from ...core.errors import RingplugError
 from ...core.ops import ReduceOp
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
-from .._common import Average, Sum, check_process_set, global_process_set, resolve_op  # noqa: F401
+from .._common import (  # noqa: F401 - Sum: hvd.Sum
+    Average,
+    Sum,
+    allgather_object,
+    backend_variable,
+    broadcast_object,
+    check_process_set,
+    global_process_set,
+    local_layers_variables,
+    resolve_op,
+)
 from .._common import __all__ as _BASICS
 from . import _status, util
 from .util import _executing_eagerly  # noqa: F401 - hvd._executing_eagerly, as Horovod
@@ -757,18 +767,6 @@ def process_set_included_op(process_set_id: int = 0, name: str | None = None) ->
     return tf.constant(1, dtype=tf.int32, name=name)
 
 
-def broadcast_object(
-    obj: Any,
-    root_rank: int = 0,
-    session: Any = None,
-    name: str | None = None,
-    process_set: Any = global_process_set,
-) -> Any:
-    """Root's picklable `obj` on every rank."""
-    check_process_set(process_set)
-    return core.broadcast_object(obj, root_rank, name=name)
-
-
 def broadcast_object_fn(
     root_rank: int = 0,
     session: Any = None,
@@ -778,14 +776,6 @@ def broadcast_object_fn(
     """A function that broadcasts its argument from root (Horovod's TF1 form)."""
     check_process_set(process_set)
     return lambda obj: core.broadcast_object(obj, root_rank, name=name)
-
-
-def allgather_object(
-    obj: Any, session: Any = None, name: str | None = None, process_set: Any = global_process_set
-) -> list[Any]:
-    """Every rank's picklable `obj`, as a list in rank order."""
-    check_process_set(process_set)
-    return core.allgather_object(obj, name=name)
 
 
 # ---------------------------------------------------------------------------- gradients
@@ -814,10 +804,8 @@ def _reduce_gradients(
 
 
 def _source_key(source: Any) -> Any:
-    """A hashable identity for a variable (TF variables by ref, Keras variables by theirs)."""
-    inner = getattr(source, "value", None)
-    if not isinstance(source, tf.Variable) and isinstance(inner, tf.Variable):
-        source = inner
+    """A hashable identity for a variable (a Keras variable's is its TF variable's)."""
+    source = backend_variable(source)
     return source.ref() if hasattr(source, "ref") else id(source)
 
 
@@ -948,12 +936,7 @@ def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
     """`DistributedGradientTape` that leaves the gradients of `local_layers`' variables
     local (model parallelism: each rank trains its own copy of those layers)."""
     check_process_set(process_set)
-    layers = (
-        []
-        if local_layers is None
-        else (local_layers if isinstance(local_layers, (list, tuple)) else [local_layers])
-    )
-    local = [v for layer in layers for v in layer.trainable_weights]
+    local = local_layers_variables(local_layers)
     return _DistributedGradientTape(
         gradtape,
         resolve_op(None, op),
