@@ -166,8 +166,9 @@ def _run(
         try:
             results = [np.asarray(r) for r in compute(op_name, *arrays)]
         except RingplugError as exc:
-            # Raised here it would be an UnknownError: the check op after this one fails
-            # the step with FailedPrecondition instead (nothing reads these placeholders).
+            # Raised here it would surface with py_func's codes (InvalidArgument, Unknown):
+            # the check op after this one fails the step with FailedPrecondition, as
+            # eagerly, and nothing reads these placeholders.
             placeholders = [np.zeros(0, dtype=d.as_numpy_dtype) for d in touts]
             return [*placeholders, np.int64(_status.file_failure(str(exc)))]
         return [*results, np.int64(0)]
