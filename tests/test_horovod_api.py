@@ -84,11 +84,12 @@ def test_a_horovod_keras_script_with_its_callbacks_runs_on_keras_3(tmp_path):
 def test_horovod_tensorflow_eagerly_in_tf_function_and_in_a_graph_session(tmp_path):
     # Values and gradients of the collectives in all three modes, DistributedGradientTape
     # (IndexedSlices too), the partial tape and optimizer, local variables kept out of the
-    # broadcast, load_model, FailedPreconditionError on a mismatch, 24 ops in one run.
+    # broadcast, load_model, 24 ops in one run; a mismatch is FailedPreconditionError
+    # eagerly, in tf.function and in a session alike, with one message on every rank.
     pytest.importorskip("tensorflow")
     reports = run("hvd_tf.py", tmp_path, "tf", env={"TF_CPP_MIN_LOG_LEVEL": "3"})
     for checks in reports:
-        assert len(checks) >= 24
+        assert len(checks) >= 32
         assert [name for name, ok in checks.items() if not ok] == []
 
 

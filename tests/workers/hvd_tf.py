@@ -158,6 +158,41 @@ def main(outdir: Path) -> None:
         ),
     )
 
+    # A local source named by the TF variable under a Keras variable is that variable.
+    with tf.GradientTape() as tape:
+        out = tf.reduce_sum(model(data))
+    by_backend = hvd.DistributedGradientTape(tape)
+    for weight_of_local in model.layers[1].trainable_weights:
+        by_backend.register_local_source(weight_of_local.value)
+    named_by_backend = by_backend.gradient(out, model.trainable_weights)
+    check(
+        "local-source-by-backend-variable",
+        lambda: (
+            all(np.allclose(m, a) for m, a in zip(named_by_backend[:2], averaged[:2], strict=True))
+            and all(
+                np.allclose(m, p / size)
+                for m, p in zip(named_by_backend[2:], plain[2:], strict=True)
+            )
+        ),
+    )
+
+    # hvd.keras's object collectives take Horovod's arguments (obj, [root,] session, name).
+    check(
+        "keras-objects-horovod-arguments",
+        lambda: (
+            hvd.keras.allgather_object(rank, None, "objects") == list(range(size))
+            and hvd.keras.broadcast_object(10 * (rank + 1), 0, None, "object") == 10
+        ),
+    )
+    check(
+        "keras-objects-refuse-process-sets",
+        lambda: raises(
+            lambda: hvd.keras.allgather_object(rank, process_set=object()),
+            NotImplementedError,
+            "process set",
+        ),
+    )
+
     # grouped_allreduce with a mix of dense tensors and IndexedSlices.
     slices = tf.IndexedSlices(
         tf.ones([1, 2]) * (rank + 1), tf.constant([rank]), tf.constant([4, 2])
@@ -196,6 +231,73 @@ def main(outdir: Path) -> None:
         ),
     )
     check("in-step", lambda: hvd.allgather_object(rank) == list(range(size)))
+
+    # Inside tf.function and in a TF1 session too (shapes, then dtypes, differ by rank):
+    # FailedPreconditionError with the same message on every rank, and the next graph
+    # collective still matches.
+    def graph_error(call) -> str:
+        try:
+            call()
+        except tf.errors.OpError as exc:
+            # TensorFlow wraps the op's message in where the node was defined (and the
+            # node's name after it): keep ringplug's line.
+            ours = [line for line in exc.message.splitlines() if "submitted" in line]
+            return f"{type(exc).__name__}: {ours[0].strip() if ours else exc.message}"
+        return "no error"
+
+    @tf.function
+    def mismatched_shapes():
+        return hvd.allreduce(tf.ones(2 + rank))
+
+    @tf.function
+    def fine():
+        return hvd.allreduce(tf.ones(2) * (rank + 1), op=hvd.Sum)
+
+    seen_in_function = graph_error(mismatched_shapes)
+    after_function = fine()
+    graph = tf.Graph()
+    with graph.as_default():
+        mismatched_dtypes = hvd.allgather(tf.ones([1, 2], tf.float32 if rank else tf.int32))
+        fine_in_graph = hvd.allreduce(tf.ones([2]) * (rank + 1), op=hvd.Sum)
+        with tf.compat.v1.Session() as session:
+            seen_in_session = graph_error(lambda: session.run(mismatched_dtypes))
+            after_session = session.run(fine_in_graph)
+    everyone = hvd.allgather_object((seen_in_function, seen_in_session))
+    check(
+        "function-mismatch-failed-precondition",
+        lambda: (
+            seen_in_function.startswith("FailedPreconditionError: ")
+            and "does not match across ranks" in seen_in_function
+            and "shapes (2,)" in seen_in_function
+            and "shapes (3,)" in seen_in_function
+        ),
+    )
+    check(
+        "session-mismatch-failed-precondition",
+        lambda: (
+            seen_in_session.startswith("FailedPreconditionError: ")
+            and "int32" in seen_in_session
+            and "float32" in seen_in_session
+        ),
+    )
+    check("graph-errors-same-on-every-rank", lambda: all(e == everyone[0] for e in everyone))
+    check(
+        "graph-in-step-after-errors",
+        lambda: (
+            after_function.numpy().tolist() == [float(ranks_sum)] * 2
+            and after_session.tolist() == [float(ranks_sum)] * 2
+        ),
+    )
+
+    # Arguments a collective refuses stay InvalidArgumentError in a graph, as eagerly.
+    @tf.function
+    def fractional_splits():
+        return hvd.alltoall(tf.ones([2 * size]), splits=tf.constant([1.5] * size))
+
+    check(
+        "function-bad-splits-invalid-argument",
+        lambda: graph_error(fractional_splits).startswith("InvalidArgumentError"),
+    )
     check(
         "elastic-refused",
         lambda: raises(lambda: hvd.elastic.TensorFlowKerasState, NotImplementedError, "elastic"),

@@ -1,4 +1,4 @@
-"""What ``ringplug.horovod.torch`` and ``ringplug.horovod.keras`` share: Horovod's basics
+"""What ``ringplug.horovod``'s torch, keras and tensorflow modules share: Horovod's basics
 (init, ranks, capability queries, ops, timeline) on ringplug's core."""
 
 from __future__ import annotations
@@ -200,3 +200,43 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
 def stop_timeline() -> None:
     core.stop_timeline()
+
+
+# ---------------------------------------------------------------------------- Keras and TF
+# What ringplug.horovod.keras and ringplug.horovod.tensorflow share beyond the basics (the
+# names are each module's own, not in __all__: torch's take other arguments).
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    session: Any = None,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+) -> Any:
+    """Root's picklable `obj` on every rank (`session`: Horovod's TF1 argument, unused)."""
+    check_process_set(process_set)
+    return core.broadcast_object(obj, root_rank, name=name)
+
+
+def allgather_object(
+    obj: Any, session: Any = None, name: str | None = None, process_set: Any = global_process_set
+) -> list[Any]:
+    """Every rank's picklable `obj`, as a list in rank order (`session`: unused)."""
+    check_process_set(process_set)
+    return core.allgather_object(obj, name=name)
+
+
+def local_layers_variables(local_layers: Any) -> list[Any]:
+    """The trainable variables of Horovod's `local_layers` (None, a layer, or a list)."""
+    if local_layers is None:
+        return []
+    layers = local_layers if isinstance(local_layers, (list, tuple)) else [local_layers]
+    return [variable for layer in layers for variable in layer.trainable_weights]
+
+
+def backend_variable(variable: Any) -> Any:
+    """The variable that holds `variable`'s value: a Keras 3 variable's backend variable
+    (its ``value`` property), else `variable` itself. Users name local variables by either
+    (``layer.weights`` or a tape's sources), so both must match the same one."""
+    if isinstance(getattr(type(variable), "value", None), property):
+        return variable.value
+    return variable

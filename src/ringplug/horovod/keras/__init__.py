@@ -16,7 +16,15 @@ from ...keras import DistributedOptimizer as _DistributedOptimizer
 from ...keras.callbacks import broadcast_variables as _broadcast_variables
 from ...keras.optimizer import set_local_variables as _set_local_variables
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
-from .._common import Average, check_process_set, global_process_set, resolve_op
+from .._common import (
+    Average,
+    allgather_object,
+    broadcast_object,
+    check_process_set,
+    global_process_set,
+    local_layers_variables,
+    resolve_op,
+)
 from .._common import __all__ as _BASICS
 from . import callbacks
 
@@ -83,11 +91,9 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
         gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
         0, groups, process_set,
     )  # fmt: skip
-    layers = [] if local_layers is None else (
-        local_layers if isinstance(local_layers, (list, tuple)) else [local_layers])  # fmt: skip
     _set_local_variables(
         distributed,
-        [v for layer in layers for v in layer.trainable_weights],
+        local_layers_variables(local_layers),
         1.0 / core.size() if scale_local_gradients else 1.0,
     )
     return distributed
@@ -178,14 +184,6 @@ def reducescatter(value: Any, name: str | None = None, op: Any = Average,
     check_process_set(process_set)
     return keras.ops.convert_to_tensor(core.reducescatter(_tensor(value), resolve_op(None, op),
                                                           name=name))  # fmt: skip
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    return core.broadcast_object(obj, root_rank, name=name)
-
-
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    return core.allgather_object(obj, name=name)
 
 
 __all__ = [

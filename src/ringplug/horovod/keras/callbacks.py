@@ -16,6 +16,7 @@ from ...keras.callbacks import (
     broadcast_variables,
     set_learning_rate,
 )
+from .._common import backend_variable
 
 
 def _current_lr(model: keras.Model) -> float:
@@ -43,12 +44,12 @@ class BroadcastGlobalVariablesCallback(RingBroadcast):
         optimizer = model.optimizer
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        local = {id(v) for v in self.local_variables}
-        local.update(id(getattr(v, "value", v)) for v in self.local_variables)
+        # By what holds the value: a Keras variable and its backend variable are one.
+        local = {id(backend_variable(v)) for v in self.local_variables}
         variables = [
             v
             for v in list(model.weights) + list(optimizer.variables)
-            if id(v) not in local and id(getattr(v, "value", v)) not in local
+            if id(backend_variable(v)) not in local
         ]
         broadcast_variables(variables, self.root_rank)
         self._done = True

@@ -17,9 +17,10 @@ averaged gradient on the root and zero elsewhere, alltoall's sends the rows back
 `tf.IndexedSlices` are allreduced as Horovod does, by gathering values and indices.
 
 Failures: a collective that does not match across ranks raises
-``tf.errors.FailedPreconditionError`` eagerly (as Horovod's ops do); inside a graph it
-surfaces as the error TensorFlow gives Python exceptions in ops (``InvalidArgumentError``
-for mismatched or rejected arguments, ``UnknownError`` otherwise), with ringplug's message.
+``tf.errors.FailedPreconditionError`` with ringplug's message, eagerly and inside graphs
+alike, as Horovod's ops do (in a graph through a check op after the collective's
+``numpy_function``, see `_status`); arguments the collective rejects raise
+``InvalidArgumentError``.
 """
 
 from __future__ import annotations
@@ -44,9 +45,19 @@ from ...core import collectives as _core
 from ...core.errors import RingplugError
 from ...core.ops import ReduceOp
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
-from .._common import Average, Sum, check_process_set, global_process_set, resolve_op  # noqa: F401
+from .._common import (  # noqa: F401 - Sum: hvd.Sum
+    Average,
+    Sum,
+    allgather_object,
+    backend_variable,
+    broadcast_object,
+    check_process_set,
+    global_process_set,
+    local_layers_variables,
+    resolve_op,
+)
 from .._common import __all__ as _BASICS
-from . import util
+from . import _status, util
 from .util import _executing_eagerly  # noqa: F401 - hvd._executing_eagerly, as Horovod
 
 
@@ -147,13 +158,31 @@ def _run(
             raise _failed(exc) from exc
         return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, touts, strict=True)]
 
+    checked = _status.available()
+
     def graph_compute(*arrays: np.ndarray) -> list[np.ndarray]:
-        return [np.asarray(r) for r in compute(op_name, *arrays)]
+        if not checked:
+            return [np.asarray(r) for r in compute(op_name, *arrays)]
+        try:
+            results = [np.asarray(r) for r in compute(op_name, *arrays)]
+        except RingplugError as exc:
+            # Raised here it would surface with py_func's codes (InvalidArgument, Unknown):
+            # the check op after this one fails the step with FailedPrecondition, as
+            # eagerly, and nothing reads these placeholders.
+            placeholders = [np.zeros(0, dtype=d.as_numpy_dtype) for d in touts]
+            return [*placeholders, np.int64(_status.file_failure(str(exc)))]
+        return [*results, np.int64(0)]
 
     outputs = tf.numpy_function(
-        graph_compute, tensors, list(touts), stateful=True, name=f"ringplug_{kind.lower()}"
+        graph_compute,
+        tensors,
+        [*touts, tf.int64] if checked else list(touts),
+        stateful=True,
+        name=f"ringplug_{kind.lower()}",
     )
-    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    if checked:
+        outputs = _status.gated(outputs[-1], outputs[:-1])
     for output, shape in zip(outputs, shapes, strict=True):
         output.set_shape(shape)
     return list(outputs)
@@ -216,6 +245,34 @@ def _dense(tensor: Any) -> Any:
     return tf.convert_to_tensor(tensor)
 
 
+def _differentiable(
+    forward: Callable[..., list[Any]],
+    backward: Callable[[list[Any], list[Any], list[Any]], list[Any]],
+    values: list[Any],
+) -> list[Any]:
+    """`forward(*values)` (a list of outputs), whose gradient is `backward(upstream,
+    inputs, outputs)` (one per input). Outputs nothing flowed back to get zeros, as
+    Horovod's gradients do. Without a floating input there is no gradient to define."""
+    if not any(v.dtype.is_floating for v in values):
+        return forward(*values)
+
+    @tf.custom_gradient
+    def collective(*inputs: Any) -> Any:
+        outputs = forward(*inputs)
+
+        def grad(*upstream: Any) -> Any:
+            upstream = [
+                tf.zeros_like(o) if u is None else u for u, o in zip(upstream, outputs, strict=True)
+            ]
+            back = backward(upstream, list(inputs), outputs)
+            return back if len(back) > 1 else back[0]
+
+        return (outputs if len(outputs) > 1 else outputs[0]), grad
+
+    result = collective(*values)
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
 # ---------------------------------------------------------------------------- allreduce
 def _allreduce_dense(
     tensors: list[Any],
@@ -225,48 +282,24 @@ def _allreduce_dense(
     name: str | None,
     kind: str = "Allreduce",
 ) -> list[Any]:
-    """Differentiable allreduce of dense tensors as one request."""
+    """Differentiable allreduce of dense tensors as one request (the gradient is reduced
+    the same way, unnamed: it runs where the backward pass reaches it)."""
 
-    @tf.custom_gradient
-    def reduce(*values: Any) -> Any:
-        outputs = _run(
+    def reduce(values: Sequence[Any], request: str | None) -> list[Any]:
+        return _run(
             kind,
             lambda n, *a: _reduce_arrays(n, a, op, pre, post),
             values,
             [v.dtype for v in values],
             [v.shape for v in values],
-            name,
+            request,
         )
 
-        def grad(*upstream: Any) -> Any:
-            upstream = [
-                tf.zeros_like(v) if u is None else u for u, v in zip(upstream, values, strict=True)
-            ]
-            back = _run(
-                kind,
-                lambda n, *a: _reduce_arrays(n, a, op, pre, post),
-                upstream,
-                [u.dtype for u in upstream],
-                [u.shape for u in upstream],
-                None,
-            )
-            return back if len(back) > 1 else back[0]
-
-        return (outputs if len(outputs) > 1 else outputs[0]), grad
-
-    values = [_dense(t) for t in tensors]
-    if not any(v.dtype.is_floating for v in values):
-        outputs = _run(
-            kind,
-            lambda n, *a: _reduce_arrays(n, a, op, pre, post),
-            values,
-            [v.dtype for v in values],
-            [v.shape for v in values],
-            name,
-        )
-        return outputs
-    result = reduce(*values)
-    return list(result) if isinstance(result, (list, tuple)) else [result]
+    return _differentiable(
+        lambda *values: reduce(values, name),
+        lambda upstream, inputs, outputs: reduce(upstream, None),
+        [_dense(t) for t in tensors],
+    )
 
 
 def _sparse_allreduce(
@@ -391,25 +424,11 @@ def _allgather_many(tensors: list[Any], name: str | None, kind: str) -> list[Any
     def gather(*inputs: Any) -> list[Any]:
         return _run(kind, _gather_arrays, inputs, [v.dtype for v in inputs], shapes, name)
 
-    if not any(v.dtype.is_floating for v in values):
-        return gather(*values)
+    def grad(upstream: list[Any], inputs: list[Any], outputs: list[Any]) -> list[Any]:
+        averaged = _allreduce_dense(upstream, ReduceOp.AVERAGE, 1.0, 1.0, None)
+        return [_rows_of(a, v) for a, v in zip(averaged, inputs, strict=True)]
 
-    @tf.custom_gradient
-    def differentiable(*inputs: Any) -> Any:
-        outputs = gather(*inputs)
-
-        def grad(*upstream: Any) -> Any:
-            upstream = [
-                tf.zeros_like(o) if u is None else u for u, o in zip(upstream, outputs, strict=True)
-            ]
-            averaged = _allreduce_dense(upstream, ReduceOp.AVERAGE, 1.0, 1.0, None)
-            back = [_rows_of(a, v) for a, v in zip(averaged, inputs, strict=True)]
-            return back if len(back) > 1 else back[0]
-
-        return (outputs if len(outputs) > 1 else outputs[0]), grad
-
-    result = differentiable(*values)
-    return list(result) if isinstance(result, (list, tuple)) else [result]
+    return _differentiable(gather, grad, values)
 
 
 def allgather(
@@ -474,26 +493,12 @@ def _broadcast_many(tensors: list[Any], root_rank: int, name: str | None) -> lis
             "Broadcast", compute, inputs, [v.dtype for v in inputs], [v.shape for v in inputs], name
         )
 
-    if not any(v.dtype.is_floating for v in values):
-        return run(*values)
+    def grad(upstream: list[Any], inputs: list[Any], outputs: list[Any]) -> list[Any]:
+        # Every rank takes part in the reduction; only the root's input had an effect.
+        averaged = _allreduce_dense(upstream, ReduceOp.AVERAGE, 1.0, 1.0, None)
+        return averaged if core.rank() == root_rank else [a * 0 for a in averaged]
 
-    @tf.custom_gradient
-    def differentiable(*inputs: Any) -> Any:
-        outputs = run(*inputs)
-
-        def grad(*upstream: Any) -> Any:
-            upstream = [
-                tf.zeros_like(o) if u is None else u for u, o in zip(upstream, outputs, strict=True)
-            ]
-            averaged = _allreduce_dense(upstream, ReduceOp.AVERAGE, 1.0, 1.0, None)
-            if core.rank() != root_rank:
-                averaged = [a * 0 for a in averaged]
-            return averaged if len(averaged) > 1 else averaged[0]
-
-        return (outputs if len(outputs) > 1 else outputs[0]), grad
-
-    result = differentiable(*values)
-    return list(result) if isinstance(result, (list, tuple)) else [result]
+    return _differentiable(run, grad, values)
 
 
 def broadcast(
@@ -590,21 +595,14 @@ def alltoall(
     value = _dense(tensor)
     given = splits is not None
     split_tensor = tf.convert_to_tensor(splits) if given else tf.constant([], tf.int32)
-    if value.dtype.is_floating:
 
-        @tf.custom_gradient
-        def differentiable(x: Any) -> Any:
-            received, counts = _alltoall_raw(x, split_tensor, name)
+    def grad(upstream: list[Any], inputs: list[Any], outputs: list[Any]) -> list[Any]:
+        # The rows go back where they came from: each rank sends what it received.
+        return [_alltoall_raw(upstream[0], outputs[1], None)[0]]
 
-            def grad(upstream: Any, *unused: Any) -> Any:
-                upstream = tf.zeros_like(received) if upstream is None else upstream
-                return _alltoall_raw(upstream, counts, None)[0]
-
-            return (received, counts), grad
-
-        received, counts = differentiable(value)
-    else:
-        received, counts = _alltoall_raw(value, split_tensor, name)
+    received, counts = _differentiable(
+        lambda x: _alltoall_raw(x, split_tensor, name), grad, [value]
+    )
     return (received, counts) if given else received
 
 
@@ -667,33 +665,14 @@ def _reducescatter_many(
     def run(*inputs: Any) -> list[Any]:
         return _run(kind, compute, inputs, [v.dtype for v in inputs], shapes, name)
 
-    if not any(v.dtype.is_floating for v in values):
-        return run(*values)
+    def grad(upstream: list[Any], inputs: list[Any], outputs: list[Any]) -> list[Any]:
+        factor = (core.size() if op is ReduceOp.SUM else 1.0) * pre * post
+        scaled = [u * tf.cast(factor, u.dtype) if factor != 1.0 else u for u in upstream]
+        return _run(
+            kind, _gather_arrays, scaled, [s.dtype for s in scaled], [v.shape for v in inputs], None
+        )
 
-    @tf.custom_gradient
-    def differentiable(*inputs: Any) -> Any:
-        outputs = run(*inputs)
-
-        def grad(*upstream: Any) -> Any:
-            factor = (core.size() if op is ReduceOp.SUM else 1.0) * pre * post
-            upstream = [
-                tf.zeros_like(o) if u is None else u for u, o in zip(upstream, outputs, strict=True)
-            ]
-            scaled = [u * tf.cast(factor, u.dtype) if factor != 1.0 else u for u in upstream]
-            back = _run(
-                kind,
-                _gather_arrays,
-                scaled,
-                [s.dtype for s in scaled],
-                [v.shape for v in inputs],
-                None,
-            )
-            return back if len(back) > 1 else back[0]
-
-        return (outputs if len(outputs) > 1 else outputs[0]), grad
-
-    result = differentiable(*values)
-    return list(result) if isinstance(result, (list, tuple)) else [result]
+    return _differentiable(run, grad, values)
 
 
 def reducescatter(
@@ -789,18 +768,6 @@ def process_set_included_op(process_set_id: int = 0, name: str | None = None) ->
     return tf.constant(1, dtype=tf.int32, name=name)
 
 
-def broadcast_object(
-    obj: Any,
-    root_rank: int = 0,
-    session: Any = None,
-    name: str | None = None,
-    process_set: Any = global_process_set,
-) -> Any:
-    """Root's picklable `obj` on every rank."""
-    check_process_set(process_set)
-    return core.broadcast_object(obj, root_rank, name=name)
-
-
 def broadcast_object_fn(
     root_rank: int = 0,
     session: Any = None,
@@ -810,14 +777,6 @@ def broadcast_object_fn(
     """A function that broadcasts its argument from root (Horovod's TF1 form)."""
     check_process_set(process_set)
     return lambda obj: core.broadcast_object(obj, root_rank, name=name)
-
-
-def allgather_object(
-    obj: Any, session: Any = None, name: str | None = None, process_set: Any = global_process_set
-) -> list[Any]:
-    """Every rank's picklable `obj`, as a list in rank order."""
-    check_process_set(process_set)
-    return core.allgather_object(obj, name=name)
 
 
 # ---------------------------------------------------------------------------- gradients
@@ -846,10 +805,8 @@ def _reduce_gradients(
 
 
 def _source_key(source: Any) -> Any:
-    """A hashable identity for a variable (TF variables by ref, Keras variables by theirs)."""
-    inner = getattr(source, "value", None)
-    if not isinstance(source, tf.Variable) and isinstance(inner, tf.Variable):
-        source = inner
+    """A hashable identity for a variable (a Keras variable's is its TF variable's)."""
+    source = backend_variable(source)
     return source.ref() if hasattr(source, "ref") else id(source)
 
 
@@ -980,12 +937,7 @@ def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
     """`DistributedGradientTape` that leaves the gradients of `local_layers`' variables
     local (model parallelism: each rank trains its own copy of those layers)."""
     check_process_set(process_set)
-    layers = (
-        []
-        if local_layers is None
-        else (local_layers if isinstance(local_layers, (list, tuple)) else [local_layers])
-    )
-    local = [v for layer in layers for v in layer.trainable_weights]
+    local = local_layers_variables(local_layers)
     return _DistributedGradientTape(
         gradtape,
         resolve_op(None, op),
