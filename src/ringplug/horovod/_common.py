@@ -11,13 +11,41 @@ from ..core.ops import ReduceOp, as_op
 
 # Horovod's basics, the same in ringplug.horovod.torch and ringplug.horovod.keras.
 __all__ = [
-    "Adasum", "Average", "HorovodInternalError", "Max", "Min", "ProcessSet", "Product", "Sum",
-    "add_process_set", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
-    "elastic", "global_process_set", "gloo_built", "gloo_enabled", "init", "is_homogeneous",
-    "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "rank", "remove_process_set", "rocm_built",
-    "shutdown", "size", "start_timeline", "stop_timeline",
-]  # fmt: skip
+    "Adasum",
+    "Average",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "Sum",
+    "add_process_set",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "elastic",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "rank",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+]
 
 # What a failed collective raises, under Horovod's name: ringplug's errors (mismatches, a
 # peer's bad arguments, a rank that left) are RuntimeErrors, as Horovod's are.
@@ -126,8 +154,10 @@ def resolve_op(average: bool | None, op: Any) -> ReduceOp:
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Start ringplug (MPI) on all ranks; `comm` and `process_sets` are not supported."""
     if comm is not None or process_sets not in (None, []):
-        raise NotImplementedError("ringplug.horovod.init() runs over MPI's world; it takes no "
-                                  "communicator or process sets.")  # fmt: skip
+        raise NotImplementedError(
+            "ringplug.horovod.init() runs over MPI's world; it takes no "
+            "communicator or process sets."
+        )
     core.init()
 
 

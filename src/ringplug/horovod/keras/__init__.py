@@ -87,10 +87,20 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
     (each rank trains its own copy of those layers; divided by the number of ranks with
     `scale_local_gradients`, as Horovod); the others are averaged."""
     distributed = DistributedOptimizer(
-        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
-        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
-        0, groups, process_set,
-    )  # fmt: skip
+        optimizer,
+        name,
+        device_dense,
+        device_sparse,
+        compression,
+        sparse_as_dense,
+        gradient_predivide_factor,
+        op,
+        backward_passes_per_step,
+        average_aggregated_gradients,
+        0,
+        groups,
+        process_set,
+    )
     _set_local_variables(
         distributed,
         local_layers_variables(local_layers),
@@ -110,8 +120,9 @@ def load_model(
     state (Horovod's ``hvd.load_model``). `custom_optimizers` are optimizer classes the file
     may name; `legacy_opts` is refused (Keras 3 has no legacy optimizers)."""
     if legacy_opts:
-        raise NotImplementedError("Keras 3 has no keras.optimizers.legacy; load with "
-                                  "legacy_opts=False.")  # fmt: skip
+        raise NotImplementedError(
+            "Keras 3 has no keras.optimizers.legacy; load with legacy_opts=False."
+        )
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or []:
         objects.setdefault(cls.__name__, cls)
@@ -178,16 +189,29 @@ def broadcast(
     return keras.ops.convert_to_tensor(core.broadcast(_tensor(value), root_rank, name=name))
 
 
-def reducescatter(value: Any, name: str | None = None, op: Any = Average,
-                  process_set: Any = global_process_set) -> Any:  # fmt: skip
+def reducescatter(
+    value: Any, name: str | None = None, op: Any = Average, process_set: Any = global_process_set
+) -> Any:
     """This rank's block of rows of the reduction of `value` over every rank."""
     check_process_set(process_set)
-    return keras.ops.convert_to_tensor(core.reducescatter(_tensor(value), resolve_op(None, op),
-                                                          name=name))  # fmt: skip
+    return keras.ops.convert_to_tensor(
+        core.reducescatter(_tensor(value), resolve_op(None, op), name=name)
+    )
 
 
 __all__ = [
-    *_BASICS, "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
-    "allgather", "allgather_object", "allreduce", "broadcast", "broadcast_global_variables",
-    "broadcast_object", "broadcast_variables", "callbacks", "load_model", "reducescatter",
-]  # fmt: skip
+    *_BASICS,
+    "Compression",
+    "DistributedOptimizer",
+    "PartialDistributedOptimizer",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "broadcast",
+    "broadcast_global_variables",
+    "broadcast_object",
+    "broadcast_variables",
+    "callbacks",
+    "load_model",
+    "reducescatter",
+]

@@ -110,8 +110,11 @@ def _op_name(kind: str, name: str | None) -> str | None:
 
 # Unsigned types the core does not reduce travel as the signed type of their width in the
 # collectives that only move data (allgather, broadcast, alltoall): the bits are the same.
-_MOVED_AS = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32),
-             np.dtype(np.uint64): np.dtype(np.int64)}  # fmt: skip
+_MOVED_AS = {
+    np.dtype(np.uint16): np.dtype(np.int16),
+    np.dtype(np.uint32): np.dtype(np.int32),
+    np.dtype(np.uint64): np.dtype(np.int64),
+}
 
 
 def _storage(array: np.ndarray, moved: bool = False) -> tuple[np.ndarray, str | None]:
