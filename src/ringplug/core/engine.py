@@ -66,10 +66,6 @@ _CACHE_CAPACITY = 4096
 # when that is free within this long (it holds `_mpi` only to look for work, or to run a
 # cycle that has deadlines of its own); otherwise the engine thread runs them.
 _DRIVE_ACQUIRE_SECONDS = 1e-3
-# A burst of asynchronous submissions (gradients) gathers into one cycle while it lasts:
-# until no submission arrived for the quiet spell, at most the maximum.
-_GATHER_QUIET_SECONDS = float(os.environ.get("RINGPLUG_GATHER_QUIET_US", "50")) * 1e-6
-_GATHER_MAX_SECONDS = float(os.environ.get("RINGPLUG_GATHER_MAX_US", "1000")) * 1e-6
 _UNNAMED = "noname."
 
 
@@ -374,8 +370,6 @@ class Engine:
         if self.settings.cycle_time > 0:
             time.sleep(self.settings.cycle_time)  # let more requests gather for fusion
         on_engine_thread = threading.current_thread() is self._thread
-        if self.settings.cycle_time <= 0 and len(self._queue) > 1 and on_engine_thread:
-            self._gather()
         with self._lock:
             fresh = list(self._queue)
             self._queue.clear()
@@ -431,20 +425,6 @@ class Engine:
             timeline.marker(f"cycle {self._cycle}", cycle_start, ran=len(plan.responses))
             timeline.flush()
         return False
-
-    def _gather(self) -> None:
-        """A burst of submissions is under way (several arrived before the engine thread
-        woke): let it finish, so that it runs as one fused cycle rather than a cycle per
-        few tensors. Waits while the queue keeps growing, at most `_GATHER_MAX_SECONDS`."""
-        if _GATHER_MAX_SECONDS <= 0:
-            return
-        now = time.perf_counter()
-        deadline, quiet_until, seen = now + _GATHER_MAX_SECONDS, now + _GATHER_QUIET_SECONDS, 0
-        while now < min(deadline, quiet_until):
-            if len(self._queue) != seen:
-                seen, quiet_until = len(self._queue), now + _GATHER_QUIET_SECONDS
-            time.sleep(0)  # the submitting thread needs the GIL
-            now = time.perf_counter()
 
     def _message(self, stopping: bool) -> Message:
         message = Message(self._cycle, joined_cycle=self._joined_cycle, shutdown=stopping)
