@@ -120,8 +120,12 @@ def test_event_line_starts_a_line_of_its_own_after_unfinished_output():
     )
     lines = result.stderr.splitlines()
     assert lines[0].startswith("ringrun-event:")  # started
-    assert lines[1] == "50%"
-    assert parse_event(lines[2], TOKEN).exit_code == 5
+    # The exit report goes out before the output is drained (ringrun must hear of the exit
+    # even if the launcher kills the wrapper next), so it may come before or after "50%";
+    # either way neither is glued to the other.
+    assert lines.count("50%") == 1
+    rest = [line for line in lines[1:] if line != "50%"]
+    assert len(rest) == 1 and parse_event(rest[0], TOKEN).exit_code == 5
 
 
 def test_event_lines_of_another_job_or_mangled_ones_are_not_events():

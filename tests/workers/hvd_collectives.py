@@ -231,14 +231,21 @@ def main(outdir: Path) -> None:
             lambda: hvd.broadcast(torch.ones(2), root_rank=rank, name="m3"), RuntimeError, "root"
         ),
     )
-    first = hvd.allreduce_async(torch.ones(1), name="twice")
-    check(
-        "duplicate-name",
-        lambda: refused(
-            lambda: hvd.allreduce_async(torch.ones(1), name="twice"), ValueError, "twice"
-        ),
-    )
-    hvd.synchronize(first)
+    # A name in flight twice: one rank at a time submits it twice while the others have not
+    # submitted it yet, so that the first cannot have finished when the second comes.
+    for turn in range(hvd.size()):
+        name = f"twice-{turn}"
+        second_refused = True
+        if rank == turn:
+            first = hvd.allreduce_async(torch.ones(1), name=name, op=hvd.Sum)
+            second_refused = refused(
+                lambda name=name: hvd.allreduce_async(torch.ones(1), name=name), ValueError, name
+            )
+        hvd.barrier()
+        if rank != turn:
+            first = hvd.allreduce_async(torch.ones(1), name=name, op=hvd.Sum)
+        total = hvd.synchronize(first).item()
+        check(f"duplicate-name-{turn}", lambda ok=second_refused, t=total: ok and t == size)
     check("still-in-step", lambda: hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == size)
 
     # join: the last rank runs extra steps; the others contribute zeros meanwhile.
