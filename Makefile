@@ -21,7 +21,7 @@ STACK_TESTS := tests/test_import.py tests/test_single_process.py tests/test_conf
 	'tests/test_collectives_multirank.py::test_every_collective_matches_numpy_on_every_rank[default-3]' \
 	tests/test_ringrun_dry_run.py tests/test_ringrun_config.py tests/test_failures.py \
 	tests/test_stacks.py \
-	'tests/test_lightning_strategy.py::test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches[plain]'
+	'tests/test_lightning_strategy.py::test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches[lightning-plain]'
 # In a pytest of its own: with torch from PyPI (its triton), importing Lightning after
 # TensorFlow in one process segfaults (Python 3.13, TensorFlow 2.21, torch 2.13). Each rank
 # imports one framework only, so jobs are not affected.
