@@ -1,6 +1,6 @@
 """What the Trainer's `RingStrategy` and Fabric's `RingFabricStrategy` share: Lightning's
-conventions for reducing and gathering tensors over the ranks, and each rank's share of
-the host's cores.
+conventions for reducing and gathering tensors over the ranks, each rank's share of the
+host's cores, and how a strategy chooses its launcher and devices.
 
 It lives with Fabric because Fabric is the layer the Trainer is built on (``lightning.pytorch``
 imports ``lightning.fabric``, and ``pytorch_lightning`` imports ``lightning_fabric``), so
@@ -14,9 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import core
 from ..core.ops import ReduceOp
-from ..core.runtime import threads_per_rank
+from ..core.runtime import launcher_world_size, refuse_torchrun_world, threads_per_rank
 from ..torch import allgather, allreduce
+from .devices import launched_devices
 
 _OPS = {
     "mean": "average",
@@ -102,3 +104,37 @@ def _check_group(group: Any, who: str) -> None:
         f"{who}: group={group!r} is not supported; ringplug reduces over every rank of the "
         "job. Leave group at its default (None)."
     )
+
+
+def configure_launcher(strategy: Any, launcher: Any, owner: str) -> Any:
+    """The launcher `strategy` (RingStrategy or RingFabricStrategy) needs, or None; under an
+    MPI launcher, also its devices (one GPU per rank by default, see devices.py).
+
+    `launcher` is the RingLauncher class of the strategy's package; `owner` names what the
+    user configures ("Trainer", "Fabric") in the error for an unsupported device type.
+    """
+    devices = {device.type for device in strategy.parallel_devices or []}
+    if devices - {"cpu", "cuda"}:
+        raise NotImplementedError(
+            f"{type(strategy).__name__} trains on CPUs and CUDA GPUs, not on "
+            f"{sorted(devices)}; use {owner}(accelerator='cpu') or accelerator='gpu' with "
+            "strategy='ring'."
+        )
+    refuse_torchrun_world()  # each torchrun worker would otherwise start its own job
+    requested = len(strategy.parallel_devices or [])
+    if launcher_world_size() is not None:
+        # Started by ringrun / mpiexec / srun: the launcher's world is the job, and
+        # devices="auto" on GPUs means cuda:LOCAL_RANK.
+        core.init()
+        strategy.parallel_devices = launched_devices(
+            strategy.parallel_devices or [],
+            visible_gpus=torch.cuda.device_count(),
+            local_rank=strategy.local_rank,
+            local_size=core.local_size(),
+            world_size=strategy.world_size,
+            num_nodes=strategy.num_nodes,
+        )
+        return None
+    if requested > 1:
+        return launcher(requested)  # `python train.py`: start the ranks
+    return None  # one process: a world of one

@@ -20,12 +20,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from .. import core
-from ..core.runtime import launcher_world_size, refuse_torchrun_world
 from ..torch import backend as torch_backend
 from ..torch import broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
-from .common import gather_over_ranks, reduce_over_ranks, split_threads
-from .devices import launched_devices
+from .common import configure_launcher, gather_over_ranks, reduce_over_ranks, split_threads
 from .environment import RingEnvironment
 from .launcher import RingLauncher
 
@@ -125,31 +123,7 @@ class RingFabricStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank  # fabric.print and rank_zero_* on rank 0 only
 
     def _configure_launcher(self) -> None:
-        devices = {device.type for device in self.parallel_devices or []}
-        if devices - {"cpu", "cuda"}:
-            raise NotImplementedError(
-                f"RingFabricStrategy trains on CPUs and CUDA GPUs, not on {sorted(devices)}; "
-                "use Fabric(accelerator='cpu') or accelerator='gpu' with strategy='ring'."
-            )
-        refuse_torchrun_world()  # each torchrun worker would otherwise start its own job
-        requested = len(self.parallel_devices or [])
-        if launcher_world_size() is not None:
-            # Started by ringrun / mpiexec / srun: the launcher's world is the job, and
-            # devices="auto" on GPUs means cuda:LOCAL_RANK (see devices.py).
-            core.init()
-            self.parallel_devices = launched_devices(
-                self.parallel_devices or [],
-                visible_gpus=torch.cuda.device_count(),
-                local_rank=self.local_rank,
-                local_size=core.local_size(),
-                world_size=self.world_size,
-                num_nodes=self.num_nodes,
-            )
-            self._launcher = None
-        elif requested > 1:
-            self._launcher = RingLauncher(requested)  # `python train.py`: start the ranks
-        else:
-            self._launcher = None  # one process: a world of one
+        self._launcher = configure_launcher(self, RingLauncher, "Fabric")
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:

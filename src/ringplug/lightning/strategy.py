@@ -22,10 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 
 from .. import core
-from ..core.runtime import launcher_world_size, refuse_torchrun_world
 from ..diagnose import arrived as batch_arrived
-from ..fabric.common import gather_over_ranks, reduce_over_ranks, split_threads
-from ..fabric.devices import launched_devices
+from ..fabric.common import configure_launcher, gather_over_ranks, reduce_over_ranks, split_threads
 from ..torch import backend as torch_backend
 from ..torch import broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
@@ -173,31 +171,7 @@ class RingStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
-        devices = {device.type for device in self.parallel_devices or []}
-        if devices - {"cpu", "cuda"}:
-            raise NotImplementedError(
-                f"RingStrategy trains on CPUs and CUDA GPUs, not on {sorted(devices)}; use "
-                "Trainer(accelerator='cpu') or accelerator='gpu' with strategy='ring'."
-            )
-        refuse_torchrun_world()  # each torchrun worker would otherwise start its own job
-        requested = len(self.parallel_devices or [])
-        if launcher_world_size() is not None:
-            # Started by ringrun / mpiexec / srun: the launcher's world is the job, and
-            # devices="auto" on GPUs means cuda:LOCAL_RANK (see ringplug/fabric/devices.py).
-            core.init()
-            self.parallel_devices = launched_devices(
-                self.parallel_devices or [],
-                visible_gpus=torch.cuda.device_count(),
-                local_rank=self.local_rank,
-                local_size=core.local_size(),
-                world_size=self.world_size,
-                num_nodes=self.num_nodes,
-            )
-            self._launcher = None
-        elif requested > 1:
-            self._launcher = RingLauncher(requested)  # `python train.py`: start the ranks
-        else:
-            self._launcher = None  # one process: a world of one
+        self._launcher = configure_launcher(self, RingLauncher, "Trainer")
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
