@@ -4,7 +4,8 @@ Horovod API follows Horovod. Only ``hvd.*`` names, references computed here with
 Integer Average and scale factors, alltoall's return forms and gradient, the averaged
 allgather gradient, grouped collectives with autograd, join refusing allgather/broadcast,
 unnamed calls lining up after a join and after a re-init, broadcast_optimizer_state on a
-fresh optimizer with a frozen parameter, DistributedOptimizer's names, sparse gradients.
+fresh optimizer with a frozen parameter, DistributedOptimizer's names, sparse gradients,
+a name taken until its handle is synchronized.
 ``python hvd_semantics.py OUTDIR`` writes OUTDIR/semantics-<rank>.json: {check: true/false}.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -318,6 +320,44 @@ def main(outdir: Path) -> None:
     )
     weights = hvd.allgather(embedding.weight.detach().reshape(1, -1))
     check("sparse-ranks-identical", lambda: all(torch.equal(weights[0], w) for w in weights))
+
+    # A name stays taken until the program synchronizes its handle, whatever the timing
+    # (Horovod's duplicate-name tests): the last rank submits after the others, so its first
+    # operation can run at once; once the engine has run it on every rank, a second
+    # submission of the name is still refused, and another kind may take the name.
+    late = size - 1
+    if rank != late:
+        first = hvd.allreduce_async(torch.ones(1), name="twice", op=hvd.Sum)
+    hvd.barrier()
+    if rank == late:
+        first = hvd.allreduce_async(torch.ones(1), name="twice", op=hvd.Sum)
+    ran = threading.Event()
+    first._parts._handle.add_done_callback(lambda _: ran.set())  # the engine ran it
+    ended = ran.wait(60)
+    hvd.barrier()  # the engine ran it on every rank
+    check(
+        "name-taken-until-synchronized",
+        lambda: (
+            ended
+            and raises(
+                lambda: hvd.allreduce_async(torch.ones(1), name="twice"), ValueError, "twice"
+            )
+        ),
+    )
+    other_kind = hvd.allgather_async(torch.full((1,), float(rank)), name="twice")
+    check(
+        "name-free-for-another-kind", lambda: hvd.synchronize(other_kind).tolist() == [*range(size)]
+    )
+    check("name-synchronized-result", lambda: hvd.synchronize(first).item() == size)
+    again = hvd.allreduce_async(torch.ones(1), name="twice", op=hvd.Sum)
+    check("name-free-once-synchronized", lambda: hvd.synchronize(again).item() == size)
+    polled = hvd.allreduce_async(torch.ones(1), name="polled", op=hvd.Sum)
+    while not hvd.poll(polled):  # the Horovod idiom: poll until done, then reuse the name
+        pass
+    check(
+        "name-free-once-polled-done",
+        lambda: hvd.synchronize(hvd.allreduce_async(torch.ones(1), name="polled")).item() == 1,
+    )
 
     # Names Horovod has that ringplug answers or refuses.
     check("ccl-ddl-built", lambda: hvd.ccl_built() is False and hvd.ddl_built() is False)

@@ -15,6 +15,7 @@ joined.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,18 +68,43 @@ class Compression:
     fp16 = _FP16Compressor
 
 
+# The names of the asynchronous operations whose handles the program has not synchronized
+# (nor seen done with `poll`), per engine and kind: ``(id(engine), "allreduce", name)``.
+# As in Horovod, two operations of one kind and name may not be in flight together; here
+# "in flight" lasts until the program has seen the first one end, not until the engine ran
+# it, so that submitting a name twice fails the same way on every rank whatever the timing.
+_unsynchronized: set[tuple[int, str, str]] = set()
+_unsynchronized_lock = threading.Lock()
+
+
 class Handle:
     """An operation in flight, for `poll()` and `synchronize()` (Horovod's handle)."""
 
     def __init__(self, parts: Any, finish: Callable[[Any], Any] | None = None) -> None:
         self._parts = parts  # one ringplug handle, or a list of them
         self._finish = finish
+        self._claim: tuple[int, str, str] | None = None  # its name, until synchronized
 
     def done(self) -> bool:
         parts = self._parts if isinstance(self._parts, list) else [self._parts]
-        return all(part.done() for part in parts)
+        if all(part.done() for part in parts):
+            self._release()
+            return True
+        return False
+
+    def _release(self) -> None:
+        if self._claim is not None:
+            with _unsynchronized_lock:
+                _unsynchronized.discard(self._claim)
+            self._claim = None
 
     def wait(self) -> Any:
+        try:
+            return self._wait()
+        finally:
+            self._release()
+
+    def _wait(self) -> Any:
         if isinstance(self._parts, list):
             # Wait for every part even when one fails, so none is left in flight.
             results, error = [], None
@@ -92,6 +118,30 @@ class Handle:
         else:
             results = self._parts.wait()
         return self._finish(results) if self._finish else results
+
+
+def _claimed(kind: str, name: str | None, start: Callable[[], Handle]) -> Handle:
+    """`start()` the asynchronous `kind` operation named `name`, refusing the name while an
+    earlier one of that kind has not been synchronized."""
+    if name is None:
+        return start()
+    key = (id(core.runtime.engine()), kind, name)
+    with _unsynchronized_lock:
+        if key in _unsynchronized:
+            raise ValueError(
+                f"hvd.{kind}: an operation named {name!r} is still in flight on rank "
+                f"{core.rank()}: synchronize its handle (or poll it until done) before "
+                "submitting the same name again, or give each tensor its own name."
+            )
+        _unsynchronized.add(key)
+    try:
+        handle = start()
+    except BaseException:
+        with _unsynchronized_lock:
+            _unsynchronized.discard(key)
+        raise
+    handle._claim = key
+    return handle
 
 
 # ---------------------------------------------------------------------------- scaling
@@ -237,12 +287,16 @@ def allreduce_async(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `allreduce`; `synchronize(handle)` returns the result (the input is not changed)."""
-    return _allreduce_into(
-        _checked_copy(tensor, "allreduce_async", name),
-        _op(average, op, process_set),
+    return _claimed(
+        "allreduce",
         name,
-        prescale_factor,
-        postscale_factor,
+        lambda: _allreduce_into(
+            _checked_copy(tensor, "allreduce_async", name),
+            _op(average, op, process_set),
+            name,
+            prescale_factor,
+            postscale_factor,
+        ),
     )
 
 
@@ -271,8 +325,12 @@ def allreduce_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `allreduce_` (in place); `synchronize(handle)` returns `tensor`."""
-    return _allreduce_into(
-        tensor, _op(average, op, process_set), name, prescale_factor, postscale_factor
+    return _claimed(
+        "allreduce",
+        name,
+        lambda: _allreduce_into(
+            tensor, _op(average, op, process_set), name, prescale_factor, postscale_factor
+        ),
     )
 
 
@@ -338,10 +396,14 @@ def grouped_allreduce_async(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `grouped_allreduce`; `synchronize(handle)` returns the new tensors."""
-    copies = [_checked_copy(t, "grouped_allreduce_async", name) for t in tensors]
-    return _grouped_into(
-        copies, _op(average, op, process_set), name, prescale_factor, postscale_factor
-    )
+
+    def start() -> Handle:
+        copies = [_checked_copy(t, "grouped_allreduce_async", name) for t in tensors]
+        return _grouped_into(
+            copies, _op(average, op, process_set), name, prescale_factor, postscale_factor
+        )
+
+    return _claimed("grouped_allreduce", name, start)
 
 
 def grouped_allreduce_(
@@ -369,8 +431,12 @@ def grouped_allreduce_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `grouped_allreduce_` (in place); `synchronize(handle)` returns `tensors`."""
-    return _grouped_into(
-        list(tensors), _op(average, op, process_set), name, prescale_factor, postscale_factor
+    return _claimed(
+        "grouped_allreduce",
+        name,
+        lambda: _grouped_into(
+            list(tensors), _op(average, op, process_set), name, prescale_factor, postscale_factor
+        ),
     )
 
 
@@ -451,7 +517,7 @@ def allgather_async(
 ) -> Handle:
     """Start `allgather`; `synchronize(handle)` returns the gathered tensor."""
     check_process_set(process_set)
-    return Handle(_gather_handle(tensor, name))
+    return _claimed("allgather", name, lambda: Handle(_gather_handle(tensor, name)))
 
 
 def _group_names(name: str | None, count: int) -> list[str | None]:
@@ -496,11 +562,15 @@ def grouped_allgather_async(
     """Start `grouped_allgather`; `synchronize(handle)` returns the list."""
     check_process_set(process_set)
     tensors = list(tensors)
-    return Handle(
-        [
-            _gather_handle(t, n)
-            for t, n in zip(tensors, _group_names(name, len(tensors)), strict=True)
-        ]
+    return _claimed(
+        "grouped_allgather",
+        name,
+        lambda: Handle(
+            [
+                _gather_handle(t, n)
+                for t, n in zip(tensors, _group_names(name, len(tensors)), strict=True)
+            ]
+        ),
     )
 
 
@@ -566,7 +636,11 @@ def broadcast_async(
     """Start `broadcast`; `synchronize(handle)` returns root's tensor (a new one)."""
     check_process_set(process_set)
     copy = _checked_copy(tensor, "broadcast_async", name)
-    return Handle(rt.broadcast_async_(copy, root_rank, name=name, refuse_joined=True))
+    return _claimed(
+        "broadcast",
+        name,
+        lambda: Handle(rt.broadcast_async_(copy, root_rank, name=name, refuse_joined=True)),
+    )
 
 
 def broadcast_async_(
@@ -577,10 +651,14 @@ def broadcast_async_(
 ) -> Handle:
     """Start `broadcast_` (in place); `synchronize(handle)` returns `tensor`."""
     check_process_set(process_set)
-    return Handle(
-        rt.broadcast_async_(
-            _checked(tensor, "broadcast_async_", name), root_rank, name=name, refuse_joined=True
-        )
+    return _claimed(
+        "broadcast",
+        name,
+        lambda: Handle(
+            rt.broadcast_async_(
+                _checked(tensor, "broadcast_async_", name), root_rank, name=name, refuse_joined=True
+            )
+        ),
     )
 
 
@@ -651,7 +729,7 @@ def alltoall_async(
 ) -> Handle:
     """Start `alltoall`; `synchronize(handle)` returns (received rows, received counts)."""
     check_process_set(process_set)
-    return _alltoall_handle(tensor, splits, name)
+    return _claimed("alltoall", name, lambda: _alltoall_handle(tensor, splits, name))
 
 
 # ---------------------------------------------------------------------------- reducescatter
@@ -761,8 +839,12 @@ def reducescatter_async(
 ) -> Handle:
     """Start `reducescatter`; `synchronize(handle)` returns this rank's block."""
     check_process_set(process_set)
-    return _reducescatter_handle(
-        tensor, resolve_op(None, op), name, prescale_factor, postscale_factor
+    return _claimed(
+        "reducescatter",
+        name,
+        lambda: _reducescatter_handle(
+            tensor, resolve_op(None, op), name, prescale_factor, postscale_factor
+        ),
     )
 
 
@@ -830,8 +912,12 @@ def grouped_reducescatter_async(
 ) -> Handle:
     """Start `grouped_reducescatter`; `synchronize(handle)` returns the blocks."""
     check_process_set(process_set)
-    return _grouped_reducescatter(
-        list(tensors), resolve_op(None, op), name, prescale_factor, postscale_factor
+    return _claimed(
+        "grouped_reducescatter",
+        name,
+        lambda: _grouped_reducescatter(
+            list(tensors), resolve_op(None, op), name, prescale_factor, postscale_factor
+        ),
     )
 
 
