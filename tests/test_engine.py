@@ -110,3 +110,20 @@ def test_synchronous_calls_run_on_the_callers_thread_and_threads_get_their_own_r
         # 40 synchronous allreduces in step on both ranks: the callers ran (most of) the
         # cycles themselves instead of handing each to the engine thread and back.
         assert report["driven"] > 0
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_small_allreduces_named_before_travel_in_the_negotiation_message(tmp_path, ranks):
+    reports, _ = run("eager", tmp_path, ranks=ranks)
+    for report in reports:
+        bad = {key: case for key, case in report["cases"].items() if not case["ok"]}
+        assert bad == {}
+        # The first call of a name (or of an unnamed signature) is negotiated as new.
+        assert all(case["paths"][1:] == ["eager", "eager"] for case in report["cases"].values())
+        assert report["big_path"] == "mpi" and report["big_ok"]
+        assert report["many_ok"]
+        assert "does not match across ranks" in report["mismatch"]
+        assert "shape (3,)" in report["mismatch"] and "shape (4,)" in report["mismatch"]
+        assert report["after"] == [float(ranks)] * 2
+    # Every rank reduced the same copies in the same order: bitwise the same results.
+    assert all(report["digests"] == reports[0]["digests"] for report in reports)

@@ -15,6 +15,9 @@ MESSAGES = [
     Message(4, cached=2, new=[("w", Signature(Kind.ALLREDUCE, 2, 1, -1, (3, 4)), 0)]),
     Message(5, stall_abort=["grad"]),
     Message(6, cached=1, activity=("waiting for data", 12.5)),
+    Message(8, cached=0b110, eager=bytes(range(256)) * 3),
+    Message(11, cached=0b1, numbered=[(3, 17), (0, 2**40)], eager=b"\x05" * 8),
+    Message(10, cached=1, new=[("x", Signature(Kind.BARRIER), 0)], eager=b"\x01\x02"),
 ]
 
 

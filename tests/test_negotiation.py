@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ringplug.core.dtypes import DType
-from ringplug.core.negotiation import Cache, Kind, Message, Signature, decide
+from ringplug.core.negotiation import Cache, Kind, Message, Signature, decide, numbered
 from ringplug.core.ops import ReduceOp
 
 W = Signature(Kind.ALLREDUCE, DType.FLOAT32, ReduceOp.AVERAGE, -1, (4, 3))
@@ -65,3 +65,39 @@ def test_joined_ranks_do_not_hold_others_back_and_the_last_to_join_is_named():
 def test_any_rank_shutting_down_stops_everyone():
     plan = decide([Message(1, new=new(("w", W))), Message(1, shutdown=True)], Cache(16))
     assert plan.shutdown_by == 1 and plan.responses == []
+
+
+def test_names_numbered_in_call_order_split_into_prefix_and_number():
+    assert numbered("noname.12") == ("noname.", 12)
+    assert numbered("torch.default#7") == ("torch.default#", 7)
+    assert numbered("layer1/kernel") is None
+    assert numbered("noname.012") is None  # not the canonical spelling of a number
+    assert numbered("a#b") is None
+
+
+def test_numbered_requests_travel_as_slot_and_number_once_their_form_is_agreed():
+    cache = Cache(16)
+    first = [Message(1, new=new(("noname.1", W))) for _ in range(2)]
+    plan = decide(first, cache)
+    cache.learn(plan, set())  # numbered names are never cacheable by name ...
+    assert cache.by_name == {}
+    entry = cache.numbered_slot("noname.2", W)  # ... but their prefix and signature are
+    assert entry == (0, 2) and cache.numbered_slot("noname.3", B) is None
+    messages = [Message(2, numbered=[entry]), Message(2, numbered=[entry])]
+    plan = decide(messages, cache)
+    assert [(r.name, r.signature) for r in plan.responses] == [("noname.2", W)]
+    assert plan.repeated
+
+
+def test_numbered_requests_of_different_signatures_on_two_ranks_fail_as_a_mismatch():
+    cache = Cache(16)
+    for signature in (W, B):
+        cache.learn(decide([Message(1, new=new(("noname.1", signature)))] * 2, cache), set())
+    messages = [
+        Message(3, numbered=[cache.numbered_slot("noname.5", W)]),
+        Message(3, numbered=[cache.numbered_slot("noname.5", B)]),
+    ]
+    plan = decide(messages, cache)
+    assert plan.responses == []
+    assert "rank 0 submitted allreduce with shape (4, 3) float32" in plan.errors["noname.5"]
+    assert "rank 1 submitted allreduce with shape (3,) float32" in plan.errors["noname.5"]

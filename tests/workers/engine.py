@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import sys
 import threading
@@ -171,6 +173,104 @@ def timeline(rank: int) -> dict:
         ringplug.broadcast(np.ones(3), 0, name="params")
     ringplug.stop_timeline()
     return {}
+
+
+def eager(rank: int) -> dict:
+    """Small allreduces named before (given names, and unnamed ones of a signature seen
+    before) travel inside the negotiation message; each rank reduces them itself."""
+    size = ringplug.size()
+    engine = ringplug.core.runtime.engine()
+    report: dict = {"cases": {}, "digests": {}}
+    rng = np.random.default_rng(1234)
+    inputs = {r: rng.standard_normal(1000) for r in range(size)}  # the same on every rank
+    cases = [
+        ("float32", "sum", 1.0, 1.0),
+        ("float64", "average", 1.0, 1.0),
+        ("float32", "sum", 0.25, 3.0),
+        ("float16", "sum", 1.0, 1.0),
+        ("bfloat16", "max", 1.0, 1.0),
+        ("float64", "min", 1.0, 1.0),
+        ("int32", "sum", 1.0, 1.0),
+        ("int64", "product", 1.0, 1.0),
+        ("uint8", "max", 1.0, 1.0),
+        ("bool", "sum", 1.0, 1.0),
+    ]
+    for named in (True, False):
+        for dtype, op, pre, post in cases:
+            values = [inputs[r] * 3 for r in range(size)]
+            if dtype == "bfloat16":
+                mine = np.asarray(values[rank], np.float32).view(np.uint32) >> 16
+                send, kwargs = mine.astype(np.uint16), {"dtype": "bfloat16"}
+                reference = [
+                    (np.asarray(v, np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+                    for v in values
+                ]
+            elif dtype == "bool":
+                send, kwargs = values[rank] > 0, {}
+                reference = [v > 0 for v in values]
+            elif dtype == "int64":
+                send, kwargs = (values[rank] > 0).astype(np.int64) + 1, {}
+                reference = [(v > 0).astype(np.int64) + 1 for v in values]
+            else:
+                send, kwargs = values[rank].astype(dtype), {}
+                reference = [v.astype(dtype).astype(np.float64) for v in values]
+            name = f"{dtype}-{op}-{pre}" if named else None
+            paths, results = [], []
+            for _step in range(3):  # the first is negotiated as new, the others eager
+                result = ringplug.allreduce(
+                    send, op=op, prescale_factor=pre, postscale_factor=post, name=name, **kwargs
+                )
+                paths.append(engine.transport.last_path)
+                results.append(result)
+            combine = {"sum": np.add, "average": np.add, "max": np.maximum, "min": np.minimum,
+                       "product": np.multiply}[op]  # fmt: skip
+            if dtype == "bool":  # Sum of bools is a logical or
+                expected = functools.reduce(np.logical_or, reference).astype(np.float64)
+            else:
+                expected = functools.reduce(combine, [np.asarray(r) * pre for r in reference])
+                expected = expected * post / (size if op == "average" else 1)
+            got = results[-1]
+            if dtype == "bfloat16":
+                got = (got.astype(np.uint32) << 16).view(np.float32)
+            tolerance = {"float16": 1e-2, "bfloat16": 1e-2, "float32": 1e-5}.get(dtype, 1e-12)
+            key = f"{'named' if named else 'unnamed'}/{dtype}/{op}/{pre}"
+            report["cases"][key] = {
+                "paths": paths,
+                "ok": bool(
+                    np.allclose(
+                        np.asarray(got, np.float64), expected, rtol=tolerance, atol=tolerance
+                    )
+                    and np.array_equal(results[1], results[2])
+                ),
+            }
+            report["digests"][key] = hashlib.sha256(np.ascontiguousarray(got).tobytes()).hexdigest()
+    # Larger than RINGPLUG_EAGER_THRESHOLD: the usual path.
+    big = np.ones((64 << 10) // 4 + 1, np.float32)
+    for _ in range(2):
+        ringplug.allreduce(big, op="sum", name="big", out=big)
+    report["big_path"] = engine.transport.last_path
+    report["big_ok"] = bool(np.all(big == size * size))
+    # More small requests at once than one message carries: some eager, the rest fused.
+    for step in range(3):
+        handles = [
+            ringplug.allreduce_async(np.full(1024, float(rank + i + step), np.float32), op="sum",
+                                     name=f"many{i}")
+            for i in range(40)
+        ]  # fmt: skip
+        sums = [handle.wait() for handle in handles]
+    report["many_ok"] = all(
+        np.all(total == sum(r + i + 2 for r in range(size))) for i, total in enumerate(sums)
+    )
+    # Unnamed calls of two signatures seen before, different on two ranks: a mismatch.
+    for shape in ((3,), (4,)):
+        ringplug.allreduce(np.ones(shape), op="sum")
+    try:
+        ringplug.allreduce(np.ones((3,) if rank == 0 else (4,)), op="sum")
+        report["mismatch"] = ""
+    except ringplug.RingplugError as exc:
+        report["mismatch"] = str(exc)
+    report["after"] = ringplug.allreduce(np.ones(2), op="sum").tolist()
+    return report
 
 
 def main(scenario: str, outdir: Path) -> None:

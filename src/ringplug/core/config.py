@@ -41,6 +41,11 @@ class Settings:
     # Bytes per ring pipeline segment: small enough that received data is still in the L2
     # cache when it is reduced (256 KiB to 2 MiB measured alike at 64 MiB; 512 KiB best).
     ring_segment: int = 512 << 10
+    # Allreduces of names agreed before, up to this many bytes in all per cycle, travel
+    # inside the negotiation message, and each rank reduces them itself (0: never). Measured
+    # on the 2-core CI machine, 2 ranks: a 4 KiB synchronous allreduce took 50-85 us with a
+    # negotiation and an MPI Allreduce, see the closing note of issue 18 for the figures.
+    eager_threshold: int = 64 << 10
     # Allreduces of one dtype and op that are ready together are packed into one buffer of
     # at most this many bytes and reduced in one pass.
     fusion_threshold: int = 64 << 20
@@ -108,6 +113,7 @@ def read_settings() -> Settings:
         timeout=_float("RINGPLUG_TIMEOUT", defaults.timeout),  # every wait has a deadline
         ring_threshold=_bytes("RINGPLUG_RING_THRESHOLD", defaults.ring_threshold),
         ring_segment=segment,
+        eager_threshold=_bytes("RINGPLUG_EAGER_THRESHOLD", defaults.eager_threshold),
         fusion_threshold=_bytes("RINGPLUG_FUSION_THRESHOLD", defaults.fusion_threshold),
         # A cycle time is a pause before every cycle: more than a second is a mistake.
         cycle_time=_float("RINGPLUG_CYCLE_TIME", 0.0, True, "milliseconds", most=1000) / 1e3,

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from . import activity
+from . import activity, eager
 from .config import Settings
 from .errors import (
     CommunicatorFailed,
@@ -43,7 +43,7 @@ from .exchange import Exchange
 from .fusion import Fusion, batches
 from .handles import Handle, Request, wake_waiters
 from .kind import GPU, SameEverywhere, check_joined, kind_of
-from .negotiation import Cache, Kind, Message, Plan, Response, decide
+from .negotiation import UNNAMED, Cache, Kind, Message, Plan, Response, decide
 from .stalls import StallInspector
 from .timeline import Timeline
 from .transport import Transport
@@ -66,7 +66,7 @@ _CACHE_CAPACITY = 4096
 # when that is free within this long (it holds `_mpi` only to look for work, or to run a
 # cycle that has deadlines of its own); otherwise the engine thread runs them.
 _DRIVE_ACQUIRE_SECONDS = 1e-3
-_UNNAMED = "noname."
+_UNNAMED = UNNAMED
 
 
 def _cores() -> int:
@@ -107,7 +107,9 @@ class Engine:
         self._queue: collections.deque[Request] = collections.deque()
         self._in_flight: set[str] = set()
         self.pending: dict[str, Request] = {}  # engine thread only
-        self._cache = Cache(_CACHE_CAPACITY)
+        self._cache = Cache(_CACHE_CAPACITY, settings.eager_threshold if self.size > 1 else 0)
+        # This cycle's eager data: name -> every rank's copy (see `eager`).
+        self.eager_copies: dict[str, list[memoryview]] = {}
         self._cycle = 0
         self._fusion = Fusion(self, settings)
         self._failure: BaseException | None = None
@@ -392,6 +394,7 @@ class Engine:
         messages = self._exchange.exchange(self._cycle, own, list(self.pending))
         self._stalls.activities = [m.activity for m in messages]  # for the stall reports
         plan = decide(messages, self._cache)
+        self.eager_copies = eager.received(messages, self._cache, self._cache.eager_threshold)
         self.cycles_run += 1
         if plan.shutdown_by is not None:
             if plan.shutdown_by == self.rank:
@@ -404,13 +407,16 @@ class Engine:
             return True
         if any(m.renew for m in messages) and self._ctrl is not None:
             self.transport.renew(self._ctrl)
-        cacheable = {n for n, r in self.pending.items() if r.cacheable}
-        # A joined rank lacks the others' requests; it must still learn the same slots
-        # (given names are the cacheable ones), or its cache parts from theirs.
-        cacheable.update(
-            r.name for r in plan.responses if r.name not in self.pending and cacheable_name(r.name)
-        )
-        self._cache.learn(plan, cacheable)
+        if not plan.repeated:
+            cacheable = {n for n, r in self.pending.items() if r.cacheable}
+            # A joined rank lacks the others' requests; it must still learn the same slots
+            # (given names are the cacheable ones), or its cache parts from theirs.
+            cacheable.update(
+                r.name
+                for r in plan.responses
+                if r.name not in self.pending and cacheable_name(r.name)
+            )
+            self._cache.learn(plan, cacheable)
         self._execute(plan)
         stalled = self._stalls.inspect(plan, self.pending)
         if stalled is not None:
@@ -430,12 +436,21 @@ class Engine:
         message = Message(self._cycle, joined_cycle=self._joined_cycle, shutdown=stopping)
         message.renew, self._renew = self._renew, False
         message.activity = activity.current()
+        cache = self._cache
         for name, request in self.pending.items():
-            slot = self._cache.slot_for(name, request.signature) if request.cacheable else None
-            if slot is not None:
-                message.cached |= 1 << slot
+            if request.cacheable:
+                slot = cache.slot_for(name, request.signature)
+                if slot is not None:
+                    message.cached |= 1 << slot
+                    continue
             else:
-                message.new.append((name, request.signature, request.extra))
+                entry = cache.numbered_slot(name, request.signature)
+                if entry is not None:
+                    message.numbered.append(entry)
+                    continue
+            message.new.append((name, request.signature, request.extra))
+        if cache.eager_mask:
+            message.eager = eager.pack(message, self.pending, cache, cache.eager_threshold)
         message.stall_abort = self._stalls.take_abort()
         return message
 

@@ -8,6 +8,7 @@ never answers is named (see `waiting.Waiter`).
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import struct
 from typing import TYPE_CHECKING
@@ -20,27 +21,31 @@ if TYPE_CHECKING:
 
 CONTROL_TAG = 7100
 
-# A repeated step's message (cached bits only) goes as a few bytes: a marker, the cycle,
-# the joined cycle, the flags, the training phase's seconds and length, the phase, then the
-# bit vector; anything else is pickled.
+# A repeated step's message (cached and numbered requests only) goes as a few bytes: a
+# marker, the cycle, the joined cycle, the flags, the training phase's seconds, the lengths
+# of the phase, the bit vector and the numbered list, then the phase, the bit vector, the
+# numbered (slot, number) pairs and the eager data; anything else is pickled.
 _COMPACT = b"\x00"
-_HEADER = struct.Struct("<qqBdH")
+_HEADER = struct.Struct("<qqBfHHH")  # at most 65535 bytes of bits: 4096 slots fit
 _SHUTDOWN, _RENEW = 1, 2
 
 
 def encode(message: Message) -> bytearray:
     """`message` as bytes for the wire."""
-    if message.new or message.stall_abort:
+    if message.new or message.stall_abort or len(message.numbered) > 0xFFFF:
         return bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
     flags = (_SHUTDOWN if message.shutdown else 0) | (_RENEW if message.renew else 0)
     phase, seconds = message.activity
     words = phase.encode()
     bits = message.cached
+    length = (bits.bit_length() + 7) // 8
+    numbered = message.numbered
+    header = _HEADER.pack(
+        message.cycle, message.joined_cycle, flags, seconds, len(words), length, len(numbered)
+    )
+    pairs = struct.pack(f"<{2 * len(numbered)}q", *itertools.chain.from_iterable(numbered))
     return bytearray(
-        _COMPACT
-        + _HEADER.pack(message.cycle, message.joined_cycle, flags, seconds, len(words))
-        + words
-        + bits.to_bytes((bits.bit_length() + 7) // 8, "little")
+        b"".join((_COMPACT, header, words, bits.to_bytes(length, "little"), pairs, message.eager))
     )
 
 
@@ -48,17 +53,23 @@ def decode(data: bytes | bytearray) -> Message:
     """The message `encode` made (a pickle never starts with a zero byte)."""
     if data[:1] != _COMPACT:
         return pickle.loads(data)
-    cycle, joined, flags, seconds, length = _HEADER.unpack_from(data, 1)
+    cycle, joined, flags, seconds, length, bits_length, count = _HEADER.unpack_from(data, 1)
     start = 1 + _HEADER.size
     phase = bytes(data[start : start + length]).decode()
-    cached = int.from_bytes(data[start + length :], "little")
+    start += length
+    cached = int.from_bytes(data[start : start + bits_length], "little")
+    start += bits_length
+    values = struct.unpack_from(f"<{2 * count}q", data, start)
+    start += 16 * count
     return Message(
         cycle,
         cached,
+        numbered=list(zip(values[::2], values[1::2], strict=True)),
         joined_cycle=joined,
         shutdown=bool(flags & _SHUTDOWN),
         renew=bool(flags & _RENEW),
         activity=(phase, seconds),
+        eager=bytes(data[start:]),
     )
 
 
@@ -70,6 +81,10 @@ class Exchange:
         self.waiter = waiter
         self.rank, self.size = rank, size
         self._peers = [(rank + d) % size for d in range(1, size)]
+        if comm is not None:
+            from mpi4py import MPI
+
+            self._status = MPI.Status()
 
     def peer_started(self) -> bool:
         """Whether a peer's message of a cycle this rank has not run yet has arrived."""
@@ -84,28 +99,34 @@ class Exchange:
         from mpi4py import MPI
 
         ctrl = self.comm
-        payload = encode(own)
-        sends = [ctrl.Isend([payload, MPI.BYTE], peer, CONTROL_TAG) for peer in self._peers]
+        payload = [encode(own), MPI.BYTE]
+        sends = [ctrl.Isend(payload, peer, CONTROL_TAG) for peer in self._peers]
         waiting = list(self._peers)
-        status = MPI.Status()
+        status = self._status
+        probe = ctrl.Iprobe
 
         def arrived() -> bool:
-            for peer in list(waiting):
-                if ctrl.Iprobe(source=peer, tag=CONTROL_TAG, status=status):
+            for peer in waiting:
+                if probe(peer, CONTROL_TAG, status):
                     buffer = bytearray(status.Get_count(MPI.BYTE))
                     ctrl.Recv([buffer, MPI.BYTE], peer, CONTROL_TAG)
                     messages[peer] = decode(buffer)
-                    waiting.remove(peer)
+            if len(waiting) > 1:
+                waiting[:] = [peer for peer in waiting if messages[peer] is None]
+            elif messages[waiting[0]] is not None:
+                waiting.clear()
             return not waiting
 
-        pending = sorted(pending)
-        shown = ", ".join(repr(n) for n in pending[:5]) + (", ..." if len(pending) > 5 else "")
         self.waiter.begin(cycle, -1, "negotiation")
-        # A rank that sent its message is alive: only the others can be the ones missing.
-        self.waiter.wait(
-            arrived,
-            f"pending here: {shown or 'nothing of its own'}",
-            missing=lambda: sorted(waiting),
-        )
-        self.waiter.wait_requests(sends, "sending this rank's negotiation message")
+        if not arrived():
+            pending = sorted(pending)
+            shown = ", ".join(repr(n) for n in pending[:5]) + (", ..." if len(pending) > 5 else "")
+            # A rank that sent its message is alive: only the others can be the ones missing.
+            self.waiter.wait(
+                arrived,
+                f"pending here: {shown or 'nothing of its own'}",
+                missing=lambda: sorted(waiting),
+            )
+        if not MPI.Request.Testall(sends):
+            self.waiter.wait_requests(sends, "sending this rank's negotiation message")
         return messages  # type: ignore[return-value]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import reduce, ring
+from . import eager, reduce, ring
 from .config import Settings
 from .dtypes import DType
 from .errors import CommunicatorFailed
@@ -96,6 +96,11 @@ class Fusion:
         if batch[0].signature.place == GPU:
             self._gpu(batch, requests, code, op)
             return
+        if engine.eager_copies:
+            batch, requests = self._eager(batch, requests, code, op)
+            if not batch:
+                engine.collectives_run += 1
+                return
         skipped = engine.begin_collective("allreduce", batch)
         if skipped is not None:
             engine.complete_each(requests, error=skipped)
@@ -106,6 +111,40 @@ class Fusion:
             raise
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
             engine.collective_failed(exc, requests)
+
+    def _eager(
+        self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp
+    ) -> tuple[list[Response], list[Request | None]]:
+        """Reduce the requests of `batch` whose data every rank's message carried (see
+        `eager`); returns the rest of the batch, for the transport."""
+        engine = self.engine
+        copies = engine.eager_copies
+        rest: list[Response] = []
+        rest_requests: list[Request | None] = []
+        average = op is ReduceOp.AVERAGE
+        timeline = engine.timeline
+        for response, request in zip(batch, requests, strict=True):
+            views = copies.get(response.name) if request is not None else None
+            if views is None:
+                rest.append(response)
+                rest_requests.append(request)
+                continue
+            start = time.perf_counter()
+            out = request.payload.outs[0]
+            try:
+                eager.reduce_into(out, views, op, code)
+                postscale = request.payload.postscale
+                reduce.scale(out, postscale / engine.size if average else postscale, code)
+            except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
+                engine.complete(request, error=exc)
+                continue
+            engine.complete(request)
+            if timeline is not None:
+                engine.trace_wait(timeline, request, start)
+                timeline.span(request.name, "ALLREDUCE", start, time.perf_counter(), path="eager")
+        if len(rest) < len(batch):
+            engine.transport.last_path = "eager"
+        return rest, rest_requests
 
     def _host(
         self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp

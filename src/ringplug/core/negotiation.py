@@ -3,8 +3,10 @@
 Each engine cycle, every rank sends every other rank one message: the requests it has
 ready. Requests the ranks have agreed on before are named by their slot in a cache that
 is identical on every rank, so a training step whose tensors repeat costs a bit vector
-per cycle, with no coordinator and no per-tensor round trip. New requests carry their
-name and signature (kind, dtype, op, root, shape).
+per cycle, with no coordinator and no per-tensor round trip. Requests named by their place
+in call order ("noname.12", "torch.default#7"), new names each time, go as their number
+and the slot of their prefix and signature once the ranks have agreed on one of that
+form. New requests carry their name and signature (kind, dtype, op, root, shape).
 
 Every rank runs `decide` on the same messages and gets the same plan: which requests run,
 in which order (the order of the lowest-ranked active rank), which fail because their
@@ -19,6 +21,7 @@ import enum
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from . import eager
 from .kind import GPU, HOST, kind_of
 
 
@@ -41,6 +44,23 @@ class Kind(enum.IntEnum):
 
 
 __all__ = ["GPU", "HOST", "Cache", "Kind", "Message", "Plan", "Response", "Signature", "decide"]
+
+UNNAMED = "noname."  # the prefix of unnamed requests' names
+
+
+def numbered(name: str) -> tuple[str, int] | None:
+    """(prefix, number) of a name numbered in call order ("noname.12" or "group#12"), or
+    None for a name given by the program."""
+    if name.startswith(UNNAMED):
+        cut = len(UNNAMED)
+    else:
+        cut = name.rfind("#") + 1
+        if not cut:
+            return None
+    digits = name[cut:]
+    if not (digits.isdigit() and digits.isascii()) or (digits[0] == "0" and len(digits) > 1):
+        return None
+    return name[:cut], int(digits)
 
 
 class Signature(NamedTuple):
@@ -72,6 +92,9 @@ class Message:
 
     cycle: int
     cached: int = 0  # bit s set: the request in cache slot s is ready here
+    # (slot, number): the request named prefix + number, of the prefix and signature in
+    # cache slot `slot`, is ready here (requests numbered in call order, see `numbered`).
+    numbered: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     new: list[tuple[str, Signature, int]] = dataclasses.field(default_factory=list)
     # `new` entries: (name, signature, extra); extra is the first dimension of an
     # allgather/alltoall or the byte length of an object, else 0.
@@ -80,6 +103,7 @@ class Message:
     stall_abort: list[str] = dataclasses.field(default_factory=list)  # rank 0's verdict
     renew: bool = False  # a collective was abandoned here: every rank renews its communicator
     activity: tuple[str, float] = ("", 0.0)  # the training's phase, seconds in it (activity.py)
+    eager: bytes = b""  # the data of small allreduces it carries (eager.py)
 
 
 @dataclasses.dataclass
@@ -102,15 +126,23 @@ class Plan:
     all_joined: bool = False
     last_joined: int = -1
     stall_abort: list[str] = dataclasses.field(default_factory=list)
+    # Only requests of the cache, the same on every rank: the cache has nothing to learn.
+    repeated: bool = False
 
 
 class Cache:
     """Names agreed before, by slot; updated identically on every rank after each plan."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, eager_threshold: int = 0) -> None:
         self.capacity = capacity
-        self.slots: list[tuple[str, Signature]] = []
+        self.slots: list[tuple[str, Signature]] = []  # (name or numbered prefix, signature)
         self.by_name: dict[str, int] = {}
+        self.by_prefix: dict[tuple[str, Signature], int] = {}  # numbered names' slots
+        # The slots whose requests messages may carry with their data (see `eager`), and
+        # their bytes.
+        self.eager_threshold = eager_threshold
+        self.eager_mask = 0
+        self.eager_bytes: list[int] = []
 
     def slot_for(self, name: str, signature: Signature) -> int | None:
         """The slot that names this request exactly, or None (send it as new)."""
@@ -119,36 +151,65 @@ class Cache:
             return slot
         return None
 
+    def numbered_slot(self, name: str, signature: Signature) -> tuple[int, int] | None:
+        """(slot, number) for a request numbered in call order whose prefix and signature
+        the ranks agreed on before, or None (send it as new)."""
+        parts = numbered(name)
+        if parts is None:
+            return None
+        slot = self.by_prefix.get((parts[0], signature))
+        return None if slot is None else (slot, parts[1])
+
     def learn(self, plan: Plan, cacheable_names: set[str]) -> None:
-        """Give agreed, cacheable requests a slot (or their new signature)."""
+        """Give agreed, cacheable requests a slot (or their new signature), and the prefix
+        and signature of numbered ones (decided from the plan alone, the same everywhere)."""
         for response in plan.responses:
-            name = response.name
-            if not kind_of(response.signature.kind).cacheable or name not in cacheable_names:
+            name, signature = response.name, response.signature
+            if not kind_of(signature.kind).cacheable:
                 continue
-            slot = self.by_name.get(name)
-            if slot is not None:
-                self.slots[slot] = (name, response.signature)
-            elif len(self.slots) < self.capacity:
-                self.by_name[name] = len(self.slots)
-                self.slots.append((name, response.signature))
+            if name in cacheable_names:
+                slot = self.by_name.get(name)
+                if slot is not None:
+                    self.slots[slot] = (name, signature)
+                elif len(self.slots) < self.capacity:
+                    slot = self.by_name[name] = self._add(name, signature)
+                else:
+                    continue
+            else:
+                parts = numbered(name)
+                if parts is None or len(self.slots) >= self.capacity:
+                    continue
+                key = (parts[0], signature)
+                if key in self.by_prefix:
+                    continue
+                slot = self.by_prefix[key] = self._add(parts[0], signature)
+            nbytes = eager.size_of(signature, self.eager_threshold)
+            self.eager_bytes[slot] = nbytes
+            if nbytes:
+                self.eager_mask |= 1 << slot
+            else:
+                self.eager_mask &= ~(1 << slot)
+
+    def _add(self, key: str, signature: Signature) -> int:
+        self.slots.append((key, signature))
+        self.eager_bytes.append(0)
+        return len(self.slots) - 1
 
 
 def decide(messages: Sequence[Message], cache: Cache) -> Plan:
     """The plan for one cycle; every rank computes the same one from the same messages."""
     first = messages[0]
     if all(
-        m.cached == first.cached and not (m.new or m.joined_cycle or m.shutdown) for m in messages
+        m.cached == first.cached
+        and m.numbered == first.numbered
+        and not (m.new or m.joined_cycle or m.shutdown)
+        for m in messages
     ):
         # A repeated step: every rank has the same cached requests ready, and nothing else.
-        plan = Plan(stall_abort=list(first.stall_abort))
+        plan = Plan(stall_abort=list(first.stall_abort), repeated=True)
         count = len(messages)
-        bits, slot = first.cached, 0
-        while bits:
-            if bits & 1:
-                name, signature = cache.slots[slot]
-                plan.responses.append(Response(name, signature, [0] * count, [True] * count))
-            bits >>= 1
-            slot += 1
+        for name, signature in _cached(first, cache):
+            plan.responses.append(Response(name, signature, [0] * count, [True] * count))
         return plan
     plan = Plan()
     for rank, message in enumerate(messages):
@@ -190,16 +251,25 @@ def decide(messages: Sequence[Message], cache: Cache) -> Plan:
     return plan
 
 
+def _cached(message: Message, cache: Cache) -> list[tuple[str, Signature]]:
+    """(name, signature) of the requests a message names by cache slot, in its order."""
+    found = []
+    bits = message.cached
+    while bits:
+        lowest = bits & -bits
+        bits ^= lowest
+        found.append(cache.slots[lowest.bit_length() - 1])
+    for slot, number in message.numbered:
+        prefix, signature = cache.slots[slot]
+        found.append((f"{prefix}{number}", signature))
+    return found
+
+
 def _items(message: Message, cache: Cache) -> dict[str, tuple[Signature, int]]:
     """name -> (signature, extra) for everything a rank has ready, in its order."""
-    items: dict[str, tuple[Signature, int]] = {}
-    bits, slot = message.cached, 0
-    while bits:
-        if bits & 1:
-            name, signature = cache.slots[slot]
-            items[name] = (signature, 0)
-        bits >>= 1
-        slot += 1
+    items: dict[str, tuple[Signature, int]] = {
+        name: (signature, 0) for name, signature in _cached(message, cache)
+    }
     for name, signature, extra in message.new:
         items[name] = (signature, extra)
     return items

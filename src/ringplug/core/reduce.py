@@ -44,6 +44,16 @@ def check_op(op: ReduceOp, code: DType, prescale: float, postscale: float) -> No
             )
 
 
+def is_plain(code: DType) -> bool:
+    """Whether `combine` applies the op's numpy ufunc as it is (not bool or 16-bit floats)."""
+    return code not in (DType.BOOL, DType.BFLOAT16, DType.FLOAT16)
+
+
+def ufunc(op: ReduceOp) -> np.ufunc:
+    """The numpy ufunc `combine` applies for `op` on plain types (see `is_plain`)."""
+    return _UFUNC[op]
+
+
 def combine(acc: np.ndarray, other: np.ndarray, op: ReduceOp, code: DType) -> None:
     """acc <- acc (op) other, elementwise; both in the storage type of `code`."""
     if code is DType.BOOL:

@@ -45,6 +45,8 @@ class StallInspector:
         """Look at this cycle's plan: warn (rank 0) about requests some ranks lack, end the
         job past the timeout, and return the error to fail everything with when rank 0
         decided (in the previous cycle) to shut the stalled requests down."""
+        if not (plan.partial or self._partial_since or plan.stall_abort):
+            return None  # nothing is missing anywhere (the usual cycle)
         now = time.monotonic()
         for name in list(self._partial_since):
             if name not in plan.partial:

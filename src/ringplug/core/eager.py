@@ -1,0 +1,119 @@
+"""Small allreduces that travel inside the negotiation message ("eager" data).
+
+A rank that has a small host allreduce ready, of a name the ranks agreed on before (it has
+a cache slot), appends its data, prescaled, to the cycle's message. When every rank's
+message of a cycle carries the data of a request, each rank reduces the copies itself, in
+rank order, with the ring's kernels: the allreduce costs no collective of its own, and
+every rank computes the same result bit for bit. Otherwise (a rank sent the request as new,
+a rank has joined, the budget was spent before it) the request takes the usual path.
+
+Which requests a message carries follows from its cached bits, its numbered requests and
+the cache alone, so that every rank reads every message the same way: the eligible slots
+(`Cache.eager_mask`) in slot order, then the eligible numbered requests in the message's
+order, while their bytes fit in `RINGPLUG_EAGER_THRESHOLD` in all.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import reduce
+from .dtypes import DType
+from .kind import HOST
+from .ops import ReduceOp
+
+if TYPE_CHECKING:
+    from .handles import Request
+    from .negotiation import Cache, Message, Signature
+
+
+def size_of(signature: Signature, threshold: int) -> int:
+    """The bytes a request of `signature` carries in a message, or 0 when it never does
+    (not a one-array host allreduce, or larger than `threshold`)."""
+    from .negotiation import Kind  # negotiation imports this module
+
+    if signature.kind is not Kind.ALLREDUCE or signature.place != HOST or signature.parts:
+        return 0
+    nbytes = math.prod(signature.shape) * DType(signature.code).itemsize
+    return nbytes if 0 < nbytes <= threshold else 0
+
+
+def layout(message: Message, cache: Cache, budget: int) -> list[tuple[str, int, int]]:
+    """(name, offset, bytes) of each request `message` carries the data of: its eligible
+    cached requests in slot order, then its numbered ones in its order, while they fit."""
+    carried = []
+    offset = 0
+    bits = message.cached & cache.eager_mask
+    while bits:
+        lowest = bits & -bits
+        bits ^= lowest
+        slot = lowest.bit_length() - 1
+        nbytes = cache.eager_bytes[slot]
+        if offset + nbytes > budget:
+            return carried
+        carried.append((cache.slots[slot][0], offset, nbytes))
+        offset += nbytes
+    for slot, number in message.numbered:
+        nbytes = cache.eager_bytes[slot]
+        if not nbytes:
+            continue
+        if offset + nbytes > budget:
+            return carried
+        carried.append((f"{cache.slots[slot][0]}{number}", offset, nbytes))
+        offset += nbytes
+    return carried
+
+
+def pack(message: Message, pending: dict[str, Request], cache: Cache, budget: int) -> bytes:
+    """This rank's eager data for its `message` (`pending`: its requests by name)."""
+    pieces = []
+    for name, _, _ in layout(message, cache, budget):
+        request = pending[name]
+        reduction = request.payload
+        send = reduction.sends[0]
+        if reduction.prescale != 1.0:
+            send = send.copy()
+            reduce.scale(send, reduction.prescale, DType(request.signature.code))
+        pieces.append(send.data)
+    return b"".join(pieces)
+
+
+def received(messages: list[Message], cache: Cache, budget: int) -> dict[str, list[memoryview]]:
+    """name -> every rank's data of it, in rank order, for the requests that every
+    message of this cycle carries (read before the cache learns this cycle's plan)."""
+    if not cache.eager_mask:
+        return {}
+    first = messages[0]
+    if all(m.cached == first.cached and m.numbered == first.numbered for m in messages):
+        views = [memoryview(message.eager) for message in messages]  # a repeated step
+        return {
+            name: [view[offset : offset + nbytes] for view in views]
+            for name, offset, nbytes in layout(first, cache, budget)
+        }
+    common: dict[str, list[memoryview]] | None = None
+    for message in messages:
+        data = memoryview(message.eager)
+        here = {name: data[o : o + n] for name, o, n in layout(message, cache, budget)}
+        if common is None:
+            common = {name: [view] for name, view in here.items()}
+        else:
+            common = {name: [*views, here[name]] for name, views in common.items() if name in here}
+        if not common:
+            return {}
+    return common or {}
+
+
+def reduce_into(out: np.ndarray, copies: list[memoryview], op: ReduceOp, code: DType) -> None:
+    """out <- every rank's copy combined in rank order, with the ring's kernels (`reduce`)."""
+    storage = code.storage
+    first, second = (np.frombuffer(copy, storage) for copy in copies[:2])
+    if reduce.is_plain(code):
+        reduce.ufunc(op)(first, second, out=out)  # = copy the first, combine the second
+    else:
+        np.copyto(out, first)
+        reduce.combine(out, second, op, code)
+    for copy in copies[2:]:
+        reduce.combine(out, np.frombuffer(copy, storage), op, code)
