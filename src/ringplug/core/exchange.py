@@ -30,10 +30,10 @@ _HEADER = struct.Struct("<qqBfHHH")  # at most 65535 bytes of bits: 4096 slots f
 _SHUTDOWN, _RENEW = 1, 2
 
 
-def encode(message: Message) -> bytearray:
+def encode(message: Message) -> bytes:
     """`message` as bytes for the wire."""
     if message.new or message.stall_abort or len(message.numbered) > 0xFFFF:
-        return bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     flags = (_SHUTDOWN if message.shutdown else 0) | (_RENEW if message.renew else 0)
     phase, seconds = message.activity
     words = phase.encode()
@@ -44,8 +44,8 @@ def encode(message: Message) -> bytearray:
         message.cycle, message.joined_cycle, flags, seconds, len(words), length, len(numbered)
     )
     pairs = struct.pack(f"<{2 * len(numbered)}q", *itertools.chain.from_iterable(numbered))
-    return bytearray(
-        b"".join((_COMPACT, header, words, bits.to_bytes(length, "little"), pairs, message.eager))
+    return b"".join(
+        (_COMPACT, header, words, bits.to_bytes(length, "little"), pairs, message.eager)
     )
 
 
@@ -69,7 +69,7 @@ def decode(data: bytes | bytearray) -> Message:
         shutdown=bool(flags & _SHUTDOWN),
         renew=bool(flags & _RENEW),
         activity=(phase, seconds),
-        eager=bytes(data[start:]),
+        eager=memoryview(data)[start:],  # no copy: the received buffer is this message's
     )
 
 

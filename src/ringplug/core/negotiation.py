@@ -103,7 +103,7 @@ class Message:
     stall_abort: list[str] = dataclasses.field(default_factory=list)  # rank 0's verdict
     renew: bool = False  # a collective was abandoned here: every rank renews its communicator
     activity: tuple[str, float] = ("", 0.0)  # the training's phase, seconds in it (activity.py)
-    eager: bytes = b""  # the data of small allreduces it carries (eager.py)
+    eager: bytes | memoryview = b""  # the data of small allreduces it carries (eager.py)
 
 
 @dataclasses.dataclass

@@ -171,8 +171,11 @@ class Waiter:
         if not requests:
             return
         requests = list(requests)
+        # One request (the usual case) is tested by its own method: the poll loop is MPI's
+        # progress engine, and each Python call less in it is more progress per microsecond.
+        done = requests[0].Test if len(requests) == 1 else lambda: MPI.Request.Testall(requests)
         try:
-            self.wait(lambda: MPI.Request.Testall(requests), phase)
+            self.wait(done, phase)
         except BaseException:
             # Abandoned: MPI may still write into their buffers, which the requests keep
             # alive; so keep the requests.
@@ -203,7 +206,7 @@ class Waiter:
         # Most waits end within the spin: test with nothing else in the loop (a ring step
         # waits hundreds of times per collective); notices and deadlines are set up after.
         while True:
-            if done():
+            if done() or done() or done() or done():  # the clock only every few tests
                 return
             now = time.perf_counter()
             if now >= spin_until:
