@@ -26,7 +26,7 @@ def test_unset_variables_give_the_defaults(monkeypatch):
     for name in ("RINGPLUG_TIMEOUT", "RINGPLUG_RING_THRESHOLD", "RINGPLUG_RING_SEGMENT",
                  "RINGPLUG_LOG_LEVEL", "RINGPLUG_FUSION_THRESHOLD", "RINGPLUG_CYCLE_TIME",
                  "RINGPLUG_STALL_CHECK_SECONDS", "RINGPLUG_STALL_SHUTDOWN_SECONDS",
-                 "RINGPLUG_TIMELINE"):  # fmt: skip
+                 "RINGPLUG_TIMELINE", "RINGPLUG_EAGER_THRESHOLD"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     assert read_settings() == Settings()
     assert Settings().timeout == 600  # ten minutes, as torch's NCCL watchdog

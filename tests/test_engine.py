@@ -120,6 +120,7 @@ def test_small_allreduces_named_before_travel_in_the_negotiation_message(tmp_pat
         assert bad == {}
         # The first call of a name (or of an unnamed signature) is negotiated as new.
         assert all(case["paths"][1:] == ["eager", "eager"] for case in report["cases"].values())
+        assert report["grouped"] == {"paths": ["mpi", "eager", "eager"], "ok": True}
         assert report["big_path"] == "mpi" and report["big_ok"]
         assert report["many_ok"]
         assert "does not match across ranks" in report["mismatch"]

@@ -244,6 +244,21 @@ def eager(rank: int) -> dict:
                 ),
             }
             report["digests"][key] = hashlib.sha256(np.ascontiguousarray(got).tobytes()).hexdigest()
+    # A grouped allreduce (as torch.distributed's calls are), in place and not.
+    grouped_paths, grouped_ok = [], True
+    for _step in range(3):
+        arrays = [np.full(3, rank + 1.0), np.arange(5, dtype=np.float64) * rank]
+        results = ringplug.grouped_allreduce(arrays, op="sum", name="grouped")
+        grouped_paths.append(engine.transport.last_path)
+        ringplug.grouped_allreduce(arrays, op="max", out=arrays)
+        grouped_ok &= [r.tolist() for r in results] == [
+            [size * (size + 1) / 2] * 3,
+            (np.arange(5) * size * (size - 1) / 2).tolist(),
+        ] and [a.tolist() for a in arrays] == [
+            [float(size)] * 3,
+            (np.arange(5.0) * (size - 1)).tolist(),
+        ]
+    report["grouped"] = {"paths": grouped_paths, "ok": bool(grouped_ok)}
     # Larger than RINGPLUG_EAGER_THRESHOLD: the usual path.
     big = np.ones((64 << 10) // 4 + 1, np.float32)
     for _ in range(2):

@@ -32,10 +32,10 @@ if TYPE_CHECKING:
 
 def size_of(signature: Signature, threshold: int) -> int:
     """The bytes a request of `signature` carries in a message, or 0 when it never does
-    (not a one-array host allreduce, or larger than `threshold`)."""
+    (not a host allreduce, one array or grouped, or larger than `threshold`)."""
     from .negotiation import Kind  # negotiation imports this module
 
-    if signature.kind is not Kind.ALLREDUCE or signature.place != HOST or signature.parts:
+    if signature.kind is not Kind.ALLREDUCE or signature.place != HOST:
         return 0
     nbytes = math.prod(signature.shape) * DType(signature.code).itemsize
     return nbytes if 0 < nbytes <= threshold else 0
@@ -73,11 +73,11 @@ def pack(message: Message, pending: dict[str, Request], cache: Cache, budget: in
     for name, _, _ in layout(message, cache, budget):
         request = pending[name]
         reduction = request.payload
-        send = reduction.sends[0]
-        if reduction.prescale != 1.0:
-            send = send.copy()
-            reduce.scale(send, reduction.prescale, DType(request.signature.code))
-        pieces.append(send.data)
+        for send in reduction.sends:  # a grouped allreduce's arrays one after the other
+            if reduction.prescale != 1.0:
+                send = send.copy()
+                reduce.scale(send, reduction.prescale, DType(request.signature.code))
+            pieces.append(send.data)
     return b"".join(pieces)
 
 
@@ -106,14 +106,21 @@ def received(messages: list[Message], cache: Cache, budget: int) -> dict[str, li
     return common or {}
 
 
-def reduce_into(out: np.ndarray, copies: list[memoryview], op: ReduceOp, code: DType) -> None:
-    """out <- every rank's copy combined in rank order, with the ring's kernels (`reduce`)."""
+def reduce_into(
+    outs: list[np.ndarray], copies: list[memoryview], op: ReduceOp, code: DType
+) -> None:
+    """Each of `outs` <- its part of every rank's copy, combined in rank order with the
+    ring's kernels (`reduce`); `outs` lie one after the other in each copy."""
     storage = code.storage
-    first, second = (np.frombuffer(copy, storage) for copy in copies[:2])
-    if reduce.is_plain(code):
-        reduce.ufunc(op)(first, second, out=out)  # = copy the first, combine the second
-    else:
-        np.copyto(out, first)
-        reduce.combine(out, second, op, code)
-    for copy in copies[2:]:
-        reduce.combine(out, np.frombuffer(copy, storage), op, code)
+    arrays = [np.frombuffer(copy, storage) for copy in copies]
+    offset = 0
+    for out in outs:
+        first, second, *others = (array[offset : offset + out.size] for array in arrays)
+        offset += out.size
+        if reduce.is_plain(code):
+            reduce.ufunc(op)(first, second, out=out)  # = copy the first, combine the second
+        else:
+            np.copyto(out, first)
+            reduce.combine(out, second, op, code)
+        for other in others:
+            reduce.combine(out, other, op, code)

@@ -194,10 +194,13 @@ class Engine:
                         break
             finally:
                 self._mpi.release()
-        if not handle._done:
+        if not handle._done or self.pending:
             with self._lock:
                 self._handoff = True  # the engine thread takes over, polling as in flight
                 self._lock.notify_all()
+        elif self._queue:
+            with self._lock:
+                self._lock.notify_all()  # submitted meanwhile by another thread
 
     def unnamed(self) -> str:
         """A name for an unnamed request: "noname.1", "noname.2", ... in call order (the
@@ -344,6 +347,13 @@ class Engine:
                     return True
                 if not driving:
                     self._mpi.release()
+            elif not driving and (ready or self._ctrl is not None):
+                # A caller drives the cycles: sleep until it hands over (it notifies) instead
+                # of polling beside it, which took the GIL and a core from it on every MPI call.
+                with self._lock:
+                    if not (self._handoff or self._stop_requested or self._ended):
+                        self._lock.wait(_POLL_AFTER_CYCLE_SECONDS)
+                continue
             if self.size == 1 and not self.pending:
                 if driving:
                     return False

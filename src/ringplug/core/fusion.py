@@ -130,11 +130,12 @@ class Fusion:
                 rest_requests.append(request)
                 continue
             start = time.perf_counter()
-            out = request.payload.outs[0]
+            outs = request.payload.outs
             try:
-                eager.reduce_into(out, views, op, code)
+                eager.reduce_into(outs, views, op, code)
                 postscale = request.payload.postscale
-                reduce.scale(out, postscale / engine.size if average else postscale, code)
+                for out in outs:
+                    reduce.scale(out, postscale / engine.size if average else postscale, code)
             except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
                 engine.complete(request, error=exc)
                 continue

@@ -26,6 +26,7 @@ used: ``RINGPLUG_TIMEOUT`` bounds every wait.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import importlib
 import itertools
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from ..core import collectives as core
 from ..core import runtime
+from ..core.kinds.base import waited_at_once
 from ..core.ops import ReduceOp
 from . import collectives as rt
 from .device import use_local_gpu
@@ -166,6 +168,12 @@ class RingWork(dist._Work):
             future.set_result(self._outputs)
 
 
+def _submitting(opts: Any) -> contextlib.AbstractContextManager[None]:
+    """What a call submits in: torch waits for a synchronous call (``asyncOp`` False) at
+    once, so its cycle runs on the calling thread and the engine thread is not woken."""
+    return waited_at_once() if getattr(opts, "asyncOp", True) is False else contextlib.nullcontext()
+
+
 class RingProcessGroup(dist.ProcessGroup):
     """torch.distributed's process group over ringplug's ranks (every rank of the job)."""
 
@@ -220,9 +228,10 @@ class RingProcessGroup(dist.ProcessGroup):
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for tensor in tensors:
             groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-        for index, group in enumerate(groups.values()):
-            part_name = name if index == 0 else f"{name}.{index}"
-            parts.append(rt.grouped_allreduce_async_(group, op, name=part_name))
+        with _submitting(opts):
+            for index, group in enumerate(groups.values()):
+                part_name = name if index == 0 else f"{name}.{index}"
+                parts.append(rt.grouped_allreduce_async_(group, op, name=part_name))
         return RingWork(parts, list(tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
@@ -277,9 +286,10 @@ class RingProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
         opts = opts or dist.BroadcastOptions()
         name = self._name()
-        parts = [rt.broadcast_async_(tensors[0], opts.rootRank, name=name)]
-        for index, tensor in enumerate(tensors[1:], 1):
-            parts.append(rt.broadcast_async_(tensor, opts.rootRank, name=f"{name}.{index}"))
+        with _submitting(opts):
+            parts = [rt.broadcast_async_(tensors[0], opts.rootRank, name=name)]
+            for index, tensor in enumerate(tensors[1:], 1):
+                parts.append(rt.broadcast_async_(tensor, opts.rootRank, name=f"{name}.{index}"))
         return RingWork(parts, list(tensors))
 
     # ------------------------------------------------------------------ gathers

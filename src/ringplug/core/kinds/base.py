@@ -3,10 +3,11 @@ blocking forms made from the asynchronous ones."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -70,13 +71,22 @@ def submit(name: str, cacheable: bool, build: Build) -> Handle:
     return engine.submit(request, drive)
 
 
-def submit_and_wait(name: str, cacheable: bool, build: Build) -> Any:
-    """`_submit`, then wait, running the cycle on this thread (see `blocking`)."""
+@contextlib.contextmanager
+def waited_at_once() -> Iterator[None]:
+    """Submissions inside are waited for by their caller at once: the engine thread is not
+    woken for them, as the caller runs their cycle itself (`Engine.drive`)."""
+    before = getattr(_blocking_call, "active", False)
     _blocking_call.active = True
     try:
-        handle = submit(name, cacheable, build)
+        yield
     finally:
-        _blocking_call.active = False
+        _blocking_call.active = before
+
+
+def submit_and_wait(name: str, cacheable: bool, build: Build) -> Any:
+    """`_submit`, then wait, running the cycle on this thread (see `blocking`)."""
+    with waited_at_once():
+        handle = submit(name, cacheable, build)
     return handle.wait()
 
 
@@ -90,11 +100,8 @@ def blocking(begin: Callable[..., Handle], returns: Any, doc: str) -> Callable[.
 
     @functools.wraps(begin)
     def run(*args: Any, **kwargs: Any) -> Any:
-        _blocking_call.active = True
-        try:
+        with waited_at_once():
             handle = begin(*args, **kwargs)
-        finally:
-            _blocking_call.active = False
         return handle.wait()
 
     run.__name__ = run.__qualname__ = begin.__name__.removesuffix("_async")
