@@ -231,7 +231,10 @@ class RingProcessGroup(dist.ProcessGroup):
         with _submitting(opts):
             for index, group in enumerate(groups.values()):
                 part_name = name if index == 0 else f"{name}.{index}"
-                parts.append(rt.grouped_allreduce_async_(group, op, name=part_name))
+                if len(group) == 1:  # dist.all_reduce: one tensor, the lighter request
+                    parts.append(rt.allreduce_async_(group[0], op, name=part_name))
+                else:
+                    parts.append(rt.grouped_allreduce_async_(group, op, name=part_name))
         return RingWork(parts, list(tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
