@@ -1,6 +1,7 @@
 """What the Trainer's `RingStrategy` and Fabric's `RingFabricStrategy` share: Lightning's
-conventions for reducing and gathering tensors over the ranks, each rank's share of the
-host's cores, and how a strategy chooses its launcher and devices.
+conventions for reducing and gathering tensors over the ranks, the rank facts and the
+start and end of ringplug on each rank (`RingParallel`), each rank's share of the host's
+cores, and how a strategy chooses its launcher and devices.
 
 It lives with Fabric because Fabric is the layer the Trainer is built on (``lightning.pytorch``
 imports ``lightning.fabric``, and ``pytorch_lightning`` imports ``lightning_fabric``), so
@@ -18,6 +19,7 @@ from .. import core
 from ..core.ops import ReduceOp
 from ..core.runtime import launcher_world_size, refuse_torchrun_world, threads_per_rank
 from ..torch import allgather, allreduce
+from ..torch import backend as torch_backend
 from .devices import launched_devices
 
 _OPS = {
@@ -70,7 +72,81 @@ def gather_over_ranks(
     return allgather(stacked.contiguous())
 
 
-def split_threads() -> None:
+class RingParallel:
+    """The part of a ring strategy that is the same in the Trainer and in Fabric (listed
+    before Lightning's ``ParallelStrategy`` among the bases, so that these win)."""
+
+    timeline: str | None
+    parallel_devices: list[torch.device] | None
+    local_rank: int
+    world_size: int
+    global_rank: int
+
+    # ------------------------------------------------------------------ rank facts
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        if devices[0].type == "cpu":
+            return torch.device("cpu")
+        # One rank per GPU, as DDP: local rank i takes device i (the only one when the
+        # launcher gave each rank its own CUDA_VISIBLE_DEVICES).
+        return devices[self.local_rank] if len(devices) > 1 else devices[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return getattr(self, "_num_nodes", 1)
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        self._num_nodes = value
+
+    @property
+    def num_processes(self) -> int:
+        return 1  # one process per device; the launcher decides how many
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ------------------------------------------------------------------ start and end
+    def _start_ring(self) -> None:
+        """ringplug on this rank: the engine, the GPU, the threads, the timeline, and the
+        ``ringplug`` process group through which torchmetrics, SyncBatchNorm, Lightning's
+        own torch.distributed calls and user code reach the engine."""
+        core.init()
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)  # NCCL and the caching allocator follow it
+        _split_threads()
+        if self.timeline:
+            core.start_timeline(self.timeline)
+        self._owns_process_group = torch_backend.init_process_group()
+
+    def _stop_ring(self) -> None:
+        """Undo what `_start_ring` set up that belongs to this strategy."""
+        if self.timeline:
+            core.stop_timeline()
+        if getattr(self, "_owns_process_group", False):
+            dist.destroy_process_group()  # local: the group holds no threads or sockets
+            self._owns_process_group = False
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None) -> None:
+        core.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return core.broadcast_object(obj, src)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,  # type: ignore[attr-defined]
+            cls,
+            description="Data-parallel training over ringplug's ring",
+            override=True,
+        )
+
+
+def _split_threads() -> None:
     """Give each of the N ranks on a host 1/N of its cores for torch's intra-op threads
     (left alone when OMP_NUM_THREADS says how many)."""
     share = threads_per_rank()

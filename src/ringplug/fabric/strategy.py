@@ -8,7 +8,6 @@ from collections.abc import Generator
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -19,16 +18,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from .. import core
-from ..torch import backend as torch_backend
 from ..torch import broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
-from .common import configure_launcher, gather_over_ranks, reduce_over_ranks, split_threads
+from .common import RingParallel, configure_launcher, gather_over_ranks, reduce_over_ranks
 from .environment import RingEnvironment
 from .launcher import RingLauncher
 
 
-class RingFabricStrategy(ParallelStrategy):
+class RingFabricStrategy(RingParallel, ParallelStrategy):
     """Lightning Fabric strategy that averages gradients over ranks through ringplug's engine.
 
     Start the ranks with the MPI launcher (``ringrun -np 4 python train.py``), or run
@@ -87,37 +84,10 @@ class RingFabricStrategy(ParallelStrategy):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.bucket_bytes = bucket_bytes
         self.timeline = timeline
-        self._num_nodes = 1
         self._backward_sync_control = _RingBackwardSyncControl(self)
         self._optimizers: list[Optimizer] = []  # distributed by setup_optimizer
         self._names: dict[int, str] = {}  # parameter id -> name, from the modules set up
         self._owns_process_group = False
-
-    # ------------------------------------------------------------------ rank facts
-    @property
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices or [torch.device("cpu")]
-        if devices[0].type == "cpu":
-            return torch.device("cpu")
-        # One rank per GPU, as DDP: local rank i takes device i (the only one when the
-        # launcher gave each rank its own CUDA_VISIBLE_DEVICES).
-        return devices[self.local_rank] if len(devices) > 1 else devices[0]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, value: int) -> None:
-        self._num_nodes = value
-
-    @property
-    def num_processes(self) -> int:
-        return 1  # one process per device; the launcher decides how many
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def _set_world_ranks(self) -> None:
         rank_zero_only.rank = self.global_rank  # fabric.print and rank_zero_* on rank 0 only
@@ -127,14 +97,7 @@ class RingFabricStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
-        core.init()
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)  # NCCL and the caching allocator follow it
-        split_threads()
-        if self.timeline:
-            core.start_timeline(self.timeline)
-        # torchmetrics and user code reach the engine through the ringplug backend.
-        self._owns_process_group = torch_backend.init_process_group()
+        self._start_ring()
         super().setup_environment()
 
     def setup_module(self, module: Module) -> Module:
@@ -201,31 +164,12 @@ class RingFabricStrategy(ParallelStrategy):
         """Every rank's tensor stacked on a new first dimension, as DDP's all_gather."""
         return gather_over_ranks(tensor, sync_grads, group, who="RingFabricStrategy.all_gather")
 
-    def barrier(self, name: str | None = None) -> None:
-        core.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return core.broadcast_object(obj, src)
-
     def teardown(self) -> None:
         for optimizer in self._optimizers:
             optimizer.detach_hooks()
         self._optimizers.clear()
-        if self.timeline:
-            core.stop_timeline()
-        if self._owns_process_group:
-            dist.destroy_process_group()  # local: the group holds no threads or sockets
-            self._owns_process_group = False
+        self._stop_ring()
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Data-parallel training over ringplug's ring",
-            override=True,
-        )
 
 
 class _RingBackwardSyncControl(_BackwardSyncControl):

@@ -8,7 +8,6 @@ from collections.abc import Generator
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
@@ -23,8 +22,12 @@ from torch.utils.data import DataLoader
 
 from .. import core
 from ..diagnose import arrived as batch_arrived
-from ..fabric.common import configure_launcher, gather_over_ranks, reduce_over_ranks, split_threads
-from ..torch import backend as torch_backend
+from ..fabric.common import (
+    RingParallel,
+    configure_launcher,
+    gather_over_ranks,
+    reduce_over_ranks,
+)
 from ..torch import broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
 from ..torch.state import broadcast_buffers
@@ -47,7 +50,7 @@ class RingSyncBatchNorm(LayerSync):
         return revert_sync_batchnorm(model)
 
 
-class RingStrategy(ParallelStrategy):
+class RingStrategy(RingParallel, ParallelStrategy):
     """Lightning strategy that averages gradients over ranks through ringplug's engine.
 
     Start the ranks with the MPI launcher (``ringrun -np 4 python train.py``); each rank
@@ -142,31 +145,6 @@ class RingStrategy(ParallelStrategy):
     def is_distributed(self) -> bool:
         return True
 
-    @property
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices or [torch.device("cpu")]
-        if devices[0].type == "cpu":
-            return torch.device("cpu")
-        # One rank per GPU, as DDP: local rank i takes device i (the only one when the
-        # launcher gave each rank its own CUDA_VISIBLE_DEVICES).
-        return devices[self.local_rank] if len(devices) > 1 else devices[0]
-
-    @property
-    def num_nodes(self) -> int:
-        return getattr(self, "_num_nodes", 1)
-
-    @num_nodes.setter
-    def num_nodes(self, value: int) -> None:
-        self._num_nodes = value
-
-    @property
-    def num_processes(self) -> int:
-        return 1  # one process per device; the launcher decides how many
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
     def set_world_ranks(self) -> None:
         rank_zero_only.rank = self.global_rank
 
@@ -175,15 +153,7 @@ class RingStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
-        core.init()
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)  # NCCL and the caching allocator follow it
-        split_threads()
-        if self.timeline:
-            core.start_timeline(self.timeline)
-        # torchmetrics, SyncBatchNorm, Lightning's own torch.distributed calls and user code
-        # reach the engine through the ringplug backend: one core for every collective.
-        self._owns_process_group = torch_backend.init_process_group()
+        self._start_ring()
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
@@ -296,12 +266,6 @@ class RingStrategy(ParallelStrategy):
             broadcast_buffers(buffers, root_rank=0, name="buffers")
 
     # ------------------------------------------------------------------ collectives
-    def barrier(self, name: str | None = None) -> None:
-        core.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return core.broadcast_object(obj, src)
-
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce a tensor over ranks ("mean"/"avg", "sum", "max", "min" or a ReduceOp)."""
         return reduce_over_ranks(tensor, reduce_op, self.world_size, group)
@@ -328,21 +292,8 @@ class RingStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             if hasattr(optimizer, "detach_hooks"):
                 optimizer.detach_hooks()  # a later fit of the same model starts afresh
-        if self.timeline:
-            core.stop_timeline()
-        if getattr(self, "_owns_process_group", False):
-            dist.destroy_process_group()  # local: the group holds no threads or sockets
-            self._owns_process_group = False
+        self._stop_ring()
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Data-parallel training over ringplug's ring",
-            override=True,
-        )
 
 
 def allow_compiled_models() -> None:
