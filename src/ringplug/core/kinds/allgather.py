@@ -21,10 +21,8 @@ from .base import (
     check_buffers,
     contiguous,
     make,
-    name_request,
     result_as,
     start,
-    submit,
 )
 
 if TYPE_CHECKING:
@@ -59,8 +57,7 @@ def allgather_async(
             finish=lambda result: result_as(source, result),
         )
 
-    request_name, given = name_request(name)
-    return submit(request_name, given, build)
+    return start(name, build)
 
 
 allgather = blocking(

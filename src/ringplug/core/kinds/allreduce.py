@@ -28,10 +28,8 @@ from .base import (
     check_scaling,
     contiguous,
     make,
-    name_request,
     result_as,
     start,
-    submit,
 )
 
 if TYPE_CHECKING:
@@ -52,7 +50,6 @@ def allreduce_async(
 
     Don't touch `array` or `out` until the handle is done.
     """
-    request_name, given = name_request(name)
 
     def build(request_name: str) -> Request:
         source = as_array(array)
@@ -91,7 +88,7 @@ def allreduce_async(
             finish=finish,
         )
 
-    return submit(request_name, given, build)
+    return start(name, build)
 
 
 allreduce = blocking(
@@ -189,8 +186,7 @@ def grouped_allreduce_async(
             finish=finish,
         )
 
-    request_name, given = name_request(name)
-    return submit(request_name, given, build)
+    return start(name, build)
 
 
 grouped_allreduce = blocking(

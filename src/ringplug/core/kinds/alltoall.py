@@ -17,9 +17,8 @@ from .base import (
     as_array,
     blocking,
     contiguous,
-    name_request,
     result_as,
-    submit,
+    start,
 )
 
 if TYPE_CHECKING:
@@ -51,8 +50,7 @@ def alltoall_async(
             finish=lambda result: (result_as(source, result[0]), result[1]),
         )
 
-    request_name, given = name_request(name)
-    return submit(request_name, given, build)
+    return start(name, build)
 
 
 alltoall = blocking(

@@ -20,9 +20,7 @@ from .base import (
     check_buffers,
     check_root,
     make,
-    name_request,
     start,
-    submit,
 )
 
 if TYPE_CHECKING:
@@ -73,8 +71,7 @@ def broadcast_async(
             finish=finish,
         )
 
-    request_name, given = name_request(name)
-    return submit(request_name, given, build)
+    return start(name, build)
 
 
 broadcast = blocking(

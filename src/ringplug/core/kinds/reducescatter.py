@@ -23,10 +23,8 @@ from .base import (
     check_scaling,
     contiguous,
     make,
-    name_request,
     result_as,
     start,
-    submit,
 )
 
 if TYPE_CHECKING:
@@ -64,8 +62,7 @@ def reducescatter_async(
             finish=lambda result: result_as(source, result),
         )
 
-    request_name, given = name_request(name)
-    return submit(request_name, given, build)
+    return start(name, build)
 
 
 reducescatter = blocking(
