@@ -41,9 +41,11 @@ def size_of(signature: Signature, threshold: int) -> int:
     return nbytes if 0 < nbytes <= threshold else 0
 
 
-def layout(message: Message, cache: Cache, budget: int) -> list[tuple[str, int, int]]:
+def layout(message: Message, cache: Cache) -> list[tuple[str, int, int]]:
     """(name, offset, bytes) of each request `message` carries the data of: its eligible
-    cached requests in slot order, then its numbered ones in its order, while they fit."""
+    cached requests in slot order, then its numbered ones in its order, while they fit in
+    the cache's `eager_threshold`."""
+    budget = cache.eager_threshold
     carried = []
     offset = 0
     bits = message.cached & cache.eager_mask
@@ -67,10 +69,10 @@ def layout(message: Message, cache: Cache, budget: int) -> list[tuple[str, int, 
     return carried
 
 
-def pack(message: Message, pending: dict[str, Request], cache: Cache, budget: int) -> bytes:
+def pack(message: Message, pending: dict[str, Request], cache: Cache) -> bytes:
     """This rank's eager data for its `message` (`pending`: its requests by name)."""
     pieces = []
-    for name, _, _ in layout(message, cache, budget):
+    for name, _, _ in layout(message, cache):
         request = pending[name]
         reduction = request.payload
         for send in reduction.sends:  # a grouped allreduce's arrays one after the other
@@ -81,7 +83,7 @@ def pack(message: Message, pending: dict[str, Request], cache: Cache, budget: in
     return b"".join(pieces)
 
 
-def received(messages: list[Message], cache: Cache, budget: int) -> dict[str, list[memoryview]]:
+def received(messages: list[Message], cache: Cache) -> dict[str, list[memoryview]]:
     """name -> every rank's data of it, in rank order, for the requests that every
     message of this cycle carries (read before the cache learns this cycle's plan)."""
     if not cache.eager_mask:
@@ -91,12 +93,12 @@ def received(messages: list[Message], cache: Cache, budget: int) -> dict[str, li
         views = [memoryview(message.eager) for message in messages]  # a repeated step
         return {
             name: [view[offset : offset + nbytes] for view in views]
-            for name, offset, nbytes in layout(first, cache, budget)
+            for name, offset, nbytes in layout(first, cache)
         }
     common: dict[str, list[memoryview]] | None = None
     for message in messages:
         data = memoryview(message.eager)
-        here = {name: data[o : o + n] for name, o, n in layout(message, cache, budget)}
+        here = {name: data[o : o + n] for name, o, n in layout(message, cache)}
         if common is None:
             common = {name: [view] for name, view in here.items()}
         else:
@@ -117,10 +119,6 @@ def reduce_into(
     for out in outs:
         first, second, *others = (array[offset : offset + out.size] for array in arrays)
         offset += out.size
-        if reduce.is_plain(code):
-            reduce.ufunc(op)(first, second, out=out)  # = copy the first, combine the second
-        else:
-            np.copyto(out, first)
-            reduce.combine(out, second, op, code)
+        reduce.combine_into(out, first, second, op, code)
         for other in others:
             reduce.combine(out, other, op, code)

@@ -66,7 +66,6 @@ _CACHE_CAPACITY = 4096
 # when that is free within this long (it holds `_mpi` only to look for work, or to run a
 # cycle that has deadlines of its own); otherwise the engine thread runs them.
 _DRIVE_ACQUIRE_SECONDS = 1e-3
-_UNNAMED = UNNAMED
 
 
 def _cores() -> int:
@@ -80,7 +79,7 @@ def cacheable_name(name: str) -> bool:
     """Whether the negotiation cache may learn a request of this name: given names, but not
     numbered ones ("torch.default#12", used once). Decided from the name alone, so that a
     joined rank, which sees only the names, learns the same slots as the others."""
-    return not name.startswith(_UNNAMED) and "#" not in name
+    return not name.startswith(UNNAMED) and "#" not in name
 
 
 class Engine:
@@ -207,15 +206,15 @@ class Engine:
         same sequence on every rank, restarting with each init())."""
         with self._lock:
             number, self._unnamed_next = self._unnamed_next, self._unnamed_next + 1
-        return f"{_UNNAMED}{number}"
+        return f"{UNNAMED}{number}"
 
     def _follow_unnamed(self, names: Iterable[str]) -> None:
         """A joined rank takes part in the others' unnamed requests without calling them:
         move its numbering past theirs, so that its calls after join() match theirs."""
         highest = 0
         for name in names:
-            if name.startswith(_UNNAMED) and name not in self.pending:
-                number = name[len(_UNNAMED) :]
+            if name.startswith(UNNAMED) and name not in self.pending:
+                number = name[len(UNNAMED) :]
                 if number.isdigit():
                     highest = max(highest, int(number))
         if highest:
@@ -404,7 +403,7 @@ class Engine:
         messages = self._exchange.exchange(self._cycle, own, list(self.pending))
         self._stalls.activities = [m.activity for m in messages]  # for the stall reports
         plan = decide(messages, self._cache)
-        self.eager_copies = eager.received(messages, self._cache, self._cache.eager_threshold)
+        self.eager_copies = eager.received(messages, self._cache)
         self.cycles_run += 1
         if plan.shutdown_by is not None:
             if plan.shutdown_by == self.rank:
@@ -460,7 +459,7 @@ class Engine:
                     continue
             message.new.append((name, request.signature, request.extra))
         if cache.eager_mask:
-            message.eager = eager.pack(message, self.pending, cache, cache.eager_threshold)
+            message.eager = eager.pack(message, self.pending, cache)
         message.stall_abort = self._stalls.take_abort()
         return message
 

@@ -44,14 +44,15 @@ def check_op(op: ReduceOp, code: DType, prescale: float, postscale: float) -> No
             )
 
 
-def is_plain(code: DType) -> bool:
-    """Whether `combine` applies the op's numpy ufunc as it is (not bool or 16-bit floats)."""
-    return code not in (DType.BOOL, DType.BFLOAT16, DType.FLOAT16)
-
-
-def ufunc(op: ReduceOp) -> np.ufunc:
-    """The numpy ufunc `combine` applies for `op` on plain types (see `is_plain`)."""
-    return _UFUNC[op]
+def combine_into(
+    out: np.ndarray, first: np.ndarray, second: np.ndarray, op: ReduceOp, code: DType
+) -> None:
+    """out <- first (op) second: the values of copying `first` to `out`, then `combine`."""
+    if code in (DType.BOOL, DType.BFLOAT16, DType.FLOAT16):
+        np.copyto(out, first)
+        combine(out, second, op, code)
+    else:
+        _UFUNC[op](first, second, out=out)
 
 
 def combine(acc: np.ndarray, other: np.ndarray, op: ReduceOp, code: DType) -> None:
