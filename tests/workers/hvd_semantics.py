@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -352,7 +353,8 @@ def main(outdir: Path) -> None:
     again = hvd.allreduce_async(torch.ones(1), name="twice", op=hvd.Sum)
     check("name-free-once-synchronized", lambda: hvd.synchronize(again).item() == size)
     polled = hvd.allreduce_async(torch.ones(1), name="polled", op=hvd.Sum)
-    while not hvd.poll(polled):  # the Horovod idiom: poll until done, then reuse the name
+    deadline = time.monotonic() + 60  # the Horovod idiom: poll until done, then reuse the name
+    while not hvd.poll(polled) and time.monotonic() < deadline:
         pass
     check(
         "name-free-once-polled-done",
