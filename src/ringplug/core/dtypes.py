@@ -45,6 +45,11 @@ class DType(enum.IntEnum):
         return _STORAGE[self].itemsize
 
 
+# DType by wire code: BY_CODE[code] is DType(code) at a tenth of the cost (an enum call
+# costs 0.5 us, and the engine converts several codes per collective).
+BY_CODE: tuple[DType, ...] = tuple(DType)
+
+
 _STORAGE: dict[DType, np.dtype] = {
     DType.FLOAT16: np.dtype(np.float16),
     DType.BFLOAT16: np.dtype(np.uint16),

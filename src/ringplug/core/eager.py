@@ -44,7 +44,20 @@ def size_of(signature: Signature, threshold: int) -> int:
 def layout(message: Message, cache: Cache) -> list[tuple[str, int, int]]:
     """(name, offset, bytes) of each request `message` carries the data of: its eligible
     cached requests in slot order, then its numbered ones in its order, while they fit in
-    the cache's `eager_threshold`."""
+    the cache's `eager_threshold`.
+
+    The last answer is kept in the cache (until it learns): a cycle asks it of this rank's
+    message and then of the same form in every peer's.
+    """
+    memo = cache.last_layout
+    if memo is not None and memo[0] == message.cached and memo[1] == message.numbered:
+        return memo[2]
+    carried = _layout(message, cache)
+    cache.last_layout = (message.cached, list(message.numbered), carried)
+    return carried
+
+
+def _layout(message: Message, cache: Cache) -> list[tuple[str, int, int]]:
     budget = cache.eager_threshold
     carried = []
     offset = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import struct
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from .negotiation import Message
@@ -43,7 +44,11 @@ def encode(message: Message) -> bytes:
     header = _HEADER.pack(
         message.cycle, message.joined_cycle, flags, seconds, len(words), length, len(numbered)
     )
-    pairs = struct.pack(f"<{2 * len(numbered)}q", *itertools.chain.from_iterable(numbered))
+    pairs = (
+        struct.pack(f"<{2 * len(numbered)}q", *itertools.chain.from_iterable(numbered))
+        if numbered
+        else b""
+    )
     return b"".join(
         (_COMPACT, header, words, bits.to_bytes(length, "little"), pairs, message.eager)
     )
@@ -55,16 +60,19 @@ def decode(data: bytes | bytearray) -> Message:
         return pickle.loads(data)
     cycle, joined, flags, seconds, length, bits_length, count = _HEADER.unpack_from(data, 1)
     start = 1 + _HEADER.size
-    phase = bytes(data[start : start + length]).decode()
+    phase = data[start : start + length].decode()
     start += length
     cached = int.from_bytes(data[start : start + bits_length], "little")
     start += bits_length
-    values = struct.unpack_from(f"<{2 * count}q", data, start)
-    start += 16 * count
+    numbered = []
+    if count:
+        values = struct.unpack_from(f"<{2 * count}q", data, start)
+        numbered = list(zip(values[::2], values[1::2], strict=True))
+        start += 16 * count
     return Message(
         cycle,
         cached,
-        numbered=list(zip(values[::2], values[1::2], strict=True)),
+        numbered=numbered,
         joined_cycle=joined,
         shutdown=bool(flags & _SHUTDOWN),
         renew=bool(flags & _RENEW),
@@ -85,21 +93,21 @@ class Exchange:
             from mpi4py import MPI
 
             self._status = MPI.Status()
+            self._byte, self._testall = MPI.BYTE, MPI.Request.Testall
 
     def peer_started(self) -> bool:
         """Whether a peer's message of a cycle this rank has not run yet has arrived."""
         return self.comm is not None and self.comm.Iprobe(tag=CONTROL_TAG)
 
-    def exchange(self, cycle: int, own: Message, pending: list[str]) -> list[Message]:
-        """Send `own` to every peer and receive theirs (this cycle's, in rank order)."""
+    def exchange(self, cycle: int, own: Message, pending: Collection[str]) -> list[Message]:
+        """Send `own` to every peer and receive theirs (this cycle's, in rank order);
+        `pending` names this rank's requests, for the message of a long wait."""
         messages: list[Message | None] = [None] * self.size
         messages[self.rank] = own
         if self.size == 1:
             return messages  # type: ignore[return-value]
-        from mpi4py import MPI
-
-        ctrl = self.comm
-        payload = [encode(own), MPI.BYTE]
+        ctrl, byte = self.comm, self._byte
+        payload = [encode(own), byte]
         sends = [ctrl.Isend(payload, peer, CONTROL_TAG) for peer in self._peers]
         waiting = list(self._peers)
         status = self._status
@@ -108,8 +116,8 @@ class Exchange:
         def arrived() -> bool:
             for peer in waiting:
                 if probe(peer, CONTROL_TAG, status):
-                    buffer = bytearray(status.Get_count(MPI.BYTE))
-                    ctrl.Recv([buffer, MPI.BYTE], peer, CONTROL_TAG)
+                    buffer = bytearray(status.Get_count(byte))
+                    ctrl.Recv([buffer, byte], peer, CONTROL_TAG)
                     messages[peer] = decode(buffer)
             if len(waiting) > 1:
                 waiting[:] = [peer for peer in waiting if messages[peer] is None]
@@ -127,6 +135,6 @@ class Exchange:
                 f"pending here: {shown or 'nothing of its own'}",
                 missing=lambda: sorted(waiting),
             )
-        if not MPI.Request.Testall(sends):
+        if not self._testall(sends):
             self.waiter.wait_requests(sends, "sending this rank's negotiation message")
         return messages  # type: ignore[return-value]

@@ -20,10 +20,11 @@ import numpy as np
 
 from . import eager, reduce, ring
 from .config import Settings
-from .dtypes import DType
+from .dtypes import BY_CODE, DType
 from .errors import CommunicatorFailed
 from .kind import GPU, identity
 from .negotiation import Kind, Response
+from .ops import BY_CODE as OP_BY_CODE
 from .ops import ReduceOp
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ class Reduction:
 def batches(responses: list[Response], threshold: int) -> Iterator[list[Response] | Response]:
     """The plan in running order: lists of allreduces to fuse (same dtype, op and place, at
     most `threshold` bytes together, or one larger tensor), and other collectives alone."""
+    if len(responses) == 1:  # a step's one collective (a synchronous call): nothing to group
+        yield [responses[0]] if responses[0].signature.kind is Kind.ALLREDUCE else responses[0]
+        return
     batch: list[Response] = []
     batch_bytes = 0
     for response in responses:
@@ -59,7 +63,7 @@ def batches(responses: list[Response], threshold: int) -> Iterator[list[Response
                 batch, batch_bytes = [], 0
             yield response
             continue
-        nbytes = math.prod(signature.shape) * DType(signature.code).itemsize
+        nbytes = math.prod(signature.shape) * BY_CODE[signature.code].itemsize
         if batch and (
             batch[0].signature.code != signature.code
             or batch[0].signature.op != signature.op
@@ -91,9 +95,10 @@ class Fusion:
         reduced there either way.
         """
         engine = self.engine
-        code, op = DType(batch[0].signature.code), ReduceOp(batch[0].signature.op)
+        signature = batch[0].signature
+        code, op = BY_CODE[signature.code], OP_BY_CODE[signature.op]
         requests = [engine.pending.pop(r.name, None) for r in batch]
-        if batch[0].signature.place == GPU:
+        if signature.place == GPU:
             self._gpu(batch, requests, code, op)
             return
         if engine.eager_copies:

@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 # instead of waking one event per tensor.
 _completed = threading.Condition()
 _callbacks_lock = threading.Lock()
+# Threads inside `_completed.wait_for`: with none (a caller that ran its own cycle, the
+# usual case of a synchronous call) the engine skips the notify.
+_sleepers = 0
 
 
 class Handle:
@@ -49,8 +52,14 @@ class Handle:
         if engine is not None and not self._done:
             engine.drive(self)
         if not self._done:
+            global _sleepers
             with _completed:
-                if not _completed.wait_for(lambda: self._done, timeout):
+                _sleepers += 1
+                try:
+                    finished = _completed.wait_for(lambda: self._done, timeout)
+                finally:
+                    _sleepers -= 1
+                if not finished:
                     raise TimeoutError(
                         f"collective {self.name!r} did not finish within {timeout} s"
                     )
@@ -87,8 +96,15 @@ class Handle:
 
 
 def wake_waiters() -> None:
-    with _completed:
-        _completed.notify_all()
+    """Wake the threads waiting for a handle, after handles finished.
+
+    Reading `_sleepers` without the lock is safe: a handle is marked done before this is
+    called, and a thread that starts waiting after the read checks `_done` under the lock
+    before it sleeps.
+    """
+    if _sleepers:
+        with _completed:
+            _completed.notify_all()
 
 
 @dataclasses.dataclass(eq=False, slots=True)

@@ -143,6 +143,10 @@ class Cache:
         self.eager_threshold = eager_threshold
         self.eager_mask = 0
         self.eager_bytes: list[int] = []
+        # eager.layout's last answer: (cached bits, numbered pairs, layout).
+        self.last_layout: tuple[int, list[tuple[int, int]], list[tuple[str, int, int]]] | None = (
+            None
+        )
 
     def slot_for(self, name: str, signature: Signature) -> int | None:
         """The slot that names this request exactly, or None (send it as new)."""
@@ -163,6 +167,7 @@ class Cache:
     def learn(self, plan: Plan, cacheable_names: set[str]) -> None:
         """Give agreed, cacheable requests a slot (or their new signature), and the prefix
         and signature of numbered ones (decided from the plan alone, the same everywhere)."""
+        self.last_layout = None
         for response in plan.responses:
             name, signature = response.name, response.signature
             if not kind_of(signature.kind).cacheable:
@@ -170,6 +175,8 @@ class Cache:
             if name in cacheable_names:
                 slot = self.by_name.get(name)
                 if slot is not None:
+                    if self.slots[slot][1] == signature:
+                        continue  # known as it is: nothing to learn
                     self.slots[slot] = (name, signature)
                 elif len(self.slots) < self.capacity:
                     slot = self.by_name[name] = self._add(name, signature)

@@ -20,6 +20,9 @@ class ReduceOp(enum.IntEnum):
     PRODUCT = 4
 
 
+BY_CODE: tuple[ReduceOp, ...] = tuple(ReduceOp)  # ReduceOp by code, without an enum call
+
+
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
 Min = ReduceOp.MIN

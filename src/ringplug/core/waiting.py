@@ -166,14 +166,16 @@ class Waiter:
     # ------------------------------------------------------------------ waiting
     def wait_requests(self, requests: Sequence[Any], phase: str = "") -> None:
         """Wait until every MPI request in `requests` completed (see `wait`)."""
-        from mpi4py import MPI
-
         if not requests:
             return
         requests = list(requests)
         # One request (the usual case) is tested by its own method: the poll loop is MPI's
         # progress engine, and each Python call less in it is more progress per microsecond.
-        done = requests[0].Test if len(requests) == 1 else lambda: MPI.Request.Testall(requests)
+        if len(requests) == 1:
+            done = requests[0].Test
+        else:
+            testall = type(requests[0]).Testall
+            done = lambda: testall(requests)  # noqa: E731
         try:
             self.wait(done, phase)
         except BaseException:
