@@ -155,6 +155,9 @@ class Fusion:
     def _host(
         self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp
     ) -> None:
+        if len(requests) == 1 and requests[0] is not None and len(requests[0].payload.sends) == 1:
+            self._one(requests[0], code, op)
+            return
         engine = self.engine
         # One entry per tensor: (request or None for a joined rank, input, output).
         entries: list[tuple[Request | None, np.ndarray, np.ndarray]] = []
@@ -220,24 +223,59 @@ class Fusion:
                 reduce.scale(out, factor, code)
         copied_out = time.perf_counter()
         engine.complete_each(requests)
-        timeline = engine.timeline
-        if timeline is not None:
-            for request in requests:
-                if request is None:
-                    continue
-                engine.trace_wait(timeline, request, start)
-                if copied_in - start > 1e-6:
-                    timeline.span(request.name, "COPY_IN", start, copied_in)
-                timeline.span(
-                    request.name,
-                    "ALLREDUCE",
-                    copied_in,
-                    reduced,
-                    fused=len(batch),
-                    path=engine.transport.last_path,
-                )
-                if packed:
-                    timeline.span(request.name, "COPY_OUT", reduced, copied_out)
+        if engine.timeline is not None:
+            self._trace(requests, len(batch), (start, copied_in, reduced, copied_out), packed)
+
+    def _one(self, request: Request, code: DType, op: ReduceOp) -> None:
+        """`_host` for a batch of one request of one array (a synchronous call's usual
+        shape): reduced where its output lies, its factor applied inside the reduction."""
+        engine = self.engine
+        reduction = request.payload
+        out = reduction.outs[0]
+        start = time.perf_counter()
+        if not reduction.in_place:
+            np.copyto(out, reduction.sends[0])
+        reduce.scale(out, reduction.prescale, code)
+        copied_in = time.perf_counter()
+        factor = reduction.postscale
+        if op is ReduceOp.AVERAGE:
+            factor /= engine.size
+        engine.transport.allreduce(out, op, code, postscale=factor)
+        reduced = time.perf_counter()
+        engine.collectives_run += 1
+        engine.complete(request)
+        if engine.timeline is not None:
+            self._trace([request], 1, (start, copied_in, reduced, reduced), packed=False)
+
+    def _trace(
+        self,
+        requests: list[Request | None],
+        fused: int,
+        times: tuple[float, float, float, float],
+        packed: bool,
+    ) -> None:
+        """The timeline's spans of a host batch: its wait, the copy in, the reduction
+        and the copy out (`times`: start, copied in, reduced, copied out)."""
+        engine, timeline = self.engine, self.engine.timeline
+        if timeline is None:
+            return
+        start, copied_in, reduced, copied_out = times
+        for request in requests:
+            if request is None:
+                continue
+            engine.trace_wait(timeline, request, start)
+            if copied_in - start > 1e-6:
+                timeline.span(request.name, "COPY_IN", start, copied_in)
+            timeline.span(
+                request.name,
+                "ALLREDUCE",
+                copied_in,
+                reduced,
+                fused=fused,
+                path=engine.transport.last_path,
+            )
+            if packed:
+                timeline.span(request.name, "COPY_OUT", reduced, copied_out)
 
     def _gpu(
         self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp

@@ -47,6 +47,7 @@ class Transport:
         self.last_path = ""  # which path the last allreduce took (tests and benchmarks read it)
         # The engine gives its own, which also carries notices between the ranks.
         self.waiter = Waiter(None, settings, self.rank, self.size)
+        self._mpi_ops: dict[ReduceOp, MPI.Op] = {}  # made at the first MPI allreduce
 
     def free(self) -> None:
         if self._comm is not None:
@@ -112,10 +113,13 @@ class Transport:
             mpi_op = MPI.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else MPI.MIN
             flat = flat.view(np.uint8)
         else:
-            mpi_op = {
-                ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN,
-                ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD,
-            }[op]  # fmt: skip
+            ops = self._mpi_ops
+            if not ops:
+                ops.update({
+                    ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+                    ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD,
+                })  # fmt: skip
+            mpi_op = ops[op]
         self._wait(self._comm.Iallreduce(MPI.IN_PLACE, flat, mpi_op), "MPI Iallreduce")
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
