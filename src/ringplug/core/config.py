@@ -34,10 +34,12 @@ class Settings:
     # watchdog: long enough for a slow checkpoint on one rank, never half an hour of silence.
     timeout: float = 600.0
     # From this many bytes on, allreduce uses ringplug's ring instead of MPI's own Allreduce.
-    # Measured on the 2-core CI machine, 2 ranks: MPICH's Allreduce is as fast as the ring
-    # up to 8-16 MiB and falls to half the ring's bandwidth from 32 MiB (it page-faults a
-    # fresh temporary every call).
-    ring_threshold: int = 8 << 20
+    # Measured on the 2-core CI machine, 2 ranks (5 runs per setting, medians of the speed
+    # against MPI's Allreduce): at 4 MiB the ring reached 0.94-0.97x, MPI's Iallreduce
+    # 0.79x; at 1 MiB the ring lost (0.57-0.63x against 0.73-0.78x); 3 ranks at 4 MiB took
+    # 6.1-6.9 ms on the ring, 6.3-9.0 on MPI. From 32 MiB MPICH falls to half the ring's
+    # bandwidth (it page-faults a fresh temporary every call).
+    ring_threshold: int = 4 << 20
     # Bytes per ring pipeline segment: small enough that received data is still in the L2
     # cache when it is reduced (256 KiB to 2 MiB measured alike at 64 MiB; 512 KiB best).
     ring_segment: int = 512 << 10
