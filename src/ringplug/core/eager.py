@@ -96,13 +96,16 @@ def pack(message: Message, pending: dict[str, Request], cache: Cache) -> bytes:
     return b"".join(pieces)
 
 
-def received(messages: list[Message], cache: Cache) -> dict[str, list[memoryview]]:
+def received(
+    messages: list[Message], cache: Cache, repeated: bool = False
+) -> dict[str, list[memoryview]]:
     """name -> every rank's data of it, in rank order, for the requests that every
-    message of this cycle carries (read before the cache learns this cycle's plan)."""
+    message of this cycle carries (read before the cache learns this cycle's plan);
+    `repeated`: the plan found every message alike (`decide`)."""
     if not cache.eager_mask:
         return {}
     first = messages[0]
-    if all(m.cached == first.cached and m.numbered == first.numbered for m in messages):
+    if repeated or all(m.cached == first.cached and m.numbered == first.numbered for m in messages):
         views = [memoryview(message.eager) for message in messages]  # a repeated step
         return {
             name: [view[offset : offset + nbytes] for view in views]

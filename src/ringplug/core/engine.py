@@ -189,7 +189,8 @@ class Engine:
         if self._mpi.acquire(timeout=_DRIVE_ACQUIRE_SECONDS):
             try:
                 while not (handle._done or self._ended):
-                    if any(name != handle.name for name in self.pending):
+                    pending = self.pending
+                    if len(pending) > (handle.name in pending):
                         break  # the engine is not idle: its thread carries the work in flight
                     if not self._wait_for_work(handle):
                         break
@@ -319,6 +320,12 @@ class Engine:
         wait got long and the engine thread takes over.
         """
         driving = handle is not None
+        if driving:  # the usual case first: the caller's own request is queued
+            with self._lock:
+                if self._ended or handle._done or not self._host_only:
+                    return False
+                if self._queue or self._stop_requested:
+                    return True
         delay = 20e-6
         retry_at = time.monotonic() + self._idle_period
         # Right after a cycle the next request or a peer's message is usually microseconds
@@ -410,7 +417,7 @@ class Engine:
         messages = self._exchange.exchange(self._cycle, own, self.pending)
         self._stalls.activities = [m.activity for m in messages]  # for the stall reports
         plan = decide(messages, self._cache)
-        self.eager_copies = eager.received(messages, self._cache)
+        self.eager_copies = eager.received(messages, self._cache, plan.repeated)
         self.cycles_run += 1
         if plan.shutdown_by is not None:
             if plan.shutdown_by == self.rank:
