@@ -131,6 +131,12 @@ def reduce_into(
     ring's kernels (`reduce`); `outs` lie one after the other in each copy."""
     storage = code.storage
     arrays = [np.frombuffer(copy, storage) for copy in copies]
+    if len(outs) == 1:  # one array: each copy is exactly its data
+        out = outs[0]
+        reduce.combine_into(out, arrays[0], arrays[1], op, code)
+        for other in arrays[2:]:
+            reduce.combine(out, other, op, code)
+        return
     offset = 0
     for out in outs:
         first, second, *others = (array[offset : offset + out.size] for array in arrays)
