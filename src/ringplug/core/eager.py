@@ -131,16 +131,11 @@ def reduce_into(
     ring's kernels (`reduce`); `outs` lie one after the other in each copy."""
     storage = code.storage
     arrays = [np.frombuffer(copy, storage) for copy in copies]
-    if len(outs) == 1:  # one array: each copy is exactly its data
-        out = outs[0]
-        reduce.combine_into(out, arrays[0], arrays[1], op, code)
-        for other in arrays[2:]:
-            reduce.combine(out, other, op, code)
-        return
     offset = 0
     for out in outs:
-        first, second, *others = (array[offset : offset + out.size] for array in arrays)
+        # One array (the usual request) is each copy whole: no slices to make.
+        parts = arrays if len(outs) == 1 else [a[offset : offset + out.size] for a in arrays]
         offset += out.size
-        reduce.combine_into(out, first, second, op, code)
-        for other in others:
+        reduce.combine_into(out, parts[0], parts[1], op, code)
+        for other in parts[2:]:
             reduce.combine(out, other, op, code)

@@ -30,6 +30,7 @@ from .ops import ReduceOp
 if TYPE_CHECKING:
     from .engine import Engine
     from .handles import Request
+    from .timeline import Timeline
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -45,6 +46,11 @@ class Reduction:
     prescale: float = 1.0
     postscale: float = 1.0
     ready: Any = None
+
+    def factor(self, op: ReduceOp, size: int) -> float:
+        """What the reduced values are multiplied by: `postscale`, over `size` ranks for
+        Average (which the wire sums)."""
+        return self.postscale / size if op is ReduceOp.AVERAGE else self.postscale
 
 
 def batches(responses: list[Response], threshold: int) -> Iterator[list[Response] | Response]:
@@ -126,7 +132,6 @@ class Fusion:
         copies = engine.eager_copies
         rest: list[Response] = []
         rest_requests: list[Request | None] = []
-        average = op is ReduceOp.AVERAGE
         timeline = engine.timeline
         for response, request in zip(batch, requests, strict=True):
             views = copies.get(response.name) if request is not None else None
@@ -138,9 +143,9 @@ class Fusion:
             outs = request.payload.outs
             try:
                 eager.reduce_into(outs, views, op, code)
-                postscale = request.payload.postscale
+                factor = request.payload.factor(op, engine.size)
                 for out in outs:
-                    reduce.scale(out, postscale / engine.size if average else postscale, code)
+                    reduce.scale(out, factor, code)
             except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
                 engine.complete(request, error=exc)
                 continue
@@ -200,11 +205,7 @@ class Fusion:
             if request is not None and request.payload.prescale != 1.0:
                 reduce.scale(part, request.payload.prescale, code)
         copied_in = time.perf_counter()
-        average = op is ReduceOp.AVERAGE
-        factors = {
-            request.payload.postscale / engine.size if average else request.payload.postscale
-            for request in present
-        }
+        factors = {request.payload.factor(op, engine.size) for request in present}
         # One factor for the whole batch (the usual case) is applied inside the reduction,
         # with no pass of its own over the result.
         shared = factors.pop() if len(factors) == 1 else 1.0
@@ -216,15 +217,16 @@ class Fusion:
                 continue
             if packed:
                 out[...] = part
-            factor = (
-                request.payload.postscale / engine.size if average else request.payload.postscale
-            )
+            factor = request.payload.factor(op, engine.size)
             if shared == 1.0 and factor != 1.0:
                 reduce.scale(out, factor, code)
         copied_out = time.perf_counter()
         engine.complete_each(requests)
-        if engine.timeline is not None:
-            self._trace(requests, len(batch), (start, copied_in, reduced, copied_out), packed)
+        timeline = engine.timeline
+        if timeline is not None:
+            self._trace(
+                timeline, requests, len(batch), (start, copied_in, reduced, copied_out), packed
+            )
 
     def _one(self, request: Request, code: DType, op: ReduceOp) -> None:
         """`_host` for a batch of one request of one array (a synchronous call's usual
@@ -237,18 +239,17 @@ class Fusion:
             np.copyto(out, reduction.sends[0])
         reduce.scale(out, reduction.prescale, code)
         copied_in = time.perf_counter()
-        factor = reduction.postscale
-        if op is ReduceOp.AVERAGE:
-            factor /= engine.size
-        engine.transport.allreduce(out, op, code, postscale=factor)
+        engine.transport.allreduce(out, op, code, postscale=reduction.factor(op, engine.size))
         reduced = time.perf_counter()
         engine.collectives_run += 1
         engine.complete(request)
-        if engine.timeline is not None:
-            self._trace([request], 1, (start, copied_in, reduced, reduced), packed=False)
+        timeline = engine.timeline
+        if timeline is not None:
+            self._trace(timeline, [request], 1, (start, copied_in, reduced, reduced), packed=False)
 
     def _trace(
         self,
+        timeline: Timeline,
         requests: list[Request | None],
         fused: int,
         times: tuple[float, float, float, float],
@@ -256,9 +257,7 @@ class Fusion:
     ) -> None:
         """The timeline's spans of a host batch: its wait, the copy in, the reduction
         and the copy out (`times`: start, copied in, reduced, copied out)."""
-        engine, timeline = self.engine, self.engine.timeline
-        if timeline is None:
-            return
+        engine = self.engine
         start, copied_in, reduced, copied_out = times
         for request in requests:
             if request is None:

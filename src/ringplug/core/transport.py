@@ -47,7 +47,14 @@ class Transport:
         self.last_path = ""  # which path the last allreduce took (tests and benchmarks read it)
         # The engine gives its own, which also carries notices between the ranks.
         self.waiter = Waiter(None, settings, self.rank, self.size)
-        self._mpi_ops: dict[ReduceOp, MPI.Op] = {}  # made at the first MPI allreduce
+        self._mpi_ops: dict[ReduceOp, MPI.Op] = {}
+        if comm is not None:
+            from mpi4py import MPI
+
+            self._mpi_ops = {
+                ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+                ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD,
+            }  # fmt: skip
 
     def free(self) -> None:
         if self._comm is not None:
@@ -113,13 +120,7 @@ class Transport:
             mpi_op = MPI.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else MPI.MIN
             flat = flat.view(np.uint8)
         else:
-            ops = self._mpi_ops
-            if not ops:
-                ops.update({
-                    ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN,
-                    ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD,
-                })  # fmt: skip
-            mpi_op = ops[op]
+            mpi_op = self._mpi_ops[op]
         self._wait(self._comm.Iallreduce(MPI.IN_PLACE, flat, mpi_op), "MPI Iallreduce")
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
