@@ -84,16 +84,25 @@ def _layout(message: Message, cache: Cache) -> list[tuple[str, int, int]]:
 
 def pack(message: Message, pending: dict[str, Request], cache: Cache) -> bytes:
     """This rank's eager data for its `message` (`pending`: its requests by name)."""
-    pieces = []
-    for name, _, _ in layout(message, cache):
-        request = pending[name]
-        reduction = request.payload
-        for send in reduction.sends:  # a grouped allreduce's arrays one after the other
-            if reduction.prescale != 1.0:
-                send = send.copy()
-                reduce.scale(send, reduction.prescale, DType(request.signature.code))
-            pieces.append(send.data)
-    return b"".join(pieces)
+    return b"".join(
+        [piece for name, _, _ in layout(message, cache) for piece in pieces(pending[name])]
+    )
+
+
+def pieces(request: Request) -> list[memoryview]:
+    """What a message carries of `request`, as bytes: its arrays one after the other (a
+    grouped allreduce has several), prescaled. Views of the caller's arrays unless scaled:
+    encoding the message copies them, so that an allreduce in place cannot change this
+    rank's copy while the copies are reduced."""
+    reduction = request.payload
+    if reduction.prescale == 1.0:
+        return [send.data.cast("B") for send in reduction.sends]
+    scaled = []
+    for send in reduction.sends:
+        send = send.copy()
+        reduce.scale(send, reduction.prescale, DType(request.signature.code))
+        scaled.append(send.data.cast("B"))
+    return scaled
 
 
 def received(

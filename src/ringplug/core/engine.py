@@ -39,7 +39,7 @@ from .errors import (
     PeerLeftError,
     RingplugError,
 )
-from .exchange import Exchange
+from .exchange import Exchange, compact, decode, messages, same_form
 from .fusion import Fusion, batches
 from .handles import Handle, Request, wake_waiters
 from .kind import GPU, SameEverywhere, check_joined, kind_of
@@ -192,7 +192,8 @@ class Engine:
                     pending = self.pending
                     if len(pending) > (handle.name in pending):
                         break  # the engine is not idle: its thread carries the work in flight
-                    if not self._wait_for_work(handle):
+                    # Its own request is usually queued: no need to look further.
+                    if not (self._queue or self._wait_for_work(handle)):
                         break
                     self.cycles_by_callers += 1
                     if self._guarded_cycle():
@@ -394,6 +395,22 @@ class Engine:
         cycle_start = time.perf_counter()
         if self.settings.cycle_time > 0:
             time.sleep(self.settings.cycle_time)  # let more requests gather for fusion
+        fresh, stopping = self._take_submissions()
+        if len(fresh) == 1 and not (self.pending or stopping):
+            stop = self._express(fresh[0], cycle_start)
+            if stop is not None:
+                return stop
+        for request in fresh:
+            request.announced = cycle_start
+            self.pending[request.name] = request
+        self._cycle += 1
+        own = self._message(stopping)
+        messages, alike = self._exchange.exchange(self._cycle, own, self.pending)
+        return self._follow(messages, alike, cycle_start)
+
+    def _take_submissions(self) -> tuple[list[Request], bool]:
+        """The requests submitted since the last cycle (that this thread may run), and
+        whether this rank is shutting down."""
         on_engine_thread = threading.current_thread() is self._thread
         with self._lock:
             fresh = list(self._queue)
@@ -406,17 +423,77 @@ class Engine:
                 if self._queue:
                     self._handoff = True
                     self._lock.notify_all()
-            stopping = self._stop_requested
             if self._join_handle is not None and not self._joined_cycle:
                 self._joined_cycle = self._cycle + 1
-        for request in fresh:
-            request.announced = cycle_start
-            self.pending[request.name] = request
+            return fresh, self._stop_requested
+
+    def _express(self, request: Request, cycle_start: float) -> bool | None:
+        """The cycle of a lone request of a form the ranks agreed on before, with nothing
+        else in flight here (a synchronous call's usual cycle); None, before anything is
+        sent, when this cycle needs more than that (see `_run_cycle`).
+
+        Its message names the request's slot (and carries its data when it is a small
+        allreduce, see `eager`). When every peer sent a message of the same form, that is
+        the whole negotiation: the request runs at once, without the plan of `decide`, the
+        fusion of batches or the stall inspector, which have nothing to do in such a cycle.
+        Otherwise the messages go through the general path, as any cycle's.
+        """
+        if (
+            self._joined_cycle
+            or self._renew
+            or self.timeline is not None
+            or self._stalls.watching
+            or request.signature.place == GPU
+        ):
+            return None
+        cache = self._cache
+        if request.cacheable:
+            slot = cache.slot_for(request.name, request.signature)
+            if slot is None:
+                return None
+            bits, numbered = 1 << slot, ()
+        else:
+            entry = cache.numbered_slot(request.name, request.signature)
+            if entry is None:
+                return None
+            slot = entry[0]
+            bits, numbered = 0, (entry,)
+        carried = cache.eager_bytes[slot]
+        request.announced = cycle_start
+        self.pending[request.name] = request
         self._cycle += 1
-        own = self._message(stopping)
-        messages = self._exchange.exchange(self._cycle, own, self.pending)
+        wire = compact(
+            self._cycle,
+            bits,
+            numbered,
+            eager.pieces(request) if carried else (),
+            activity.current(),
+        )
+        received = self._exchange.send_and_receive(self._cycle, wire, self.pending)
+        length = same_form(wire, received)
+        if not length:
+            return self._follow(messages(decode(wire), wire, received)[0], False, cycle_start)
+        self.cycles_run += 1
+        if carried:
+            del self.pending[request.name]
+            end = length + carried
+            self._fusion.reduce_eager(request, [memoryview(data)[length:end] for data in received])
+            self.collectives_run += 1
+            self.transport.last_path = "eager"
+        else:
+            self.eager_copies = {}
+            count = self.size
+            response = Response(request.name, request.signature, [0] * count, [True] * count)
+            self._execute(Plan([response], repeated=True))
+        wake_waiters()
+        self._last_activity = time.perf_counter()
+        return False
+
+    def _follow(self, messages: list[Message], alike: bool, cycle_start: float) -> bool:
+        """Decide this cycle's plan from every rank's message and run it; True when the
+        engine should stop."""
         self._stalls.activities = [m.activity for m in messages]  # for the stall reports
-        plan = decide(messages, self._cache)
+        plan = decide(messages, self._cache, alike)
         self.eager_copies = eager.received(messages, self._cache, plan.repeated)
         self.cycles_run += 1
         if plan.shutdown_by is not None:

@@ -128,34 +128,41 @@ class Fusion:
     ) -> tuple[list[Response], list[Request | None]]:
         """Reduce the requests of `batch` whose data every rank's message carried (see
         `eager`); returns the rest of the batch, for the transport."""
-        engine = self.engine
-        copies = engine.eager_copies
+        copies = self.engine.eager_copies
         rest: list[Response] = []
         rest_requests: list[Request | None] = []
-        timeline = engine.timeline
         for response, request in zip(batch, requests, strict=True):
             views = copies.get(response.name) if request is not None else None
             if views is None:
                 rest.append(response)
                 rest_requests.append(request)
-                continue
-            start = time.perf_counter()
-            outs = request.payload.outs
-            try:
-                eager.reduce_into(outs, views, op, code)
-                factor = request.payload.factor(op, engine.size)
-                for out in outs:
-                    reduce.scale(out, factor, code)
-            except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
-                engine.complete(request, error=exc)
-                continue
-            engine.complete(request)
-            if timeline is not None:
-                engine.trace_wait(timeline, request, start)
-                timeline.span(request.name, "ALLREDUCE", start, time.perf_counter(), path="eager")
+            else:
+                self.reduce_eager(request, views)  # type: ignore[arg-type]
         if len(rest) < len(batch):
-            engine.transport.last_path = "eager"
+            self.engine.transport.last_path = "eager"
         return rest, rest_requests
+
+    def reduce_eager(self, request: Request, views: list[memoryview]) -> None:
+        """Complete `request` with every rank's copy of its data (`views`, in rank order),
+        reduced here as on every rank (see `eager`)."""
+        engine = self.engine
+        signature = request.signature
+        code, op = BY_CODE[signature.code], OP_BY_CODE[signature.op]
+        start = time.perf_counter()
+        outs = request.payload.outs
+        try:
+            eager.reduce_into(outs, views, op, code)
+            factor = request.payload.factor(op, engine.size)
+            for out in outs:
+                reduce.scale(out, factor, code)
+        except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
+            engine.complete(request, error=exc)
+            return
+        engine.complete(request)
+        timeline = engine.timeline
+        if timeline is not None:
+            engine.trace_wait(timeline, request, start)
+            timeline.span(request.name, "ALLREDUCE", start, time.perf_counter(), path="eager")
 
     def _host(
         self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp

@@ -203,10 +203,11 @@ class Cache:
         return len(self.slots) - 1
 
 
-def decide(messages: Sequence[Message], cache: Cache) -> Plan:
-    """The plan for one cycle; every rank computes the same one from the same messages."""
+def decide(messages: Sequence[Message], cache: Cache, alike: bool = False) -> Plan:
+    """The plan for one cycle; every rank computes the same one from the same messages
+    (`alike`: the exchange found every message of the same form, see `Exchange.exchange`)."""
     first = messages[0]
-    if all(
+    if (alike and not (first.new or first.joined_cycle or first.shutdown)) or all(
         m.cached == first.cached
         and m.numbered == first.numbered
         and not (m.new or m.joined_cycle or m.shutdown)

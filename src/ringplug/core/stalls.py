@@ -36,6 +36,12 @@ class StallInspector:
         # Every rank's training phase as its last message carried it (`core/activity.py`).
         self.activities: list[tuple[str, float]] = []
 
+    @property
+    def watching(self) -> bool:
+        """Whether requests some ranks lack are being watched (or rank 0 decided to fail
+        them): then every cycle needs the inspector."""
+        return bool(self._partial_since or self._abort)
+
     def take_abort(self) -> list[str]:
         """The requests rank 0 decided to fail, once (they go into its next message)."""
         names, self._abort = self._abort, []

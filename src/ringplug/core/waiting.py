@@ -134,6 +134,10 @@ class Waiter:
         self.spin_seconds = _SPIN_SECONDS
         self.pause: Callable[[], None] = _sleep_zero  # one yield of the core between tests
         self.abandoned: list[Any] = []  # requests of collectives given up (see wait_requests)
+        if comm is not None:  # looked up once: every collective reads the notices
+            from mpi4py import MPI
+
+            self._status, self._any_source, self._byte = MPI.Status(), MPI.ANY_SOURCE, MPI.BYTE
 
     # ------------------------------------------------------------------ context
     def begin(self, cycle: int, index: int, what: str) -> None:
@@ -187,14 +191,15 @@ class Waiter:
     def wait(
         self,
         done: Callable[[], bool],
-        phase: str = "",
+        phase: str | Callable[[], str] = "",
         missing: Callable[[], list[int]] | None = None,
     ) -> None:
         """Call `done` until it returns True, with a stall warning and a deadline.
 
         Args:
             done: tests for completion (and makes MPI progress).
-            phase: where in the collective, for messages ("ring step 2 of 4").
+            phase: where in the collective, for messages ("ring step 2 of 4"), or a function
+                that says it (called only for a message).
             missing: the peers this wait is known to lack (negotiation knows them);
                 ``None`` when only notices can tell.
 
@@ -261,11 +266,15 @@ class Waiter:
         ]
         return silent, alive
 
-    def _where(self, waited: float, phase: str) -> str:
+    def _where(self, waited: float, phase: str | Callable[[], str]) -> str:
+        if callable(phase):
+            phase = phase()
         where = f"{self.what}" + (f" ({phase})" if phase else "")
         return f"rank {self.rank} has waited {waited:.0f} s in {where}, engine cycle {self.cycle}"
 
-    def _warn(self, waited: float, phase: str, missing: Callable[[], list[int]] | None) -> None:
+    def _warn(
+        self, waited: float, phase: str | Callable[[], str], missing: Callable[[], list[int]] | None
+    ) -> None:
         silent, alive = self._silent(missing)
         # One rank speaks for all: the lowest one that is itself still taking part.
         if min([self.rank, *alive]) != self.rank:
@@ -303,7 +312,11 @@ class Waiter:
         return "RINGPLUG_STALL_SHUTDOWN_SECONDS"
 
     def _end_job(
-        self, waited: float, limit: float, phase: str, missing: Callable[[], list[int]] | None
+        self,
+        waited: float,
+        limit: float,
+        phase: str | Callable[[], str],
+        missing: Callable[[], list[int]] | None,
     ) -> None:
         silent, alive = self._silent(missing)
         if silent:
@@ -351,12 +364,10 @@ class Waiter:
         comm = self._comm
         if comm is None:
             return
-        from mpi4py import MPI
-
-        status = MPI.Status()
-        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=NOTICE_TAG, status=status):
-            buffer = bytearray(status.Get_count(MPI.BYTE))
-            comm.Recv([buffer, MPI.BYTE], status.Get_source(), NOTICE_TAG)
+        status = self._status
+        while comm.Iprobe(source=self._any_source, tag=NOTICE_TAG, status=status):
+            buffer = bytearray(status.Get_count(self._byte))
+            comm.Recv([buffer, self._byte], status.Get_source(), NOTICE_TAG)
             notice: Notice = pickle.loads(buffer)
             if notice.failed:
                 if notice.cycle >= self.cycle:
