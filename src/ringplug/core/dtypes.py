@@ -38,7 +38,7 @@ class DType(enum.IntEnum):
 
     @property
     def is_floating(self) -> bool:
-        return self in (DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64)
+        return self in _FLOATING
 
     @property
     def itemsize(self) -> int:
@@ -62,6 +62,7 @@ _STORAGE: dict[DType, np.dtype] = {
     DType.UINT8: np.dtype(np.uint8),
     DType.BOOL: np.dtype(np.bool_),
 }
+_FLOATING = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 _BY_NUMPY = {dtype: code for code, dtype in _STORAGE.items() if code is not DType.BFLOAT16}
 _BY_NAME = {code.label: code for code in DType}
 

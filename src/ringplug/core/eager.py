@@ -16,6 +16,7 @@ order, while their bytes fit in `RINGPLUG_EAGER_THRESHOLD` in all.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -134,17 +135,29 @@ def received(
 
 
 def reduce_into(
-    outs: list[np.ndarray], copies: list[memoryview], op: ReduceOp, code: DType
+    outs: list[np.ndarray],
+    copies: Sequence[bytes | bytearray | memoryview],
+    op: ReduceOp,
+    code: DType,
+    offset: int = 0,
 ) -> None:
     """Each of `outs` <- its part of every rank's copy, combined in rank order with the
-    ring's kernels (`reduce`); `outs` lie one after the other in each copy."""
+    ring's kernels (`reduce`); `outs` lie one after the other in each copy, from byte
+    `offset` on."""
     storage = code.storage
-    arrays = [np.frombuffer(copy, storage) for copy in copies]
-    offset = 0
+    if len(outs) == 1:  # one array (the usual request): each copy whole, no slices
+        out = outs[0]
+        first, second, *others = [np.frombuffer(c, storage, out.size, offset) for c in copies]
+        reduce.combine_into(out, first, second, op, code)
+        for other in others:
+            reduce.combine(out, other, op, code)
+        return
+    count = sum(out.size for out in outs)
+    arrays = [np.frombuffer(copy, storage, count, offset) for copy in copies]
+    start = 0
     for out in outs:
-        # One array (the usual request) is each copy whole: no slices to make.
-        parts = arrays if len(outs) == 1 else [a[offset : offset + out.size] for a in arrays]
-        offset += out.size
+        parts = [a[start : start + out.size] for a in arrays]
+        start += out.size
         reduce.combine_into(out, parts[0], parts[1], op, code)
         for other in parts[2:]:
             reduce.combine(out, other, op, code)

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import activity, eager
@@ -165,12 +165,39 @@ class Engine:
                 )
             self._in_flight.add(request.name)
             request.submitted = time.perf_counter()
-            self._queue.append(request)
             if self._host_only:
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
-            if not (drive and self._host_only):
-                self._lock.notify_all()
+            # A caller about to wait, with nothing else in flight: its cycle runs here and
+            # now (`_express`), without queueing it and waking anyone.
+            express = (
+                drive
+                and self._host_only
+                and not (self._queue or self.pending or self._join_handle is not None)
+                and self._mpi.acquire(blocking=False)
+            )
+            if not express:
+                self._queue.append(request)
+                if not (drive and self._host_only):
+                    self._lock.notify_all()
+        if express and not self._express_now(request):
+            with self._lock:
+                self._queue.append(request)  # a cycle of its own was not enough: as usual
         return request.handle
+
+    def _express_now(self, request: Request) -> bool:
+        """Run `request`'s express cycle on the caller's thread, which holds `_mpi`; False
+        (nothing sent) when the request needs the usual path (see `_express`)."""
+        try:
+            if self.settings.cycle_time > 0 or self._ended:
+                return False
+            ran = self._guarded_cycle(lambda: self._express(request, request.submitted))
+            if ran is None:
+                return False
+            self.cycles_by_callers += 1
+        finally:
+            self._mpi.release()
+        self._after_driving(request.handle)
+        return True
 
     def drive(self, handle: Handle) -> None:
         """Run engine cycles on the calling thread until `handle` is done, while no other
@@ -200,6 +227,11 @@ class Engine:
                         break
             finally:
                 self._mpi.release()
+        self._after_driving(handle)
+
+    def _after_driving(self, handle: Handle) -> None:
+        """A caller stopped running cycles (it released `_mpi`): wake the engine thread when
+        there is work left for it."""
         if not handle._done or self.pending:
             with self._lock:
                 self._handoff = True  # the engine thread takes over, polling as in flight
@@ -288,11 +320,14 @@ class Engine:
             self.fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
             self._ended = True
 
-    def _guarded_cycle(self) -> bool:
-        """Run one cycle; True when the engine should stop (shut down, or it failed)."""
+    def _guarded_cycle(self, run: Callable[[], bool | None] | None = None) -> bool | None:
+        """Run one cycle (`_run_cycle`, or `run`); True when the engine should stop (shut
+        down, or it failed), None when `run` ran nothing."""
         try:
-            self._ended = self._run_cycle()
-            return self._ended
+            stop = self._run_cycle() if run is None else run()
+            if stop is not None:
+                self._ended = stop
+            return stop
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
             if isinstance(exc, CommunicatorFailed):
                 logger.error("%s", exc)
@@ -476,8 +511,7 @@ class Engine:
         self.cycles_run += 1
         if carried:
             del self.pending[request.name]
-            end = length + carried
-            self._fusion.reduce_eager(request, [memoryview(data)[length:end] for data in received])
+            self._fusion.reduce_eager(request, received, length)
             self.collectives_run += 1
             self.transport.last_path = "eager"
         else:

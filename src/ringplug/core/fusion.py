@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,6 +51,13 @@ class Reduction:
         """What the reduced values are multiplied by: `postscale`, over `size` ranks for
         Average (which the wire sums)."""
         return self.postscale / size if op is ReduceOp.AVERAGE else self.postscale
+
+
+# The ring reduces a batch where its tensors lie when they are this large on average: each
+# tensor then travels as messages of its own, which costs more than copying it into the
+# fusion buffer and out again below about 40 KiB here (1,000 tensors of 4 KiB, 2 ranks:
+# 54 ms in place, where one 4 MiB allreduce took 1.3).
+_LARGE_PIECE_BYTES = 64 << 10
 
 
 def batches(responses: list[Response], threshold: int) -> Iterator[list[Response] | Response]:
@@ -142,24 +149,27 @@ class Fusion:
             self.engine.transport.last_path = "eager"
         return rest, rest_requests
 
-    def reduce_eager(self, request: Request, views: list[memoryview]) -> None:
-        """Complete `request` with every rank's copy of its data (`views`, in rank order),
-        reduced here as on every rank (see `eager`)."""
+    def reduce_eager(
+        self, request: Request, copies: Sequence[bytes | bytearray | memoryview], offset: int = 0
+    ) -> None:
+        """Complete `request` with every rank's copy of its data (`copies`, in rank order,
+        from byte `offset` on), reduced here as on every rank (see `eager`)."""
         engine = self.engine
         signature = request.signature
         code, op = BY_CODE[signature.code], OP_BY_CODE[signature.op]
-        start = time.perf_counter()
-        outs = request.payload.outs
+        timeline = engine.timeline
+        start = time.perf_counter() if timeline is not None else 0.0
+        reduction = request.payload
         try:
-            eager.reduce_into(outs, views, op, code)
-            factor = request.payload.factor(op, engine.size)
-            for out in outs:
-                reduce.scale(out, factor, code)
+            eager.reduce_into(reduction.outs, copies, op, code, offset)
+            factor = reduction.factor(op, engine.size)
+            if factor != 1.0:
+                for out in reduction.outs:
+                    reduce.scale(out, factor, code)
         except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
             engine.complete(request, error=exc)
             return
         engine.complete(request)
-        timeline = engine.timeline
         if timeline is not None:
             engine.trace_wait(timeline, request, start)
             timeline.span(request.name, "ALLREDUCE", start, time.perf_counter(), path="eager")
@@ -196,7 +206,10 @@ class Fusion:
             parts = [out for _, _, out in entries]
             if not all(r.payload.in_place for r in present):
                 np.concatenate([send for _, send, _ in entries], out=span)
-        elif len(entries) == 1 or engine.transport.uses_ring(total * code.itemsize, code, op):
+        elif len(entries) == 1 or (
+            engine.transport.uses_ring(total * code.itemsize, code, op)
+            and total * code.itemsize >= len(entries) * _LARGE_PIECE_BYTES
+        ):
             parts = []
             for request, send, out in entries:
                 if request is not None and not request.payload.in_place:

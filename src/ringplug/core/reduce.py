@@ -28,6 +28,10 @@ _BOOL_UFUNC = {
 }
 
 
+# Combined in another type than their own (see `combine`).
+_WIDENED = frozenset({DType.BOOL, DType.BFLOAT16, DType.FLOAT16})
+
+
 def check_op(op: ReduceOp, code: DType, prescale: float, postscale: float) -> None:
     """Raise TypeError for an op or scaling that this element type cannot do exactly."""
     if code is DType.BOOL and op is ReduceOp.AVERAGE:
@@ -48,7 +52,7 @@ def combine_into(
     out: np.ndarray, first: np.ndarray, second: np.ndarray, op: ReduceOp, code: DType
 ) -> None:
     """out <- first (op) second: the values of copying `first` to `out`, then `combine`."""
-    if code in (DType.BOOL, DType.BFLOAT16, DType.FLOAT16):
+    if code in _WIDENED:
         np.copyto(out, first)
         combine(out, second, op, code)
     else:

@@ -79,8 +79,8 @@ def allreduce_async(
             Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape),
             Handle(request_name),
             Reduction(
-                [send.reshape(-1)],
-                [work.reshape(-1)],
+                [send if send.ndim == 1 else send.reshape(-1)],
+                [work if work.ndim == 1 else work.reshape(-1)],
                 in_place=work is send or work.ctypes.data == send.ctypes.data,
                 prescale=float(prescale_factor),
                 postscale=float(postscale_factor),

@@ -14,7 +14,7 @@ import numpy as np
 from .. import runtime
 from ..device import DeviceBuffer, nccl_type
 from ..dtypes import DType, storage_view
-from ..engine import cacheable_name
+from ..engine import Engine, cacheable_name
 from ..errors import RingplugError
 from ..handles import Handle, Request
 from ..kind import kind_of
@@ -55,10 +55,11 @@ def contiguous(array: np.ndarray, code: DType) -> np.ndarray:
 _blocking_call = threading.local()
 
 
-def submit(name: str, cacheable: bool, build: Build) -> Handle:
+def submit(name: str, cacheable: bool, build: Build, engine: Engine | None = None) -> Handle:
     """Build the request with `build(name)`; on bad arguments submit an error marker under
     the same name, so that every other rank's handle fails instead of waiting."""
-    engine = runtime.engine()
+    if engine is None:
+        engine = runtime.engine()
     drive = getattr(_blocking_call, "active", False)
     try:
         request = build(name)
@@ -146,8 +147,11 @@ def result_as(source: np.ndarray, result: np.ndarray) -> np.ndarray:
 
 def start(name: str | None, build: Build) -> Handle:
     """Name the request (given, or the next unnamed one) and submit what `build` makes."""
-    given_name, given = name_request(name)
-    return submit(given_name, given, build)
+    engine = runtime.engine()
+    if name is None:
+        return submit(engine.unnamed(), False, build, engine)
+    given_name = str(name)
+    return submit(given_name, cacheable_name(given_name), build, engine)
 
 
 def make(name: str, signature: Signature, **fields: Any) -> Request:
