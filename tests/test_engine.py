@@ -113,6 +113,25 @@ def test_synchronous_calls_run_on_the_callers_thread_and_threads_get_their_own_r
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
+def test_synchronous_calls_of_agreed_forms_run_at_once_and_fall_back_when_ranks_differ(
+    tmp_path, ranks
+):
+    reports, _ = run("express", tmp_path, ranks=ranks)
+    for report in reports:
+        # The 20 synchronous calls ran express cycles on the caller's thread (a few may not:
+        # an idle engine thread that sees a peer's message first answers it itself) ...
+        assert report["express_cycles"] >= 10
+        assert report["sums_ok"]
+        # ... but not the call for which rank 1 had another request in flight.
+        assert report["express_in_fallback"] == 0
+        assert report["fallback_ok"] and report["extra_ok"]
+        assert report["big_ok"]
+        assert report["mismatch"].startswith("MismatchError: 'sync' does not match across")
+        assert "shape (5,)" in report["mismatch"] and "shape (4,)" in report["mismatch"]
+        assert report["after"] == [float(ranks)] * 2
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
 def test_small_allreduces_named_before_travel_in_the_negotiation_message(tmp_path, ranks):
     reports, _ = run("eager", tmp_path, ranks=ranks)
     for report in reports:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringplug.core.exchange import decode, encode
+from ringplug.core.exchange import decode, encode, messages, same_form
 from ringplug.core.negotiation import Kind, Message, Signature
 
 MESSAGES = [
@@ -29,3 +29,41 @@ def test_a_message_comes_back_as_it_was_sent(message):
 def test_a_repeated_steps_message_is_a_few_bytes_and_others_are_pickled():
     assert len(encode(Message(123, cached=0b111))) <= 32
     assert encode(MESSAGES[4])[:1] != b"\x00"
+
+
+def test_a_peer_with_the_same_requests_has_the_same_form_whatever_its_data_and_phase():
+    own = Message(5, cached=0b101, numbered=[(2, 9)], eager=b"\x01" * 16)
+    peer = Message(5, cached=0b101, numbered=[(2, 9)], eager=b"\x07" * 16,
+                   activity=("waiting for data", 3.0))  # fmt: skip
+    wire = encode(own)
+    received = [wire, bytearray(encode(peer))]
+    assert same_form(wire, received) > 0
+    found, alike = messages(own, wire, received)
+    # Recognised without decoding, yet exactly what decoding gives.
+    assert alike and found[0] is own and found[1] == decode(received[1])
+
+
+@pytest.mark.parametrize(
+    "peer",
+    [
+        Message(5, cached=0b100, numbered=[(2, 9)], eager=b"\x07" * 16),  # other slots
+        Message(5, cached=0b101, numbered=[(2, 10)], eager=b"\x07" * 16),  # other number
+        Message(5, cached=0b101, numbered=[(2, 9)], eager=b"\x07" * 8),  # other data size
+        Message(5, cached=0b101, numbered=[(2, 9)], eager=b"\x07" * 16, joined_cycle=4),
+        Message(5, cached=0b101, numbered=[(2, 9)], eager=b"\x07" * 16, shutdown=True),
+        Message(5, cached=0b101, new=[("w", Signature(Kind.BARRIER), 0)]),  # pickled
+    ],
+    ids=["slots", "number", "data-size", "joined", "shutdown", "new-request"],
+)
+def test_a_peer_with_anything_else_ready_is_decoded_in_full(peer):
+    own = Message(5, cached=0b101, numbered=[(2, 9)], eager=b"\x01" * 16)
+    wire = encode(own)
+    received = [bytearray(encode(peer)), wire]
+    assert same_form(wire, received) == 0
+    found, alike = messages(own, wire, received)
+    assert not alike and found == [peer, own]
+
+
+def test_a_long_phase_is_cut_to_255_bytes_on_theencode():
+    message = Message(3, cached=1, activity=("x" * 300, 1.5))
+    assert decode(encode(message)).activity == ("x" * 255, 1.5)

@@ -129,6 +129,7 @@ class Engine:
         self._timeline_lock = threading.Lock()
         self.cycles_run = 0
         self.cycles_by_callers = 0  # of those, run by a waiting caller (`drive`; tests read it)
+        self.express_cycles = 0  # of those, express cycles that ran their request (`_express`)
         self._last_activity = time.perf_counter()  # end of the last cycle that ran something
         self.collectives_run = 0  # fused batches count once (tests count them)
         if settings.timeline:
@@ -509,6 +510,7 @@ class Engine:
         if not length:
             return self._follow(messages(decode(wire), wire, received)[0], False, cycle_start)
         self.cycles_run += 1
+        self.express_cycles += 1
         if carried:
             del self.pending[request.name]
             self._fusion.reduce_eager(request, received, length)
