@@ -168,37 +168,37 @@ class Engine:
             request.submitted = time.perf_counter()
             if self._host_only:
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
-            # A caller about to wait, with nothing else in flight: its cycle runs here and
-            # now (`_express`), without queueing it and waking anyone.
+            # A caller about to wait, with nothing else queued: its cycle runs here and now
+            # (`_express`), without queueing it and waking anyone.
             express = (
                 drive
                 and self._host_only
-                and not (self._queue or self.pending or self._join_handle is not None)
+                and not (self._queue or self._join_handle is not None)
+                and self.settings.cycle_time <= 0
                 and self._mpi.acquire(blocking=False)
             )
             if not express:
                 self._queue.append(request)
                 if not (drive and self._host_only):
                     self._lock.notify_all()
-        if express and not self._express_now(request):
-            with self._lock:
-                self._queue.append(request)  # a cycle of its own was not enough: as usual
+        if express:
+            self._express_now(request)
         return request.handle
 
-    def _express_now(self, request: Request) -> bool:
-        """Run `request`'s express cycle on the caller's thread, which holds `_mpi`; False
-        (nothing sent) when the request needs the usual path (see `_express`)."""
+    def _express_now(self, request: Request) -> None:
+        """Run `request`'s express cycle on the caller's thread, which holds `_mpi`, or
+        queue it for the caller's wait when it needs the usual path (see `_express`)."""
         try:
-            if self.settings.cycle_time > 0 or self._ended:
-                return False
-            ran = self._guarded_cycle(lambda: self._express(request, request.submitted))
-            if ran is None:
-                return False
+            if self._guarded_cycle(lambda: self._express(request, request.submitted)) is None:
+                # Queued while this thread still holds `_mpi`: no cycle can fail everything
+                # in between and miss it.
+                with self._lock:
+                    self._queue.append(request)
+                return
             self.cycles_by_callers += 1
         finally:
             self._mpi.release()
         self._after_driving(request.handle)
-        return True
 
     def drive(self, handle: Handle) -> None:
         """Run engine cycles on the calling thread until `handle` is done, while no other
@@ -432,7 +432,7 @@ class Engine:
         if self.settings.cycle_time > 0:
             time.sleep(self.settings.cycle_time)  # let more requests gather for fusion
         fresh, stopping = self._take_submissions()
-        if len(fresh) == 1 and not (self.pending or stopping):
+        if len(fresh) == 1 and not stopping:
             stop = self._express(fresh[0], cycle_start)
             if stop is not None:
                 return stop
@@ -475,7 +475,8 @@ class Engine:
         Otherwise the messages go through the general path, as any cycle's.
         """
         if (
-            self._joined_cycle
+            self.pending
+            or self._joined_cycle
             or self._renew
             or self.timeline is not None
             or self._stalls.watching
@@ -508,7 +509,7 @@ class Engine:
         received = self._exchange.send_and_receive(self._cycle, wire, self.pending)
         length = same_form(wire, received)
         if not length:
-            return self._follow(messages(decode(wire), wire, received)[0], False, cycle_start)
+            return self._follow(messages(decode(wire), wire, received, 0), False, cycle_start)
         self.cycles_run += 1
         self.express_cycles += 1
         if carried:

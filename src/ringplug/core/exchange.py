@@ -150,10 +150,12 @@ class Exchange:
         """Send `own` to every peer and receive theirs (this cycle's, in rank order);
         `pending` names this rank's requests, for the message of a long wait.
 
-        Also returns whether every peer's message has `own`'s form (see `messages`).
+        Also returns whether every peer's message has `own`'s form (see `same_form`).
         """
         wire = encode(own)
-        return messages(own, wire, self.send_and_receive(cycle, wire, pending))
+        received = self.send_and_receive(cycle, wire, pending)
+        length = same_form(wire, received)
+        return messages(own, wire, received, length), bool(length)
 
     def send_and_receive(
         self, cycle: int, wire: bytes, pending: Collection[str]
@@ -208,15 +210,14 @@ def same_form(wire: bytes, received: Sequence[bytes | bytearray]) -> int:
 
 
 def messages(
-    own: Message, wire: bytes, received: Sequence[bytes | bytearray]
-) -> tuple[list[Message], bool]:
-    """Every rank's message from what `send_and_receive` returned, and whether they all
-    have `own`'s form (`same_form`): the peers' messages are then `own`'s with their own
-    eager data and phase, without decoding the rest."""
-    length = same_form(wire, received)
+    own: Message, wire: bytes, received: Sequence[bytes | bytearray], length: int
+) -> list[Message]:
+    """Every rank's message from what `send_and_receive` returned; `length` is the form
+    they all share with `own` (`same_form`; 0: none), and then the peers' messages are
+    `own`'s with their own eager data and phase, without decoding the rest."""
     if length:
-        return [own if d is wire else _alike(own, d, length) for d in received], True
-    return [own if d is wire else decode(d) for d in received], False
+        return [own if d is wire else _alike(own, d, length) for d in received]
+    return [own if d is wire else decode(d) for d in received]
 
 
 def _alike(own: Message, data: bytes | bytearray, start: int) -> Message:
