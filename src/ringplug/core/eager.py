@@ -147,10 +147,11 @@ def reduce_into(
     storage = code.storage
     if len(outs) == 1:  # one array (the usual request): each copy whole, no slices
         out = outs[0]
-        first, second, *others = [np.frombuffer(c, storage, out.size, offset) for c in copies]
-        reduce.combine_into(out, first, second, op, code)
-        for other in others:
-            reduce.combine(out, other, op, code)
+        count = out.size
+        first = np.frombuffer(copies[0], storage, count, offset)
+        reduce.combine_into(out, first, np.frombuffer(copies[1], storage, count, offset), op, code)
+        for copy in copies[2:]:
+            reduce.combine(out, np.frombuffer(copy, storage, count, offset), op, code)
         return
     count = sum(out.size for out in outs)
     arrays = [np.frombuffer(copy, storage, count, offset) for copy in copies]
