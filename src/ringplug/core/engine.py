@@ -148,8 +148,9 @@ class Engine:
         """Queue `request` for the engine thread; raise at once if it cannot be queued.
 
         With `drive`, the caller is about to wait for the handle (a synchronous collective):
-        the engine thread is not woken, as `wait()` runs the cycle on the caller's thread
-        when the engine is free (see `drive`).
+        the engine thread is not woken. With nothing else queued and the engine free, the
+        request's cycle runs here, before `submit` returns (`_express_now`); otherwise
+        `wait()` runs the cycles on the caller's thread when the engine is free (`drive`).
         """
         if request.signature.place == GPU:
             self._host_only = False  # the GPU plane keeps to the engine thread (its device)
