@@ -520,8 +520,7 @@ class Engine:
             self.transport.last_path = "eager"
         else:
             self.eager_copies = {}
-            count = self.size
-            response = Response(request.name, request.signature, [0] * count, [True] * count)
+            response = Response.everywhere(request.name, request.signature, self.size)
             self._execute(Plan([response], repeated=True))
         wake_waiters()
         self._last_activity = time.perf_counter()

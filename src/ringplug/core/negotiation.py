@@ -115,6 +115,11 @@ class Response:
     extras: list[int]  # per rank (0 for joined ranks that do not have the request)
     have: list[bool]  # per rank: whether that rank submitted it (joined ranks may not)
 
+    @classmethod
+    def everywhere(cls, name: str, signature: Signature, ranks: int) -> Response:
+        """A request that every one of `ranks` ranks submitted alike (a repeated step)."""
+        return cls(name, signature, [0] * ranks, [True] * ranks)
+
 
 @dataclasses.dataclass
 class Plan:
@@ -217,7 +222,7 @@ def decide(messages: Sequence[Message], cache: Cache, alike: bool = False) -> Pl
         plan = Plan(stall_abort=list(first.stall_abort), repeated=True)
         count = len(messages)
         for name, signature in _cached(first, cache):
-            plan.responses.append(Response(name, signature, [0] * count, [True] * count))
+            plan.responses.append(Response.everywhere(name, signature, count))
         return plan
     plan = Plan()
     for rank, message in enumerate(messages):

@@ -27,11 +27,11 @@ Build = Callable[[str], Request]
 ArrayLike = Any  # numpy arrays and anything with the buffer protocol
 
 
-def name_request(name: str | None) -> tuple[str, bool]:
+def name_request(name: str | None, engine: Engine | None = None) -> tuple[str, bool]:
     """The request's name, and whether to cache it (see `engine.cacheable_name`)."""
     if name is not None:
         return str(name), cacheable_name(str(name))
-    return runtime.engine().unnamed(), False
+    return (engine or runtime.engine()).unnamed(), False
 
 
 def as_array(obj: ArrayLike) -> np.ndarray:
@@ -148,10 +148,8 @@ def result_as(source: np.ndarray, result: np.ndarray) -> np.ndarray:
 def start(name: str | None, build: Build) -> Handle:
     """Name the request (given, or the next unnamed one) and submit what `build` makes."""
     engine = runtime.engine()
-    if name is None:
-        return submit(engine.unnamed(), False, build, engine)
-    given_name = str(name)
-    return submit(given_name, cacheable_name(given_name), build, engine)
+    given_name, given = name_request(name, engine)
+    return submit(given_name, given, build, engine)
 
 
 def make(name: str, signature: Signature, **fields: Any) -> Request:
