@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringplug.core.exchange import decode, encode, messages, same_form
+from ringplug.core.exchange import decode, encode, form_length, messages, same_form
 from ringplug.core.negotiation import Kind, Message, Signature
 
 MESSAGES = [
@@ -29,6 +29,16 @@ def test_a_message_comes_back_as_it_was_sent(message):
 def test_a_repeated_steps_message_is_a_few_bytes_and_others_are_pickled():
     assert len(encode(Message(123, cached=0b111))) <= 32
     assert encode(MESSAGES[4])[:1] != b"\x00"
+
+
+@pytest.mark.parametrize("cached", [0b1, (1 << 4095) | 1, 0b110])
+@pytest.mark.parametrize("numbered", [[], [(3, 17)], [(3, 17), (0, 2**40)]])
+def test_eager_data_starts_16_byte_aligned_after_the_form(cached, numbered):
+    eager = bytes(range(48))
+    wire = encode(Message(3, cached=cached, numbered=numbered, eager=eager))
+    start = form_length(wire)
+    assert start % 16 == 0  # the received buffer's copy is combined by numpy's aligned loops
+    assert wire[start : start + len(eager)] == eager
 
 
 def test_a_peer_with_the_same_requests_has_the_same_form_whatever_its_data_and_phase():

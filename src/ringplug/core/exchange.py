@@ -27,12 +27,20 @@ CONTROL_TAG = 7100
 # eager data; the bit vector; the numbered (slot, number) pairs), which is byte for byte
 # the same on every rank in a repeated step; then the eager data, and last the training's
 # phase (its seconds, length and words), which differs from rank to rank. Anything else is
-# pickled.
+# pickled. Before eager data the form is padded with zeros to a multiple of 16 bytes, so that
+# the data lies aligned in the received buffer: numpy combines misaligned copies 2x slower.
 _COMPACT = b"\x00"
 _FORM = struct.Struct("<qqBHHI")  # at most 65535 bytes of bits: 4096 slots fit
 _PHASE = struct.Struct("<fB")  # a phase is a short phrase: at most 255 bytes are sent
 _PAIR = struct.Struct("<qq")
 _SHUTDOWN, _RENEW = 1, 2
+_ALIGN = 16
+_PADDING = [bytes(n) for n in range(_ALIGN)]
+
+
+def _padding(unpadded: int, eager_length: int) -> int:
+    """Zero bytes after a form of `unpadded` bytes: only a message with eager data has any."""
+    return -unpadded % _ALIGN if eager_length else 0
 
 
 def encode(message: Message) -> bytes:
@@ -79,6 +87,7 @@ def compact(
             form,
             cached.to_bytes(length, "little"),
             pairs,
+            _PADDING[_padding(1 + _FORM.size + length + len(pairs), size)],
             *eager,
             _PHASE.pack(seconds, len(words)),
             words,
@@ -87,11 +96,13 @@ def compact(
 
 
 def form_length(data: bytes | bytearray) -> int:
-    """How many leading bytes of an encoded message say what it has ready (0: pickled)."""
+    """How many leading bytes of an encoded message say what it has ready, with their
+    padding (0: pickled)."""
     if data[:1] != _COMPACT:
         return 0
-    _, _, _, length, count, _ = _FORM.unpack_from(data, 1)
-    return 1 + _FORM.size + length + 16 * count
+    _, _, _, length, count, eager_length = _FORM.unpack_from(data, 1)
+    unpadded = 1 + _FORM.size + length + 16 * count
+    return unpadded + _padding(unpadded, eager_length)
 
 
 def decode(data: bytes | bytearray) -> Message:
@@ -107,6 +118,7 @@ def decode(data: bytes | bytearray) -> Message:
         values = struct.unpack_from(f"<{2 * count}q", data, start)
         numbered = list(zip(values[::2], values[1::2], strict=True))
         start += 16 * count
+    start += _padding(start, eager_length)
     return Message(
         cycle,
         cached,
