@@ -38,7 +38,7 @@ def test_json_has_one_record_per_implementation_and_size(bench_run):
     assert document["bench"] == "allreduce"
     seen = {(row["impl"], row["bytes"]) for row in document["results"]}
     assert seen == {
-        (impl, size) for impl in ("ringplug", "mpi", "gloo", "memory") for size in SIZES
+        (impl, size) for impl in ("ringplug", "mpi", "gloo", "python", "memory") for size in SIZES
     }
     for row in document["results"]:
         assert (row["op"], row["dtype"], row["ranks"]) == ("sum", "float32", 2)
@@ -68,7 +68,9 @@ def test_table_prints_a_row_per_size_with_ratios_on_rank_0_only(bench_run):
     result, _, _ = bench_run
     rows = [line for line in result.stdout.splitlines() if line.startswith("[0]    ")]
     assert [row.split()[1] for row in rows] == ["4K", "8K", "16K"]
-    assert all("mpi " in row and "gloo " in row and "memory " in row for row in rows)
+    assert all(
+        all(f"{impl} " in row for impl in ("mpi", "gloo", "python", "memory")) for row in rows
+    )
     assert not any(line.startswith("[1]") for line in result.stdout.splitlines())
 
 

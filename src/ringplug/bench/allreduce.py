@@ -5,9 +5,11 @@ Every implementation reduces the same preallocated buffer in place, at every siz
 the same run; rows print like nccl-tests (time, algbw, busbw) with ratios at the end.
 The "memory" row is the roofline of this machine: on CPUs the local work one rank of a
 2-rank ring cannot avoid (copy S/2 in, add S/2, copy S/2 out), timed with numpy; on GPUs
-a device-to-device copy of the buffer. On GPUs every timed call includes waiting for the
-GPU (ringplug's `wait()` returns with the result complete; torch's call is followed by a
-synchronize), so the times compare like for like.
+a device-to-device copy of the buffer. The "python" row is the floor of an allreduce written
+in Python: every rank sends its buffer to every other with mpi4py and adds the copies it
+receives with numpy, with no negotiation, no checks and no deadline. On GPUs every timed
+call includes waiting for the GPU (ringplug's `wait()` returns with the result complete;
+torch's call is followed by a synchronize), so the times compare like for like.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from .common import (
     write_json,
 )
 
-IMPLS = ("ringplug", "mpi", "gloo", "memory")
+IMPLS = ("ringplug", "mpi", "gloo", "python", "memory")
+FLOOR_TAG = 7300
 CUDA_IMPLS = ("ringplug", "nccl", "memory")
 
 
@@ -88,6 +91,8 @@ def _runners(impls: list[str], buf: np.ndarray) -> dict[str, Callable[[], object
 
         tensor = torch.from_numpy(buf)
         runners["gloo"] = lambda: dist.all_reduce(tensor)
+    if "python" in impls:
+        runners["python"] = python_floor(buf)
     if "memory" in impls:
         half = buf.size // 2
         peer = np.zeros_like(buf)  # stands for the neighbour's memory
@@ -100,6 +105,28 @@ def _runners(impls: list[str], buf: np.ndarray) -> dict[str, Callable[[], object
 
         runners["memory"] = local_work
     return runners
+
+
+def python_floor(buf: np.ndarray) -> Callable[[], None]:
+    """The "python" row: `buf` <- the sum of every rank's `buf`, each rank sending its whole
+    buffer to every other (mpi4py) and adding what it receives (numpy), in place."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    peers = [peer for peer in range(comm.Get_size()) if peer != rank]
+    copies = [np.empty_like(buf) for _ in peers]
+
+    def exchange_and_add() -> None:
+        requests = [
+            comm.Irecv(copy, peer, FLOOR_TAG) for copy, peer in zip(copies, peers, strict=True)
+        ]
+        requests += [comm.Isend(buf, peer, FLOOR_TAG) for peer in peers]
+        MPI.Request.Waitall(requests)
+        for copy in copies:
+            np.add(buf, copy, out=buf)
+
+    return exchange_and_add
 
 
 def _cuda_runners(impls: list[str], tensor) -> dict[str, Callable[[], object]]:
@@ -143,14 +170,19 @@ def _verify_cuda(dtype: np.dtype, count: int) -> None:
         raise SystemExit(f"ringplug-bench: wrong GPU allreduce result at {count} elements")
 
 
-def _verify(dtype: np.dtype, count: int) -> None:
-    """Check ringplug's answer before timing it: sum of (rank + 1) over all ranks."""
-    probe = np.full(count, ringplug.rank() + 1, dtype)
-    ringplug.allreduce(probe, op=ringplug.Sum, out=probe)
+def _verify(dtype: np.dtype, count: int, impls: list[str]) -> None:
+    """Check ringplug's answer (and the python floor's) before timing it: the sum of
+    (rank + 1) over all ranks."""
     size = ringplug.size()
     expected = size * (size + 1) // 2
-    if not np.all(probe == expected):
-        raise SystemExit(f"ringplug-bench: wrong allreduce result at {count} elements")
+    checks = {"ringplug": lambda probe: ringplug.allreduce(probe, op=ringplug.Sum, out=probe)}
+    if "python" in impls:
+        checks["python"] = lambda probe: python_floor(probe)()
+    for impl, reduce_probe in checks.items():
+        probe = np.full(count, ringplug.rank() + 1, dtype)
+        reduce_probe(probe)
+        if not np.all(probe == expected):
+            raise SystemExit(f"ringplug-bench: wrong {impl} allreduce result at {count} elements")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,6 +217,11 @@ def run(args: argparse.Namespace) -> int:
             else "# memory = one rank's unavoidable local work in a 2-rank ring "
             "(copy S/2 in, add S/2, copy S/2 out)"
         )
+        if "python" in impls:
+            print(
+                "# python = the floor of an allreduce in Python: each rank sends its buffer to "
+                "every other (mpi4py) and adds the copies (numpy); no negotiation, no checks"
+            )
         header = f"#{'size':>7} " + "".join(f"| {name + ' us':>13} {'busbw':>6} " for name in impls)
         header += "| busbw ratios (ringplug / other)"
         print(header)
@@ -220,7 +257,7 @@ def _measure_sizes(
             buffer = torch.zeros(count, dtype=getattr(torch, dtype.name), device="cuda")
             runners = _cuda_runners(impls, buffer)
         else:
-            _verify(dtype, count)
+            _verify(dtype, count, impls)
             runners = _runners(impls, np.zeros(count, dtype))
         row: dict[str, Record] = {}
         for impl, runner in runners.items():
