@@ -98,7 +98,7 @@ def classify(array: np.ndarray, dtype: str | DType | None = None) -> DType:
 
 def storage_view(array: np.ndarray, code: DType) -> np.ndarray:
     """View `array` with the numpy type its bytes are reduced as."""
-    storage = code.storage
+    storage = _STORAGE[code]  # not `code.storage`: an enum's property costs 0.4 us
     return array if array.dtype == storage else array.view(storage)
 
 

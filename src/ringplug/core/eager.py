@@ -144,15 +144,15 @@ def reduce_into(
     """Each of `outs` <- its part of every rank's copy, combined in rank order with the
     ring's kernels (`reduce`); `outs` lie one after the other in each copy, from byte
     `offset` on."""
-    storage = code.storage
     if len(outs) == 1:  # one array (the usual request): each copy whole, no slices
         out = outs[0]
-        count = out.size
+        count, storage = out.size, out.dtype  # outs are in the storage type
         first = np.frombuffer(copies[0], storage, count, offset)
         reduce.combine_into(out, first, np.frombuffer(copies[1], storage, count, offset), op, code)
         for copy in copies[2:]:
             reduce.combine(out, np.frombuffer(copy, storage, count, offset), op, code)
         return
+    storage = code.storage
     count = sum(out.size for out in outs)
     arrays = [np.frombuffer(copy, storage, count, offset) for copy in copies]
     start = 0

@@ -142,7 +142,7 @@ class Waiter:
     # ------------------------------------------------------------------ context
     def begin(self, cycle: int, index: int, what: str) -> None:
         """Say which collective the next waits belong to (position `index` of `cycle`)."""
-        if cycle != self.cycle:
+        if cycle != self.cycle and self._failures:
             self._failures = [n for n in self._failures if n.cycle >= cycle]
         self.cycle, self.index, self.what = cycle, index, what
 
