@@ -139,6 +139,16 @@ def test_small_allreduces_named_before_travel_in_the_negotiation_message(tmp_pat
         assert bad == {}
         # The first call of a name (or of an unnamed signature) is negotiated as new.
         assert all(case["paths"][1:] == ["eager", "eager"] for case in report["cases"].values())
+        # Those calls ran without a request (`Engine.allreduce_now`), unless they need one: a
+        # prescale factor, or a dtype given to reinterpret the buffer. (An idle engine
+        # thread that sees a peer's message first may answer it itself: a call may not.)
+        usual = {key: case["now"] for key, case in report["cases"].items()
+                 if key.endswith("/0.25") or "/bfloat16/" in key}  # fmt: skip
+        assert usual and set(usual.values()) == {0}
+        now = [case["now"] for key, case in report["cases"].items() if key not in usual]
+        assert max(now) <= 2 and sum(now) >= len(now)
+        assert report["in_place_ok"] == [True] * 3 and report["fresh_ok"] == [True] * 3
+        assert report["in_place_now"] >= 2
         assert report["grouped"] == {"paths": ["mpi", "eager", "eager"], "ok": True}
         assert report["big_path"] == "mpi" and report["big_ok"]
         assert report["many_ok"]

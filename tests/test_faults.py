@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -48,6 +49,7 @@ FROZEN = [
     ("stop-ring", 3, "allreduce 'stuck' (ring reduce-scatter step"),
     ("stop-mpi", 3, "allreduce 'stuck' (MPI Iallreduce)"),
     ("stop-user", 2, "negotiation"),
+    ("stop-user-agreed", 3, "negotiation (pending here: 'warm-up')"),
     ("gil", 3, "negotiation"),
 ]
 
@@ -71,6 +73,11 @@ def test_a_frozen_rank_is_reported_then_ends_the_job_and_is_named(scenario, rank
         assert f"in {where}" in line
         assert "rank 1 stopped answering: it neither did its part nor said it was waiting" in line
         assert "(RINGPLUG_TIMEOUT=3)" in line
+    if scenario == "stop-user-agreed":
+        # The healthy ranks' calls of the warm-up's form ran without a request (the wait
+        # above is inside one of them: `Engine.allreduce_now`).
+        ran = dict(re.findall(r"\[(\d)\] calls run without a request: (\d+)", output))
+        assert sorted(ran) == [str(r) for r in healthy] and all(int(n) for n in ran.values())
     # ringrun names the frozen rank, not the first rank that gave up on it.
     named_by = "rank 0" if ranks == 2 else "ranks 0, 2"
     assert f"ringrun: rank 1 stopped taking part in the job (named by {named_by})" in (

@@ -216,6 +216,7 @@ def eager(rank: int) -> dict:
                 reference = [v.astype(dtype).astype(np.float64) for v in values]
             name = f"{dtype}-{op}-{pre}" if named else None
             paths, results = [], []
+            before = engine.calls_now
             for _step in range(3):  # the first is negotiated as new, the others eager
                 result = ringplug.allreduce(
                     send, op=op, prescale_factor=pre, postscale_factor=post, name=name, **kwargs
@@ -236,6 +237,7 @@ def eager(rank: int) -> dict:
             key = f"{'named' if named else 'unnamed'}/{dtype}/{op}/{pre}"
             report["cases"][key] = {
                 "paths": paths,
+                "now": engine.calls_now - before,  # run without a request (allreduce_now)
                 "ok": bool(
                     np.allclose(
                         np.asarray(got, np.float64), expected, rtol=tolerance, atol=tolerance
@@ -244,6 +246,22 @@ def eager(rank: int) -> dict:
                 ),
             }
             report["digests"][key] = hashlib.sha256(np.ascontiguousarray(got).tobytes()).hexdigest()
+    # In place and into a new array, as the usual path does them.
+    before = engine.calls_now
+    report["in_place_ok"], report["fresh_ok"] = [], []
+    buf = np.empty((2, 3), np.float32)
+    total = size * (size + 1) / 2
+    for _step in range(3):
+        buf[...] = rank + 1
+        got = ringplug.allreduce(buf, op="sum", out=buf, name="in-place")
+        report["in_place_ok"].append(got is buf and bool(np.all(buf == total)))
+        source = np.full((2, 3), rank + 1.0)
+        fresh = ringplug.allreduce(source, postscale_factor=2.0, name="fresh")  # Average
+        report["fresh_ok"].append(
+            fresh is not source
+            and bool(np.all(source == rank + 1) and np.allclose(fresh, 2 * total / size))
+        )
+    report["in_place_now"] = engine.calls_now - before
     # A grouped allreduce (as torch.distributed's calls are), in place and not.
     grouped_paths, grouped_ok = [], True
     for _step in range(3):

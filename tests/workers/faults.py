@@ -111,6 +111,15 @@ def main(scenario: str, extra: list[str]) -> None:
             fault("user code")
             freeze()
         forever(small)
+    if scenario == "stop-user-agreed":
+        # The others' next calls are of a form agreed in the warm-up: each waits inside
+        # allreduce_now's express cycle, which has no request of its own.
+        if rank == 1:
+            fault("user code")
+            freeze()
+        print(f"calls run without a request: {engine.calls_now}", flush=True)
+        ringplug.allreduce(small, op=ringplug.Sum, out=small, name="warm-up")
+        raise AssertionError("unreachable")
     if scenario == "gil":
         if rank == 1:
             fault("C code holding the GIL")

@@ -29,8 +29,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from . import activity, eager
+import numpy as np
+
+from . import activity, eager, reduce
 from .config import Settings
+from .dtypes import DType
 from .errors import (
     CommunicatorFailed,
     MismatchError,
@@ -43,7 +46,18 @@ from .exchange import Exchange, compact, decode, messages, same_form
 from .fusion import Fusion, batches
 from .handles import Handle, Request, wake_waiters
 from .kind import GPU, SameEverywhere, check_joined, kind_of
-from .negotiation import UNNAMED, Cache, Kind, Message, Plan, Response, decide
+from .negotiation import (
+    UNNAMED,
+    Cache,
+    Kind,
+    Message,
+    Plan,
+    Response,
+    Signature,
+    decide,
+    numbered,
+)
+from .ops import ReduceOp
 from .stalls import StallInspector
 from .timeline import Timeline
 from .transport import Transport
@@ -107,7 +121,10 @@ class Engine:
             self.waiter.spin_with_a_core_each()
         self._renew = False  # a collective was abandoned: renew the data communicator
         self.left_early = False  # this rank ended ringplug while peers still waited for it
-        self._lock = threading.Condition()
+        # `_mutex` is `_lock`'s own lock: the hot paths that never wait or notify take it
+        # directly (a Condition's `with` is a Python call around the C one).
+        self._mutex = threading.RLock()
+        self._lock = threading.Condition(self._mutex)
         self._queue: collections.deque[Request] = collections.deque()
         self._in_flight: set[str] = set()
         self.pending: dict[str, Request] = {}  # engine thread only
@@ -123,6 +140,9 @@ class Engine:
         self._joined_cycle = 0
         self._join_handle: Handle | None = None
         self._unnamed_next = 1  # the number of the next unnamed request ("noname.N")
+        # allreduce_now's agreed forms: (name or prefix, shape, code, op) -> the cache's
+        # signature of it and its slot.
+        self._agreed: dict[tuple[Any, ...], tuple[Signature, int]] = {}
         self._stalls = StallInspector(settings, self.rank, self.size)
         # The timeline being recorded (rank 0 only); framework adapters add their tracks.
         self.timeline: Timeline | None = None
@@ -130,6 +150,8 @@ class Engine:
         self.cycles_run = 0
         self.cycles_by_callers = 0  # of those, run by a waiting caller (`drive`; tests read it)
         self.express_cycles = 0  # of those, express cycles that ran their request (`_express`)
+        self.calls_now = 0  # of those, synchronous allreduces run without a request
+        # (`allreduce_now`)
         self._last_activity = time.perf_counter()  # end of the last cycle that ran something
         self.collectives_run = 0  # fused batches count once (tests count them)
         if settings.timeline:
@@ -154,7 +176,7 @@ class Engine:
         """
         if request.signature.place == GPU:
             self._host_only = False  # the GPU plane keeps to the engine thread (its device)
-        with self._lock:
+        with self._mutex:
             if self._failure is not None:
                 raise self._failure
             if self._stop_requested:
@@ -190,7 +212,7 @@ class Engine:
         """Run `request`'s express cycle on the caller's thread, which holds `_mpi`, or
         queue it for the caller's wait when it needs the usual path (see `_express`)."""
         try:
-            if self._guarded_cycle(lambda: self._express(request, request.submitted)) is None:
+            if self._guarded_cycle(request) is None:
                 # Queued while this thread still holds `_mpi`: no cycle can fail everything
                 # in between and miss it.
                 with self._lock:
@@ -200,6 +222,149 @@ class Engine:
         finally:
             self._mpi.release()
         self._after_driving(request.handle)
+
+    def allreduce_now(
+        self,
+        name: str,
+        cacheable: bool,
+        array: np.ndarray,
+        fresh: bool,
+        op: ReduceOp,
+        code: DType,
+        postscale: float,
+        build: Callable[[str], Request],
+        number: int | None = None,
+    ) -> np.ndarray | Handle | None:
+        """A synchronous allreduce small enough to travel in the negotiation message, of a
+        form the ranks agreed on before, with nothing else in flight: its express cycle
+        (see `_express`) on the caller's thread, without a request, a handle or a queue.
+
+        `array` is C-contiguous, of a native type, with valid arguments; the result goes
+        to a new array when `fresh`, else into `array`. Should the cycle need more (a peer
+        sent something else, or it failed), `build(name)` makes the request, which takes
+        the usual path from there. `number`: the name is the unnamed request of that
+        number (see `unnamed_number`).
+
+        Returns the result; the handle to wait for when the cycle needed more; or None,
+        before anything was sent, when the call cannot run here (submit it as usual).
+        """
+        with self._mutex:
+            if (
+                self._failure is not None
+                or self._stop_requested
+                or name in self._in_flight
+                or not self._host_only
+                or self._queue
+                or self._join_handle is not None
+                or self.settings.cycle_time > 0
+                or not self._mpi.acquire(blocking=False)
+            ):
+                return None
+            self._in_flight.add(name)
+        request: Request | None = None
+        try:
+            form = self._agreed_form(name, cacheable, array, code, op, number)
+            if form is None:
+                return None
+            start = time.perf_counter()
+            self._cycle += 1
+            wire = compact(self._cycle, *form, (array.data.cast("B"),), activity.current())
+            try:
+                received = self._exchange.send_and_receive(self._cycle, wire, (name,))
+                length = same_form(wire, received)
+                if not length:  # a peer sent something else: the full negotiation
+                    request = self._adopt(name, cacheable, build, start)
+                    if self._follow(messages(decode(wire), wire, received, 0), False, start):
+                        self._ended = True
+            except BaseException as exc:  # noqa: BLE001 - as `_guarded_cycle`
+                if request is None:
+                    request = self._adopt(name, cacheable, build, start)
+                self._cycle_failed(exc)
+            self.cycles_by_callers += 1
+            if request is not None:
+                return request.handle
+            self.cycles_run += 1
+            self.express_cycles += 1
+            self.calls_now += 1
+            self.collectives_run += 1
+            self.transport.last_path = "eager"
+            self._last_activity = time.perf_counter()
+            # The same inputs on every rank: an error here is raised alike everywhere.
+            result = np.empty_like(array) if fresh else array
+            flat = result.reshape(-1)
+            eager.reduce_into([flat], received, op, code, length)
+            factor = postscale / self.size if op is ReduceOp.AVERAGE else postscale
+            if factor != 1.0:
+                reduce.scale(flat, factor, code)
+            return result
+        finally:
+            if request is None:
+                with self._mutex:
+                    self._in_flight.discard(name)
+            self._mpi.release()
+            if request is not None:
+                self._after_driving(request.handle)
+            elif self._queue:
+                with self._lock:
+                    self._lock.notify_all()  # submitted meanwhile by another thread
+
+    def _agreed_form(
+        self,
+        name: str,
+        cacheable: bool,
+        array: np.ndarray,
+        code: DType,
+        op: ReduceOp,
+        number: int | None,
+    ) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+        """The cached bits and numbered pairs of `allreduce_now`'s message, when nothing
+        else is in flight and the ranks agreed on this form before with its data carried
+        in the message (else None)."""
+        if (
+            self.pending
+            or self._joined_cycle
+            or self._renew
+            or self.timeline is not None
+            or self._stalls.watching
+        ):
+            return None
+        if cacheable:
+            parts = None
+        else:
+            parts = (UNNAMED, number) if number is not None else numbered(name)
+            if parts is None:
+                return None
+        key = (name if parts is None else parts[0], array.shape, code, op)
+        cache = self._cache
+        known = self._agreed.get(key)
+        if known is None or cache.slots[known[1]][1] is not known[0]:
+            signature = Signature(Kind.ALLREDUCE, code, op, -1, array.shape)
+            if parts is None:
+                slot = cache.slot_for(name, signature)
+            else:
+                entry = cache.numbered_slot(name, signature)
+                slot = None if entry is None else entry[0]
+            if slot is None:
+                return None
+            if len(self._agreed) >= _CACHE_CAPACITY:
+                self._agreed.clear()
+            known = self._agreed[key] = (cache.slots[slot][1], slot)
+        slot = known[1]
+        if cache.eager_bytes[slot] != array.nbytes:
+            return None  # larger than the eager threshold
+        return (1 << slot, ()) if parts is None else (0, ((slot, parts[1]),))
+
+    def _adopt(
+        self, name: str, cacheable: bool, build: Callable[[str], Request], start: float
+    ) -> Request:
+        """The request of an `allreduce_now` whose cycle needs the usual path, pending as if
+        it had been submitted."""
+        request = build(name)
+        request.cacheable = cacheable
+        request.submitted = request.announced = start
+        request.handle._engine = self  # its waiter may run the cycles (see `drive`)
+        self.pending[name] = request
+        return request
 
     def drive(self, handle: Handle) -> None:
         """Run engine cycles on the calling thread until `handle` is done, while no other
@@ -245,9 +410,13 @@ class Engine:
     def unnamed(self) -> str:
         """A name for an unnamed request: "noname.1", "noname.2", ... in call order (the
         same sequence on every rank, restarting with each init())."""
-        with self._lock:
+        return f"{UNNAMED}{self.unnamed_number()}"
+
+    def unnamed_number(self) -> int:
+        """The number of the next unnamed request (see `unnamed`)."""
+        with self._mutex:
             number, self._unnamed_next = self._unnamed_next, self._unnamed_next + 1
-        return f"{UNNAMED}{number}"
+        return number
 
     def _follow_unnamed(self, names: Iterable[str]) -> None:
         """A joined rank takes part in the others' unnamed requests without calling them:
@@ -322,33 +491,40 @@ class Engine:
             self.fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
             self._ended = True
 
-    def _guarded_cycle(self, run: Callable[[], bool | None] | None = None) -> bool | None:
-        """Run one cycle (`_run_cycle`, or `run`); True when the engine should stop (shut
-        down, or it failed), None when `run` ran nothing."""
+    def _guarded_cycle(self, express: Request | None = None) -> bool | None:
+        """Run one cycle (`_run_cycle`, or the express cycle of `express`); True when the
+        engine should stop (shut down, or it failed), None when the express cycle ran
+        nothing."""
         try:
-            stop = self._run_cycle() if run is None else run()
+            if express is None:
+                stop = self._run_cycle()
+            else:
+                stop = self._express(express, express.submitted)
             if stop is not None:
                 self._ended = stop
             return stop
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
-            if isinstance(exc, CommunicatorFailed):
-                logger.error("%s", exc)
-                self.fail_everything(exc)
-                self._ended = True
-                return True
-            if not isinstance(exc, Exception):  # e.g. KeyboardInterrupt in a driving caller
-                self.fail_everything(
-                    RingplugError(
-                        f"ringplug was interrupted ({type(exc).__name__}) in the middle of a "
-                        "collective on this rank; it cannot continue in this process."
-                    )
-                )
-                self._ended = True
-                raise
-            logger.exception("the ringplug engine failed")
-            self.fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
-            self._ended = True
+            self._cycle_failed(exc)
             return True
+
+    def _cycle_failed(self, exc: BaseException) -> None:
+        """A cycle raised `exc`: fail everything in flight with it (or with what it says)
+        and end the engine; re-raise what is not an Exception (KeyboardInterrupt)."""
+        self._ended = True
+        if isinstance(exc, CommunicatorFailed):
+            logger.error("%s", exc)
+            self.fail_everything(exc)
+            return
+        if not isinstance(exc, Exception):  # e.g. KeyboardInterrupt in a driving caller
+            self.fail_everything(
+                RingplugError(
+                    f"ringplug was interrupted ({type(exc).__name__}) in the middle of a "
+                    "collective on this rank; it cannot continue in this process."
+                )
+            )
+            raise exc
+        logger.exception("the ringplug engine failed", exc_info=exc)
+        self.fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
 
     def _wait_for_work(self, handle: Handle | None = None) -> bool:
         """Wait until there is a reason to run a cycle; True, holding `_mpi`, when there is.
@@ -710,7 +886,7 @@ class Engine:
         for request in requests:
             if request is not None:
                 outcomes.append((request, *self._outcome(request, None, error)))
-        with self._lock:
+        with self._mutex:
             for request, _, _ in outcomes:
                 self._in_flight.discard(request.name)
         for request, result, failure in outcomes:
@@ -720,7 +896,7 @@ class Engine:
         self, request: Request, result: Any = None, error: BaseException | None = None
     ) -> None:
         result, error = self._outcome(request, result, error)
-        with self._lock:
+        with self._mutex:
             self._in_flight.discard(request.name)
         request.handle._finish(result, error)
 

@@ -283,6 +283,11 @@ def is_initialized() -> bool:
     return _state.engine is not None
 
 
+def current_engine() -> Engine | None:
+    """The engine, or None before `init()` (for callers that take another path then)."""
+    return _state.engine
+
+
 def engine() -> Engine:
     """The engine; raises if `init()` has not been called."""
     current = _state.engine

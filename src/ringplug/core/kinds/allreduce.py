@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import reduce, ring
+from .. import reduce, ring, runtime
 from ..device import DeviceBuffer
 from ..dtypes import DType, classify, storage_view
+from ..engine import cacheable_name
 from ..fusion import Reduction
 from ..handles import Handle, Request
 from ..kind import GPU, CollectiveKind, register, shape_text
-from ..negotiation import Kind, Signature
+from ..negotiation import UNNAMED, Kind, Signature
 from ..ops import Average, ReduceOp, as_op
 from .base import (
     ArrayLike,
@@ -30,10 +31,11 @@ from .base import (
     make,
     result_as,
     start,
+    waited_at_once,
 )
 
 if TYPE_CHECKING:
-    pass
+    from ..engine import Engine
 
 
 def allreduce_async(
@@ -50,50 +52,69 @@ def allreduce_async(
 
     Don't touch `array` or `out` until the handle is done.
     """
-
-    def build(request_name: str) -> Request:
-        source = as_array(array)
-        code = classify(source, dtype)
-        reduce_op = as_op(op)
-        reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
-        target = np.empty_like(source) if out is None else out
-        if target is not source and (
-            not isinstance(target, np.ndarray)
-            or target.shape != source.shape
-            or target.dtype != source.dtype
-        ):
-            raise ValueError(
-                f"out must be an array of shape {source.shape} and dtype {source.dtype}."
-            )
-        send = contiguous(source, code)
-        view = storage_view(target, code)
-        work = view if view.flags.c_contiguous else np.empty(view.shape, view.dtype)
-
-        def finish(result: np.ndarray) -> np.ndarray:
-            if work is not view:
-                view[...] = work
-            return target
-
-        return Request(
-            request_name,
-            Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape),
-            Handle(request_name),
-            Reduction(
-                [send if send.ndim == 1 else send.reshape(-1)],
-                [work if work.ndim == 1 else work.reshape(-1)],
-                in_place=work is send or work.ctypes.data == send.ctypes.data,
-                prescale=float(prescale_factor),
-                postscale=float(postscale_factor),
-            ),
-            finish=finish,
-        )
-
-    return start(name, build)
+    return start(
+        name,
+        lambda request_name: _request(
+            request_name, array, op, prescale_factor, postscale_factor, out, dtype
+        ),
+    )
 
 
-allreduce = blocking(
-    allreduce_async,
-    np.ndarray,
+def _request(
+    name: str,
+    array: ArrayLike,
+    op: ReduceOp | str,
+    prescale_factor: float,
+    postscale_factor: float,
+    out: np.ndarray | None,
+    dtype: str | DType | None,
+) -> Request:
+    """The request of `allreduce_async`'s arguments, checked."""
+    source = as_array(array)
+    code = classify(source, dtype)
+    reduce_op = as_op(op)
+    reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
+    target = np.empty_like(source) if out is None else out
+    if target is not source and (
+        not isinstance(target, np.ndarray)
+        or target.shape != source.shape
+        or target.dtype != source.dtype
+    ):
+        raise ValueError(f"out must be an array of shape {source.shape} and dtype {source.dtype}.")
+    send = contiguous(source, code)
+    view = storage_view(target, code)
+    work = view if view.flags.c_contiguous else np.empty(view.shape, view.dtype)
+
+    def finish(result: np.ndarray) -> np.ndarray:
+        if work is not view:
+            view[...] = work
+        return target
+
+    return Request(
+        name,
+        Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape),
+        Handle(name),
+        Reduction(
+            [send if send.ndim == 1 else send.reshape(-1)],
+            [work if work.ndim == 1 else work.reshape(-1)],
+            in_place=work is send or work.ctypes.data == send.ctypes.data,
+            prescale=float(prescale_factor),
+            postscale=float(postscale_factor),
+        ),
+        finish=finish,
+    )
+
+
+def allreduce(
+    array: ArrayLike,
+    op: ReduceOp | str = Average,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    out: np.ndarray | None = None,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> np.ndarray:
     """Combine `array` from every rank elementwise with `op`; every rank gets the result.
 
     Args:
@@ -113,8 +134,71 @@ allreduce = blocking(
         >>> ringplug.init()
         >>> ringplug.allreduce(np.ones(3, np.float32), op=ringplug.Sum)  # doctest: +SKIP
         array([2., 2., 2.], dtype=float32)   # on 2 ranks
-    """,
-)
+    """
+    engine = runtime.current_engine()
+    if (
+        engine is not None
+        and type(array) is np.ndarray
+        and (out is None or out is array)
+        and dtype is None
+        and isinstance(prescale_factor, (int, float))
+        and prescale_factor == 1.0
+    ):
+        # The usual small call, tried without building a request (`Engine.allreduce_now`).
+        if name is None:
+            number: int | None = engine.unnamed_number()
+            name, cacheable = f"{UNNAMED}{number}", False  # the usual path below keeps it
+        else:
+            name, number = str(name), None
+            cacheable = cacheable_name(name)
+        result = _now(engine, array, op, postscale_factor, out, name, cacheable, number)
+        if result is not None:
+            return result.wait() if isinstance(result, Handle) else result
+    with waited_at_once():
+        handle = allreduce_async(
+            array,
+            op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            out=out,
+            name=name,
+            dtype=dtype,
+        )
+    return handle.wait()
+
+
+def _now(
+    engine: Engine,
+    array: np.ndarray,
+    op: ReduceOp | str,
+    postscale_factor: float,
+    out: np.ndarray | None,
+    name: str,
+    cacheable: bool,
+    number: int | None,
+) -> np.ndarray | Handle | None:
+    """`Engine.allreduce_now` for a C-contiguous array of a native type with valid
+    arguments; None for anything else, before any message (the usual path checks it, says
+    what is wrong and tells the other ranks)."""
+    try:
+        reduce_op, code, postscale = as_op(op), classify(array), float(postscale_factor)
+    except Exception:  # noqa: BLE001 - the usual path raises it, and tells the other ranks
+        return None
+    if not (code.is_floating or (reduce_op is not ReduceOp.AVERAGE and postscale == 1.0)):
+        return None
+    if not array.flags.c_contiguous:
+        return None
+    return engine.allreduce_now(
+        name,
+        cacheable,
+        array,
+        out is None,
+        reduce_op,
+        code,
+        postscale,
+        lambda request_name: _request(request_name, array, op, 1.0, postscale, out, None),
+        number,
+    )
 
 
 def grouped_allreduce_async(
