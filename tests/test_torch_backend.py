@@ -30,7 +30,7 @@ def run(scenario: str, ranks: int, outdir: Path, **kwargs) -> list[dict]:
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_every_torch_distributed_call_gives_the_reference_on_every_rank(tmp_path, ranks):
     reports = run("calls", ranks, tmp_path)
-    assert len(reports[0]["checks"]) == 61 + 2 * ranks  # broadcast and reduce from each root
+    assert len(reports[0]["checks"]) == 62 + 2 * ranks  # broadcast and reduce from each root
     assert all(r["checks"].keys() == reports[0]["checks"].keys() for r in reports)
 
 

@@ -66,6 +66,20 @@ def calls(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
         coalesced[0], torch.full((3,), float(sum(range(size))))
     ) and torch.equal(coalesced[1], torch.full((2, 2), float(sum(range(1, size + 1)))))
 
+    # Synchronous calls of a form agreed before run without a request of the core's
+    # (`Engine.allreduce_now`; an idle engine thread that sees a peer's message first may
+    # take one), with the same results.
+    engine = ringplug.core.runtime.engine()
+    before, repeated = engine.calls_now, []
+    for step in range(4):
+        tensor = torch.full((3, 4), float(rank + step))
+        dist.all_reduce(tensor)
+        expected = float(sum(r + step for r in range(size)))
+        repeated.append(torch.equal(tensor, torch.full((3, 4), expected)))
+    checks["all_reduce/repeated-without-request"] = all(repeated) and (
+        engine.calls_now - before >= 2
+    )
+
     for root in range(size):
         tensor = torch.full((5,), float(rank * 10 + root))
         dist.broadcast(tensor, src=root)

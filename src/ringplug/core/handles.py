@@ -42,6 +42,13 @@ class Handle:
         self._callbacks: list[Callable[[Handle], None]] | None = None
         self._engine: Engine | None = None  # set when the waiter may run the engine's cycles
 
+    @classmethod
+    def completed(cls, name: str, result: Any) -> Handle:
+        """A handle of a collective that has already finished with `result`."""
+        handle = cls(name)
+        handle._done, handle._result = True, result
+        return handle
+
     def done(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks."""
         return self._done

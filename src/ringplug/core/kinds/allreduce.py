@@ -32,10 +32,11 @@ from .base import (
     result_as,
     start,
     waited_at_once,
+    waited_at_once_now,
 )
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    pass
 
 
 def allreduce_async(
@@ -52,6 +53,10 @@ def allreduce_async(
 
     Don't touch `array` or `out` until the handle is done.
     """
+    if waited_at_once_now():  # its caller waits at once (torch.distributed's all_reduce)
+        outcome, name = _now(array, op, prescale_factor, postscale_factor, out, name, dtype)
+        if outcome is not None:
+            return outcome if isinstance(outcome, Handle) else Handle.completed(name, outcome)
     return start(
         name,
         lambda request_name: _request(
@@ -135,8 +140,36 @@ def allreduce(
         >>> ringplug.allreduce(np.ones(3, np.float32), op=ringplug.Sum)  # doctest: +SKIP
         array([2., 2., 2.], dtype=float32)   # on 2 ranks
     """
+    outcome, name = _now(array, op, prescale_factor, postscale_factor, out, name, dtype)
+    if outcome is not None:
+        return outcome.wait() if isinstance(outcome, Handle) else outcome
+    with waited_at_once():
+        handle = start(
+            name,
+            lambda request_name: _request(
+                request_name, array, op, prescale_factor, postscale_factor, out, dtype
+            ),
+        )
+    return handle.wait()
+
+
+def _now(
+    array: ArrayLike,
+    op: ReduceOp | str,
+    prescale_factor: float,
+    postscale_factor: float,
+    out: np.ndarray | None,
+    name: str | None,
+    dtype: str | DType | None,
+) -> tuple[np.ndarray | Handle | None, str | None]:
+    """A synchronous allreduce through `Engine.allreduce_now`, when its arguments allow it
+    (a C-contiguous numpy array of a native type, in place or into a new array, valid
+    arguments): its result, or the handle of the request it became. Returns None before
+    anything is sent otherwise (the usual path checks the arguments, says what is wrong
+    and tells the other ranks), with the name to submit under (an unnamed call has drawn
+    its number)."""
     engine = runtime.current_engine()
-    if (
+    if not (
         engine is not None
         and type(array) is np.ndarray
         and (out is None or out is array)
@@ -144,51 +177,22 @@ def allreduce(
         and isinstance(prescale_factor, (int, float))
         and prescale_factor == 1.0
     ):
-        # The usual small call, tried without building a request (`Engine.allreduce_now`).
-        if name is None:
-            number: int | None = engine.unnamed_number()
-            name, cacheable = f"{UNNAMED}{number}", False  # the usual path below keeps it
-        else:
-            name, number = str(name), None
-            cacheable = cacheable_name(name)
-        result = _now(engine, array, op, postscale_factor, out, name, cacheable, number)
-        if result is not None:
-            return result.wait() if isinstance(result, Handle) else result
-    with waited_at_once():
-        handle = allreduce_async(
-            array,
-            op,
-            prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor,
-            out=out,
-            name=name,
-            dtype=dtype,
-        )
-    return handle.wait()
-
-
-def _now(
-    engine: Engine,
-    array: np.ndarray,
-    op: ReduceOp | str,
-    postscale_factor: float,
-    out: np.ndarray | None,
-    name: str,
-    cacheable: bool,
-    number: int | None,
-) -> np.ndarray | Handle | None:
-    """`Engine.allreduce_now` for a C-contiguous array of a native type with valid
-    arguments; None for anything else, before any message (the usual path checks it, says
-    what is wrong and tells the other ranks)."""
+        return None, name
     try:
         reduce_op, code, postscale = as_op(op), classify(array), float(postscale_factor)
     except Exception:  # noqa: BLE001 - the usual path raises it, and tells the other ranks
-        return None
+        return None, name
     if not (code.is_floating or (reduce_op is not ReduceOp.AVERAGE and postscale == 1.0)):
-        return None
+        return None, name
     if not array.flags.c_contiguous:
-        return None
-    return engine.allreduce_now(
+        return None, name
+    if name is None:
+        number: int | None = engine.unnamed_number()
+        name, cacheable = f"{UNNAMED}{number}", False  # the usual path keeps it
+    else:
+        name, number = str(name), None
+        cacheable = cacheable_name(name)
+    outcome = engine.allreduce_now(
         name,
         cacheable,
         array,
@@ -199,6 +203,7 @@ def _now(
         lambda request_name: _request(request_name, array, op, 1.0, postscale, out, None),
         number,
     )
+    return outcome, name
 
 
 def grouped_allreduce_async(

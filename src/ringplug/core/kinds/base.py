@@ -92,6 +92,11 @@ class _WaitedAtOnce:
 waited_at_once = _WaitedAtOnce
 
 
+def waited_at_once_now() -> bool:
+    """Whether this thread submits inside `waited_at_once` (its caller waits at once)."""
+    return getattr(_blocking_call, "active", False)
+
+
 def submit_and_wait(name: str, cacheable: bool, build: Build) -> Any:
     """`_submit`, then wait, running the cycle on this thread (see `blocking`)."""
     with waited_at_once():
