@@ -125,7 +125,7 @@ def test_synchronous_calls_of_agreed_forms_run_at_once_and_fall_back_when_ranks_
         # ... but not the call for which rank 1 had another request in flight.
         assert report["express_in_fallback"] == 0
         assert report["fallback_ok"] and report["extra_ok"]
-        assert report["big_ok"]
+        assert report["big_ok"] and 1 <= report["big_now"] <= 3
         assert report["mismatch"].startswith("MismatchError: 'sync' does not match across")
         assert "shape (5,)" in report["mismatch"] and "shape (4,)" in report["mismatch"]
         assert report["after"] == [float(ranks)] * 2

@@ -103,12 +103,17 @@ def test_an_exception_on_the_engine_thread_fails_that_collective_everywhere_and_
     assert f"rank 1: allgather raised {memory}" in output
     read_only = "ValueError: assignment destination is read-only"
     assert f"rank 1: read-only allreduce raised {read_only}" in output
+    injected = "MemoryError: cannot reduce (injected)"
+    assert f"rank 1: mid allreduce raised {injected}" in output
     for rank in range(ranks):
         if rank != 1:
             assert (f"rank {rank}: allgather raised PeerFailedError: rank 1 failed allgather "
                     f"'gathered': {memory}") in output  # fmt: skip
             assert (f"rank {rank}: read-only allreduce raised PeerFailedError: rank 1 failed "
                     f"allreduce 'ro': {read_only}") in output  # fmt: skip
+            assert (f"rank {rank}: mid allreduce raised PeerFailedError: rank 1 failed "
+                    f"allreduce 'mid': {injected}") in output  # fmt: skip
+        assert f"rank {rank}: mid ran without a request: True" in output
         assert f"rank {rank}: later collectives are correct" in output
 
 

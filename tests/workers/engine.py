@@ -334,11 +334,13 @@ def express(rank: int) -> dict:
     report["extra_ok"] = bool(np.all(extra.wait() == 5.0 * size))
     # Above the eager size: the express cycle runs the collective itself.
     big = np.full((64 << 10) // 8 + 1, float(rank))
+    before = engine.calls_now
     for _ in range(3):
         ringplug.allreduce(big, op="sum", name="big-sync", out=big)
         big[:] = rank
     report["big_ok"] = bool(np.all(ringplug.allreduce(big, op="sum", name="big-sync")
                                    == sum(range(size))))  # fmt: skip
+    report["big_now"] = engine.calls_now - before  # without a request (allreduce_now)
     # A form agreed before, now with another shape on rank 0: a mismatch on every rank.
     try:
         ringplug.allreduce(np.ones(5 if rank == 0 else 4), op="sum", name="sync")

@@ -177,6 +177,25 @@ def engine_errors(rank: int, size: int, engine) -> None:
     except Exception as error:  # noqa: BLE001
         print(f"rank {rank}: read-only allreduce raised {type(error).__name__}: {error}",
               flush=True)  # fmt: skip
+    # A call of a form agreed before, larger than a message carries, runs without a request
+    # (Engine.allreduce_now) and fails on rank 1 in the middle of its collective.
+    mid = np.full(1 << 15, rank + 1.0, np.float32)
+    for _ in range(2):
+        ringplug.allreduce(mid, op=ringplug.Sum, out=mid, name="mid")
+    print(f"rank {rank}: mid ran without a request: {engine.calls_now > 0}", flush=True)
+    reduce_all = transport.allreduce
+
+    def cannot_reduce(*args, **kwargs):
+        transport.allreduce = reduce_all  # once
+        raise MemoryError("cannot reduce (injected)")
+
+    if rank == 1:
+        transport.allreduce = cannot_reduce
+    try:
+        ringplug.allreduce(mid, op=ringplug.Sum, out=mid, name="mid")
+        print(f"rank {rank}: mid allreduce succeeded", flush=True)
+    except Exception as error:  # noqa: BLE001
+        print(f"rank {rank}: mid allreduce raised {type(error).__name__}: {error}", flush=True)
     # The engine goes on serving: small (MPI) and large (ring) allreduces, and an allgather.
     for count in (8, 1 << 20):
         values = np.full(count, rank + 1, np.float32)

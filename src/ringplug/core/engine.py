@@ -266,9 +266,11 @@ class Engine:
             form = self._agreed_form(name, cacheable, array, code, op, number)
             if form is None:
                 return None
+            bits, pairs, signature, carried = form
             start = time.perf_counter()
             self._cycle += 1
-            wire = compact(self._cycle, *form, (array.data.cast("B"),), activity.current())
+            data = (array.data.cast("B"),) if carried else ()
+            wire = compact(self._cycle, bits, pairs, data, activity.current())
             try:
                 received = self._exchange.send_and_receive(self._cycle, wire, (name,))
                 length = same_form(wire, received)
@@ -285,17 +287,38 @@ class Engine:
                 return request.handle
             self.cycles_run += 1
             self.express_cycles += 1
-            self.calls_now += 1
-            self.collectives_run += 1
-            self.transport.last_path = "eager"
-            self._last_activity = time.perf_counter()
-            # The same inputs on every rank: an error here is raised alike everywhere.
             result = np.empty_like(array) if fresh else array
             flat = result.reshape(-1)
-            eager.reduce_into([flat], received, op, code, length)
             factor = postscale / self.size if op is ReduceOp.AVERAGE else postscale
-            if factor != 1.0:
-                reduce.scale(flat, factor, code)
+            if carried:
+                self.collectives_run += 1
+                self.transport.last_path = "eager"
+                # The same copies on every rank: an error here is raised alike everywhere.
+                eager.reduce_into([flat], received, op, code, length)
+                if factor != 1.0:
+                    reduce.scale(flat, factor, code)
+                self.calls_now += 1
+                self._last_activity = time.perf_counter()
+                return result
+            if fresh:
+                np.copyto(flat, array.reshape(-1))
+            try:
+                request = self._run_now(
+                    name,
+                    signature,
+                    flat,
+                    op,
+                    code,
+                    factor,
+                    lambda: self._adopt(name, cacheable, build, start, pending=False),
+                )
+            except BaseException as exc:  # noqa: BLE001 - as `_guarded_cycle`
+                request = self._adopt(name, cacheable, build, start)
+                self._cycle_failed(exc)
+            if request is not None:
+                return request.handle
+            self.calls_now += 1
+            self._last_activity = time.perf_counter()
             return result
         finally:
             if request is None:
@@ -308,6 +331,38 @@ class Engine:
                 with self._lock:
                     self._lock.notify_all()  # submitted meanwhile by another thread
 
+    def _run_now(
+        self,
+        name: str,
+        signature: Signature,
+        flat: np.ndarray,
+        op: ReduceOp,
+        code: DType,
+        factor: float,
+        adopt: Callable[[], Request],
+    ) -> Request | None:
+        """The collective of an `allreduce_now` too large to travel in the message, as the
+        usual path runs it (`Fusion._one`). When it fails (a peer failed an earlier
+        collective of the cycle, or this one failed), the request `adopt()` makes fails as
+        the usual path's would, and is returned. A communicator failure raises."""
+        self._failed_here, self._position = None, 0
+        response = Response.everywhere(name, signature, self.size)
+        skipped = self.begin_collective("allreduce", [response])
+        if skipped is not None:
+            request = adopt()
+            self.complete_each([request], error=skipped)
+            return request
+        try:
+            self.transport.allreduce(flat, op, code, postscale=factor)
+        except CommunicatorFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
+            request = adopt()
+            self.collective_failed(exc, [request])
+            return request
+        self.collectives_run += 1
+        return None
+
     def _agreed_form(
         self,
         name: str,
@@ -316,10 +371,10 @@ class Engine:
         code: DType,
         op: ReduceOp,
         number: int | None,
-    ) -> tuple[int, tuple[tuple[int, int], ...]] | None:
-        """The cached bits and numbered pairs of `allreduce_now`'s message, when nothing
-        else is in flight and the ranks agreed on this form before with its data carried
-        in the message (else None)."""
+    ) -> tuple[int, tuple[tuple[int, int], ...], Signature, bool] | None:
+        """The cached bits and numbered pairs of `allreduce_now`'s message, its signature
+        and whether its data travels in the message, when nothing else is in flight and
+        the ranks agreed on this form before (else None)."""
         if (
             self.pending
             or self._joined_cycle
@@ -349,21 +404,28 @@ class Engine:
             if len(self._agreed) >= _CACHE_CAPACITY:
                 self._agreed.clear()
             known = self._agreed[key] = (cache.slots[slot][1], slot)
-        slot = known[1]
-        if cache.eager_bytes[slot] != array.nbytes:
-            return None  # larger than the eager threshold
-        return (1 << slot, ()) if parts is None else (0, ((slot, parts[1]),))
+        signature, slot = known
+        carried = cache.eager_bytes[slot] > 0  # not larger than the eager threshold
+        if parts is None:
+            return 1 << slot, (), signature, carried
+        return 0, ((slot, parts[1]),), signature, carried
 
     def _adopt(
-        self, name: str, cacheable: bool, build: Callable[[str], Request], start: float
+        self,
+        name: str,
+        cacheable: bool,
+        build: Callable[[str], Request],
+        start: float,
+        pending: bool = True,
     ) -> Request:
-        """The request of an `allreduce_now` whose cycle needs the usual path, pending as if
-        it had been submitted."""
+        """The request of an `allreduce_now` whose cycle needs the usual path, `pending` as
+        if it had been submitted (else it is about to be completed)."""
         request = build(name)
         request.cacheable = cacheable
         request.submitted = request.announced = start
         request.handle._engine = self  # its waiter may run the cycles (see `drive`)
-        self.pending[name] = request
+        if pending:
+            self.pending[name] = request
         return request
 
     def drive(self, handle: Handle) -> None:
