@@ -62,6 +62,9 @@ _STORAGE: dict[DType, np.dtype] = {
     DType.UINT8: np.dtype(np.uint8),
     DType.BOOL: np.dtype(np.bool_),
 }
+# Bytes per element by wire code: an enum's property (`code.itemsize`) costs 0.4 us, and
+# fusion reads it for every request.
+ITEMSIZE: tuple[int, ...] = tuple(_STORAGE[code].itemsize for code in DType)
 _FLOATING = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 _BY_NUMPY = {dtype: code for code, dtype in _STORAGE.items() if code is not DType.BFLOAT16}
 _BY_NAME = {code.label: code for code in DType}

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import eager, reduce, ring
 from .config import Settings
-from .dtypes import BY_CODE, DType
+from .dtypes import BY_CODE, ITEMSIZE, DType
 from .errors import CommunicatorFailed
 from .kind import GPU, identity
 from .negotiation import Kind, Response
@@ -77,7 +77,7 @@ def batches(responses: list[Response], threshold: int) -> Iterator[list[Response
                 batch, batch_bytes = [], 0
             yield response
             continue
-        nbytes = math.prod(signature.shape) * BY_CODE[signature.code].itemsize
+        nbytes = math.prod(signature.shape) * ITEMSIZE[signature.code]
         if batch and (
             batch[0].signature.code != signature.code
             or batch[0].signature.op != signature.op
@@ -187,8 +187,11 @@ class Fusion:
         for response, request in zip(batch, requests, strict=True):
             if request is not None:
                 reduction = request.payload
-                pairs = zip(reduction.sends, reduction.outs, strict=True)
-                entries.extend((request, send, out) for send, out in pairs)
+                if len(reduction.sends) == 1:  # the usual request: one array
+                    entries.append((request, reduction.sends[0], reduction.outs[0]))
+                else:
+                    pairs = zip(reduction.sends, reduction.outs, strict=True)
+                    entries.extend((request, send, out) for send, out in pairs)
             else:
                 entries.extend((None, part, part) for part in joined_parts(response, op, code))
         total = sum(send.size for _, send, _ in entries)
@@ -223,25 +226,28 @@ class Fusion:
             target = self._view(code, total)
             np.concatenate([send for _, send, _ in entries], out=target)
             parts = ring.split(target, [send.size for _, send, _ in entries])
-        for (request, _, _), part in zip(entries, parts, strict=True):
-            if request is not None and request.payload.prescale != 1.0:
-                reduce.scale(part, request.payload.prescale, code)
+        if any(request.payload.prescale != 1.0 for request in present):
+            for (request, _, _), part in zip(entries, parts, strict=True):
+                if request is not None and request.payload.prescale != 1.0:
+                    reduce.scale(part, request.payload.prescale, code)
         copied_in = time.perf_counter()
         factors = {request.payload.factor(op, engine.size) for request in present}
         # One factor for the whole batch (the usual case) is applied inside the reduction,
         # with no pass of its own over the result.
-        shared = factors.pop() if len(factors) == 1 else 1.0
+        shared = next(iter(factors)) if len(factors) == 1 else 1.0
         engine.transport.allreduce(target, op, code, postscale=shared)
         reduced = time.perf_counter()
         engine.collectives_run += 1
-        for (request, _, out), part in zip(entries, parts, strict=True):
-            if request is None:
-                continue
-            if packed:
-                out[...] = part
-            factor = request.payload.factor(op, engine.size)
-            if shared == 1.0 and factor != 1.0:
-                reduce.scale(out, factor, code)
+        if packed:
+            for (request, _, out), part in zip(entries, parts, strict=True):
+                if request is not None:
+                    out[...] = part
+        if len(factors) > 1:  # each request's own factor
+            for request, _, out in entries:
+                if request is not None:
+                    factor = request.payload.factor(op, engine.size)
+                    if factor != 1.0:
+                        reduce.scale(out, factor, code)
         copied_out = time.perf_counter()
         engine.complete_each(requests)
         timeline = engine.timeline

@@ -117,8 +117,15 @@ class Response:
 
     @classmethod
     def everywhere(cls, name: str, signature: Signature, ranks: int) -> Response:
-        """A request that every one of `ranks` ranks submitted alike (a repeated step)."""
-        return cls(name, signature, [0] * ranks, [True] * ranks)
+        """A request that every one of `ranks` ranks submitted alike (a repeated step).
+        Its `extras` and `have` are shared by every such response: nothing changes them."""
+        shared = _EVERYWHERE.get(ranks)
+        if shared is None:
+            shared = _EVERYWHERE[ranks] = ([0] * ranks, [True] * ranks)
+        return cls(name, signature, *shared)
+
+
+_EVERYWHERE: dict[int, tuple[list[int], list[bool]]] = {}
 
 
 @dataclasses.dataclass
