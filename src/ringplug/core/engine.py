@@ -235,9 +235,10 @@ class Engine:
         build: Callable[[str], Request],
         number: int | None = None,
     ) -> np.ndarray | Handle | None:
-        """A synchronous allreduce small enough to travel in the negotiation message, of a
-        form the ranks agreed on before, with nothing else in flight: its express cycle
-        (see `_express`) on the caller's thread, without a request, a handle or a queue.
+        """A synchronous host allreduce of a form the ranks agreed on before, with nothing
+        else in flight: its express cycle (see `_express`) and, when its data is larger than
+        the message carries, its collective (`_run_now`), on the caller's thread without a
+        request, a handle or a queue.
 
         `array` is C-contiguous, of a native type, with valid arguments; the result goes
         to a new array when `fresh`, else into `array`. Should the cycle need more (a peer
@@ -375,13 +376,7 @@ class Engine:
         """The cached bits and numbered pairs of `allreduce_now`'s message, its signature
         and whether its data travels in the message, when nothing else is in flight and
         the ranks agreed on this form before (else None)."""
-        if (
-            self.pending
-            or self._joined_cycle
-            or self._renew
-            or self.timeline is not None
-            or self._stalls.watching
-        ):
+        if self._express_ruled_out():
             return None
         if cacheable:
             parts = None
@@ -713,14 +708,7 @@ class Engine:
         fusion of batches or the stall inspector, which have nothing to do in such a cycle.
         Otherwise the messages go through the general path, as any cycle's.
         """
-        if (
-            self.pending
-            or self._joined_cycle
-            or self._renew
-            or self.timeline is not None
-            or self._stalls.watching
-            or request.signature.place == GPU
-        ):
+        if self._express_ruled_out() or request.signature.place == GPU:
             return None
         cache = self._cache
         if request.cacheable:
@@ -763,6 +751,18 @@ class Engine:
         wake_waiters()
         self._last_activity = time.perf_counter()
         return False
+
+    def _express_ruled_out(self) -> bool:
+        """Whether this cycle needs the general path whatever its request: something else is
+        in flight here, a rank has joined, the data communicator is to be renewed, a
+        timeline records, or the stall inspector watches."""
+        return bool(
+            self.pending
+            or self._joined_cycle
+            or self._renew
+            or self.timeline is not None
+            or self._stalls.watching
+        )
 
     def _follow(self, messages: list[Message], alike: bool, cycle_start: float) -> bool:
         """Decide this cycle's plan from every rank's message and run it; True when the

@@ -7,7 +7,7 @@ requests (host arrays, grouped arrays, GPU buffers) and describes them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -34,9 +34,6 @@ from .base import (
     waited_at_once,
     waited_at_once_now,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def allreduce_async(
