@@ -26,14 +26,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from . import activity, eager, reduce
+from . import activity, eager
 from .config import Settings
-from .dtypes import DType
 from .errors import (
     CommunicatorFailed,
     MismatchError,
@@ -42,7 +39,8 @@ from .errors import (
     PeerLeftError,
     RingplugError,
 )
-from .exchange import Exchange, compact, decode, messages, same_form
+from .exchange import Exchange
+from .express import ExpressCycles
 from .fusion import Fusion, batches
 from .handles import Handle, Request, wake_waiters
 from .kind import GPU, SameEverywhere, check_joined, kind_of
@@ -55,9 +53,7 @@ from .negotiation import (
     Response,
     Signature,
     decide,
-    numbered,
 )
-from .ops import ReduceOp
 from .stalls import StallInspector
 from .timeline import Timeline
 from .transport import Transport
@@ -100,7 +96,7 @@ def cacheable_name(name: str) -> bool:
     return not name.startswith(UNNAMED) and "#" not in name
 
 
-class Engine:
+class Engine(ExpressCycles):
     """Negotiates, fuses and runs the collectives of one process, on its own thread."""
 
     def __init__(
@@ -222,206 +218,6 @@ class Engine:
         finally:
             self._mpi.release()
         self._after_driving(request.handle)
-
-    def allreduce_now(
-        self,
-        name: str,
-        cacheable: bool,
-        array: np.ndarray,
-        fresh: bool,
-        op: ReduceOp,
-        code: DType,
-        postscale: float,
-        build: Callable[[str], Request],
-        number: int | None = None,
-    ) -> np.ndarray | Handle | None:
-        """A synchronous host allreduce of a form the ranks agreed on before, with nothing
-        else in flight: its express cycle (see `_express`) and, when its data is larger than
-        the message carries, its collective (`_run_now`), on the caller's thread without a
-        request, a handle or a queue.
-
-        `array` is C-contiguous, of a native type, with valid arguments; the result goes
-        to a new array when `fresh`, else into `array`. Should the cycle need more (a peer
-        sent something else, or it failed), `build(name)` makes the request, which takes
-        the usual path from there. `number`: the name is the unnamed request of that
-        number (see `unnamed_number`).
-
-        Returns the result; the handle to wait for when the cycle needed more; or None,
-        before anything was sent, when the call cannot run here (submit it as usual).
-        """
-        with self._mutex:
-            if (
-                self._failure is not None
-                or self._stop_requested
-                or name in self._in_flight
-                or not self._host_only
-                or self._queue
-                or self._join_handle is not None
-                or self.settings.cycle_time > 0
-                or not self._mpi.acquire(blocking=False)
-            ):
-                return None
-            self._in_flight.add(name)
-        request: Request | None = None
-        try:
-            form = self._agreed_form(name, cacheable, array, code, op, number)
-            if form is None:
-                return None
-            bits, pairs, signature, carried = form
-            start = time.perf_counter()
-            self._cycle += 1
-            data = (array.data.cast("B"),) if carried else ()
-            wire = compact(self._cycle, bits, pairs, data, activity.current())
-            try:
-                received = self._exchange.send_and_receive(self._cycle, wire, (name,))
-                length = same_form(wire, received)
-                if not length:  # a peer sent something else: the full negotiation
-                    request = self._adopt(name, cacheable, build, start)
-                    if self._follow(messages(decode(wire), wire, received, 0), False, start):
-                        self._ended = True
-            except BaseException as exc:  # noqa: BLE001 - as `_guarded_cycle`
-                if request is None:
-                    request = self._adopt(name, cacheable, build, start)
-                self._cycle_failed(exc)
-            self.cycles_by_callers += 1
-            if request is not None:
-                return request.handle
-            self.cycles_run += 1
-            self.express_cycles += 1
-            result = np.empty_like(array) if fresh else array
-            flat = result.reshape(-1)
-            factor = postscale / self.size if op is ReduceOp.AVERAGE else postscale
-            if carried:
-                self.collectives_run += 1
-                self.transport.last_path = "eager"
-                # The same copies on every rank: an error here is raised alike everywhere.
-                eager.reduce_into([flat], received, op, code, length)
-                if factor != 1.0:
-                    reduce.scale(flat, factor, code)
-                self.calls_now += 1
-                self._last_activity = time.perf_counter()
-                return result
-            if fresh:
-                np.copyto(flat, array.reshape(-1))
-            try:
-                request = self._run_now(
-                    name,
-                    signature,
-                    flat,
-                    op,
-                    code,
-                    factor,
-                    lambda: self._adopt(name, cacheable, build, start, pending=False),
-                )
-            except BaseException as exc:  # noqa: BLE001 - as `_guarded_cycle`
-                request = self._adopt(name, cacheable, build, start)
-                self._cycle_failed(exc)
-            if request is not None:
-                return request.handle
-            self.calls_now += 1
-            self._last_activity = time.perf_counter()
-            return result
-        finally:
-            if request is None:
-                with self._mutex:
-                    self._in_flight.discard(name)
-            self._mpi.release()
-            if request is not None:
-                self._after_driving(request.handle)
-            elif self._queue:
-                with self._lock:
-                    self._lock.notify_all()  # submitted meanwhile by another thread
-
-    def _run_now(
-        self,
-        name: str,
-        signature: Signature,
-        flat: np.ndarray,
-        op: ReduceOp,
-        code: DType,
-        factor: float,
-        adopt: Callable[[], Request],
-    ) -> Request | None:
-        """The collective of an `allreduce_now` too large to travel in the message, as the
-        usual path runs it (`Fusion._one`). When it fails (a peer failed an earlier
-        collective of the cycle, or this one failed), the request `adopt()` makes fails as
-        the usual path's would, and is returned. A communicator failure raises."""
-        self._failed_here, self._position = None, 0
-        response = Response.everywhere(name, signature, self.size)
-        skipped = self.begin_collective("allreduce", [response])
-        if skipped is not None:
-            request = adopt()
-            self.complete_each([request], error=skipped)
-            return request
-        try:
-            self.transport.allreduce(flat, op, code, postscale=factor)
-        except CommunicatorFailed:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
-            request = adopt()
-            self.collective_failed(exc, [request])
-            return request
-        self.collectives_run += 1
-        return None
-
-    def _agreed_form(
-        self,
-        name: str,
-        cacheable: bool,
-        array: np.ndarray,
-        code: DType,
-        op: ReduceOp,
-        number: int | None,
-    ) -> tuple[int, tuple[tuple[int, int], ...], Signature, bool] | None:
-        """The cached bits and numbered pairs of `allreduce_now`'s message, its signature
-        and whether its data travels in the message, when nothing else is in flight and
-        the ranks agreed on this form before (else None)."""
-        if self._express_ruled_out():
-            return None
-        if cacheable:
-            parts = None
-        else:
-            parts = (UNNAMED, number) if number is not None else numbered(name)
-            if parts is None:
-                return None
-        key = (name if parts is None else parts[0], array.shape, code, op)
-        cache = self._cache
-        known = self._agreed.get(key)
-        if known is None or cache.slots[known[1]][1] is not known[0]:
-            signature = Signature(Kind.ALLREDUCE, code, op, -1, array.shape)
-            if parts is None:
-                slot = cache.slot_for(name, signature)
-            else:
-                entry = cache.numbered_slot(name, signature)
-                slot = None if entry is None else entry[0]
-            if slot is None:
-                return None
-            if len(self._agreed) >= _CACHE_CAPACITY:
-                self._agreed.clear()
-            known = self._agreed[key] = (cache.slots[slot][1], slot)
-        signature, slot = known
-        carried = cache.eager_bytes[slot] > 0  # not larger than the eager threshold
-        if parts is None:
-            return 1 << slot, (), signature, carried
-        return 0, ((slot, parts[1]),), signature, carried
-
-    def _adopt(
-        self,
-        name: str,
-        cacheable: bool,
-        build: Callable[[str], Request],
-        start: float,
-        pending: bool = True,
-    ) -> Request:
-        """The request of an `allreduce_now` whose cycle needs the usual path, `pending` as
-        if it had been submitted (else it is about to be completed)."""
-        request = build(name)
-        request.cacheable = cacheable
-        request.submitted = request.announced = start
-        request.handle._engine = self  # its waiter may run the cycles (see `drive`)
-        if pending:
-            self.pending[name] = request
-        return request
 
     def drive(self, handle: Handle) -> None:
         """Run engine cycles on the calling thread until `handle` is done, while no other
@@ -696,73 +492,6 @@ class Engine:
             if self._join_handle is not None and not self._joined_cycle:
                 self._joined_cycle = self._cycle + 1
             return fresh, self._stop_requested
-
-    def _express(self, request: Request, cycle_start: float) -> bool | None:
-        """The cycle of a lone request of a form the ranks agreed on before, with nothing
-        else in flight here (a synchronous call's usual cycle); None, before anything is
-        sent, when this cycle needs more than that (see `_run_cycle`).
-
-        Its message names the request's slot (and carries its data when it is a small
-        allreduce, see `eager`). When every peer sent a message of the same form, that is
-        the whole negotiation: the request runs at once, without the plan of `decide`, the
-        fusion of batches or the stall inspector, which have nothing to do in such a cycle.
-        Otherwise the messages go through the general path, as any cycle's.
-        """
-        if self._express_ruled_out() or request.signature.place == GPU:
-            return None
-        cache = self._cache
-        if request.cacheable:
-            slot = cache.slot_for(request.name, request.signature)
-            if slot is None:
-                return None
-            bits, numbered = 1 << slot, ()
-        else:
-            entry = cache.numbered_slot(request.name, request.signature)
-            if entry is None:
-                return None
-            slot = entry[0]
-            bits, numbered = 0, (entry,)
-        carried = cache.eager_bytes[slot]
-        request.announced = cycle_start
-        self.pending[request.name] = request
-        self._cycle += 1
-        wire = compact(
-            self._cycle,
-            bits,
-            numbered,
-            eager.pieces(request) if carried else (),
-            activity.current(),
-        )
-        received = self._exchange.send_and_receive(self._cycle, wire, self.pending)
-        length = same_form(wire, received)
-        if not length:
-            return self._follow(messages(decode(wire), wire, received, 0), False, cycle_start)
-        self.cycles_run += 1
-        self.express_cycles += 1
-        if carried:
-            del self.pending[request.name]
-            self._fusion.reduce_eager(request, received, length)
-            self.collectives_run += 1
-            self.transport.last_path = "eager"
-        else:
-            self.eager_copies = {}
-            response = Response.everywhere(request.name, request.signature, self.size)
-            self._execute(Plan([response], repeated=True))
-        wake_waiters()
-        self._last_activity = time.perf_counter()
-        return False
-
-    def _express_ruled_out(self) -> bool:
-        """Whether this cycle needs the general path whatever its request: something else is
-        in flight here, a rank has joined, the data communicator is to be renewed, a
-        timeline records, or the stall inspector watches."""
-        return bool(
-            self.pending
-            or self._joined_cycle
-            or self._renew
-            or self.timeline is not None
-            or self._stalls.watching
-        )
 
     def _follow(self, messages: list[Message], alike: bool, cycle_start: float) -> bool:
         """Decide this cycle's plan from every rank's message and run it; True when the
