@@ -134,6 +134,22 @@ def received(
     return common or {}
 
 
+def reduce_copies(
+    outs: list[np.ndarray],
+    copies: Sequence[bytes | bytearray | memoryview],
+    op: ReduceOp,
+    code: DType,
+    offset: int,
+    factor: float,
+) -> None:
+    """`reduce_into`, then the result times `factor` (an allreduce's, see
+    `fusion.result_factor`)."""
+    reduce_into(outs, copies, op, code, offset)
+    if factor != 1.0:
+        for out in outs:
+            reduce.scale(out, factor, code)
+
+
 def reduce_into(
     outs: list[np.ndarray],
     copies: Sequence[bytes | bytearray | memoryview],

@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import activity, eager, reduce
+from . import activity, eager
 from .dtypes import DType
 from .errors import CommunicatorFailed
 from .exchange import compact, decode, messages, same_form
+from .fusion import result_factor
 from .handles import Handle, Request, wake_waiters
 from .kind import GPU
 from .negotiation import UNNAMED, Kind, Plan, Response, Signature, numbered
@@ -45,17 +46,10 @@ class ExpressCycles:
         if self._express_ruled_out() or request.signature.place == GPU:
             return None
         cache = self._cache
-        if request.cacheable:
-            slot = cache.slot_for(request.name, request.signature)
-            if slot is None:
-                return None
-            bits, numbered = 1 << slot, ()
-        else:
-            entry = cache.numbered_slot(request.name, request.signature)
-            if entry is None:
-                return None
-            slot = entry[0]
-            bits, numbered = 0, (entry,)
+        form = cache.form_for(request.name, request.cacheable, request.signature)
+        if form is None:
+            return None
+        slot, bits, pairs = form
         carried = cache.eager_bytes[slot]
         request.announced = cycle_start
         self.pending[request.name] = request
@@ -63,7 +57,7 @@ class ExpressCycles:
         wire = compact(
             self._cycle,
             bits,
-            numbered,
+            pairs,
             eager.pieces(request) if carried else (),
             activity.current(),
         )
@@ -165,14 +159,12 @@ class ExpressCycles:
             self.express_cycles += 1
             result = np.empty_like(array) if fresh else array
             flat = result.reshape(-1)
-            factor = postscale / self.size if op is ReduceOp.AVERAGE else postscale
+            factor = result_factor(op, postscale, self.size)
             if carried:
                 self.collectives_run += 1
                 self.transport.last_path = "eager"
                 # The same copies on every rank: an error here is raised alike everywhere.
-                eager.reduce_into([flat], received, op, code, length)
-                if factor != 1.0:
-                    reduce.scale(flat, factor, code)
+                eager.reduce_copies([flat], received, op, code, length, factor)
                 self.calls_now += 1
                 self._last_activity = time.perf_counter()
                 return result
@@ -264,13 +256,10 @@ class ExpressCycles:
         known = self._agreed.get(key)
         if known is None or cache.slots[known[1]][1] is not known[0]:
             signature = Signature(Kind.ALLREDUCE, code, op, -1, array.shape)
-            if parts is None:
-                slot = cache.slot_for(name, signature)
-            else:
-                entry = cache.numbered_slot(name, signature)
-                slot = None if entry is None else entry[0]
-            if slot is None:
+            form = cache.form_for(name, parts is None, signature)
+            if form is None:
                 return None
+            slot = form[0]
             if len(self._agreed) >= _AGREED_CAPACITY:
                 self._agreed.clear()
             known = self._agreed[key] = (cache.slots[slot][1], slot)

@@ -48,9 +48,14 @@ class Reduction:
     ready: Any = None
 
     def factor(self, op: ReduceOp, size: int) -> float:
-        """What the reduced values are multiplied by: `postscale`, over `size` ranks for
-        Average (which the wire sums)."""
-        return self.postscale / size if op is ReduceOp.AVERAGE else self.postscale
+        """What the reduced values are multiplied by (see `result_factor`)."""
+        return result_factor(op, self.postscale, size)
+
+
+def result_factor(op: ReduceOp, postscale: float, size: int) -> float:
+    """What an allreduce's reduced values are multiplied by: `postscale`, over `size` ranks
+    for Average (which the wire sums)."""
+    return postscale / size if op is ReduceOp.AVERAGE else postscale
 
 
 # The ring reduces a batch where its tensors lie when they average at least a ring segment
@@ -162,11 +167,9 @@ class Fusion:
         start = time.perf_counter() if timeline is not None else 0.0
         reduction = request.payload
         try:
-            eager.reduce_into(reduction.outs, copies, op, code, offset)
-            factor = reduction.factor(op, engine.size)
-            if factor != 1.0:
-                for out in reduction.outs:
-                    reduce.scale(out, factor, code)
+            eager.reduce_copies(
+                reduction.outs, copies, op, code, offset, reduction.factor(op, engine.size)
+            )
         except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
             engine.complete(request, error=exc)
             return

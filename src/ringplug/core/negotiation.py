@@ -167,6 +167,17 @@ class Cache:
             return slot
         return None
 
+    def form_for(
+        self, name: str, cacheable: bool, signature: Signature
+    ) -> tuple[int, int, tuple[tuple[int, int], ...]] | None:
+        """(slot, cached bits, numbered pairs) with which a message names this request
+        alone, or None when the ranks have not agreed on it (send it as new)."""
+        if cacheable:
+            slot = self.slot_for(name, signature)
+            return None if slot is None else (slot, 1 << slot, ())
+        entry = self.numbered_slot(name, signature)
+        return None if entry is None else (entry[0], 0, (entry,))
+
     def numbered_slot(self, name: str, signature: Signature) -> tuple[int, int] | None:
         """(slot, number) for a request numbered in call order whose prefix and signature
         the ranks agreed on before, or None (send it as new)."""

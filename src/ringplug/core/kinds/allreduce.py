@@ -54,6 +54,19 @@ def allreduce_async(
         outcome, name = _now(array, op, prescale_factor, postscale_factor, out, name, dtype)
         if outcome is not None:
             return outcome if isinstance(outcome, Handle) else Handle.completed(name, outcome)
+    return _start(array, op, prescale_factor, postscale_factor, out, name, dtype)
+
+
+def _start(
+    array: ArrayLike,
+    op: ReduceOp | str,
+    prescale_factor: float,
+    postscale_factor: float,
+    out: np.ndarray | None,
+    name: str | None,
+    dtype: str | DType | None,
+) -> Handle:
+    """Submit the request of `allreduce_async`'s arguments the usual way."""
     return start(
         name,
         lambda request_name: _request(
@@ -141,12 +154,7 @@ def allreduce(
     if outcome is not None:
         return outcome.wait() if isinstance(outcome, Handle) else outcome
     with waited_at_once():
-        handle = start(
-            name,
-            lambda request_name: _request(
-                request_name, array, op, prescale_factor, postscale_factor, out, dtype
-            ),
-        )
+        handle = _start(array, op, prescale_factor, postscale_factor, out, name, dtype)
     return handle.wait()
 
 
