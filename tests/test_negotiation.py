@@ -101,3 +101,34 @@ def test_numbered_requests_of_different_signatures_on_two_ranks_fail_as_a_mismat
     assert plan.responses == []
     assert "rank 0 submitted allreduce with shape (4, 3) float32" in plan.errors["noname.5"]
     assert "rank 1 submitted allreduce with shape (3,) float32" in plan.errors["noname.5"]
+
+
+def _cache_of(*names):
+    """A cache that learned `names` (signature W) in this order: slot i is names[i]."""
+    cache = Cache(16)
+    items = new(*((name, W) for name in names))
+    cache.learn(decide([Message(1, new=items), Message(1, new=items)], cache), set(names))
+    return cache
+
+
+def test_ranks_part_way_through_a_burst_run_the_slots_all_have_and_the_rest_wait():
+    cache = _cache_of("a", "b", "c", "d", "e")
+    # Rank 0 has a, b, c, e ready, rank 1 b, c, d, e, rank 2 a, b, c, e: bits only.
+    messages = [Message(2, cached=0b10111), Message(2, cached=0b11110), Message(2, cached=0b10111)]
+    plan = decide(messages, cache)
+    assert [r.name for r in plan.responses] == ["b", "c", "e"]  # slot order
+    assert all(r.have == [True, True, True] and r.extras == [0, 0, 0] for r in plan.responses)
+    assert plan.partial == {"a": [0, 2], "d": [1]}
+    assert plan.errors == {} and not plan.repeated and plan.nothing_new
+    # Nothing of it is new: the cache would learn nothing from it.
+    slots = list(cache.slots)
+    cache.learn(plan, {"a", "b", "c", "d", "e"})
+    assert cache.slots == slots
+
+
+def test_a_burst_of_slots_beside_a_new_name_takes_the_full_negotiation():
+    cache = _cache_of("a", "b")
+    messages = [Message(2, cached=0b11), Message(2, cached=0b01, new=new(("z", B)))]
+    plan = decide(messages, cache)
+    assert [r.name for r in plan.responses] == ["a"]
+    assert plan.partial == {"b": [0], "z": [1]} and not plan.nothing_new

@@ -42,7 +42,7 @@ from .errors import (
 from .exchange import Exchange
 from .express import ExpressCycles
 from .fusion import Fusion, batches
-from .handles import Handle, Request, wake_waiters
+from .handles import Handle, Request, finish_each, wake_waiters
 from .kind import GPU, SameEverywhere, check_joined, kind_of
 from .negotiation import (
     UNNAMED,
@@ -511,7 +511,7 @@ class Engine(ExpressCycles):
             return True
         if any(m.renew for m in messages) and self._ctrl is not None:
             self.transport.renew(self._ctrl)
-        if not plan.repeated:
+        if not (plan.repeated or plan.nothing_new):
             cacheable = {n for n, r in self.pending.items() if r.cacheable}
             # A joined rank lacks the others' requests; it must still learn the same slots
             # (given names are the cacheable ones), or its cache parts from theirs.
@@ -676,12 +676,13 @@ class Engine(ExpressCycles):
         outcomes = []
         for request in requests:
             if request is not None:
-                outcomes.append((request, *self._outcome(request, None, error)))
+                outcomes.append((request.handle, *self._outcome(request, None, error)))
         with self._mutex:
-            for request, _, _ in outcomes:
-                self._in_flight.discard(request.name)
-        for request, result, failure in outcomes:
-            request.handle._finish(result, failure)
+            in_flight = self._in_flight
+            for request in requests:
+                if request is not None:
+                    in_flight.discard(request.name)
+        finish_each(outcomes)
 
     def complete(
         self, request: Request, result: Any = None, error: BaseException | None = None

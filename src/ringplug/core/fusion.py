@@ -234,10 +234,12 @@ class Fusion:
                 if request is not None and request.payload.prescale != 1.0:
                     reduce.scale(part, request.payload.prescale, code)
         copied_in = time.perf_counter()
-        factors = {request.payload.factor(op, engine.size) for request in present}
+        postscales = {request.payload.postscale for request in present}
         # One factor for the whole batch (the usual case) is applied inside the reduction,
         # with no pass of its own over the result.
-        shared = next(iter(factors)) if len(factors) == 1 else 1.0
+        shared = 1.0
+        if len(postscales) == 1:
+            shared = result_factor(op, next(iter(postscales)), engine.size)
         engine.transport.allreduce(target, op, code, postscale=shared)
         reduced = time.perf_counter()
         engine.collectives_run += 1
@@ -245,7 +247,7 @@ class Fusion:
             for (request, _, out), part in zip(entries, parts, strict=True):
                 if request is not None:
                     out[...] = part
-        if len(factors) > 1:  # each request's own factor
+        if len(postscales) > 1:  # each request's own factor
             for request, _, out in entries:
                 if request is not None:
                     factor = request.payload.factor(op, engine.size)

@@ -140,6 +140,8 @@ class Plan:
     stall_abort: list[str] = dataclasses.field(default_factory=list)
     # Only requests of the cache, the same on every rank: the cache has nothing to learn.
     repeated: bool = False
+    # Only requests of the cache (not the same on every rank): nothing to learn either.
+    nothing_new: bool = False
 
 
 class Cache:
@@ -242,6 +244,8 @@ def decide(messages: Sequence[Message], cache: Cache, alike: bool = False) -> Pl
         for name, signature in _cached(first, cache):
             plan.responses.append(Response.everywhere(name, signature, count))
         return plan
+    if not any(m.new or m.numbered or m.joined_cycle or m.shutdown for m in messages):
+        return _decide_cached(messages, cache)
     plan = Plan()
     for rank, message in enumerate(messages):
         if message.shutdown:
@@ -279,6 +283,30 @@ def decide(messages: Sequence[Message], cache: Cache, alike: bool = False) -> Pl
                 have=[name in ready[r] for r in range(len(messages))],
             )
         )
+    return plan
+
+
+def _decide_cached(messages: Sequence[Message], cache: Cache) -> Plan:
+    """`decide` for messages that name their requests by cache slot alone, not the same
+    slots on every rank (ranks part-way through submitting a burst of tensors): the slots
+    every rank has ready run, the others wait. A slot stands for one name and signature on
+    every rank, so the bits alone decide, without a mismatch to look for."""
+    first = messages[0]
+    common = union = first.cached
+    for message in messages[1:]:
+        common &= message.cached
+        union |= message.cached
+    count = len(messages)
+    plan = Plan(stall_abort=list(first.stall_abort), nothing_new=True)
+    for name, signature in _cached(Message(0, common), cache):
+        plan.responses.append(Response.everywhere(name, signature, count))
+    bits = union & ~common
+    while bits:
+        lowest = bits & -bits
+        bits ^= lowest
+        plan.partial[cache.slots[lowest.bit_length() - 1][0]] = [
+            rank for rank, message in enumerate(messages) if message.cached & lowest
+        ]
     return plan
 
 

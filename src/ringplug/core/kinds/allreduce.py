@@ -17,7 +17,7 @@ from ..dtypes import DType, classify, storage_view
 from ..engine import cacheable_name
 from ..fusion import Reduction
 from ..handles import Handle, Request
-from ..kind import GPU, CollectiveKind, register, shape_text
+from ..kind import GPU, HOST, CollectiveKind, register, shape_text
 from ..negotiation import UNNAMED, Kind, Signature
 from ..ops import Average, ReduceOp, as_op
 from .base import (
@@ -88,7 +88,8 @@ def _request(
     source = as_array(array)
     code = classify(source, dtype)
     reduce_op = as_op(op)
-    reduce.check_op(reduce_op, code, float(prescale_factor), float(postscale_factor))
+    prescale, postscale = float(prescale_factor), float(postscale_factor)
+    reduce.check_op(reduce_op, code, prescale, postscale)
     target = np.empty_like(source) if out is None else out
     if target is not source and (
         not isinstance(target, np.ndarray)
@@ -105,18 +106,25 @@ def _request(
             view[...] = work
         return target
 
+    # Positional arguments throughout: this runs once per asynchronous call, and keywords
+    # with defaults cost Signature and Reduction twice their time.
     return Request(
         name,
-        Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape),
+        Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape, (), HOST, False),
         Handle(name),
         Reduction(
             [send if send.ndim == 1 else send.reshape(-1)],
             [work if work.ndim == 1 else work.reshape(-1)],
-            in_place=work is send or work.ctypes.data == send.ctypes.data,
-            prescale=float(prescale_factor),
-            postscale=float(postscale_factor),
+            # a new array (out=None) never shares the input's memory: no address to read
+            work is send or (out is not None and work.ctypes.data == send.ctypes.data),
+            None,
+            prescale,
+            postscale,
         ),
-        finish=finish,
+        False,
+        0,
+        None,
+        finish,
     )
 
 
