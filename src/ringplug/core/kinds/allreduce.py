@@ -106,8 +106,8 @@ def _request(
             view[...] = work
         return target
 
-    # Positional arguments throughout: this runs once per asynchronous call, and keywords
-    # with defaults cost Signature and Reduction twice their time.
+    # Signature and Reduction take every argument by position: this runs once per
+    # asynchronous call, and keywords with defaults cost them twice their time.
     return Request(
         name,
         Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape, (), HOST, False),
@@ -121,10 +121,7 @@ def _request(
             prescale,
             postscale,
         ),
-        False,
-        0,
-        None,
-        finish,
+        finish=finish,
     )
 
 
