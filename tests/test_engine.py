@@ -40,6 +40,13 @@ def test_tensors_submitted_in_different_orders_reduce_correctly_and_fuse(tmp_pat
     assert len({report["collectives"] for report in reports}) == 1  # same plan everywhere
 
 
+def test_bursts_of_plain_arrays_of_every_type_reduce_in_place_or_into_new_arrays(tmp_path):
+    reports, _ = run("plain", tmp_path)
+    for report in reports:
+        assert report["forms"] == 56
+        assert report["bad"] == []
+
+
 def test_the_same_name_twice_in_flight_is_refused(tmp_path):
     reports, _ = run("duplicate", tmp_path, ranks=2)
     for rank, report in enumerate(reports):

@@ -59,6 +59,59 @@ def orders(rank: int) -> dict:
     return results
 
 
+def plain(rank: int) -> dict:
+    """Bursts of asynchronous allreduces of plain arrays (C-contiguous, a native type, in
+    place or into a new array) of every storage kind, each rank submitting in its own order,
+    three steps: every result (sums exact, means within bfloat16's rounding), dtype, shape
+    and in-place identity, and every input left alone when the result is new."""
+    import ml_dtypes
+
+    size = ringplug.size()
+    kinds = ["float32", "float64", "float16", "bfloat16", "int32", "int8", "bool"]
+    shapes = [(), (7,), (3, 5), (2, 3, 4)]
+    forms = [(k, s, fresh) for k in kinds for s in shapes for fresh in (False, True)]
+
+    def values(index: int, who: int, step: int) -> np.ndarray:
+        kind, shape, _ = forms[index]
+        raw = np.random.default_rng([index, who, step]).integers(0, 4, shape)
+        dtype = ml_dtypes.bfloat16 if kind == "bfloat16" else np.dtype(kind)
+        return np.asarray(raw > 1 if kind == "bool" else raw.astype(dtype))
+
+    bad = []
+    for step in range(3):
+        order = np.random.default_rng([rank, step, 7]).permutation(len(forms))
+        handles = {}
+        for index in order:
+            kind, _, fresh = forms[index]
+            array = values(index, rank, step)
+            op = "sum" if kind in ("int32", "int8", "bool") or fresh else "average"
+            out = None if fresh else array
+            handles[index] = (array, ringplug.allreduce_async(array, op=op, out=out,
+                                                              name=f"plain{index}"))  # fmt: skip
+        for index, (array, handle) in handles.items():
+            kind, shape, fresh = forms[index]
+            result = handle.wait()
+            every = [values(index, who, step) for who in range(size)]
+            if kind == "bool":
+                expected = np.logical_or.reduce(every)
+            else:  # sums of small integers are exact in every type; means within rounding
+                expected = sum(e.astype(np.float64) for e in every)
+            averaged = kind not in ("int32", "int8", "bool") and not fresh
+            if averaged:
+                expected = expected / size
+            got, want = result.astype(np.float64), np.asarray(expected, np.float64)
+            ok = (
+                result.shape == shape
+                and result.dtype == array.dtype
+                and (result is not array) == fresh
+                and (np.allclose(got, want, rtol=1 / 64) if averaged else np.array_equal(got, want))
+                and (not fresh or np.array_equal(array, values(index, rank, step)))
+            )
+            if not ok:
+                bad.append([step, kind, list(shape), fresh])
+    return {"bad": bad, "forms": len(forms)}
+
+
 def duplicate(rank: int) -> dict:
     first = ringplug.allreduce_async(np.ones(4), name="dup")
     try:

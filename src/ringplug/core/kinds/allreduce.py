@@ -29,6 +29,7 @@ from .base import (
     check_scaling,
     contiguous,
     make,
+    name_request,
     result_as,
     start,
     waited_at_once,
@@ -54,7 +55,16 @@ def allreduce_async(
         outcome, name = _now(array, op, prescale_factor, postscale_factor, out, name, dtype)
         if outcome is not None:
             return outcome if isinstance(outcome, Handle) else Handle.completed(name, outcome)
-    return _start(array, op, prescale_factor, postscale_factor, out, name, dtype)
+        return _start(array, op, prescale_factor, postscale_factor, out, name, dtype)
+    engine = runtime.current_engine()
+    plain = _plain(array, op, prescale_factor, postscale_factor, out, dtype)
+    if engine is None or plain is None:
+        return _start(array, op, prescale_factor, postscale_factor, out, name, dtype)
+    # The usual call (a gradient, a metric): its request without the general checks.
+    request_name, cacheable = name_request(name, engine)
+    request = _plain_request(request_name, array, out is None, *plain)
+    request.cacheable = cacheable
+    return engine.submit(request)
 
 
 def _start(
@@ -179,23 +189,10 @@ def _now(
     and tells the other ranks), with the name to submit under (an unnamed call has drawn
     its number)."""
     engine = runtime.current_engine()
-    if not (
-        engine is not None
-        and type(array) is np.ndarray
-        and (out is None or out is array)
-        and dtype is None
-        and isinstance(prescale_factor, (int, float))
-        and prescale_factor == 1.0
-    ):
+    plain = _plain(array, op, prescale_factor, postscale_factor, out, dtype)
+    if engine is None or plain is None:
         return None, name
-    try:
-        reduce_op, code, postscale = as_op(op), classify(array), float(postscale_factor)
-    except Exception:  # noqa: BLE001 - the usual path raises it, and tells the other ranks
-        return None, name
-    if not (code.is_floating or (reduce_op is not ReduceOp.AVERAGE and postscale == 1.0)):
-        return None, name
-    if not array.flags.c_contiguous:
-        return None, name
+    reduce_op, code, postscale = plain
     if name is None:
         number: int | None = engine.unnamed_number()
         name, cacheable = f"{UNNAMED}{number}", False  # the usual path keeps it
@@ -214,6 +211,54 @@ def _now(
         number,
     )
     return outcome, name
+
+
+def _plain(
+    array: ArrayLike,
+    op: ReduceOp | str,
+    prescale_factor: float,
+    postscale_factor: float,
+    out: np.ndarray | None,
+    dtype: str | DType | None,
+) -> tuple[ReduceOp, DType, float] | None:
+    """(op, type, postscale) when the arguments are the plain case that needs none of the
+    usual path's conversions: a C-contiguous numpy array of a native type, reduced in place
+    or into a new array, no prescale, valid arguments; else None (the usual path checks
+    them, says what is wrong and tells the other ranks)."""
+    if not (
+        type(array) is np.ndarray
+        and (out is None or out is array)
+        and dtype is None
+        and isinstance(prescale_factor, (int, float))
+        and prescale_factor == 1.0
+    ):
+        return None
+    try:
+        reduce_op, code, postscale = as_op(op), classify(array), float(postscale_factor)
+    except Exception:  # noqa: BLE001 - the usual path raises it, and tells the other ranks
+        return None
+    if not (code.is_floating or (reduce_op is not ReduceOp.AVERAGE and postscale == 1.0)):
+        return None
+    if not array.flags.c_contiguous:
+        return None
+    return reduce_op, code, postscale
+
+
+def _plain_request(
+    name: str, array: np.ndarray, fresh: bool, op: ReduceOp, code: DType, postscale: float
+) -> Request:
+    """The request of a plain call (see `_plain`): `array` reduced in place, or into a new
+    array when `fresh`."""
+    send = storage_view(array if array.ndim == 1 else array.reshape(-1), code)
+    result = np.empty_like(array) if fresh else array
+    out = storage_view(result if result.ndim == 1 else result.reshape(-1), code) if fresh else send
+    return Request(
+        name,
+        Signature(Kind.ALLREDUCE, code, op, -1, array.shape, (), HOST, False),
+        Handle(name),
+        Reduction([send], [out], not fresh, None, 1.0, postscale),
+        finish=lambda _: result,
+    )
 
 
 def grouped_allreduce_async(
