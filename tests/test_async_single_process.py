@@ -55,3 +55,14 @@ def test_a_name_still_in_flight_cannot_be_reused():
 
 def test_join_alone_returns_this_rank():
     assert ringplug.join() == 0
+
+
+def test_results_reach_outputs_that_are_not_contiguous():
+    values = np.arange(24.0).reshape(4, 6)
+    out = np.zeros((6, 4)).T  # strided, shape (4, 6)
+    assert ringplug.allreduce_async(values, op="sum", out=out, name="strided-out").wait() is out
+    assert np.array_equal(out, values)
+    columns = np.arange(24.0).reshape(4, 6)[:, ::2]  # strided, reduced in place
+    expected = columns.copy()
+    handle = ringplug.allreduce_async(columns, op="sum", out=columns, name="strided-in-place")
+    assert handle.wait() is columns and np.array_equal(columns, expected)

@@ -696,12 +696,16 @@ class Engine(ExpressCycles):
     def _outcome(
         request: Request, result: Any, error: BaseException | None
     ) -> tuple[Any, BaseException | None]:
-        """What the caller gets: the request's `finish` of the raw result, or its error."""
-        if error is None and request.finish is not None:
-            try:
-                return request.finish(result), None
-            except Exception as exc:  # noqa: BLE001 - e.g. unpickling a peer's object
-                return None, exc
+        """What the caller gets: the request's `finish` of the raw result (or, with neither,
+        its `result`), or its error."""
+        if error is None:
+            if request.finish is not None:
+                try:
+                    return request.finish(result), None
+                except Exception as exc:  # noqa: BLE001 - e.g. unpickling a peer's object
+                    return None, exc
+            if result is None:
+                return request.result, None
         return result, error
 
     # ------------------------------------------------------------------ stalls, join, end

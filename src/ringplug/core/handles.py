@@ -152,5 +152,8 @@ class Request:
     extra: int = 0  # negotiated per rank: first dimension (allgather, alltoall), object bytes
     error: BaseException | None = None  # Kind.ERROR: what this rank rejected
     finish: Callable[[Any], Any] | None = None  # turns the raw result into the user's
+    # What the handle gets when the collective leaves no result of its own and there is no
+    # `finish` (an allreduce's output array: no closure per request to return it).
+    result: Any = None
     submitted: float = 0.0
     announced: float = 0.0

@@ -110,12 +110,6 @@ def _request(
     send = contiguous(source, code)
     view = storage_view(target, code)
     work = view if view.flags.c_contiguous else np.empty(view.shape, view.dtype)
-
-    def finish(result: np.ndarray) -> np.ndarray:
-        if work is not view:
-            view[...] = work
-        return target
-
     # Signature and Reduction take every argument by position: this runs once per
     # asynchronous call, and keywords with defaults cost them twice their time.
     return Request(
@@ -131,8 +125,20 @@ def _request(
             prescale,
             postscale,
         ),
-        finish=finish,
+        finish=None if work is view else _copy_back(work, view, target),
+        result=target,
     )
+
+
+def _copy_back(work: np.ndarray, view: np.ndarray, target: np.ndarray) -> Finish:
+    """The `finish` of an allreduce reduced in a contiguous copy (`work`) of an output that
+    is not contiguous: copy the result into the output's `view` and return `target`."""
+
+    def finish(_: Any) -> np.ndarray:
+        view[...] = work
+        return target
+
+    return finish
 
 
 def allreduce(
@@ -257,7 +263,7 @@ def _plain_request(
         Signature(Kind.ALLREDUCE, code, op, -1, array.shape, (), HOST, False),
         Handle(name),
         Reduction([send], [out], not fresh, None, 1.0, postscale),
-        finish=lambda _: result,
+        result=result,
     )
 
 
