@@ -12,7 +12,7 @@ from ringplug.core.handles import Handle, finish_each
 def test_a_batch_finishes_every_handle_with_its_own_outcome():
     handles = [Handle(f"t{i}") for i in range(3)]
     error = ValueError("rank 1 said no")
-    finish_each([(handles[0], "zero", None), (handles[1], None, error), (handles[2], 2, None)])
+    finish_each(handles, ["zero", None, 2], [None, error, None])
     assert all(h.done() for h in handles)
     assert handles[0].wait() == "zero" and handles[2].wait() == 2
     with pytest.raises(ValueError, match="rank 1 said no"):
@@ -31,7 +31,7 @@ def test_callbacks_added_before_a_batch_finishes_run_once_after_it(caplog):
     third.add_done_callback(lambda h: seen.append((h.name, h.done(), h.wait())))
     assert seen == []
     with caplog.at_level(logging.ERROR):
-        finish_each([(first, 1, None), (second, 2, None), (third, 3, None)])
+        finish_each([first, second, third], [1, 2, 3], [None, None, None])
     # Each callback ran once, with its handle done; a failing one was logged, not raised.
     assert seen == [("a", True, 1), ("c", True, 3)]
     assert "a callback of collective 'a' failed" in caplog.text

@@ -673,16 +673,19 @@ class Engine(ExpressCycles):
     ) -> None:
         """`complete` each request (None: a joined rank's part) with no result of its own
         (a fused batch): their names leave the in-flight set under one lock."""
-        outcomes = []
+        handles, results, errors = [], [], []
         for request in requests:
             if request is not None:
-                outcomes.append((request.handle, *self._outcome(request, None, error)))
+                result, failure = self._outcome(request, None, error)
+                handles.append(request.handle)
+                results.append(result)
+                errors.append(failure)
         with self._mutex:
             in_flight = self._in_flight
             for request in requests:
                 if request is not None:
                     in_flight.discard(request.name)
-        finish_each(outcomes)
+        finish_each(handles, results, errors)
 
     def complete(
         self, request: Request, result: Any = None, error: BaseException | None = None

@@ -185,52 +185,62 @@ class Fusion:
             self._one(requests[0], code, op)
             return
         engine = self.engine
-        # One entry per tensor: (request or None for a joined rank, input, output).
-        entries: list[tuple[Request | None, np.ndarray, np.ndarray]] = []
+        # Per tensor, side by side: its request (None for a joined rank's part), input and
+        # output (parallel lists, not a tuple per tensor: a burst has a thousand).
+        owners: list[Request | None] = []
+        sends: list[np.ndarray] = []
+        outs: list[np.ndarray] = []
         for response, request in zip(batch, requests, strict=True):
             if request is not None:
                 reduction = request.payload
                 if len(reduction.sends) == 1:  # the usual request: one array
-                    entries.append((request, reduction.sends[0], reduction.outs[0]))
+                    owners.append(request)
+                    sends.append(reduction.sends[0])
+                    outs.append(reduction.outs[0])
                 else:
-                    pairs = zip(reduction.sends, reduction.outs, strict=True)
-                    entries.extend((request, send, out) for send, out in pairs)
+                    owners.extend([request] * len(reduction.sends))
+                    sends.extend(reduction.sends)
+                    outs.extend(reduction.outs)
             else:
-                entries.extend((None, part, part) for part in joined_parts(response, op, code))
-        total = sum(send.size for _, send, _ in entries)
+                parts = joined_parts(response, op, code)
+                owners.extend([None] * len(parts))
+                sends.extend(parts)
+                outs.extend(parts)
+        sizes = [send.size for send in sends]
+        total = sum(sizes)
         start = time.perf_counter()
         packed = False
         present = [request for request in requests if request is not None]
+        in_place = all(request.payload.in_place for request in present)
         span = None
         if len(requests) == 1 and present and present[0].payload.span is not None:
             span = present[0].payload.span  # a grouped allreduce's result buffer
-        elif len(present) == len(requests) and all(r.payload.in_place for r in present):
-            span = side_by_side([out for _, _, out in entries], code)  # e.g. a gradient buffer
+        elif len(present) == len(requests) and in_place:
+            span = side_by_side(outs, code)  # e.g. a gradient buffer
         if span is not None:
             # The outputs lie side by side in one buffer: reduce there, after one copy in
             # unless the tensors are reduced in place.
             target: np.ndarray | ring.Pieces = span
-            parts = [out for _, _, out in entries]
-            if not all(r.payload.in_place for r in present):
-                np.concatenate([send for _, send, _ in entries], out=span)
-        elif len(entries) == 1 or (
+            parts = outs
+            if not in_place:
+                np.concatenate(sends, out=span)
+        elif len(sends) == 1 or (
             engine.transport.uses_ring(total * code.itemsize, code, op)
             and total * code.itemsize * _PIECES_PER_SEGMENT
-            >= len(entries) * self.settings.ring_segment
+            >= len(sends) * self.settings.ring_segment
         ):
-            parts = []
-            for request, send, out in entries:
+            for request, send, out in zip(owners, sends, outs, strict=True):
                 if request is not None and not request.payload.in_place:
                     np.copyto(out, send)
-                parts.append(out)
+            parts = outs
             target = parts[0] if len(parts) == 1 else ring.Pieces(parts)
         else:
             packed = True
             target = self._view(code, total)
-            np.concatenate([send for _, send, _ in entries], out=target)
-            parts = ring.split(target, [send.size for _, send, _ in entries])
+            np.concatenate(sends, out=target)
+            parts = ring.split(target, sizes)
         if any(request.payload.prescale != 1.0 for request in present):
-            for (request, _, _), part in zip(entries, parts, strict=True):
+            for request, part in zip(owners, parts, strict=True):
                 if request is not None and request.payload.prescale != 1.0:
                     reduce.scale(part, request.payload.prescale, code)
         copied_in = time.perf_counter()
@@ -244,11 +254,11 @@ class Fusion:
         reduced = time.perf_counter()
         engine.collectives_run += 1
         if packed:
-            for (request, _, out), part in zip(entries, parts, strict=True):
+            for request, out, part in zip(owners, outs, parts, strict=True):
                 if request is not None:
                     out[...] = part
         if len(postscales) > 1:  # each request's own factor
-            for request, _, out in entries:
+            for request, out in zip(owners, outs, strict=True):
                 if request is not None:
                     factor = request.payload.factor(op, engine.size)
                     if factor != 1.0:

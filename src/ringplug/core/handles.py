@@ -106,14 +106,16 @@ class Handle:
                 logger.exception("a callback of collective %r failed", self.name)
 
 
-def finish_each(outcomes: list[tuple[Handle, Any, BaseException | None]]) -> None:
-    """`Handle._finish` for each (handle, result, error) of a batch, under one hold of the
-    callbacks' lock (a fused batch finishes hundreds of handles at once)."""
-    for handle, result, error in outcomes:
+def finish_each(
+    handles: list[Handle], results: list[Any], errors: list[BaseException | None]
+) -> None:
+    """`Handle._finish` of each handle of a batch with its result and error, under one hold
+    of the callbacks' lock (a fused batch finishes hundreds of handles at once)."""
+    for handle, result, error in zip(handles, results, errors, strict=True):
         handle._result, handle._error = result, error
     called = []
     with _callbacks_lock:
-        for handle, _, _ in outcomes:
+        for handle in handles:
             handle._done = True
             if handle._callbacks is not None:
                 called.append((handle, handle._callbacks))

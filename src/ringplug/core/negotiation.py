@@ -106,9 +106,10 @@ class Message:
     eager: bytes | memoryview = b""  # the data of small allreduces it carries (eager.py)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Response:
-    """A request every active rank has ready, with matching signatures: run it."""
+    """A request every active rank has ready, with matching signatures: run it. (Slots: a
+    burst of tensors makes one per tensor per cycle.)"""
 
     name: str
     signature: Signature
