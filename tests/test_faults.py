@@ -118,6 +118,17 @@ def test_an_exception_on_the_engine_thread_fails_that_collective_everywhere_and_
 
 
 @pytest.mark.multirank
+def test_an_engine_that_dies_completing_a_batch_fails_every_handle_of_it_instead_of_hanging():
+    result, output = run_scenario("engine-dies", 2)
+    failure = "RingplugError: the ringplug engine failed: completing the batch failed (injected)"
+    assert f"rank 1: 8 of 8 failed: ['{failure}']" in output
+    assert "rank 0: 0 of 8 failed" in output  # its collective had run everywhere
+    # Rank 1's engine cannot answer rank 0's next negotiation: the job ends, naming it.
+    assert result.returncode != 0
+    assert "ringrun: rank 1 stopped taking part in the job (named by rank 0)" in result.stderr
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_sys_exit_on_rank_0_gives_the_job_its_code_and_names_it(ranks):
     result, output = run_scenario("exit-3", ranks)

@@ -14,6 +14,9 @@ them, from inside the victim (no timer, no outside signal racing the job):
   kill              SIGKILL
   engine-errors     a MemoryError while allgather runs, and a read-only `out=`; the job
                     goes on (every rank reports the errors, then reduces correctly)
+  engine-dies       rank 1's engine fails for good while completing a fused batch of
+                    allreduce_async calls (after their collective ran); every handle of
+                    the batch fails there, and rank 1 leaves with sys.exit(4)
   exit-3            rank 0 calls sys.exit(3) while the others wait in an allreduce
   exit-0-early      rank 1 calls os._exit(0) while the others wait in an allreduce
   nan               Max/Min with a NaN on each rank in turn, small and large
@@ -133,6 +136,9 @@ def main(scenario: str, extra: list[str]) -> None:
     if scenario == "engine-errors":
         engine_errors(rank, size, engine)
         return
+    if scenario == "engine-dies":
+        engine_dies(rank, engine)
+        forever(small)
     if scenario == "exit-3":
         if rank == 0:
             fault("sys.exit(3)")
@@ -205,6 +211,30 @@ def engine_errors(rank: int, size: int, engine) -> None:
     gathered = ringplug.allgather(np.full((1, 2), rank, np.int64), name="after-gather")
     assert gathered[:, 0].tolist() == list(range(size)), gathered
     print(f"rank {rank}: later collectives are correct", flush=True)
+
+
+def engine_dies(rank: int, engine) -> None:
+    if rank == 1:
+
+        def broken(requests, error=None):
+            # Also when the engine then fails the batch with this error: the cycle ends.
+            raise RuntimeError("completing the batch failed (injected)")
+
+        engine.complete_each = broken
+    tensors = [np.full(256, rank + 1.0, np.float32) for _ in range(8)]
+    handles = [ringplug.allreduce_async(t, op=ringplug.Sum, out=t, name=f"burst{i}")
+               for i, t in enumerate(tensors)]  # fmt: skip
+    outcomes = []
+    for handle in handles:
+        try:
+            handle.wait()
+            outcomes.append("ok")
+        except Exception as error:  # noqa: BLE001 - the test reads what each rank got
+            outcomes.append(f"{type(error).__name__}: {error}")
+    failed = [o for o in outcomes if o != "ok"]
+    print(f"rank {rank}: {len(failed)} of {len(outcomes)} failed: {failed[:1]}", flush=True)
+    if rank == 1:
+        sys.exit(4)
 
 
 def nan_everywhere(rank: int, size: int) -> None:

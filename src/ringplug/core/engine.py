@@ -122,7 +122,10 @@ class Engine(ExpressCycles):
         self._mutex = threading.RLock()
         self._lock = threading.Condition(self._mutex)
         self._queue: collections.deque[Request] = collections.deque()
-        self._in_flight: set[str] = set()
+        # name -> handle of every collective submitted and not complete (None: a request-less
+        # `allreduce_now`, which its caller runs): names are unique while in flight, and a
+        # failing engine fails every handle here, including a batch it was running.
+        self._in_flight: dict[str, Handle | None] = {}
         self.pending: dict[str, Request] = {}  # engine thread only
         self._cache = Cache(_CACHE_CAPACITY, settings.eager_threshold if self.size > 1 else 0)
         # This cycle's eager data: name -> every rank's copy (see `eager`).
@@ -183,7 +186,7 @@ class Engine(ExpressCycles):
                     f"{self.rank}; wait for it before submitting the same name again, or give "
                     "each tensor its own name."
                 )
-            self._in_flight.add(request.name)
+            self._in_flight[request.name] = request.handle
             request.submitted = time.perf_counter()
             if self._host_only:
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
@@ -684,7 +687,7 @@ class Engine(ExpressCycles):
             in_flight = self._in_flight
             for request in requests:
                 if request is not None:
-                    in_flight.discard(request.name)
+                    in_flight.pop(request.name, None)
         finish_each(handles, results, errors)
 
     def complete(
@@ -692,7 +695,7 @@ class Engine(ExpressCycles):
     ) -> None:
         result, error = self._outcome(request, result, error)
         with self._mutex:
-            self._in_flight.discard(request.name)
+            self._in_flight.pop(request.name, None)
         request.handle._finish(result, error)
 
     @staticmethod
@@ -748,13 +751,17 @@ class Engine(ExpressCycles):
     def fail_everything(self, error: BaseException) -> None:
         with self._lock:
             self._failure = error
-            requests = list(self.pending.values()) + list(self._queue)
+            handles = [r.handle for r in self.pending.values()] + [r.handle for r in self._queue]
+            # ... and those no longer pending but not complete: a batch the failing cycle
+            # was running, a request-less call's adopted request.
+            handles += [h for h in self._in_flight.values() if h is not None]
             self._queue.clear()
             self.pending.clear()
             self._in_flight.clear()
             join, self._join_handle = self._join_handle, None
-        for request in requests:
-            request.handle._finish(None, error)
+        for handle in dict.fromkeys(handles):
+            if not handle._done:
+                handle._finish(None, error)
         if join is not None:
             join._finish(None, error)
         wake_waiters()

@@ -130,7 +130,7 @@ class ExpressCycles:
                 or not self._mpi.acquire(blocking=False)
             ):
                 return None
-            self._in_flight.add(name)
+            self._in_flight[name] = None
         request: Request | None = None
         try:
             form = self._agreed_form(name, cacheable, array, code, op, number)
@@ -191,7 +191,7 @@ class ExpressCycles:
         finally:
             if request is None:
                 with self._mutex:
-                    self._in_flight.discard(name)
+                    self._in_flight.pop(name, None)
             self._mpi.release()
             if request is not None:
                 self._after_driving(request.handle)
@@ -283,6 +283,8 @@ class ExpressCycles:
         request.cacheable = cacheable
         request.submitted = request.announced = start
         request.handle._engine = self  # its waiter may run the cycles (see `drive`)
+        with self._mutex:
+            self._in_flight[name] = request.handle
         if pending:
             self.pending[name] = request
         return request
