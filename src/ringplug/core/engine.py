@@ -514,7 +514,7 @@ class Engine(ExpressCycles):
             return True
         if any(m.renew for m in messages) and self._ctrl is not None:
             self.transport.renew(self._ctrl)
-        if not (plan.repeated or plan.nothing_new):
+        if not plan.nothing_new:
             cacheable = {n for n, r in self.pending.items() if r.cacheable}
             # A joined rank lacks the others' requests; it must still learn the same slots
             # (given names are the cacheable ones), or its cache parts from theirs.

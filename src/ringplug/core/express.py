@@ -75,7 +75,7 @@ class ExpressCycles:
         else:
             self.eager_copies = {}
             response = Response.everywhere(request.name, request.signature, self.size)
-            self._execute(Plan([response], repeated=True))
+            self._execute(Plan([response], repeated=True, nothing_new=True))
         wake_waiters()
         self._last_activity = time.perf_counter()
         return False

@@ -139,9 +139,9 @@ class Plan:
     all_joined: bool = False
     last_joined: int = -1
     stall_abort: list[str] = dataclasses.field(default_factory=list)
-    # Only requests of the cache, the same on every rank: the cache has nothing to learn.
+    # Every rank has the same requests of the cache ready, and nothing else.
     repeated: bool = False
-    # Only requests of the cache (not the same on every rank): nothing to learn either.
+    # Only requests of the cache (repeated or not): the cache has nothing to learn.
     nothing_new: bool = False
 
 
@@ -240,7 +240,7 @@ def decide(messages: Sequence[Message], cache: Cache, alike: bool = False) -> Pl
         for m in messages
     ):
         # A repeated step: every rank has the same cached requests ready, and nothing else.
-        plan = Plan(stall_abort=list(first.stall_abort), repeated=True)
+        plan = Plan(stall_abort=list(first.stall_abort), repeated=True, nothing_new=True)
         count = len(messages)
         for name, signature in _cached(first, cache):
             plan.responses.append(Response.everywhere(name, signature, count))
@@ -299,7 +299,7 @@ def _decide_cached(messages: Sequence[Message], cache: Cache) -> Plan:
         union |= message.cached
     count = len(messages)
     plan = Plan(stall_abort=list(first.stall_abort), nothing_new=True)
-    for name, signature in _cached(Message(0, common), cache):
+    for name, signature in _in_slots(common, cache):
         plan.responses.append(Response.everywhere(name, signature, count))
     bits = union & ~common
     while bits:
@@ -311,14 +311,19 @@ def _decide_cached(messages: Sequence[Message], cache: Cache) -> Plan:
     return plan
 
 
-def _cached(message: Message, cache: Cache) -> list[tuple[str, Signature]]:
-    """(name, signature) of the requests a message names by cache slot, in its order."""
+def _in_slots(bits: int, cache: Cache) -> list[tuple[str, Signature]]:
+    """(name, signature) of the cache slots whose bits are set, in slot order."""
     found = []
-    bits = message.cached
     while bits:
         lowest = bits & -bits
         bits ^= lowest
         found.append(cache.slots[lowest.bit_length() - 1])
+    return found
+
+
+def _cached(message: Message, cache: Cache) -> list[tuple[str, Signature]]:
+    """(name, signature) of the requests a message names by cache slot, in its order."""
+    found = _in_slots(message.cached, cache)
     for slot, number in message.numbered:
         prefix, signature = cache.slots[slot]
         found.append((f"{prefix}{number}", signature))
