@@ -117,15 +117,53 @@ def test_an_exception_on_the_engine_thread_fails_that_collective_everywhere_and_
         assert f"rank {rank}: later collectives are correct" in output
 
 
+def first_verdict(stderr: str) -> str:
+    """ringrun's first line about the job's end (the root cause it names)."""
+    return next((line for line in stderr.splitlines() if line.startswith("ringrun:")), "")
+
+
+# Waits long enough that only rank 1's own notice can end the job this soon.
+PATIENT = {"RINGPLUG_TIMEOUT": "30", "RINGPLUG_STALL_CHECK_SECONDS": "20"}
+
+
 @pytest.mark.multirank
-def test_an_engine_that_dies_completing_a_batch_fails_every_handle_of_it_instead_of_hanging():
-    result, output = run_scenario("engine-dies", 2)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_an_engine_that_dies_completing_a_batch_fails_every_handle_and_tells_its_peers(ranks):
+    result, output = run_scenario("engine-dies", ranks, env=PATIENT)
     failure = "RingplugError: the ringplug engine failed: completing the batch failed (injected)"
     assert f"rank 1: 8 of 8 failed: ['{failure}']" in output
     assert "rank 0: 0 of 8 failed" in output  # its collective had run everywhere
-    # Rank 1's engine cannot answer rank 0's next negotiation: the job ends, naming it.
+    # Rank 1 told the others: their next negotiation fails with its text, not the timeout.
+    told = (
+        "PeerEngineFailedError: negotiation cannot complete: rank 1's ringplug engine failed "
+        "for good (in allreduce 'burst0' (fused with 7 more), engine cycle "
+    )
+    for rank in range(ranks):
+        if rank != 1:
+            assert f"[{rank}] ringplug.core.errors.{told}" in output, output
+            assert f"uncaught PeerEngineFailedError on rank {rank} (caused by rank 1)" in output
+    assert "RuntimeError: completing the batch failed (injected). Every rank must" in output
+    assert "stopped answering" not in output and "Stall:" not in output
+    # It left with its own code, and ringrun names it first.
     assert result.returncode != 0
-    assert "ringrun: rank 1 stopped taking part in the job (named by rank 0)" in result.stderr
+    assert first_verdict(result.stderr).startswith("ringrun: rank 1 on host"), result.stderr
+    assert "exited with code 4" in result.stderr
+
+
+@pytest.mark.multirank
+def test_a_peer_waiting_inside_the_ring_hears_that_an_engine_died():
+    result, output = run_scenario("engine-dies-in-ring", 2, env=PATIENT)
+    assert "rank 1: RingplugError: the ringplug engine failed: starting the collective failed" in (
+        output
+    )
+    # Rank 0 was inside the ring's exchange, waiting for rank 1's data.
+    assert (
+        "rank 0: PeerEngineFailedError: allreduce 'big' cannot complete: rank 1's ringplug "
+        "engine failed for good (in allreduce 'big', engine cycle "
+    ) in output, output
+    assert "stopped answering" not in output and "Stall:" not in output
+    assert first_verdict(result.stderr).startswith("ringrun: rank 1 on host"), result.stderr
+    assert "exited with code 4" in result.stderr
 
 
 @pytest.mark.multirank

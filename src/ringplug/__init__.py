@@ -25,6 +25,7 @@ _CORE_NAMES = (
     "MismatchError",
     "NotInitializedError",
     "PeerArgumentError",
+    "PeerEngineFailedError",
     "PeerFailedError",
     "PeerLeftError",
     "Product",

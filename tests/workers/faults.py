@@ -17,6 +17,9 @@ them, from inside the victim (no timer, no outside signal racing the job):
   engine-dies       rank 1's engine fails for good while completing a fused batch of
                     allreduce_async calls (after their collective ran); every handle of
                     the batch fails there, and rank 1 leaves with sys.exit(4)
+  engine-dies-in-ring  rank 1's engine fails for good as it starts a large allreduce
+                    that the others already run on the ring; rank 1 leaves with
+                    sys.exit(4)
   exit-3            rank 0 calls sys.exit(3) while the others wait in an allreduce
   exit-0-early      rank 1 calls os._exit(0) while the others wait in an allreduce
   nan               Max/Min with a NaN on each rank in turn, small and large
@@ -139,6 +142,8 @@ def main(scenario: str, extra: list[str]) -> None:
     if scenario == "engine-dies":
         engine_dies(rank, engine)
         forever(small)
+    if scenario == "engine-dies-in-ring":
+        engine_dies_in_ring(rank, engine)
     if scenario == "exit-3":
         if rank == 0:
             fault("sys.exit(3)")
@@ -235,6 +240,26 @@ def engine_dies(rank: int, engine) -> None:
     print(f"rank {rank}: {len(failed)} of {len(outcomes)} failed: {failed[:1]}", flush=True)
     if rank == 1:
         sys.exit(4)
+
+
+def engine_dies_in_ring(rank: int, engine) -> None:
+    big = np.ones(1 << 20, np.float32)  # 4 MiB: the ring (RINGPLUG_RING_THRESHOLD=64K)
+    if rank == 1:
+        begin = engine.begin_collective
+
+        def broken(kind, responses):
+            begin(kind, responses)
+            fault("engine fails")
+            raise RuntimeError("starting the collective failed (injected)")
+
+        engine.begin_collective = broken
+    try:
+        ringplug.allreduce(big, op=ringplug.Sum, out=big, name="big")
+    except Exception as error:  # noqa: BLE001 - the test reads what each rank got
+        print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
+    if rank == 1:
+        sys.exit(4)
+    forever(big)
 
 
 def nan_everywhere(rank: int, size: int) -> None:

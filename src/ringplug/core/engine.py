@@ -35,6 +35,7 @@ from .errors import (
     CommunicatorFailed,
     MismatchError,
     PeerArgumentError,
+    PeerEngineFailedError,
     PeerFailedError,
     PeerLeftError,
     RingplugError,
@@ -57,7 +58,7 @@ from .negotiation import (
 from .stalls import StallInspector
 from .timeline import Timeline
 from .transport import Transport
-from .waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay
+from .waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay, peer_failed_error
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -116,7 +117,9 @@ class Engine(ExpressCycles):
         if local_size <= _cores():
             self.waiter.spin_with_a_core_each()
         self._renew = False  # a collective was abandoned: renew the data communicator
-        self.left_early = False  # this rank ended ringplug while peers still waited for it
+        # This rank ended ringplug while peers still waited for it, or its engine or a peer's
+        # ended for good: MPI_Finalize would wait for ranks that never come (see runtime).
+        self.left_early = False
         # `_mutex` is `_lock`'s own lock: the hot paths that never wait or notify take it
         # directly (a Condition's `with` is a Python call around the C one).
         self._mutex = threading.RLock()
@@ -344,6 +347,11 @@ class Engine(ExpressCycles):
                     self._mpi.release()
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
             logger.exception("the ringplug engine failed")
+            if self._mpi.acquire(blocking=False):  # held elsewhere: peers learn at the timeout
+                try:
+                    self._tell_peers_it_ended(exc)
+                finally:
+                    self._mpi.release()
             self.fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
             self._ended = True
 
@@ -371,6 +379,12 @@ class Engine(ExpressCycles):
             logger.error("%s", exc)
             self.fail_everything(exc)
             return
+        if isinstance(exc, PeerEngineFailedError):  # a peer's final notice
+            logger.error("%s", exc)
+            self.left_early = True  # MPI_Finalize would wait for that peer
+            self.fail_everything(exc)
+            return
+        self._tell_peers_it_ended(exc)
         if not isinstance(exc, Exception):  # e.g. KeyboardInterrupt in a driving caller
             self.fail_everything(
                 RingplugError(
@@ -381,6 +395,15 @@ class Engine(ExpressCycles):
             raise exc
         logger.exception("the ringplug engine failed", exc_info=exc)
         self.fail_everything(RingplugError(f"the ringplug engine failed: {exc}"))
+
+    def _tell_peers_it_ended(self, exc: BaseException) -> None:
+        """Send every peer a final notice (the caller holds `_mpi`): their waits fail at once
+        with this text instead of naming this rank as frozen at the timeout."""
+        self.left_early = True  # the peers stop too, without MPI_Finalize
+        try:
+            self.waiter.announce_end(f"{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - MPI itself may be what failed
+            logger.warning("could not tell the other ranks that this engine failed", exc_info=True)
 
     def _wait_for_work(self, handle: Handle | None = None) -> bool:
         """Wait until there is a reason to run a cycle; True, holding `_mpi`, when there is.
@@ -600,6 +623,8 @@ class Engine(ExpressCycles):
             notice = self.waiter.peer_failure()
             if notice is None:
                 return None
+            if notice.final:  # so is every later one; the next negotiation ends the engine
+                return peer_failed_error(notice, what)
             cause = PeerFailedError(
                 f"rank {notice.rank} failed {notice.what}: {notice.text}", caused_by=(notice.rank,)
             )

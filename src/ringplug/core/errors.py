@@ -40,6 +40,11 @@ class PeerFailedError(RingplugError):
     thread: out of memory, a read-only output, ...); the message has its error text."""
 
 
+class PeerEngineFailedError(PeerFailedError):
+    """Another rank's engine failed for good (an error outside any one collective), so no
+    collective can complete any more; the message has its error text."""
+
+
 class PeerLeftError(RingplugError):
     """Another rank ended ringplug (its program ended or called `shutdown()`) while this
     rank still had collectives to run with it."""

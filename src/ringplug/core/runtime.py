@@ -20,7 +20,7 @@ from types import TracebackType
 from . import log
 from .config import Settings, read_settings
 from .engine import Engine
-from .errors import NotInitializedError, PeerLeftError, RingplugError
+from .errors import NotInitializedError, PeerEngineFailedError, PeerLeftError, RingplugError
 
 logger = logging.getLogger(__name__)
 
@@ -216,9 +216,12 @@ def _install_excepthook() -> None:
             f"uncaught {kind.__name__} on rank {topology.rank}{cause}; ending this rank so "
             f"that the launcher stops all {topology.size} ranks.",
             culprits=culprits,
-            # The rank that left is exiting with its own code (sys.exit(3)); if this rank
-            # ended first, the launcher would kill that one and lose its code.
-            linger=_LEAVER_GRACE_S if isinstance(value, PeerLeftError) else 0.0,
+            # The rank that left (or whose engine failed) is exiting with its own code
+            # (sys.exit(3)); if this rank ended first, the launcher would kill that one and
+            # lose its code.
+            linger=_LEAVER_GRACE_S
+            if isinstance(value, (PeerLeftError, PeerEngineFailedError))
+            else 0.0,
         )
 
     sys.excepthook = abort_job

@@ -16,7 +16,9 @@ timeout the rank ends the job with a message naming them and the collective.
 
 A rank that fails a collective on its own (an exception while running it) sends a *failure*
 notice instead, so that its peers stop waiting for it and fail the same collective with its
-text rather than hang.
+text rather than hang. A rank whose engine ends for good (an error outside any one
+collective) sends a *final* notice: every later wait of its peers fails with its text, at
+once, instead of lasting until the timeout and naming it as frozen.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import log
 from .config import Settings
-from .errors import PeerFailedError
+from .errors import PeerEngineFailedError, PeerFailedError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -73,6 +75,11 @@ def next_delay(delay: float, quiet_since: float, now: float | None = None) -> fl
 
 # Notices are looked for this often during a long wait (an Iprobe costs about a microsecond).
 _NOTICE_PERIOD_SECONDS = 10e-3
+# A final notice is sent before the process may exit: MPI takes a small message at once
+# (eager), so this bound is only reached when the peers' side is gone. Its text is cut to
+# stay well below every eager limit.
+_FLUSH_SECONDS = 1.0
+_TEXT_CHARS = 4000
 
 
 def listen_window(settings: Settings) -> float:
@@ -95,6 +102,7 @@ class Notice:
         index: the position of the collective in that cycle's plan (-1: negotiation).
         what: the collective, e.g. ``allreduce 'grad'``.
         text: for a failure, the error ("MemoryError: ..."); empty for a waiting notice.
+        final: the sender's engine has ended for good: it takes part in nothing any more.
     """
 
     rank: int
@@ -102,6 +110,7 @@ class Notice:
     index: int
     what: str
     text: str = ""
+    final: bool = False
 
     @property
     def failed(self) -> bool:
@@ -143,7 +152,7 @@ class Waiter:
     def begin(self, cycle: int, index: int, what: str) -> None:
         """Say which collective the next waits belong to (position `index` of `cycle`)."""
         if cycle != self.cycle and self._failures:
-            self._failures = [n for n in self._failures if n.cycle >= cycle]
+            self._failures = [n for n in self._failures if n.final or n.cycle >= cycle]
         self.cycle, self.index, self.what = cycle, index, what
 
     def peer_failure(self) -> Notice | None:
@@ -151,13 +160,26 @@ class Waiter:
         in this cycle (later ones are kept for the collectives they concern)."""
         self._read_notices()
         for notice in self._failures:
-            if notice.cycle == self.cycle and notice.index <= self.index:
+            if notice.final or (notice.cycle == self.cycle and notice.index <= self.index):
                 return notice
         return None
 
     def announce_failure(self, text: str) -> None:
         """Tell every peer that this rank failed the current collective, and why."""
         self._send(Notice(self.rank, self.cycle, self.index, self.what, text))
+
+    def announce_end(self, text: str, within: float = _FLUSH_SECONDS) -> None:
+        """Tell every peer that this rank's engine has ended for good, and why, and wait (at
+        most `within` seconds) until MPI has taken the notices: the process may exit next."""
+        self._send(Notice(self.rank, self.cycle, self.index, self.what, text[:_TEXT_CHARS], True))
+        deadline = time.monotonic() + within
+        delay = _FIRST_SLEEP_SECONDS
+        while True:
+            self._reap_sends()
+            if not self._sends or time.monotonic() >= deadline:
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, _BUSY_SLEEP_SECONDS)
 
     def spin_with_a_core_each(self) -> None:
         """Every local rank has a core: spin longer, yielding with sched_yield (MPI's test
@@ -238,7 +260,7 @@ class Waiter:
                 look_at = now + _NOTICE_PERIOD_SECONDS
                 failure = self.peer_failure()
                 if failure is not None:
-                    raise _peer_failed(failure, self.what)
+                    raise peer_failed_error(failure, self.what)
                 self._reap_sends()
                 if notice_times and now >= notice_times[0]:
                     del notice_times[0]
@@ -370,13 +392,22 @@ class Waiter:
             comm.Recv([buffer, self._byte], status.Get_source(), NOTICE_TAG)
             notice: Notice = pickle.loads(buffer)
             if notice.failed:
-                if notice.cycle >= self.cycle:
+                if notice.final or notice.cycle >= self.cycle:
                     self._failures.append(notice)
             else:
                 self._heard[notice.rank] = notice
 
 
-def _peer_failed(notice: Notice, current: str) -> PeerFailedError:
+def peer_failed_error(notice: Notice, current: str) -> PeerFailedError:
+    """The error that a peer's failure `notice` ends this rank's `current` wait with."""
+    if notice.final:
+        return PeerEngineFailedError(
+            f"{current} cannot complete: rank {notice.rank}'s ringplug engine failed for good "
+            f"(in {notice.what}, engine cycle {notice.cycle}): {notice.text}. Every rank must "
+            "take part in every collective, so this rank cannot go on either; the cause is in "
+            f"rank {notice.rank}'s log.",
+            caused_by=(notice.rank,),
+        )
     if notice.what == current:
         text = f"rank {notice.rank} failed {notice.what}: {notice.text}"
     else:
