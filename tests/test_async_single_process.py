@@ -37,6 +37,31 @@ def test_grouped_allreduce_returns_new_arrays_in_their_shapes():
     assert first.tolist() == [[1.0] * 3] * 2  # inputs untouched
 
 
+def test_grouped_allreduce_in_place_returns_the_arrays_themselves():
+    arrays = [np.ones((2, 2), np.float32), np.full(3, 2.0, np.float32)]
+    results = ringplug.grouped_allreduce(arrays, op="sum", out=arrays, postscale_factor=3.0)
+    assert results[0] is arrays[0] and results[1] is arrays[1]
+    assert arrays[0].tolist() == [[3.0, 3.0]] * 2 and arrays[1].tolist() == [6.0] * 3
+
+
+def test_grouped_allreduce_into_other_arrays_leaves_the_inputs_alone():
+    inputs = [np.ones((2, 2), np.float32), np.full(3, 2.0, np.float32)]
+    # Side by side in one buffer: the engine reduces there, after copying the inputs in.
+    buffer = np.zeros(7, np.float32)
+    outputs = [buffer[:4].reshape(2, 2), buffer[4:]]
+    results = ringplug.grouped_allreduce(inputs, op="sum", out=outputs, postscale_factor=3.0)
+    assert results[0] is outputs[0] and results[1] is outputs[1]
+    assert outputs[0].tolist() == [[3.0, 3.0]] * 2 and outputs[1].tolist() == [6.0] * 3
+    assert inputs[0].tolist() == [[1.0, 1.0]] * 2 and inputs[1].tolist() == [2.0] * 3
+
+
+def test_grouped_allreduce_into_views_of_the_inputs_is_in_place():
+    inputs = [np.ones(4, np.float32), np.full(3, 2.0, np.float32)]
+    views = [inputs[0].view(), inputs[1][:]]  # other objects, the same memory
+    ringplug.grouped_allreduce(inputs, op="sum", out=views, postscale_factor=3.0)
+    assert inputs[0].tolist() == [3.0] * 4 and inputs[1].tolist() == [6.0] * 3
+
+
 def test_grouped_allreduce_refuses_mixed_dtypes():
     with pytest.raises(TypeError, match="arrays of one dtype"):
         ringplug.grouped_allreduce([np.ones(2, np.float32), np.ones(2)])
