@@ -89,7 +89,8 @@ def test_fusion_bench_reports_every_implementation_on_resnet50_gradients(tmp_pat
     document = json.loads((tmp_path / "fusion.json").read_text())
     rows = {row["impl"]: row for row in document["results"]}
     assert set(rows) == {"ringplug", "ringplug-views", "single", "copy", "gloo", "small-1",
-                         "small-1000", "small-1000-grouped", "single-4M"}  # fmt: skip
+                         "small-1000", "small-1000-grouped", "small-1000-grouped-in-place",
+                         "single-4M"}  # fmt: skip
     assert document["env"]["tensors"] == 161 and document["env"]["parameters"] == 25_557_032
     assert rows["ringplug"]["tensors"] == 161 and rows["single"]["tensors"] == 1
     assert rows["ringplug"]["bytes"] == rows["single"]["bytes"] == 25_557_032 * 4

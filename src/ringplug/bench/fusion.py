@@ -14,8 +14,10 @@ autograd hooks would. Implementations, all in one run:
 - gloo: one torch.distributed gloo allreduce per gradient.
 
 Small-message rows: one 4 KiB tensor submitted and waited for (small-1); 1,000 tensors of
-4 KiB submitted together, one `allreduce_async` each (small-1000) and as one
-`grouped_allreduce` (small-1000-grouped), against one 4 MiB allreduce (single-4M).
+4 KiB submitted together, one `allreduce_async` each (small-1000), as one
+`grouped_allreduce` into new arrays (small-1000-grouped) and as one in place
+(small-1000-grouped-in-place, the form of `ringplug.torch.grouped_allreduce_`), against one
+4 MiB allreduce (single-4M).
 """
 
 from __future__ import annotations
@@ -134,16 +136,26 @@ def run(args: argparse.Namespace) -> int:
     def small_grouped() -> None:
         ringplug.grouped_allreduce(many, op=ringplug.Sum, name="small-group")
 
+    def small_grouped_in_place() -> None:  # as ringplug.torch's grouped_allreduce_
+        ringplug.grouped_allreduce(many, op=ringplug.Sum, out=many, name="small-group-in-place")
+
     if "small" in impls:
         runners["small-1"] = lambda: ringplug.allreduce(
             small, op=ringplug.Sum, out=small, name="small"
         )
         runners["small-1000"] = small_many
         runners["small-1000-grouped"] = small_grouped
+        runners["small-1000-grouped-in-place"] = small_grouped_in_place
         runners["single-4M"] = lambda: ringplug.allreduce(
             four_mib, op=ringplug.Sum, out=four_mib, name="four"
         )
-    small_rows = ("small-1", "small-1000", "small-1000-grouped", "single-4M")
+    small_rows = (
+        "small-1",
+        "small-1000",
+        "small-1000-grouped",
+        "small-1000-grouped-in-place",
+        "single-4M",
+    )
     chosen = [
         name for name in runners if name in impls or ("small" in impls and name in small_rows)
     ]
@@ -160,12 +172,14 @@ def run(args: argparse.Namespace) -> int:
             "small-1": 4096,
             "small-1000": 4096 * 1000,
             "small-1000-grouped": 4096 * 1000,
+            "small-1000-grouped-in-place": 4096 * 1000,
             "single-4M": 4 << 20,
         }.get(impl, total * 4)
         count = {
             "small-1": 1,
             "small-1000": 1000,
             "small-1000-grouped": 1000,
+            "small-1000-grouped-in-place": 1000,
             "single-4M": 1,
             "single": 1,
         }.get(impl, len(arrays))
@@ -204,10 +218,11 @@ def _print(records: list[Record], ranks: int, parameters: int, tensors: int) -> 
         f"# ringplug-bench fusion: ResNet-50 gradients ({tensors} tensors, {parameters:,} "
         f"float32 parameters), {ranks} ranks; time = median of the slowest rank"
     )
-    print(f"# {'impl':<16} {'tensors':>7} {'MiB':>8} {'time ms':>10}")
+    width = max([16, *(len(record.impl) for record in records)])
+    print(f"# {'impl':<{width}} {'tensors':>7} {'MiB':>8} {'time ms':>10}")
     for record in records:
         print(
-            f"  {record.impl:<16} {record.extra['tensors']:>7} "
+            f"  {record.impl:<{width}} {record.extra['tensors']:>7} "
             f"{record.bytes / 2**20:8.2f} {record.time_s * 1e3:10.3f}"
         )
     if {"ringplug", "single", "copy"} <= by.keys():
@@ -224,7 +239,7 @@ def _print(records: list[Record], ranks: int, parameters: int, tensors: int) -> 
             f"# one 4 KiB tensor, submit to result: {by['small-1'].time_s * 1e3:.3f} ms "
             "(target <= 0.3)"
         )
-    for impl in ("small-1000", "small-1000-grouped"):
+    for impl in ("small-1000", "small-1000-grouped", "small-1000-grouped-in-place"):
         if {impl, "single-4M"} <= by.keys():
             ratio = by[impl].time_s / by["single-4M"].time_s
             print(f"# {impl} (1000 x 4 KiB) / one 4 MiB = {ratio:.2f} (target <= 3)")
