@@ -625,9 +625,7 @@ class Engine(ExpressCycles):
                 return None
             if notice.final:  # so is every later one; the next negotiation ends the engine
                 return peer_failed_error(notice, what)
-            cause = PeerFailedError(
-                f"rank {notice.rank} failed {notice.what}: {notice.text}", caused_by=(notice.rank,)
-            )
+            cause = peer_failed_error(notice, notice.what)  # "rank r failed X: text"
             self._failed_here, self._renew = cause, True
             if notice.what == what:
                 return cause
