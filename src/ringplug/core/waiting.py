@@ -176,7 +176,18 @@ class Waiter:
         delay = _FIRST_SLEEP_SECONDS
         while True:
             self._reap_sends()
-            if not self._sends or time.monotonic() >= deadline:
+            if not self._sends:
+                return
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "rank %d could not hand its final notice to MPI within %g s (%d of its "
+                    "sends to the other %d ranks still posted); a rank that misses it ends at "
+                    "RINGPLUG_TIMEOUT, naming this one as frozen",
+                    self.rank,
+                    within,
+                    len(self._sends),
+                    self.size - 1,
+                )
                 return
             time.sleep(delay)
             delay = min(delay * 2, _BUSY_SLEEP_SECONDS)
