@@ -22,10 +22,11 @@ import numpy as np
 import ringplug
 
 from .common import (
+    ROUNDS,
     Record,
     environment,
     human_bytes,
-    measure,
+    measure_side_by_side,
     median,
     plot_busbw,
     size_range,
@@ -209,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     if leader:
         print(
             f"# ringplug-bench allreduce: {ranks} ranks, {dtype.name}, op=sum, in place, on "
-            f"{args.device}; time = median over iterations of the slowest rank"
+            f"{args.device}; time = median over iterations of the slowest rank; "
+            f"implementations interleaved in {ROUNDS} rounds"
         )
         print(
             "# memory = a device-to-device copy of the buffer"
@@ -259,15 +261,15 @@ def _measure_sizes(
         else:
             _verify(dtype, count, impls)
             runners = _runners(impls, np.zeros(count, dtype))
+        timed = measure_side_by_side(
+            runners,
+            budget_s=args.budget,
+            min_iters=args.min_iters,
+            max_iters=args.max_iters,
+            warmup=args.warmup,
+        )
         row: dict[str, Record] = {}
-        for impl, runner in runners.items():
-            times = measure(
-                runner,
-                budget_s=args.budget,
-                min_iters=args.min_iters,
-                max_iters=args.max_iters,
-                warmup=args.warmup,
-            )
+        for impl, times in timed.items():
             seconds = median(times)
             algbw = count * dtype.itemsize / seconds / 1e9
             busbw = algbw * (1.0 if impl == "memory" else bus_factor)

@@ -55,27 +55,55 @@ def human_bytes(count: int) -> str:
     return f"{count}B"
 
 
-def measure(
-    run: Callable[[], object], *, budget_s: float, min_iters: int, max_iters: int, warmup: int
-) -> list[float]:
-    """Time `run` on every rank; returns per-iteration times of the slowest rank.
+# Rounds of `measure_side_by_side`: each implementation runs a tenth of its iterations per
+# round, so that a change of the machine's load falls on every implementation alike.
+ROUNDS = 10
 
-    Rank 0 picks the iteration count from its warm-up so that all ranks run the same
-    number of collectives.
+
+def measure_side_by_side(
+    runs: dict[str, Callable[[], object]],
+    *,
+    budget_s: float,
+    min_iters: int,
+    max_iters: int,
+    warmup: int,
+    rounds: int = ROUNDS,
+) -> dict[str, list[float]]:
+    """Time each of `runs` on every rank, interleaved; returns, for each, the per-iteration
+    times of the slowest rank.
+
+    Each gets `budget_s` seconds of iterations (as many as its last warm-up call says, within
+    `min_iters`..`max_iters`, chosen by rank 0 so that all ranks run the same collectives).
+    They run in `rounds` rounds, each taking its share of every one's iterations in turn,
+    the order rotated each round: on a shared machine, whose load drifts over seconds, a
+    block per implementation would compare one moment's load with another's. Each share
+    starts with one untimed call, which pays for the switch.
     """
-    for _ in range(warmup):
-        start = time.perf_counter()
-        run()
-    warm = time.perf_counter() - start if warmup else 0.0
-    iters = int(np.clip(budget_s / max(warm, 1e-7), min_iters, max_iters))
-    iters = ringplug.broadcast_object(iters, 0)
-    ringplug.barrier()
-    times = np.empty(iters)
-    for i in range(iters):
-        start = time.perf_counter()
-        run()
-        times[i] = time.perf_counter() - start
-    return list(ringplug.allreduce(times, op=ringplug.Max))
+    counts = {}
+    for name, run in runs.items():
+        warm = 0.0
+        for _ in range(warmup):
+            start = time.perf_counter()
+            run()
+            warm = time.perf_counter() - start
+        counts[name] = int(np.clip(budget_s / max(warm, 1e-7), min_iters, max_iters))
+    counts = ringplug.broadcast_object(counts, 0)
+    times = {name: np.empty(count) for name, count in counts.items()}
+    done = dict.fromkeys(runs, 0)
+    names = list(runs)
+    for turn in range(rounds):
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            run, upto = runs[name], counts[name] * (turn + 1) // rounds
+            if upto == done[name]:
+                continue
+            ringplug.barrier()  # every rank starts its share together
+            run()  # untimed: the switch (ranks leaving the barrier apart, caches) costs it
+            for i in range(done[name], upto):
+                start = time.perf_counter()
+                run()
+                times[name][i] = time.perf_counter() - start
+            done[name] = upto
+    return {name: list(ringplug.allreduce(t, op=ringplug.Max)) for name, t in times.items()}
 
 
 def median(values: Iterable[float]) -> float:

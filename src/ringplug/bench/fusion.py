@@ -29,7 +29,7 @@ import numpy as np
 import ringplug
 
 from .allreduce import _gloo_group
-from .common import Record, environment, measure, median, write_json
+from .common import ROUNDS, Record, environment, measure_side_by_side, median, write_json
 
 
 def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:
@@ -159,15 +159,15 @@ def run(args: argparse.Namespace) -> int:
     chosen = [
         name for name in runners if name in impls or ("small" in impls and name in small_rows)
     ]
+    timed = measure_side_by_side(
+        {impl: runners[impl] for impl in chosen},
+        budget_s=0.0,
+        min_iters=args.iters,
+        max_iters=args.iters,
+        warmup=args.warmup,
+    )
     records: list[Record] = []
-    for impl in chosen:
-        times = measure(
-            runners[impl],
-            budget_s=0.0,
-            min_iters=args.iters,
-            max_iters=args.iters,
-            warmup=args.warmup,
-        )
+    for impl, times in timed.items():
         nbytes = {
             "small-1": 4096,
             "small-1000": 4096 * 1000,
@@ -216,7 +216,8 @@ def _print(records: list[Record], ranks: int, parameters: int, tensors: int) -> 
     by = {r.impl: r for r in records}
     print(
         f"# ringplug-bench fusion: ResNet-50 gradients ({tensors} tensors, {parameters:,} "
-        f"float32 parameters), {ranks} ranks; time = median of the slowest rank"
+        f"float32 parameters), {ranks} ranks; time = median of the slowest rank; "
+        f"implementations interleaved in {ROUNDS} rounds"
     )
     width = max([16, *(len(record.impl) for record in records)])
     print(f"# {'impl':<{width}} {'tensors':>7} {'MiB':>8} {'time ms':>10}")
