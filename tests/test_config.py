@@ -34,10 +34,10 @@ def test_unset_variables_give_the_defaults(monkeypatch):
 
 def test_variables_override_the_defaults(monkeypatch):
     monkeypatch.setenv("RINGPLUG_TIMEOUT", "30")
-    monkeypatch.setenv("RINGPLUG_RING_THRESHOLD", "1M")
+    monkeypatch.setenv("RINGPLUG_RING_THRESHOLD", "2M")
     monkeypatch.setenv("RINGPLUG_LOG_LEVEL", "debug")
     settings = read_settings()
-    assert (settings.timeout, settings.ring_threshold, settings.log_level) == (30, 1 << 20, "DEBUG")
+    assert (settings.timeout, settings.ring_threshold, settings.log_level) == (30, 2 << 20, "DEBUG")
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-5"])

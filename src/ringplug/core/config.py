@@ -34,12 +34,14 @@ class Settings:
     # watchdog: long enough for a slow checkpoint on one rank, never half an hour of silence.
     timeout: float = 600.0
     # From this many bytes on, allreduce uses ringplug's ring instead of MPI's own Allreduce.
-    # Measured on the 2-core CI machine, 2 ranks (5 runs per setting, medians of the speed
-    # against MPI's Allreduce): at 4 MiB the ring reached 0.94-0.97x, MPI's Iallreduce
-    # 0.79x; at 1 MiB the ring lost (0.57-0.63x against 0.73-0.78x); 3 ranks at 4 MiB took
-    # 6.1-6.9 ms on the ring, 6.3-9.0 on MPI. From 32 MiB MPICH falls to half the ring's
-    # bandwidth (it page-faults a fresh temporary every call).
-    ring_threshold: int = 4 << 20
+    # Measured on the 2-core CI machine, 2 ranks, both paths and MPI's Allreduce interleaved
+    # in one run (5 runs, medians of the speed against MPI's Allreduce): at 1 MiB the ring
+    # reached 0.88-0.97x, MPI's Iallreduce 0.72-0.87x; at 2 MiB 0.96-1.12x against
+    # 0.73-0.99x; at 512 KiB the ring lost (0.75-0.78x against 0.78-0.85x). On 3 and 4 ranks
+    # (more ranks than cores) the ring was the faster of the two from 256 KiB to 4 MiB. From
+    # 32 MiB MPICH falls to half the ring's bandwidth (it page-faults a fresh temporary every
+    # call).
+    ring_threshold: int = 1 << 20
     # Bytes per ring pipeline segment: small enough that received data is still in the L2
     # cache when it is reduced (256 KiB to 2 MiB measured alike at 64 MiB; 512 KiB best).
     ring_segment: int = 512 << 10
