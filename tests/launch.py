@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -109,3 +110,19 @@ def python_without_mpi(directory: Path) -> tuple[Path, dict[str, str]]:
         "HOME": os.environ.get("HOME", "/tmp"),
     }
     return python, env
+
+
+def torchrun_workers_refused(output: str, workers: int) -> bool:
+    """Whether every worker of a `torchrun --nproc-per-node WORKERS` job said that torchrun
+    started it (ringplug's refusal), or was stopped by torchrun (SIGTERM), which it does to
+    the others as soon as one worker fails: one importing a framework on a busy machine can
+    be seconds behind. At least one must have said it."""
+    said = [
+        f"was started by torchrun as rank {rank} of {workers}" in output for rank in range(workers)
+    ]
+    stopped = [
+        re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\s*exitcode\s*: -15 ", output)
+        is not None
+        for rank in range(workers)
+    ]
+    return any(said) and all(s or t for s, t in zip(said, stopped, strict=True))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import run_ringrun
+from launch import run_ringrun, torchrun_workers_refused
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.multirank
@@ -123,6 +123,6 @@ def test_under_torchrun_ring_strategy_stops_at_once_saying_what_to_run(tmp_path)
                             timeout=180, check=False)  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert output.count("was started by torchrun as rank") == 2, output  # both workers
+    assert torchrun_workers_refused(output, 2), output  # each worker, or stopped by torchrun
     assert "Start the job with `ringrun -np 2 python ...`" in output
     assert list(tmp_path.glob("*.json")) == []  # neither trained a model of its own
