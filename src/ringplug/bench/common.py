@@ -79,7 +79,7 @@ def measure_side_by_side(
     block per implementation would compare one moment's load with another's. Each share
     starts with one untimed call, which pays for the switch.
     """
-    counts = {}
+    counts: dict[str, int] = {}
     for name, run in runs.items():
         warm = 0.0
         for _ in range(warmup):
@@ -89,20 +89,19 @@ def measure_side_by_side(
         counts[name] = int(np.clip(budget_s / max(warm, 1e-7), min_iters, max_iters))
     counts = ringplug.broadcast_object(counts, 0)
     times = {name: np.empty(count) for name, count in counts.items()}
-    done = dict.fromkeys(runs, 0)
     names = list(runs)
     for turn in range(rounds):
         for name in names[turn % len(names) :] + names[: turn % len(names)]:
-            run, upto = runs[name], counts[name] * (turn + 1) // rounds
-            if upto == done[name]:
+            run, count = runs[name], counts[name]
+            first, end = count * turn // rounds, count * (turn + 1) // rounds  # its share
+            if first == end:
                 continue
             ringplug.barrier()  # every rank starts its share together
             run()  # untimed: the switch (ranks leaving the barrier apart, caches) costs it
-            for i in range(done[name], upto):
+            for i in range(first, end):
                 start = time.perf_counter()
                 run()
                 times[name][i] = time.perf_counter() - start
-            done[name] = upto
     return {name: list(ringplug.allreduce(t, op=ringplug.Max)) for name, t in times.items()}
 
 
