@@ -127,6 +127,11 @@ def main(impl: str, steps: int, hidden: int, out: str) -> None:
                 record[f"step_ms_{label}"] = 1e3 * statistics.median(toggle.times[on])
         with open(out, "w") as handle:
             json.dump(record, handle)
+    if impl == "ddp":
+        # Lightning leaves its gloo group up; gloo's threads must stop before the interpreter
+        # exits, or the C++ runtime aborts ("terminate called without an active exception").
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
