@@ -132,3 +132,21 @@ def test_a_burst_of_slots_beside_a_new_name_takes_the_full_negotiation():
     plan = decide(messages, cache)
     assert [r.name for r in plan.responses] == ["a"]
     assert plan.partial == {"b": [0], "z": [1]} and not plan.nothing_new
+
+
+def test_a_repeated_step_reuses_its_responses_until_a_slot_changes():
+    cache = _cache_of("a", "b", "c")
+    step = [Message(2, cached=0b111), Message(2, cached=0b111)]
+    first = decide(step, cache)
+    again = decide([Message(3, cached=0b111), Message(3, cached=0b111)], cache)
+    assert first.repeated and again.repeated
+    assert [(r.name, r.signature) for r in again.responses] == [("a", W), ("b", W), ("c", W)]
+    assert again.responses is first.responses  # made once
+    # Another set of slots is a step of its own, with its own responses.
+    part = decide([Message(4, cached=0b101), Message(4, cached=0b101)], cache)
+    assert [r.name for r in part.responses] == ["a", "c"]
+    # "b" changes its shape: the cache learns it, and the step's responses follow.
+    changed = new(("a", W), ("b", B), ("c", W))
+    cache.learn(decide([Message(5, new=changed), Message(5, new=changed)], cache), {"a", "b", "c"})
+    after = decide([Message(6, cached=0b111), Message(6, cached=0b111)], cache)
+    assert [(r.name, r.signature) for r in after.responses] == [("a", W), ("b", B), ("c", W)]

@@ -145,6 +145,11 @@ class Plan:
     nothing_new: bool = False
 
 
+# How many forms of a repeated step `Cache.repeated` keeps (a training loop has a few: the
+# step's cycles, a metric sync, the epoch's end).
+_REPEATED_KEPT = 16
+
+
 class Cache:
     """Names agreed before, by slot; updated identically on every rank after each plan."""
 
@@ -162,6 +167,8 @@ class Cache:
         self.last_layout: tuple[int, list[tuple[int, int]], list[tuple[str, int, int]]] | None = (
             None
         )
+        # `repeated`'s recent answers: (cached bits, ranks) -> responses.
+        self._repeated: dict[tuple[int, int], list[Response]] = {}
 
     def slot_for(self, name: str, signature: Signature) -> int | None:
         """The slot that names this request exactly, or None (send it as new)."""
@@ -190,10 +197,32 @@ class Cache:
         slot = self.by_prefix.get((parts[0], signature))
         return None if slot is None else (slot, parts[1])
 
+    def repeated(self, message: Message, ranks: int) -> list[Response]:
+        """The responses of a repeated step in which every one of `ranks` ranks has the
+        requests `message` names ready, alike: an earlier step's own list when it named the
+        same slots alone (a training step names the same ones every time, and making a
+        thousand responses anew cost a microsecond each). The list and its responses are
+        shared by the plans that run them, so nothing may change them."""
+        key = (message.cached, ranks)
+        if not message.numbered:
+            known = self._repeated.get(key)
+            if known is not None:
+                return known
+        responses = [
+            Response.everywhere(name, signature, ranks)
+            for name, signature in _cached(message, self)
+        ]
+        if len(responses) > 1 and not message.numbered:
+            if len(self._repeated) >= _REPEATED_KEPT:
+                self._repeated.clear()
+            self._repeated[key] = responses
+        return responses
+
     def learn(self, plan: Plan, cacheable_names: set[str]) -> None:
         """Give agreed, cacheable requests a slot (or their new signature), and the prefix
         and signature of numbered ones (decided from the plan alone, the same everywhere)."""
         self.last_layout = None
+        self._repeated.clear()  # a slot may change its signature
         for response in plan.responses:
             name, signature = response.name, response.signature
             if not kind_of(signature.kind).cacheable:
@@ -240,11 +269,12 @@ def decide(messages: Sequence[Message], cache: Cache, alike: bool = False) -> Pl
         for m in messages
     ):
         # A repeated step: every rank has the same cached requests ready, and nothing else.
-        plan = Plan(stall_abort=list(first.stall_abort), repeated=True, nothing_new=True)
-        count = len(messages)
-        for name, signature in _cached(first, cache):
-            plan.responses.append(Response.everywhere(name, signature, count))
-        return plan
+        return Plan(
+            cache.repeated(first, len(messages)),
+            stall_abort=list(first.stall_abort),
+            repeated=True,
+            nothing_new=True,
+        )
     if not any(m.new or m.numbered or m.joined_cycle or m.shutdown for m in messages):
         return _decide_cached(messages, cache)
     plan = Plan()

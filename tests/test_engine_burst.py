@@ -1,0 +1,58 @@
+"""`Engine._let_burst_finish`: the engine thread steps aside while a burst of asynchronous
+submissions goes on, and not once it is over (its caller waits) or the wait is used up.
+(An engine that missed the end would look until the 5 s deadline, and fail the count.)"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from types import SimpleNamespace
+
+from ringplug.core.engine import Engine
+
+
+class Queue(collections.deque):
+    """The engine's queue, counting how often the engine looks at its newest request; at
+    the `ends_at`-th look the submitting thread begins to wait for its handles."""
+
+    def __init__(self, owner: SimpleNamespace, ends_at: int) -> None:
+        super().__init__()
+        self.owner, self.ends_at, self.looks = owner, ends_at, 0
+
+    def __getitem__(self, index):
+        self.looks += 1
+        if self.looks == self.ends_at:
+            self.owner._waited_at = math.inf  # later than any submission
+        return super().__getitem__(index)
+
+
+def engine_with_a_fresh_request(ends_at: int) -> tuple[SimpleNamespace, Queue]:
+    engine = SimpleNamespace(_waited_at=0.0)
+    engine._queue = Queue(engine, ends_at)
+    # Submitted "in the future": always younger than the gap, whatever the machine's load.
+    engine._queue.append(SimpleNamespace(submitted=time.perf_counter() + 3600.0))
+    return engine, engine._queue
+
+
+def test_the_engine_steps_aside_until_the_submitting_thread_waits():
+    engine, queue = engine_with_a_fresh_request(ends_at=3)
+    Engine._let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
+    # Two looks found the burst going on (each followed by a yield), the third its caller
+    # waiting.
+    assert queue.looks == 3
+
+
+def test_the_engine_does_not_step_aside_past_its_deadline_or_with_nothing_queued():
+    engine, queue = engine_with_a_fresh_request(ends_at=0)
+    Engine._let_burst_finish(engine, deadline=time.perf_counter() - 1.0)
+    assert queue.looks == 1
+    queue.clear()
+    Engine._let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
+    assert queue.looks == 1
+
+
+def test_a_request_its_caller_already_waits_for_runs_at_once():
+    engine, queue = engine_with_a_fresh_request(ends_at=1)
+    Engine._let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
+    assert queue.looks == 1
