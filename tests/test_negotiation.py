@@ -145,8 +145,12 @@ def test_a_repeated_step_reuses_its_responses_until_a_slot_changes():
     # Another set of slots is a step of its own, with its own responses.
     part = decide([Message(4, cached=0b101), Message(4, cached=0b101)], cache)
     assert [r.name for r in part.responses] == ["a", "c"]
+    # Learning another name (a barrier between steps, say) leaves the step's slots alone.
+    other = new(("z", B))
+    cache.learn(decide([Message(5, new=other), Message(5, new=other)], cache), {"z"})
+    assert decide(step, cache).responses is first.responses
     # "b" changes its shape: the cache learns it, and the step's responses follow.
     changed = new(("a", W), ("b", B), ("c", W))
-    cache.learn(decide([Message(5, new=changed), Message(5, new=changed)], cache), {"a", "b", "c"})
-    after = decide([Message(6, cached=0b111), Message(6, cached=0b111)], cache)
+    cache.learn(decide([Message(6, new=changed), Message(6, new=changed)], cache), {"a", "b", "c"})
+    after = decide([Message(7, cached=0b111), Message(7, cached=0b111)], cache)
     assert [(r.name, r.signature) for r in after.responses] == [("a", W), ("b", B), ("c", W)]

@@ -222,7 +222,6 @@ class Cache:
         """Give agreed, cacheable requests a slot (or their new signature), and the prefix
         and signature of numbered ones (decided from the plan alone, the same everywhere)."""
         self.last_layout = None
-        self._repeated.clear()  # a slot may change its signature
         for response in plan.responses:
             name, signature = response.name, response.signature
             if not kind_of(signature.kind).cacheable:
@@ -233,6 +232,7 @@ class Cache:
                     if self.slots[slot][1] == signature:
                         continue  # known as it is: nothing to learn
                     self.slots[slot] = (name, signature)
+                    self._repeated.clear()  # steps with this slot run it in its new form
                 elif len(self.slots) < self.capacity:
                     slot = self.by_name[name] = self._add(name, signature)
                 else:
