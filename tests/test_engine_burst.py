@@ -9,7 +9,7 @@ import math
 import time
 from types import SimpleNamespace
 
-from ringplug.core.engine import Engine
+from ringplug.core.engine import _BURST_LEAST, Engine
 
 
 class Queue(collections.deque):
@@ -27,16 +27,17 @@ class Queue(collections.deque):
         return super().__getitem__(index)
 
 
-def engine_with_a_fresh_request(ends_at: int) -> tuple[SimpleNamespace, Queue]:
+def engine_with_a_burst(ends_at: int, queued: int = _BURST_LEAST) -> tuple[SimpleNamespace, Queue]:
     engine = SimpleNamespace(_waited_at=0.0)
     engine._queue = Queue(engine, ends_at)
     # Submitted "in the future": always younger than the gap, whatever the machine's load.
-    engine._queue.append(SimpleNamespace(submitted=time.perf_counter() + 3600.0))
+    submitted = time.perf_counter() + 3600.0
+    engine._queue.extend(SimpleNamespace(submitted=submitted) for _ in range(queued))
     return engine, engine._queue
 
 
 def test_the_engine_steps_aside_until_the_submitting_thread_waits():
-    engine, queue = engine_with_a_fresh_request(ends_at=3)
+    engine, queue = engine_with_a_burst(ends_at=3)
     Engine._let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
     # Two looks found the burst going on (each followed by a yield), the third its caller
     # waiting.
@@ -44,7 +45,7 @@ def test_the_engine_steps_aside_until_the_submitting_thread_waits():
 
 
 def test_the_engine_does_not_step_aside_past_its_deadline_or_with_nothing_queued():
-    engine, queue = engine_with_a_fresh_request(ends_at=0)
+    engine, queue = engine_with_a_burst(ends_at=0)
     Engine._let_burst_finish(engine, deadline=time.perf_counter() - 1.0)
     assert queue.looks == 1
     queue.clear()
@@ -52,7 +53,13 @@ def test_the_engine_does_not_step_aside_past_its_deadline_or_with_nothing_queued
     assert queue.looks == 1
 
 
-def test_a_request_its_caller_already_waits_for_runs_at_once():
-    engine, queue = engine_with_a_fresh_request(ends_at=1)
+def test_requests_whose_caller_already_waits_run_at_once():
+    engine, queue = engine_with_a_burst(ends_at=1)
     Engine._let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
     assert queue.looks == 1
+
+
+def test_a_few_requests_are_no_burst_and_run_at_once():
+    engine, queue = engine_with_a_burst(ends_at=0, queued=_BURST_LEAST - 1)
+    Engine._let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
+    assert queue.looks == 0
