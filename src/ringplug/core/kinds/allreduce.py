@@ -245,8 +245,7 @@ def _plain(
     ):
         return None
     try:
-        reduce_op = op if type(op) is ReduceOp else as_op(op)
-        code, postscale = classify(array), float(postscale_factor)
+        reduce_op, code, postscale = as_op(op), classify(array), float(postscale_factor)
     except Exception:  # noqa: BLE001 - the usual path raises it, and tells the other ranks
         return None
     # `in FLOATING`, not the enum's `is_floating` property, which costs 0.4 us a call
