@@ -26,10 +26,18 @@ def test_unset_variables_give_the_defaults(monkeypatch):
     for name in ("RINGPLUG_TIMEOUT", "RINGPLUG_RING_THRESHOLD", "RINGPLUG_RING_SEGMENT",
                  "RINGPLUG_LOG_LEVEL", "RINGPLUG_FUSION_THRESHOLD", "RINGPLUG_CYCLE_TIME",
                  "RINGPLUG_STALL_CHECK_SECONDS", "RINGPLUG_STALL_SHUTDOWN_SECONDS",
-                 "RINGPLUG_TIMELINE", "RINGPLUG_EAGER_THRESHOLD"):  # fmt: skip
+                 "RINGPLUG_TIMELINE", "RINGPLUG_EAGER_THRESHOLD",
+                 "RINGPLUG_BARRIER_TIMEOUT"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     assert read_settings() == Settings()
     assert Settings().timeout == 600  # ten minutes, as torch's NCCL watchdog
+    assert Settings().barrier_timeout == 7200  # a long download in prepare_data
+
+
+def test_a_bad_barrier_timeout_names_the_variable(monkeypatch):
+    monkeypatch.setenv("RINGPLUG_BARRIER_TIMEOUT", "0")
+    with pytest.raises(ValueError, match="RINGPLUG_BARRIER_TIMEOUT='0' must be a positive"):
+        read_settings()
 
 
 def test_variables_override_the_defaults(monkeypatch):

@@ -82,3 +82,13 @@ def test_collectives_before_init_say_to_call_init():
                             timeout=60, check=False)  # fmt: skip
     assert result.returncode != 0
     assert "Call ringplug.init() before using ringplug's collectives" in result.stderr
+
+
+def test_a_barrier_timeout_must_be_a_positive_number_of_seconds():
+    ringplug.init()
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="barrier timeout"):
+            ringplug.barrier(timeout=bad)
+    ringplug.barrier(timeout=0.5)  # one rank: every rank has arrived
+    with pytest.raises(ValueError, match="barrier timeout"):  # the engine still takes calls
+        ringplug.barrier(timeout=-2)

@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 _CORE_NAMES = (
     "Average",
+    "BarrierTimeoutError",
     "DType",
     "Handle",
     "Max",

@@ -29,6 +29,7 @@ from .collectives import (
 from .dtypes import DType
 from .engine import Handle
 from .errors import (
+    BarrierTimeoutError,
     MismatchError,
     NotInitializedError,
     PeerArgumentError,
@@ -53,6 +54,7 @@ from .runtime import (
 
 __all__ = [
     "Average",
+    "BarrierTimeoutError",
     "DType",
     "Handle",
     "Max",

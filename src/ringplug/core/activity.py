@@ -17,6 +17,7 @@ REDUCING = "waiting for gradient reduction"
 STEPPING = "in the optimizer step"
 BETWEEN_STEPS = "between steps"
 OUT_OF_DATA = "done with its data"
+PREPARING_DATA = "in prepare_data"
 
 _phase: list = ["", time.monotonic()]  # [phase, monotonic time it began]
 

@@ -60,6 +60,11 @@ class Settings:
     # After this long, rank 0 warns about collectives some ranks submitted and others did not,
     # and a rank waiting for peers names those that stopped taking part; after the shutdown
     # period (if > 0) the former raise StallError on every rank and the latter end the job.
+    # The longest a barrier that asks for a timeout of its own waits (torch's
+    # monitored_barrier: Lightning's around prepare_data, and Fabric's rank_zero_first, ask
+    # for 10,000 days while one rank downloads or prepares the data); shorter timeouts are
+    # kept. Two hours: a download of a large data set, never a job silent for days.
+    barrier_timeout: float = 7200.0
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
     # Chrome trace of the engine (written by rank 0), or None.
@@ -116,6 +121,7 @@ def read_settings() -> Settings:
         raise ValueError(f"RINGPLUG_RING_SEGMENT must be at least 64 bytes, got {segment}.")
     return Settings(
         timeout=_float("RINGPLUG_TIMEOUT", defaults.timeout),  # every wait has a deadline
+        barrier_timeout=_float("RINGPLUG_BARRIER_TIMEOUT", defaults.barrier_timeout),
         ring_threshold=_bytes("RINGPLUG_RING_THRESHOLD", defaults.ring_threshold),
         ring_segment=segment,
         eager_threshold=_bytes("RINGPLUG_EAGER_THRESHOLD", defaults.eager_threshold),

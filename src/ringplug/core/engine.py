@@ -592,6 +592,8 @@ class Engine(ExpressCycles):
         stalled = self._stalls.inspect(plan, self.pending)
         if stalled is not None:
             self.fail_everything(stalled)
+        for name, error in self._stalls.take_expired():  # a barrier's own timeout passed
+            self.complete(self.pending.pop(name), error=error)
         if plan.all_joined:
             self._finish_join(plan.last_joined)
         wake_waiters()

@@ -35,6 +35,13 @@ class StallError(RingplugError):
     `RINGPLUG_STALL_SHUTDOWN_SECONDS`; raised on every rank, naming the missing ranks."""
 
 
+class BarrierTimeoutError(RingplugError, TimeoutError):
+    """A barrier given a timeout of its own (`barrier(timeout=...)`, torch's
+    ``monitored_barrier``) was not reached by every rank in time. Raised on each rank that
+    waited, naming the ranks that never arrived (`caused_by`); the others raise theirs once
+    their own timeout passes."""
+
+
 class PeerFailedError(RingplugError):
     """Another rank failed this collective while running it (an exception on its engine
     thread: out of memory, a read-only output, ...); the message has its error text."""

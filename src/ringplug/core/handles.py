@@ -159,3 +159,6 @@ class Request:
     result: Any = None
     submitted: float = 0.0
     announced: float = 0.0
+    # Seconds this rank waits for the others to submit it before failing it here alone
+    # (`BarrierTimeoutError`); 0: `RINGPLUG_TIMEOUT`, after which the job ends.
+    timeout: float = 0.0

@@ -4,7 +4,8 @@ Each cycle's plan lists them (`Plan.partial`). Rank 0 warns after
 `RINGPLUG_STALL_CHECK_SECONDS`, naming who has each request and who lacks it; after
 `RINGPLUG_STALL_SHUTDOWN_SECONDS` it tells every rank (in its next message) to fail them
 alike. A rank that waits in one past `RINGPLUG_TIMEOUT` ends the job naming the ranks
-that never submitted it.
+that never submitted it; one with a timeout of its own (a barrier's, `Request.timeout`)
+instead fails on this rank alone once that has passed, naming them too.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import activity, log
 from .config import Settings
-from .errors import StallError
+from .errors import BarrierTimeoutError, StallError
 from .negotiation import Plan
 
 if TYPE_CHECKING:
@@ -33,6 +34,8 @@ class StallInspector:
         self._partial_since: dict[str, float] = {}
         self._warned: set[str] = set()
         self._abort: list[str] = []  # rank 0's verdict, for its next message
+        # Requests whose own timeout passed, with their errors, for the engine to fail here.
+        self._expired: list[tuple[str, BaseException]] = []
         # Every rank's training phase as its last message carried it (`core/activity.py`).
         self.activities: list[tuple[str, float]] = []
 
@@ -41,6 +44,12 @@ class StallInspector:
         """Whether requests some ranks lack are being watched (or rank 0 decided to fail
         them): then every cycle needs the inspector."""
         return bool(self._partial_since or self._abort)
+
+    def take_expired(self) -> list[tuple[str, BaseException]]:
+        """The requests whose own timeout passed (name, error), once: the engine fails them
+        on this rank."""
+        expired, self._expired = self._expired, []
+        return expired
 
     def take_abort(self) -> list[str]:
         """The requests rank 0 decided to fail, once (they go into its next message)."""
@@ -65,7 +74,16 @@ class StallInspector:
         overdue = [
             n
             for n, t in self._partial_since.items()
-            if n in pending and now - t >= self.settings.timeout
+            if n in pending and not pending[n].timeout and now - t >= self.settings.timeout
+        ]
+        # A request's own timeout counts from when this rank submitted it.
+        submitted_now = time.perf_counter()
+        self._expired = [
+            (n, self._timed_out(n, plan, pending[n], submitted_now - pending[n].announced))
+            for n in plan.partial
+            if n in pending
+            and pending[n].timeout
+            and submitted_now - pending[n].announced >= pending[n].timeout
         ]
         if overdue:
             name = overdue[0]
@@ -95,6 +113,19 @@ class StallInspector:
             if doomed:
                 self._abort = doomed  # sent in the next cycle, so every rank fails alike
         return None
+
+    def _timed_out(
+        self, name: str, plan: Plan, request: Request, waited: float
+    ) -> BarrierTimeoutError:
+        """The error of a request whose own timeout passed on this rank after `waited` s."""
+        missing = [r for r in range(self.size) if r not in plan.partial.get(name, [])]
+        doing = activity.describe(missing, self.activities, plan.partial)
+        return BarrierTimeoutError(
+            f"rank {self.rank} waited {waited:.0f} s in {request.signature.kind.label} "
+            f"{name!r} (its timeout: {request.timeout:g} s) for rank(s) "
+            f"{ranks_text(missing)}, which never called it{_then(doing)}.",
+            caused_by=tuple(missing),
+        )
 
     def _text(self, plan: Plan, names: list[str], now: float) -> str:
         active = range(self.size)
