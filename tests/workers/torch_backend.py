@@ -200,11 +200,13 @@ def calls(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
     dist.all_reduce(tensor)
     checks["mismatch/still-in-step"] = torch.equal(tensor, torch.full((1,), float(size)))
 
-    try:
-        dist.new_group(ranks=[0])
-        checks["refused/subgroup"] = rank != 0
-    except NotImplementedError as exc:
-        checks["refused/subgroup"] = rank == 0 and "new_group" in str(exc)
+    solo = dist.new_group(ranks=[0])  # a group over some of the ranks: gloo, via the store
+    if rank == 0:
+        tensor = torch.full((2,), 5.0)
+        dist.all_reduce(tensor, group=solo)
+        checks["subgroup/of-rank-0"] = torch.equal(tensor, torch.full((2,), 5.0))
+    else:
+        checks["subgroup/of-rank-0"] = solo is dist.GroupMember.NON_GROUP_MEMBER
     whole = dist.new_group(ranks=list(range(size)))
     tensor = torch.full((2,), float(rank))
     dist.all_reduce(tensor, group=whole)

@@ -17,10 +17,18 @@ rank with `MismatchError` naming what each rank passed, the stall inspector and
 CUDA tensors NCCL. Requests are named ``torch.<group>#<n>`` (the n-th call on that group),
 so the calls of one group are matched in the order each rank makes them, as torch requires.
 
+Groups: ``dist.new_group()`` over every rank, whatever backend it names (Lightning asks for
+``"gloo"`` around ``prepare_data``), is served by the engine as the default group is; a group
+over some of the ranks (``new_group(ranks=[...])``, ``new_subgroups``) runs on gloo, over the
+job's store, with ``RINGPLUG_TIMEOUT`` as its deadline. ``monitored_barrier`` works on
+every group: on the engine's, a rank that does not arrive within the timeout is named
+(`BarrierTimeoutError`). The store (``dist.distributed_c10d._get_default_store()``, and
+every group's) is a TCPStore that rank 0 serves: ``set``/``get``/``wait``/``add`` reach
+every rank, and wait at most ``RINGPLUG_TIMEOUT``.
+
 What the core cannot do raises on the calling rank with the call's name: point-to-point
-``send``/``recv``, the bitwise ops ``BAND``/``BOR``/``BXOR``, ``PREMUL_SUM``, and groups
-over some of the ranks (``new_group(ranks=[...])``). torch's per-call ``timeout`` is not
-used: ``RINGPLUG_TIMEOUT`` bounds every wait.
+``send``/``recv``, the bitwise ops ``BAND``/``BOR``/``BXOR`` and ``PREMUL_SUM``. torch's
+per-call ``timeout`` is not used: ``RINGPLUG_TIMEOUT`` bounds every wait.
 """
 
 from __future__ import annotations
@@ -175,15 +183,41 @@ def _submitting(opts: Any) -> contextlib.AbstractContextManager[None]:
 
 
 class RingProcessGroup(dist.ProcessGroup):
-    """torch.distributed's process group over ringplug's ranks (every rank of the job)."""
+    """torch.distributed's process group over ringplug's ranks (every rank of the job).
 
-    def __init__(self, rank: int, size: int, tag: str = "default") -> None:
+    Args:
+        rank, size: this rank and the job's size.
+        tag: names the group's requests (``torch.<tag>#<n>``), the same on every rank.
+        store: the group's store; its groups over some of the ranks meet through it.
+        timeout: the group's timeout; ``monitored_barrier()`` without one of its own waits
+            that long (at most ``RINGPLUG_BARRIER_TIMEOUT``).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        tag: str = "default",
+        store: dist.Store | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
         super().__init__(rank, size)
         self._tag = tag
         self._calls = itertools.count(1)
+        self._store = store
+        self._timeout = timeout or dist.default_pg_timeout
+        self._group_name = ""
 
     def name(self) -> str:
         return BACKEND
+
+    # torch keeps a group's name in its backends, and this group has none of them.
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -448,10 +482,67 @@ class RingProcessGroup(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
     all_to_all_single = alltoall_base
 
-    # ------------------------------------------------------------------ the rest
+    # ------------------------------------------------------------------ barriers
     def barrier(self, opts: Any = None) -> RingWork:
         handle = core.barrier_async(self._name())
         return RingWork([rt.TensorHandle(handle, lambda _: None)], [])
+
+    def monitored_barrier(
+        self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """torch's ``monitored_barrier``: wait until every rank has called it, at most
+        `timeout` (the group's when None, and never more than ``RINGPLUG_BARRIER_TIMEOUT``);
+        then raise `BarrierTimeoutError` naming every rank that did not arrive (so
+        `wait_all_ranks` is always honoured). Other collectives in flight go on."""
+        limit = (timeout or self._timeout).total_seconds()
+        seconds = min(limit, runtime.settings().barrier_timeout)
+        with waited_at_once():
+            handle = core.barrier_async(self._name(), timeout=seconds)
+        handle.wait()
+
+    # ------------------------------------------------------------------ groups
+    def new_group(
+        self,
+        ranks: Sequence[int] | None,
+        timeout: datetime.timedelta | None = None,
+        pg_options: Any = None,
+        group_name: str | None = None,
+        group_desc: str | None = None,
+        backend: Any = None,
+        **_: Any,
+    ) -> dist.ProcessGroup | None:
+        """torch's ``new_group`` while this is the default group (torch 2.13 and later hand
+        every ``new_group`` call to it, whatever backend the call names; each rank calls it).
+
+        A group of every rank in order is served by the engine, as this one; a group over
+        some of the ranks runs on gloo, through the store (None on the ranks outside it).
+        """
+        members = list(range(self.size())) if ranks is None else [int(r) for r in ranks]
+        name = str(group_name or f"group{next(_groups)}")
+        if members == list(range(self.size())):
+            group: dist.ProcessGroup = RingProcessGroup(
+                self.rank(), self.size(), f"g{name}", self._store, timeout
+            )
+        elif self.rank() not in members:
+            return None
+        else:
+            group = gloo_group(self._subgroup_store(name), members.index(self.rank()),
+                               len(members), timeout)  # fmt: skip
+        group._set_group_name(name)
+        group._set_group_desc(group_desc or "undefined")
+        return group
+
+    def _subgroup_store(self, name: str) -> dist.Store:
+        if self._store is None:
+            raise NotImplementedError(
+                "dist.new_group over some of the ranks needs the group's store, and this "
+                "ringplug group was made without one; start torch.distributed with "
+                'init_process_group("ringplug") under ringrun (or mpiexec/srun), or with '
+                "RingStrategy."
+            )
+        return dist.PrefixStore(f"ringplug.subgroup/{name}/", self._store)
+
+    # ------------------------------------------------------------------ the rest
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> RingWork:
         return self._refuse("send", _NO_P2P)
@@ -468,6 +559,46 @@ _NO_P2P = (
     "takes part in). Use a collective (broadcast, all_to_all_single) or a gloo group for "
     "send/recv: dist.new_group(backend='gloo')."
 )
+
+
+def gloo_group(
+    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta | None
+) -> dist.ProcessGroup:
+    """A torch process group of `size` ranks on gloo that meet through `store`, as torch
+    builds one, for CPU and CUDA tensors (gloo stages CUDA tensors through the host). Its
+    deadline is its timeout, at most ``RINGPLUG_TIMEOUT``: gloo then raises on the
+    ranks that waited."""
+    limit = runtime.settings().timeout
+    seconds = min((timeout or dist.default_pg_timeout).total_seconds(), limit)
+    deadline = datetime.timedelta(seconds=seconds)
+    group = dist.ProcessGroup(store, rank, size)
+    gloo_type = dist.ProcessGroup.BackendType.GLOO
+    group._set_default_backend(gloo_type)
+    gloo = dist.ProcessGroupGloo(store, rank, size, deadline)
+    gloo._set_sequence_number_for_group()
+    for device in ("cpu", "cuda"):
+        group._register_backend(torch.device(device), gloo_type, gloo)
+    return group
+
+
+def monitored_barrier(
+    group: Any = None, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+) -> None:
+    """torch.distributed's ``monitored_barrier``, which torch allows on gloo groups only,
+    on ringplug's groups too (its groups over every rank, and its gloo subgroups however
+    they were named); anything else goes to torch's own."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if group is c10d.GroupMember.NON_GROUP_MEMBER or not dist.is_initialized():
+        return _torch_monitored_barrier(group, timeout, wait_all_ranks)
+    pg = c10d._get_default_group() if group in (None, dist.group.WORLD) else group
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    if isinstance(pg, RingProcessGroup):
+        return pg.monitored_barrier(timeout, wait_all_ranks)
+    if dist.get_backend(pg) == BACKEND:  # a gloo subgroup of ringplug's (`new_group`)
+        return pg.monitored_barrier(timeout or dist.default_pg_timeout, wait_all_ranks)
+    return _torch_monitored_barrier(group, timeout, wait_all_ranks)
 
 
 def _combined(works: list[RingWork], outputs: list[torch.Tensor]) -> RingWork:
@@ -496,11 +627,15 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------- registration
-def _create(store: Any, rank: int, size: int, timeout: Any) -> RingProcessGroup:
+def _create(store: Any, rank: int, size: int, timeout: Any) -> dist.ProcessGroup:
     """torch's constructor hook: a group over every rank of ringplug's world (and, unless
-    CUDA is already in use, cuda:LOCAL_RANK as torch's current device: `device.py`)."""
+    CUDA is already in use, cuda:LOCAL_RANK as torch's current device: `device.py`); a
+    torch that does not hand ``new_group`` to the default group (`RingProcessGroup.new_group`)
+    asks here for its groups over some of the ranks too, which then run on gloo."""
     runtime.init()
     world, me = runtime.size(), runtime.rank()
+    if size < world and dist.is_initialized():
+        return gloo_group(store, rank, size, timeout)
     if world == 1 and size > 1:
         raise RuntimeError(
             f"torch.distributed asked the ringplug backend for {size} ranks, but this process "
@@ -509,10 +644,10 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> RingProcessGroup:
             "python ...` (or mpiexec/srun), not torchrun."
         )
     if size != world:
-        raise NotImplementedError(
-            f"The ringplug backend runs over every rank of the job ({world}), not a group of "
-            f"{size}: dist.new_group(ranks=[...]) over some ranks is not supported. Use the "
-            "default group, or create the subgroup with backend='gloo'."
+        raise ValueError(
+            f"init_process_group asked the ringplug backend for a world of {size} ranks, but "
+            f"the job has {world}. Leave world_size out of init_process_group under ringrun "
+            "(ringplug takes it from MPI), or start as many ranks as it names."
         )
     if rank != me:
         raise ValueError(
@@ -521,7 +656,7 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> RingProcessGroup:
             "(ringplug takes them from MPI), or make them agree."
         )
     use_local_gpu()
-    return RingProcessGroup(rank, size, _group_tag())
+    return RingProcessGroup(rank, size, _group_tag(), store, timeout)
 
 
 _groups = itertools.count()
@@ -552,14 +687,25 @@ def _mpi_env_rendezvous(original: Callable[..., Iterator[Any]]) -> Callable[...,
     return handler
 
 
+_torch_monitored_barrier: Callable[..., Any] = dist.monitored_barrier
+
+
 def register() -> None:
-    """Make ``init_process_group("ringplug")`` available (idempotent)."""
+    """Make ``init_process_group("ringplug")`` available, and ``monitored_barrier`` on its
+    groups (idempotent)."""
+    global _torch_monitored_barrier
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
     # The module, not torch.distributed.rendezvous (a function of the same name).
     handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
     if not getattr(handlers.get("env"), "_ringplug", False):
         handlers["env"] = _mpi_env_rendezvous(handlers["env"])
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    if c10d.monitored_barrier is not monitored_barrier:
+        # torch refuses monitored_barrier on any group not named gloo; code reaches it as
+        # torch.distributed.monitored_barrier (both names are the same function).
+        _torch_monitored_barrier = c10d.monitored_barrier
+        c10d.monitored_barrier = dist.monitored_barrier = monitored_barrier
 
 
 def init_process_group() -> bool:
@@ -569,8 +715,9 @@ def init_process_group() -> bool:
     """
     if dist.is_initialized():
         return False
+    from .process_group import job_store
+
     runtime.init()
-    dist.init_process_group(
-        BACKEND, store=dist.HashStore(), rank=runtime.rank(), world_size=runtime.size()
-    )
+    store = job_store(datetime.timedelta(seconds=runtime.settings().timeout))
+    dist.init_process_group(BACKEND, store=store, rank=runtime.rank(), world_size=runtime.size())
     return True

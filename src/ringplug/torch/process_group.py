@@ -23,21 +23,83 @@ from ..core import runtime
 from ..core.errors import RingplugError
 from ..run.netinfo import local_interfaces
 
+# How long a rank tries to reach the store rank 0 serves before it gives up on it: the
+# address travelled over MPI, so the server is listening already; only a network that does
+# not route between the hosts keeps a rank waiting this long.
+_CONNECT_SECONDS = 30.0
+
 
 def mpi_store(timeout: datetime.timedelta) -> tuple[dist.Store, int, int]:
     """A TCPStore served by rank 0 at an address every rank learns over MPI, with this
-    process's rank and the world size (what torch's rendezvous handlers yield)."""
+    process's rank and the world size (what torch's rendezvous handlers yield).
+
+    Raises `RingplugError` on every rank when rank 0 has no address the others can reach,
+    or on the rank that cannot reach it.
+    """
+    store = job_store(timeout)
+    if isinstance(store, UnreachableStore):
+        raise RingplugError(store.reason)
+    return store, runtime.rank(), runtime.size()
+
+
+def job_store(timeout: datetime.timedelta) -> dist.Store:
+    """The job's key-value store for torch.distributed: a TCPStore that rank 0 serves, its
+    address sent over MPI; every ``get``/``wait`` on it has `timeout` as its deadline.
+
+    Where it cannot be reached (rank 0 has no address the other hosts can route to, or
+    this rank cannot connect), an `UnreachableStore` that says why on every use, so that
+    a job that never needs the store still runs. Every rank must call this together.
+    """
     runtime.init()
-    address = None
+    offer: tuple[str, int] | str | None = None
     server = None
     if runtime.rank() == 0:
         one_host = runtime.local_size() == runtime.size()
-        host = "127.0.0.1" if one_host else rendezvous_address()
-        server = dist.TCPStore(host, 0, runtime.size(), True, timeout, wait_for_workers=False)
-        address = (host, server.port)
-    host, port = core.broadcast_object(address, 0, name="ringplug.store-address")
-    store = server or dist.TCPStore(host, port, runtime.size(), False, timeout)
-    return store, runtime.rank(), runtime.size()
+        try:
+            host = "127.0.0.1" if one_host else rendezvous_address()
+            server = dist.TCPStore(host, 0, runtime.size(), True, timeout, wait_for_workers=False)
+            offer = (host, server.port)
+        except (RingplugError, RuntimeError, OSError) as exc:  # told to every rank below
+            offer = f"rank 0 could not serve torch.distributed's store: {exc}"
+    offer = core.broadcast_object(offer, 0, name="ringplug.store-address")
+    if server is not None:
+        return server
+    if isinstance(offer, str):
+        return UnreachableStore(offer)
+    host, port = offer
+    connect = datetime.timedelta(seconds=min(_CONNECT_SECONDS, timeout.total_seconds()))
+    try:
+        client = dist.TCPStore(host, port, runtime.size(), False, connect)
+    except (RuntimeError, OSError) as exc:  # DistStoreError, DistNetworkError
+        return UnreachableStore(
+            f"rank {runtime.rank()} could not reach torch.distributed's store, which rank 0 "
+            f"serves at {host}:{port}, within {connect.total_seconds():g} s ({exc}). Set "
+            "GLOO_SOCKET_IFNAME to the network interface the hosts share (ringrun sets it "
+            "when it chooses the interfaces)."
+        )
+    client.set_timeout(timeout)
+    return client
+
+
+class UnreachableStore(dist.Store):
+    """The store of a job whose ranks cannot reach each other's TCPStore: every use raises
+    `RingplugError` with the reason (what `dist.new_group` over some ranks, and code that
+    reads the group's store, meet at once instead of waiting)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise RingplugError(
+            f"torch.distributed's store is not available on rank {runtime.rank()}: {self.reason}"
+        )
+
+    set = get = add = wait = compare_set = check = delete_key = num_keys = _refuse
+    multi_get = multi_set = append = _refuse
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        pass  # torch sets it on every group's store; only a use is refused
 
 
 def init_gloo_group(backend: str = "gloo") -> bool:

@@ -1,0 +1,66 @@
+"""torch.distributed groups, stores and monitored barriers under ringplug, on real ranks.
+
+Lightning calls ``dist.new_group(backend="gloo")`` around every ``prepare_data``; libraries
+meet through the group's store. Each must work on the ``ringplug`` backend, whichever way
+torch.distributed was started, or fail by a deadline naming what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import run_ringrun
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.multirank
+
+WORKER = str(Path(__file__).parent / "workers" / "torch_groups.py")
+
+
+def run(scenario: str, start: str, ranks: int, outdir: Path, **env: str) -> list[dict]:
+    result = run_ringrun(
+        "-np",
+        str(ranks),
+        sys.executable,
+        WORKER,
+        scenario,
+        start,
+        str(outdir),
+        extra_env=env,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = [json.loads((outdir / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
+    for report in reports:
+        assert [name for name, ok in report["checks"].items() if not ok] == [], report
+    return reports
+
+
+@pytest.mark.parametrize("start", ["backend", "strategy"])
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_groups_stores_and_barriers_work_on_every_rank(tmp_path, ranks, start):
+    reports = run("calls", start, ranks, tmp_path)
+    members = reports[0]["checks"]
+    assert "world-gloo/served-by-ringplug" in members
+    assert "subgroup-gloo/all_reduce" in members and "store/wait-has-a-deadline" in members
+    if ranks == 3:  # rank 1 is outside the groups [0, 2]
+        assert reports[1]["checks"]["subgroup-default/non-member"]
+        assert "subgroup-default/all_reduce" not in reports[1]["checks"]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_monitored_barrier_names_the_rank_that_did_not_arrive_and_the_job_goes_on(
+    tmp_path, ranks
+):
+    reports = run("monitored-missing", "strategy", ranks, tmp_path)
+    assert reports[0]["checks"]["monitored/raised"]  # rank 0 waited for rank 1
+    assert reports[1]["checks"]["monitored/raised"]  # rank 1 came after rank 0 gave up
+
+
+def test_a_subgroup_collective_a_member_never_joins_fails_by_the_deadline(tmp_path):
+    reports = run("subgroup-missing", "backend", 3, tmp_path, RINGPLUG_TIMEOUT="3")
+    assert reports[0]["checks"]["subgroup/raised"], reports[0]["details"]
