@@ -17,15 +17,16 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 
 from .. import core
+from ..core import activity
 from ..diagnose import arrived as batch_arrived
 from ..fabric.common import (
     RingParallel,
     configure_launcher,
     gather_over_ranks,
+    know_rank_from_launcher,
     reduce_over_ranks,
 )
 from ..torch import broadcast_parameters
@@ -122,6 +123,7 @@ class RingStrategy(RingParallel, ParallelStrategy):
         self.broadcast_buffers = broadcast_buffers
         self.uneven = check_mode(uneven)
         allow_compiled_models()  # trainer.fit(torch.compile(model)), as under DDP
+        know_rank_from_launcher()
         self._buffers_changed = False
         self._phantoms: collections.deque[bool] = collections.deque()
         self._phantom_step = False
@@ -146,7 +148,7 @@ class RingStrategy(RingParallel, ParallelStrategy):
         return True
 
     def set_world_ranks(self) -> None:
-        rank_zero_only.rank = self.global_rank
+        self._speak_as_rank()
 
     def _configure_launcher(self) -> None:
         self._launcher = configure_launcher(self, RingLauncher, "Trainer")
@@ -155,6 +157,10 @@ class RingStrategy(RingParallel, ParallelStrategy):
     def setup_environment(self) -> None:
         self._start_ring()
         super().setup_environment()
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None:
+            _report_prepare_data(trainer)
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -317,6 +323,27 @@ def allow_compiled_models() -> None:
 
     verify._ringplug = True  # type: ignore[attr-defined]
     trainer_module._verify_strategy_supports_compile = verify
+
+
+def _report_prepare_data(trainer: Any) -> None:
+    """While Lightning runs ``prepare_data`` (next, in this fit), this rank's phase says so:
+    the ranks that do not prepare the data wait for the one that does at a barrier
+    (Lightning's, a ``monitored_barrier`` of up to ``RINGPLUG_BARRIER_TIMEOUT``), and a stall
+    report then names that rank as "in prepare_data" rather than as missing."""
+    connector = trainer._data_connector
+    if getattr(connector.prepare_data, "_ringplug", False):
+        return
+    prepare = connector.prepare_data
+
+    def prepare_data() -> None:
+        activity.set_phase(activity.PREPARING_DATA)
+        try:
+            prepare()
+        finally:
+            activity.set_phase(activity.BETWEEN_STEPS)
+
+    prepare_data._ringplug = True  # type: ignore[attr-defined]
+    connector.prepare_data = prepare_data
 
 
 def _prepare_loaders_for_ring(trainer: Any, strategy: RingStrategy) -> None:
