@@ -207,3 +207,29 @@ def test_an_mpi_launchers_world_wins_over_a_world_size_left_in_the_environment(m
         refuse_torchrun_world()
     monkeypatch.setenv("PMI_SIZE", "2")  # ringrun/mpiexec started it: MPI's world is the job's
     refuse_torchrun_world()
+
+
+@pytest.mark.multirank
+def test_under_plain_mpiexec_ring_strategy_gives_lightning_the_true_rank():
+    pytest.importorskip("lightning")
+    code = (
+        "import os\n"
+        "import lightning\n"
+        "from lightning.pytorch.utilities.rank_zero import rank_zero_only\n"
+        "before = rank_zero_only.rank\n"
+        "from ringplug.lightning import RingStrategy\n"
+        "RingStrategy()\n"
+        "env = os.environ\n"
+        "print('facts', before, rank_zero_only.rank, env['RANK'], env['WORLD_SIZE'])\n"
+    )
+    result = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    facts = sorted(line.split()[1:] for line in result.stdout.splitlines() if "facts" in line)
+    # Lightning read 0 on both at its import (mpiexec sets no RANK); the strategy corrects it.
+    assert facts == [["0", "0", "0", "2"], ["0", "1", "1", "2"]]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ringplug.run.processes import rank_from_environment
+from ringplug.run.processes import framework_rank_variables, rank_from_environment
 from ringplug.run.status import RankStarted, RankStatus, event_line, parse_event
 from ringplug.run.wrapper import rank_directory_name
 
@@ -189,3 +189,45 @@ def test_the_rank_that_ended_first_is_named_even_when_a_consequence_is_reported_
     # A report long after the first is a consequence, whatever its host's clock says.
     assert root_cause([crashed, late], [10.0, 15.0]) is crashed
     assert root_cause([], []) is None
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        (
+            {"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1"},
+            {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1"},
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "5",
+                "OMPI_COMM_WORLD_SIZE": "8",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            },
+            {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"},
+        ),
+        (
+            {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"},
+            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0"},
+        ),
+        ({"PMI_RANK": "2", "PMI_SIZE": "4"}, {"RANK": "2", "WORLD_SIZE": "4"}),  # no local rank
+        ({"PMI_RANK": "2"}, {}),  # no size: not a job ringplug can describe
+        ({}, {}),
+    ],
+)
+def test_rank_variables_for_frameworks_come_from_the_launchers_own(environ, expected):
+    variables = framework_rank_variables(environ)
+    assert variables == expected
+    # With GROUP_RANK and LOCAL_WORLD_SIZE too, Lightning would take it for a torchrun job.
+    assert not {"GROUP_RANK", "LOCAL_WORLD_SIZE"} & set(variables)
+
+
+def test_the_program_sees_its_rank_variables_from_its_first_line():
+    code = (
+        "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'])"
+    )
+    result = run_wrapper(
+        sys.executable, "-c", code, env={"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "2", "1"]

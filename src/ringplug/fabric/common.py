@@ -10,14 +10,18 @@ both strategies, and both of their mirrors, can import it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from .. import core
 from ..core.ops import ReduceOp
 from ..core.runtime import launcher_world_size, refuse_torchrun_world, threads_per_rank
+from ..run import rerun
+from ..run.processes import framework_rank_variables
 from ..torch import allgather, allreduce
 from ..torch import backend as torch_backend
 from .devices import launched_devices
@@ -108,12 +112,20 @@ class RingParallel:
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    def _speak_as_rank(self) -> None:
+        """Lightning's ``rank_zero_only`` lets this rank through if it is rank 0 (not while
+        the ranks of a self-launch replay what their launching process printed already:
+        `ringplug.run.rerun`)."""
+        if not rerun.replaying():
+            rank_zero_only.rank = self.global_rank
+
     # ------------------------------------------------------------------ start and end
     def _start_ring(self) -> None:
         """ringplug on this rank: the engine, the GPU, the threads, the timeline, and the
         ``ringplug`` process group through which torchmetrics, SyncBatchNorm, Lightning's
         own torch.distributed calls and user code reach the engine."""
         core.init()
+        rerun.end_replay(self.global_rank)
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)  # NCCL and the caching allocator follow it
         _split_threads()
@@ -144,6 +156,21 @@ class RingParallel:
             description="Data-parallel training over ringplug's ring",
             override=True,
         )
+
+
+def know_rank_from_launcher() -> None:
+    """Under an MPI launcher that left ``RANK`` unset (a bare ``mpiexec``; ringrun's wrapper
+    sets it before the program starts), set ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` from
+    the launcher's own variables, and Lightning's ``rank_zero_only`` with them: from the
+    strategy's construction on, rank-zero logging and code see the true rank (Lightning read
+    0 at its import). Reads the environment only: MPI is not started."""
+    variables = framework_rank_variables(os.environ)
+    if not variables or "RANK" in os.environ:
+        return
+    for name, value in variables.items():
+        os.environ.setdefault(name, value)
+    if not rerun.replaying():
+        rank_zero_only.rank = int(variables["RANK"])
 
 
 def _split_threads() -> None:

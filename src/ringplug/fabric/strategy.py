@@ -14,13 +14,18 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from ..torch import broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
-from .common import RingParallel, configure_launcher, gather_over_ranks, reduce_over_ranks
+from .common import (
+    RingParallel,
+    configure_launcher,
+    gather_over_ranks,
+    know_rank_from_launcher,
+    reduce_over_ranks,
+)
 from .environment import RingEnvironment
 from .launcher import RingLauncher
 
@@ -88,9 +93,10 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         self._optimizers: list[Optimizer] = []  # distributed by setup_optimizer
         self._names: dict[int, str] = {}  # parameter id -> name, from the modules set up
         self._owns_process_group = False
+        know_rank_from_launcher()
 
     def _set_world_ranks(self) -> None:
-        rank_zero_only.rank = self.global_rank  # fabric.print and rank_zero_* on rank 0 only
+        self._speak_as_rank()  # fabric.print and rank_zero_* on rank 0 only
 
     def _configure_launcher(self) -> None:
         self._launcher = configure_launcher(self, RingLauncher, "Fabric")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import BinaryIO
 
+from ringplug.run.hints import hint_for
 from ringplug.run.mpi import LaunchPlan
 from ringplug.run.processes import parent_death_signal, pump_lines, write_all
 from ringplug.run.ssh import HostProblem, LaunchDiagnosis
@@ -115,6 +116,7 @@ class JobResult:
         root: the rank that most likely caused the failure, and the evidence.
         unreported: ranks that started but never reported how they ended (killed together
             with their wrapper).
+        hints: what to do about errors the ranks printed (`ringplug.run.hints`).
     """
 
     exit_code: int
@@ -130,6 +132,7 @@ class JobResult:
     finished: list[RankStatus] = field(default_factory=list)
     root: RootCause | None = None
     unreported: list[int] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,7 @@ class _Relay(threading.Thread):
         on_event: Callable[[Event], None],
         on_line: Callable[[str], None] | None = None,
         terminal: TerminalSink | None = None,
+        on_output: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.source = source
@@ -257,6 +261,7 @@ class _Relay(threading.Thread):
         self.on_event = on_event
         self.on_line = on_line
         self.terminal = terminal
+        self.on_output = on_output  # every line or terminal chunk a rank wrote
 
     def run(self) -> None:
         pump_lines(self.source, self._line)
@@ -267,12 +272,16 @@ class _Relay(threading.Thread):
             event = parse_event(text, self.token)
             if isinstance(event, RankOutput):
                 self._write_raw(event.data)
+                if self.on_output is not None:
+                    self.on_output(event.data.decode(errors="replace"))
                 return
             if event is not None:
                 self.on_event(event)
                 return
         if self.on_line is not None:
             self.on_line(text)
+        if self.on_output is not None:
+            self.on_output(text)
         if self.terminal is not None:
             self.terminal.line(line)
         else:
@@ -329,6 +338,7 @@ class _JobWatcher:
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.terminal: TerminalSpec | None = None
         self.diagnosis = LaunchDiagnosis()
+        self.hints: list[str] = []  # what to do about errors the ranks printed (`hints`)
         self.diagnosis_lock = threading.Lock()
         self.failures: list[RankStatus] = []
         self.failure_arrivals: list[float] = []  # monotonic time each report arrived
@@ -368,16 +378,11 @@ class _JobWatcher:
             fds = {"stdout": _fileno(sys.stdout, 1), "stderr": _fileno(sys.stderr, 2)}
             sinks = terminal_sinks(fds, self.terminal) if self.terminal is not None else {}
             relays = [
-                _Relay(self.process.stdout, fds["stdout"], token, put, None, sinks.get("stdout")),
-                _Relay(
-                    self.process.stderr,
-                    fds["stderr"],
-                    token,
-                    put,
-                    self._diagnose,
-                    sinks.get("stderr"),
-                ),
-            ]
+                _Relay(self.process.stdout, fds["stdout"], token, put, None,
+                       sinks.get("stdout"), self._hint),
+                _Relay(self.process.stderr, fds["stderr"], token, put, self._diagnose,
+                       sinks.get("stderr"), self._hint),
+            ]  # fmt: skip
             for relay in relays:
                 relay.start()
             if self.start_watch is not None and self.start_watch.ranks:
@@ -399,6 +404,11 @@ class _JobWatcher:
     def _diagnose(self, line: str) -> None:
         with self.diagnosis_lock:
             self.diagnosis.feed(line)
+
+    def _hint(self, text: str) -> None:
+        hint = hint_for(text)
+        if hint is not None and hint not in self.hints:
+            self.hints.append(hint)  # one list.append: safe from both relays' threads
 
     def _take_events(self) -> None:
         """Move the events that arrived into the failure list and the start reports."""
@@ -530,4 +540,5 @@ class _JobWatcher:
             finished=list(self.finished),
             root=root,
             unreported=unreported,
+            hints=list(self.hints),
         )

@@ -19,6 +19,7 @@ from typing import BinaryIO
 # Checked in this order: MPICH/hydra (and Intel MPI), Open MPI, any PMIx launcher, Slurm.
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 _PR_SET_PDEATHSIG = 1
 # How long a line without its newline is held back before it is shown anyway.
@@ -32,6 +33,25 @@ def rank_from_environment(environ: Mapping[str, str]) -> int | None:
         if value.isdigit():
             return int(value)
     return None
+
+
+def framework_rank_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` from what the MPI launcher announced
+    (empty when it announced no rank): the names torch, Lightning's ``rank_zero_only``,
+    torchmetrics and logging libraries read for the rank, from their first import on.
+
+    ``GROUP_RANK`` and ``LOCAL_WORLD_SIZE`` stay unset: with them, Lightning would take the
+    job for one that torchrun started (its ``TorchElasticEnvironment``).
+    """
+    rank, size = rank_from_environment(environ), size_from_environment(environ)
+    if rank is None or size is None:
+        return {}
+    variables = {"RANK": str(rank), "WORLD_SIZE": str(size)}
+    for name in LOCAL_RANK_VARIABLES:
+        if environ.get(name, "").isdigit():
+            variables["LOCAL_RANK"] = environ[name]
+            break
+    return variables
 
 
 def size_from_environment(environ: Mapping[str, str]) -> int | None:

@@ -27,6 +27,7 @@ from typing import BinaryIO
 
 from ringplug.run.processes import (
     die_with_parent,
+    framework_rank_variables,
     parent_death_signal,
     pump_lines,
     rank_from_environment,
@@ -164,11 +165,13 @@ class RankWrapper:
         }
         # Per stream: the pseudo-terminal's (controller, program end), or None for a pipe.
         ttys: dict[str, tuple[int, int]] = {}
-        env: Mapping[str, str] | None = None
+        # The program knows its rank from its first line, as under torchrun (see
+        # `framework_rank_variables`).
+        env = {**self.environ, **framework_rank_variables(self.environ)}
         if self._terminal is not None:
             ttys = {name: open_pseudo_terminal(self._terminal) for name in self._terminal.streams}
             if self._terminal.term and "TERM" not in self.environ:
-                env = {**self.environ, "TERM": self._terminal.term}
+                env["TERM"] = self._terminal.term
         try:
             try:
                 self.child = subprocess.Popen(

@@ -1,0 +1,116 @@
+"""The self-launch's ranks: how they run the script (`ringplug.run.rerun`) and the command
+line the launching process gives them (`ringplug.fabric.launcher`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ringplug.run.hints import RING_NOT_REGISTERED, hint_for
+
+SCRIPT = """\
+import json, os, sys
+from lightning_utilities.core.rank_zero import rank_zero_only
+from ringplug.run import rerun
+before = rank_zero_only.rank
+rerun.end_replay(1)
+print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0],
+                  "file": __file__, "before": before, "after": rank_zero_only.rank,
+                  "replaying": rerun.replaying()}))
+"""
+
+
+def rerun(*args: str, cwd: Path) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "ringplug.run.rerun", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_a_script_runs_as_python_would_run_it_replaying_quietly_until_the_ring_starts(tmp_path):
+    pytest.importorskip("lightning_utilities")
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "train.py").write_text(SCRIPT)
+    seen = rerun("app/train.py", "trainer=ring", "--flag", cwd=tmp_path)
+    assert seen["name"] == "__main__"
+    assert seen["argv"] == ["app/train.py", "trainer=ring", "--flag"]
+    assert seen["path0"] == str(tmp_path / "app")  # the script's folder, as `python SCRIPT`
+    assert seen["file"] == "app/train.py"
+    assert seen["before"] == -1  # no rank is rank zero while replaying
+    assert (seen["after"], seen["replaying"]) == (1, False)
+
+
+def test_a_module_runs_as_python_dash_m_would_run_it(tmp_path):
+    pytest.importorskip("lightning_utilities")
+    (tmp_path / "trainpkg").mkdir()
+    (tmp_path / "trainpkg" / "__init__.py").write_text("")
+    (tmp_path / "trainpkg" / "main.py").write_text(SCRIPT)
+    seen = rerun("-m", "trainpkg.main", "x=1", cwd=tmp_path)
+    assert seen["name"] == "__main__"
+    assert seen["argv"] == [str(tmp_path / "trainpkg" / "main.py"), "x=1"]
+    assert seen["path0"] == str(tmp_path)
+
+
+def launcher_split(orig_argv: list[str], argv: list[str]) -> object:
+    code = (
+        "import sys, json\n"
+        f"sys.orig_argv, sys.argv = {orig_argv!r}, {argv!r}\n"
+        "from ringplug.fabric.launcher import split_command\n"
+        "print(json.dumps(split_command()))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize(
+    ("orig_argv", "argv", "expected"),
+    [
+        (["py", "train.py", "a=1"], ["train.py", "a=1"], [["py"], ["train.py", "a=1"]]),
+        (["py", "-u", "-X", "dev", "t.py"], ["t.py"], [["py", "-u", "-X", "dev"], ["t.py"]]),
+        (
+            ["py", "-m", "pkg.train", "a"],
+            ["/abs/pkg/train.py", "a"],
+            [["py"], ["-m", "pkg.train", "a"]],
+        ),
+        (["py", "-c", "code", "a"], ["-c", "a"], [["py"], ["-c", "code", "a"]]),
+        (["py", "-um", "pkg.train"], ["/abs/pkg/train.py"], None),  # joined options: as it is
+    ],
+)
+def test_the_ranks_command_line_keeps_the_interpreters_options_and_the_program(
+    orig_argv, argv, expected
+):
+    pytest.importorskip("lightning")
+    assert launcher_split(orig_argv, argv) == expected
+
+
+def test_hydra_arguments_keep_config_options_and_drop_multirun():
+    pytest.importorskip("lightning")
+    from ringplug.fabric.launcher import _hydra_arguments
+
+    arguments = ["-cn", "train", "--config-dir=extra", "trainer=ring", "-m", "seed=1"]
+    assert _hydra_arguments(arguments) == (
+        ["-cn", "train", "--config-dir=extra"],
+        ["trainer=ring", "seed=1"],
+    )
+
+
+def test_only_lightnings_unknown_ring_strategy_gets_the_hint():
+    line = "ValueError: You selected an invalid strategy name: `strategy='ring'`. It must be ..."
+    assert hint_for(line) == RING_NOT_REGISTERED
+    assert (
+        hint_for("ValueError: You selected an invalid strategy name: `strategy='rings'`.") is None
+    )
+    assert hint_for("strategy='ring' trained for 3 epochs") is None
