@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ringplug.run.hints import RING_NOT_REGISTERED, hint_for
+from ringplug.run.hints import CLASS_PATH_AS_NAME, RING_NOT_REGISTERED, hint_for
 
 SCRIPT = """\
 import json, os, sys
@@ -114,3 +114,6 @@ def test_only_lightnings_unknown_ring_strategy_gets_the_hint():
         hint_for("ValueError: You selected an invalid strategy name: `strategy='rings'`.") is None
     )
     assert hint_for("strategy='ring' trained for 3 epochs") is None
+    # LightningCLI's --trainer.strategy=ringplug.lightning.RingStrategy, lowercased by Lightning
+    named = "invalid strategy name: `strategy='ringplug.lightning.ringstrategy'`. It must be"
+    assert hint_for(named) == CLASS_PATH_AS_NAME

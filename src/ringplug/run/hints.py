@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 _RING_NOT_REGISTERED = re.compile(r"invalid strategy name: `strategy='ring'`")
+_CLASS_PATH_AS_NAME = re.compile(r"invalid strategy name: `strategy='ringplug\.[\w.]*'`")
 
 RING_NOT_REGISTERED = (
     "Lightning did not know strategy='ring': nothing imported ringplug before the Trainer "
@@ -21,8 +22,20 @@ RING_NOT_REGISTERED = (
 )
 
 
+CLASS_PATH_AS_NAME = (
+    "Lightning took ringplug's class path for a strategy name (LightningCLI reads "
+    "`--trainer.strategy=ringplug.lightning.RingStrategy` as a string). Give it as a class: "
+    "`--trainer.strategy.class_path=ringplug.lightning.RingStrategy`, or in the YAML config "
+    "`strategy: {class_path: ringplug.lightning.RingStrategy}`."
+)
+
+
 def hint_for(line: str) -> str | None:
     """The hint for an output `line`, or None."""
-    if "strategy" in line and _RING_NOT_REGISTERED.search(line):
+    if "invalid strategy name" not in line:
+        return None
+    if _RING_NOT_REGISTERED.search(line):
         return RING_NOT_REGISTERED
+    if _CLASS_PATH_AS_NAME.search(line):
+        return CLASS_PATH_AS_NAME
     return None
