@@ -216,11 +216,13 @@ def test_under_plain_mpiexec_ring_strategy_gives_lightning_the_true_rank():
         "import os\n"
         "import lightning\n"
         "from lightning.pytorch.utilities.rank_zero import rank_zero_only\n"
-        "before = rank_zero_only.rank\n"
+        "from torchmetrics.utilities.prints import rank_zero_only as metrics_rank\n"
+        "before = rank_zero_only.rank, metrics_rank.rank\n"
         "from ringplug.lightning import RingStrategy\n"
         "RingStrategy()\n"
         "env = os.environ\n"
-        "print('facts', before, rank_zero_only.rank, env['RANK'], env['WORLD_SIZE'])\n"
+        "print('facts', *before, rank_zero_only.rank, metrics_rank.rank, env['RANK'],\n"
+        "      env['WORLD_SIZE'], env['LOCAL_RANK'])\n"
     )
     result = subprocess.run(
         [MPIEXEC, "-n", "2", sys.executable, "-c", code],
@@ -231,5 +233,6 @@ def test_under_plain_mpiexec_ring_strategy_gives_lightning_the_true_rank():
     )
     assert result.returncode == 0, result.stderr
     facts = sorted(line.split()[1:] for line in result.stdout.splitlines() if "facts" in line)
-    # Lightning read 0 on both at its import (mpiexec sets no RANK); the strategy corrects it.
-    assert facts == [["0", "0", "0", "2"], ["0", "1", "1", "2"]]
+    # Lightning and torchmetrics read 0 on both at import (mpiexec sets no RANK, LOCAL_RANK);
+    # the strategy corrects them.
+    assert facts == [["0", "0", "0", "0", "0", "2", "0"], ["0", "0", "1", "1", "1", "2", "1"]]

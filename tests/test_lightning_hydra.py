@@ -57,19 +57,24 @@ def check_one_run(cwd: Path, output: str, ranks: int = 2) -> list[dict]:
     return reports
 
 
-def test_the_app_started_with_python_runs_its_ranks_in_its_own_run_folder(tmp_path):
-    # The default run folder is outputs/<time to the second>: the ranks start a second or
-    # more after this process, and would make folders of their own.
+def run_app(cwd: Path, *arguments: str) -> tuple[int, str]:
+    """``python train.py ARGUMENTS`` in `cwd`: its exit code and output."""
     result = subprocess.run(
-        [sys.executable, APP],
-        cwd=tmp_path,
+        [sys.executable, APP, *arguments],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_the_app_started_with_python_runs_its_ranks_in_its_own_run_folder(tmp_path):
+    # The default run folder is outputs/<time to the second>: the ranks start a second or
+    # more after this process, and would make folders of their own.
+    returncode, output = run_app(tmp_path)
+    assert returncode == 0, output
     reports = check_one_run(tmp_path, output)
     # The ranks replayed quietly what this process printed for rank 0 before fit.
     assert [r["rank_zero_only_at_import"] for r in reports] == [-1, -1]
@@ -87,16 +92,8 @@ def test_the_app_under_ringrun_knows_each_rank_from_its_first_line(tmp_path):
 
 
 def test_a_multirun_sweep_that_would_start_its_own_ranks_is_refused_with_what_to_do(tmp_path):
-    result = subprocess.run(
-        [sys.executable, APP, "--multirun", "model.lr=0.1,0.2"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
+    returncode, output = run_app(tmp_path, "--multirun", "model.lr=0.1,0.2")
+    assert returncode != 0
     assert "A Hydra --multirun sweep cannot start its own ranks" in output, output
     assert "ringrun -np N python train.py --multirun" in output
 

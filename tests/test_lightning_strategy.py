@@ -232,16 +232,26 @@ def test_lightning_cli_yaml_selects_ring_strategy_with_its_arguments(tmp_path, p
         assert report["ranks_identical"]
 
 
-def test_lightning_cli_print_config_shows_every_ring_strategy_argument():
+def printed_strategy(*arguments: str) -> dict:
+    """The strategy's part of ``lightning_cli.py fit ARGUMENTS --print_config``."""
     pytest.importorskip("jsonargparse")
-    result = subprocess.run(
-        [sys.executable, CLI, "fit", "--trainer.strategy=ringplug.lightning.RingStrategy",
-         "--trainer.strategy.timeline=/tmp/trace.json", "--print_config"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
     yaml = pytest.importorskip("yaml")
-    strategy = yaml.safe_load(result.stdout)["trainer"]["strategy"]
+    result = subprocess.run([sys.executable, CLI, "fit", *arguments, "--print_config"],
+                            capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)["trainer"]["strategy"]
+
+
+def test_lightning_cli_takes_ring_strategy_by_class_path_on_the_command_line():
+    # `--trainer.strategy=ringplug.lightning.RingStrategy` alone is a strategy *name* to
+    # LightningCLI (the Trainer takes str or Strategy); the README gives this form.
+    strategy = printed_strategy("--trainer.strategy.class_path=ringplug.lightning.RingStrategy")
+    assert strategy["class_path"] == "ringplug.lightning.RingStrategy"
+
+
+def test_lightning_cli_print_config_shows_every_ring_strategy_argument():
+    strategy = printed_strategy("--trainer.strategy=ringplug.lightning.RingStrategy",
+                                "--trainer.strategy.timeline=/tmp/trace.json")  # fmt: skip
     assert strategy["class_path"] == "ringplug.lightning.RingStrategy"
     assert strategy["init_args"]["timeline"] == "/tmp/trace.json"
     assert {"compression", "gradient_predivide_factor", "bucket_bytes", "timeline",

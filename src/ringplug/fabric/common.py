@@ -11,6 +11,7 @@ both strategies, and both of their mirrors, can import it.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -171,6 +172,10 @@ def know_rank_from_launcher() -> None:
         os.environ.setdefault(name, value)
     if not rerun.replaying():
         rank_zero_only.rank = int(variables["RANK"])
+        # torchmetrics keeps a rank_zero_only of its own, read from LOCAL_RANK at its import.
+        prints = sys.modules.get("torchmetrics.utilities.prints")
+        if prints is not None and "LOCAL_RANK" in variables:
+            prints.rank_zero_only.rank = int(variables["LOCAL_RANK"])
 
 
 def _split_threads() -> None:

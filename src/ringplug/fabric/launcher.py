@@ -99,9 +99,9 @@ def hydra_run(program: list[str]) -> tuple[list[str], str] | None:
     if not HydraConfig.initialized():
         return None
     config = HydraConfig.get()
-    arguments = sys.argv[1:]
     # The script as the folder it was started from names it (the ranks start there).
     target = program[:2] if program[0] in ("-m", "-c") else [program[0]]
+    arguments = program[len(target) :]
     if config.mode == RunMode.MULTIRUN:
         # The sweep's jobs run one after another in this process, which ends with the ranks.
         raise NotImplementedError(

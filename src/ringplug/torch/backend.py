@@ -28,7 +28,8 @@ every rank, and wait at most ``RINGPLUG_TIMEOUT``.
 
 What the core cannot do raises on the calling rank with the call's name: point-to-point
 ``send``/``recv``, the bitwise ops ``BAND``/``BOR``/``BXOR`` and ``PREMUL_SUM``. torch's
-per-call ``timeout`` is not used: ``RINGPLUG_TIMEOUT`` bounds every wait.
+per-call ``timeout`` is not used (but ``monitored_barrier``'s): ``RINGPLUG_TIMEOUT`` bounds
+every wait.
 """
 
 from __future__ import annotations
@@ -526,8 +527,8 @@ class RingProcessGroup(dist.ProcessGroup):
         elif self.rank() not in members:
             return None
         else:
-            group = gloo_group(self._subgroup_store(name), members.index(self.rank()),
-                               len(members), timeout)  # fmt: skip
+            store = self._subgroup_store(name)
+            group = gloo_group(store, members.index(self.rank()), len(members), timeout)
         group._set_group_name(name)
         group._set_group_desc(group_desc or "undefined")
         return group
@@ -543,7 +544,6 @@ class RingProcessGroup(dist.ProcessGroup):
         return dist.PrefixStore(f"ringplug.subgroup/{name}/", self._store)
 
     # ------------------------------------------------------------------ the rest
-
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> RingWork:
         return self._refuse("send", _NO_P2P)
 

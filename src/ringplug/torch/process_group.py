@@ -1,8 +1,10 @@
 """torch.distributed's rendezvous over ringplug's MPI world: a store, and gloo/NCCL groups.
 
-``ringplug.torch.backend`` uses the store for ``init_process_group("ringplug")`` under an MPI
-launcher (no MASTER_ADDR/MASTER_PORT needed); ``ringplug-bench`` starts gloo and NCCL groups
-with it to compare against. The store's address travels over MPI.
+``ringplug.torch.backend`` uses the store for the ``ringplug`` group (``init_process_group
+("ringplug")`` under an MPI launcher, with no MASTER_ADDR/MASTER_PORT, and RingStrategy's
+start), where gloo groups over some of the ranks meet and libraries keep their keys;
+``ringplug-bench`` starts gloo and NCCL groups with it to compare against. The store's address
+travels over MPI.
 
 Across hosts, rank 0's address comes from ``GLOO_SOCKET_IFNAME`` (torch's own variable for
 gloo's interfaces, which ``ringrun`` sets per host to the interfaces it found routing between
