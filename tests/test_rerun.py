@@ -1,5 +1,5 @@
-"""The self-launch's ranks: how they run the script (`ringplug.run.rerun`) and the command
-line the launching process gives them (`ringplug.fabric.launcher`)."""
+"""The self-launch's ranks: how they run the script and the command line the launching
+process gives them (`ringplug.run.rerun`); ringrun's hints."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ringplug.run.hints import CLASS_PATH_AS_NAME, RING_NOT_REGISTERED, hint_for
+from ringplug.run.rerun import _hydra_arguments, rank_command, split_command
 
 SCRIPT = """\
 import json, os, sys
@@ -61,45 +62,34 @@ def test_a_module_runs_as_python_dash_m_would_run_it(tmp_path):
     assert seen["path0"] == str(tmp_path)
 
 
-def launcher_split(orig_argv: list[str], argv: list[str]) -> object:
-    code = (
-        "import sys, json\n"
-        f"sys.orig_argv, sys.argv = {orig_argv!r}, {argv!r}\n"
-        "from ringplug.fabric.launcher import split_command\n"
-        "print(json.dumps(split_command()))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
-
-
 @pytest.mark.parametrize(
     ("orig_argv", "argv", "expected"),
     [
-        (["py", "train.py", "a=1"], ["train.py", "a=1"], [["py"], ["train.py", "a=1"]]),
-        (["py", "-u", "-X", "dev", "t.py"], ["t.py"], [["py", "-u", "-X", "dev"], ["t.py"]]),
+        (["py", "train.py", "a=1"], ["train.py", "a=1"], (["py"], ["train.py", "a=1"])),
+        (["py", "-u", "-X", "dev", "t.py"], ["t.py"], (["py", "-u", "-X", "dev"], ["t.py"])),
         (
             ["py", "-m", "pkg.train", "a"],
             ["/abs/pkg/train.py", "a"],
-            [["py"], ["-m", "pkg.train", "a"]],
+            (["py"], ["-m", "pkg.train", "a"]),
         ),
-        (["py", "-c", "code", "a"], ["-c", "a"], [["py"], ["-c", "code", "a"]]),
+        (["py", "-c", "code", "a"], ["-c", "a"], (["py"], ["-c", "code", "a"])),
         (["py", "-um", "pkg.train"], ["/abs/pkg/train.py"], None),  # joined options: as it is
     ],
 )
 def test_the_ranks_command_line_keeps_the_interpreters_options_and_the_program(
-    orig_argv, argv, expected
+    monkeypatch, orig_argv, argv, expected
 ):
-    pytest.importorskip("lightning")
-    assert launcher_split(orig_argv, argv) == expected
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    monkeypatch.setattr(sys, "argv", argv)
+    assert split_command() == expected
+    command, cwd = rank_command()  # not a Hydra app: the ranks start where this one did
+    if expected is None:
+        assert (command, cwd) == (orig_argv, None)
+    else:
+        assert (command, cwd) == ([*expected[0], "-m", "ringplug.run.rerun", *expected[1]], None)
 
 
 def test_hydra_arguments_keep_config_options_and_drop_multirun():
-    pytest.importorskip("lightning")
-    from ringplug.fabric.launcher import _hydra_arguments
-
     arguments = ["-cn", "train", "--config-dir=extra", "trainer=ring", "-m", "seed=1"]
     assert _hydra_arguments(arguments) == (
         ["-cn", "train", "--config-dir=extra"],

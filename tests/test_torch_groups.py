@@ -8,6 +8,7 @@ torch.distributed was started, or fail by a deadline naming what is missing.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,3 +65,31 @@ def test_a_monitored_barrier_names_the_rank_that_did_not_arrive_and_the_job_goes
 def test_a_subgroup_collective_a_member_never_joins_fails_by_the_deadline(tmp_path):
     reports = run("subgroup-missing", "backend", 3, tmp_path, RINGPLUG_TIMEOUT="3")
     assert reports[0]["checks"]["subgroup/raised"], reports[0]["details"]
+
+
+def test_a_store_the_ranks_cannot_reach_says_why_when_used_and_nothing_else_breaks():
+    # rank 0 with no address the other hosts route to (or a rank that cannot connect): the
+    # job still trains, and only a use of the store fails, at once and saying why.
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "import ringplug.torch\n"
+        "from ringplug.torch.process_group import UnreachableStore\n"
+        "store = UnreachableStore('rank 0 has no address the other hosts can reach')\n"
+        "dist.init_process_group('ringplug', store=store, rank=0, world_size=1)\n"
+        "tensor = torch.ones(2)\n"
+        "dist.all_reduce(tensor)\n"
+        "print('all_reduce', tensor.tolist())\n"
+        "try:\n"
+        "    dist.distributed_c10d._get_default_store().wait(['key'])\n"
+        "except RuntimeError as exc:\n"
+        "    print('refused', type(exc).__name__, exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "all_reduce [1.0, 1.0]" in result.stdout
+    assert (
+        "refused RingplugError torch.distributed's store is not available on rank 0: rank 0 "
+        "has no address the other hosts can reach"
+    ) in result.stdout

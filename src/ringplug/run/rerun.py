@@ -13,7 +13,7 @@ wrapper sets them), and the script runs as ``__main__`` with ``sys.argv`` and ``
 as Python sets them.
 
 Standard library only until the script runs (and ``lightning_utilities``, which Lightning
-brings, when it is installed).
+brings, when it is installed; Hydra's config, in the launching process of a Hydra app).
 """
 
 from __future__ import annotations
@@ -50,6 +50,103 @@ def _set_rank_zero_only(rank: int) -> None:
         return
     # Lightning reads it at its first import only if it is not set (getattr with a default).
     rank_zero_only.rank = rank
+
+
+def rank_command() -> tuple[list[str], str | None]:
+    """What the ranks of this process's self-launch run, and the folder they start in (None:
+    this one): the interpreter and its options, then ``-m ringplug.run.rerun`` and the
+    program with its arguments, as `split_command` finds them. A command line it cannot
+    split runs as it is.
+
+    A Hydra app (``@hydra.main``, as lightning-hydra-template) gets what Lightning's own
+    launcher gives its ranks: this run's output folder as theirs (``hydra.run.dir``, so logs
+    and checkpoints land in one place), no second copy of its ``.hydra`` config
+    (``hydra.output_subdir=null``), and the folder it was started from as their working
+    directory. A ``--multirun`` sweep is refused: it runs under ringrun instead.
+    """
+    split = split_command()
+    if split is None:
+        return list(getattr(sys, "orig_argv", [sys.executable, *sys.argv])), None
+    interpreter, program = split
+    cwd = None
+    hydra = hydra_run(program)
+    if hydra is not None:
+        program, cwd = hydra
+    return [*interpreter, "-m", "ringplug.run.rerun", *program], cwd
+
+
+def split_command() -> tuple[list[str], list[str]] | None:
+    """This process's command line as (the interpreter and its options, the program: the
+    script, ``-m module`` or ``-c code``, with its arguments); None when an option joined
+    to ``-m`` or ``-c`` (``python -um module``) hides where the program starts."""
+    original = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    start = len(original) - len(sys.argv)  # the script's (or module's, or code's) place
+    if start < 1:
+        return None
+    if original[start - 1] in ("-m", "-c"):
+        start -= 1
+    elif original[start - 1].startswith("-") and not original[start - 1].startswith("--"):
+        return None
+    return original[:start], original[start:]
+
+
+def hydra_run(program: list[str]) -> tuple[list[str], str] | None:
+    """The ranks' `program` and working folder for this Hydra run (its output folder as
+    theirs), or None when this process is not inside ``@hydra.main``."""
+    if "hydra" not in sys.modules:
+        return None
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    config = HydraConfig.get()
+    # The script as the folder it was started from names it (the ranks start there).
+    target = program[:2] if program[0] in ("-m", "-c") else [program[0]]
+    arguments = program[len(target) :]
+    if config.mode == RunMode.MULTIRUN:
+        # The sweep's jobs run one after another in this process, which ends with the ranks.
+        raise NotImplementedError(
+            "A Hydra --multirun sweep cannot start its own ranks (strategy='ring' with "
+            "devices=N): this process would end with the first job's ranks. "
+            "Start the sweep under ringrun instead, each rank running every job: `ringrun -np "
+            "N python train.py --multirun ...` with devices left at its default."
+        )
+    options, overrides = _hydra_arguments(arguments)
+    overrides = [o for o in overrides if not o.lstrip("+").startswith(_HYDRA_REPLACED)]
+    folder = _hydra_quoted(str(config.runtime.output_dir))
+    ranks = [*target, *options, *overrides, f"hydra.run.dir={folder}", "hydra.output_subdir=null"]
+    return ranks, str(config.runtime.cwd)
+
+
+# Hydra's own command-line options that take a value, which the ranks keep; `--multirun`
+# they drop, and the settings the ranks get from this run (`hydra_run`) replace the ones given.
+_HYDRA_VALUE_OPTIONS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+_HYDRA_DROPPED = ("-m", "--multirun")
+_HYDRA_REPLACED = ("hydra.run.dir=", "hydra.output_subdir=")
+
+
+def _hydra_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
+    """A Hydra app's `arguments` as (the options the ranks keep: config path, name and
+    folder, with their values; the overrides), without ``--multirun``."""
+    options: list[str] = []
+    overrides: list[str] = []
+    taking = False
+    for argument in arguments:
+        if taking or argument.startswith(tuple(f"{o}=" for o in _HYDRA_VALUE_OPTIONS)):
+            options.append(argument)
+            taking = False
+        elif argument in _HYDRA_VALUE_OPTIONS:
+            options.append(argument)
+            taking = True
+        elif argument not in _HYDRA_DROPPED:
+            overrides.append(argument)
+    return options, overrides
+
+
+def _hydra_quoted(path: str) -> str:
+    """`path` as a Hydra override value: quoted, so that ``=``, ``,`` or spaces in it stay."""
+    return '"' + path.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def main(argv: Sequence[str] | None = None) -> None:
