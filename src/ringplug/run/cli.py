@@ -398,11 +398,11 @@ def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
         )
     elif result.exit_code != 0:
         _say(f"the launcher exited with code {result.launcher_returncode}")
+        for line in _never_started_lines(result, spec):
+            _say(line)
     if result.exit_code != 0:
         for hint in result.hints:
             _say(f"hint: {hint}")
-        for line in _never_started_lines(result, spec):
-            _say(line)
     return result.exit_code
 
 
