@@ -3,7 +3,7 @@
 ``python fake_gpu.py SCENARIO``:
 - ``no-gpu``: every rank submits a GPU allreduce with no GPU visible; each prints its error.
 - ``uid``: every rank submits a GPU broadcast, which makes the communicator; each prints
-  the unique id it joined with (the fake refuses the broadcast itself over 2 ranks).
+  the unique id it joined with and what it received.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from ringplug.core.dtypes import DType
 def main(scenario: str) -> None:
     ringplug.init()
     values = np.ones(4, np.float32)
-    buffers = [DeviceBuffer(values.ctypes.data, 4, DType.FLOAT32, 0, values)]
+    # One fake GPU per local rank where there are several (as ringplug picks them).
+    device = ringplug.local_rank() if int(os.environ.get("FAKE_CUDA_DEVICES", "1")) > 1 else 0
+    buffers = [DeviceBuffer(values.ctypes.data, 4, DType.FLOAT32, device, values)]
     if scenario == "no-gpu":
         try:
             dc.allreduce_async(buffers, buffers, [(4,)], "sum", name="grad").wait(timeout=60)
@@ -33,11 +35,8 @@ def main(scenario: str) -> None:
         except Exception as error:  # noqa: BLE001 - printed for the test to read
             print(f"no-gpu: rank {ringplug.rank()}: {type(error).__name__}: {error}", flush=True)
     elif scenario == "uid":
-        try:
-            dc.broadcast_async(buffers[0], (4,), 0, name="weights").wait(timeout=60)
-            error = ""
-        except Exception as caught:  # noqa: BLE001
-            error = str(caught)
+        values[:] = ringplug.rank() + 1
+        dc.broadcast_async(buffers[0], (4,), 0, name="weights").wait(timeout=60)
         comm = runtime.engine()._gpu.comm
         lib = ctypes.CDLL(os.environ["RINGPLUG_NCCL_LIB"])
         lib.fakeNcclCommUid.restype = ctypes.c_char_p
@@ -46,10 +45,9 @@ def main(scenario: str) -> None:
             "pid": os.getpid(),
             "uid": lib.fakeNcclCommUid(ctypes.c_void_p(comm.handle)).decode(),
             "ranks": lib.fakeNcclCommRanks(ctypes.c_void_p(comm.handle)),
-            "error": error,
+            "values": values.tolist(),
         }
         print("uid:" + json.dumps(report), flush=True)
-        return  # the failed broadcast aborted the communicator and failed the engine
     ringplug.barrier()
 
 

@@ -30,6 +30,8 @@ from .libraries import mapped_library, pathfinder_library, wheel_library
 LIBRARY_VARIABLE = "RINGPLUG_CUDART_LIB"
 _WHEELS = ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12")  # CUDA 13, CUDA 12
 _NOT_READY = 600  # cudaErrorNotReady
+_NO_DEVICE = 100  # cudaErrorNoDevice
+_INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
 _STREAM_NON_BLOCKING = 1
 _EVENT_DISABLE_TIMING = 2
@@ -147,13 +149,37 @@ class CudaRuntime(DeviceRuntime):
 
     def check(self, result: int, call: str) -> None:
         if result != 0:
-            text = (self.lib.cudaGetErrorString(result) or b"").decode(errors="replace")
-            raise CudaError(f"{call} failed with CUDA error {result}: {text}.")
+            raise CudaError(f"{call} failed with CUDA error {result}: {self._text(result)}.")
 
     def device_count(self) -> int:
+        """How many GPUs this process sees: 0 when there is none (cudaErrorNoDevice); any
+        other error is one, said with what to do (error 35: the driver is older than this
+        CUDA runtime, as with a CUDA 12 driver and the cu13 wheels)."""
         count = ctypes.c_int()
         result = self.lib.cudaGetDeviceCount(ctypes.byref(count))
-        return count.value if result == 0 else 0  # cudaErrorNoDevice and friends: none
+        if result == _NO_DEVICE:
+            return 0
+        if result == _INSUFFICIENT_DRIVER:
+            raise CudaError(
+                f"cudaGetDeviceCount failed with CUDA error 35: {self._text(result)}. The "
+                f"NVIDIA driver supports CUDA {_cuda_version(self._version('Driver'))}, older "
+                f"than the CUDA runtime {_cuda_version(self._version('Runtime'))} ringplug "
+                f"loaded ({self.path}): update the driver, or install the runtime of the "
+                "driver's CUDA (`pip install 'ringplug[cuda12]'` for a CUDA 12 driver)."
+            )
+        self.check(result, "cudaGetDeviceCount")
+        return count.value
+
+    def _text(self, result: int) -> str:
+        return (self.lib.cudaGetErrorString(result) or b"").decode(errors="replace")
+
+    def _version(self, which: str) -> int:
+        """cudaDriverGetVersion or cudaRuntimeGetVersion (0 when it fails)."""
+        value = ctypes.c_int()
+        function = getattr(self.lib, f"cuda{which}GetVersion", None)
+        if function is None or function(ctypes.byref(value)) != 0:
+            return 0
+        return value.value
 
     def set_device(self, index: int) -> None:
         self.check(self.lib.cudaSetDevice(index), f"cudaSetDevice({index})")
@@ -206,6 +232,11 @@ class CudaRuntime(DeviceRuntime):
         raw = np.ascontiguousarray(data)
         self.copy(dst, raw.ctypes.data, raw.nbytes, stream)
         self.check(self.lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+
+def _cuda_version(code: int) -> str:
+    """CUDA's version code as text (12080 is 12.8; 0: unknown)."""
+    return f"{code // 1000}.{code % 1000 // 10}" if code else "(unknown)"
 
 
 class _Event:

@@ -66,5 +66,10 @@ class NcclError(RingplugError):
 
 
 class CommunicatorFailed(NcclError):
-    """The NCCL communicator was aborted (a peer failed, or the timeout passed); every
-    pending and later GPU collective of the process raises this."""
+    """The NCCL communicator was aborted (a peer failed, or NCCL refused this rank); every
+    pending and later GPU collective of the process raises this. `code` is NCCL's result
+    (ncclRemoteError, 6: a peer's process or its network connection is gone)."""
+
+    @property
+    def peer_gone(self) -> bool:
+        return self.code == 6

@@ -7,8 +7,10 @@ is ordered against the framework with events: the engine's stream waits for the 
 recorded where the caller submitted the tensors, runs the copies and NCCL calls, and the
 engine completes the handles only once that work has finished, so results can be used on
 any stream. While it waits it polls NCCL's asynchronous error state: a peer that died
-(ncclRemoteError) or the core's timeout aborts the communicator and fails every pending
-collective instead of hanging.
+(ncclRemoteError) aborts the communicator and fails every pending collective instead of
+hanging. Every wait (joining the communicator, each collective) is the engine's own
+(`waiting.Waiter`): a stall warning at RINGPLUG_STALL_CHECK_SECONDS and, at
+RINGPLUG_TIMEOUT, the end of the job naming the rank that stopped taking part.
 
 Scale factors of Sum and Average (including Average's 1/size) are applied inside NCCL
 (a pre-multiplied sum), so they cost no pass of their own.
@@ -20,7 +22,6 @@ import functools
 import logging
 import os
 import struct
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +44,7 @@ _NCCL_OPS = {
     ReduceOp.MAX: nccl.OP_MAX,
     ReduceOp.MIN: nccl.OP_MIN,
 }
-_POLL_MAX_SECONDS = 1e-3
+_CLOSE_SECONDS = 10.0  # at most, for the communicator's last work at shutdown
 
 
 def device_for_local_rank(local_rank: int, visible: int) -> int:
@@ -70,9 +71,14 @@ def device_for_local_rank(local_rank: int, visible: int) -> int:
 
 
 def scalar_bytes(value: float, code: DType) -> bytes:
-    """One element of `code` holding `value`, as NCCL reads a host scalar."""
+    """One element of `code` holding `value`, as NCCL reads a host scalar; rounded to
+    nearest even as torch rounds (1/3 in bfloat16 is 0x3EAB: truncating gives 0x3EAA, and
+    Average over 3 ranks biased low)."""
     if code is DType.BFLOAT16:
-        return struct.pack("<I", struct.unpack("<I", struct.pack("<f", value))[0])[2:]
+        bits = struct.unpack("<I", struct.pack("<f", value))[0]
+        if bits & 0x7FFFFFFF > 0x7F800000:  # NaN stays NaN
+            return struct.pack("<H", (bits >> 16) | 0x40)
+        return struct.pack("<H", ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF)
     storage = {DType.FLOAT16: np.float16, DType.FLOAT32: np.float32, DType.FLOAT64: np.float64}[
         code
     ]
@@ -91,7 +97,7 @@ def _fatal_on_error(method: Callable[..., Any]) -> Callable[..., Any]:
         except CommunicatorFailed:
             raise
         except (NcclError, CudaError) as error:
-            self._abort(str(error))
+            self._abort(str(error), error.code if isinstance(error, NcclError) else -1)
 
     return guarded
 
@@ -120,7 +126,14 @@ class GpuPlane:
             runtime.set_device(self.device)  # per thread: this is the engine thread
             uid = nccl.unique_id(library) if self.rank == 0 else b""
             uid = self.transport.broadcast_bytes(uid, nccl.UNIQUE_ID_BYTES, 0)
-            self.comm = nccl.Communicator(library, uid, self.size, self.rank, self.device)
+            comm = nccl.Communicator(
+                library, uid, self.size, self.rank, self.device, blocking=False
+            )
+            self.comm = comm
+            # Every rank joins under the engine's deadline: one that never arrives is named
+            # as every other wait names it (its peers hear nothing from it), and one whose
+            # NCCL refused it ends its engine, which tells the others at once.
+            self._wait(comm.ready, f"NCCL communicator init on GPU {self.device}", "joining")
             self.runtime, self.stream = runtime, runtime.new_stream()
             logger.info(
                 "rank %d: NCCL %s communicator on GPU %d (%s)",
@@ -132,10 +145,24 @@ class GpuPlane:
         return self.comm, self.runtime, self.stream  # type: ignore[return-value]
 
     def close(self) -> None:
+        """Free the communicator; one whose work does not finish within the timeout (a peer
+        gone mid-collective) is aborted: shutdown never waits for ever."""
         if self.comm is not None:
-            self.comm.destroy()
+            if not self.comm.close(min(self.settings.timeout, _CLOSE_SECONDS)):
+                logger.debug("rank %d: the NCCL communicator was aborted at shutdown", self.rank)
             self.comm = None
         self._fusion = None
+
+    def _wait(self, done: Callable[[], bool], what: str, phase: str) -> None:
+        """Wait for `done` under the engine's deadline (RINGPLUG_TIMEOUT), with its stall
+        check and the notices that name a peer that stopped taking part."""
+        waiter = self.transport.waiter
+        before = waiter.what
+        waiter.what = what
+        try:
+            waiter.wait(done, phase, why_end="the ranks' GPU work cannot go on without it")
+        finally:
+            waiter.what = before
 
     # ------------------------------------------------------------------ ordering
     def _wait_ready(self, events: Sequence[Any]) -> None:
@@ -150,31 +177,30 @@ class GpuPlane:
                 event.synchronize()  # another framework's event: wait on the host
 
     def _complete(self, what: str) -> None:
-        """Block until the enqueued work has finished; abort on a peer's failure or timeout."""
+        """Block until the enqueued work has finished; abort on a peer's failure, and end
+        the job naming the peer that stopped taking part at the timeout."""
         comm, runtime = self.comm, self.runtime
         assert comm is not None and runtime is not None
         event = runtime.record(self.stream)
-        start = time.monotonic()
-        delay = 10e-6
-        while not runtime.query(event):
+
+        def done() -> bool:
+            finished = runtime.query(event)
+            # Asked after the event too: work that ended because its communicator failed
+            # left no result to use.
             error = comm.async_error()
             if error not in (nccl.SUCCESS, nccl.IN_PROGRESS):
-                self._abort(comm.describe(error, f"{what} (asynchronous error)"))
-            waited = time.monotonic() - start
-            if waited > self.settings.timeout:
-                self._abort(
-                    f"{what} did not finish within {waited:.0f} s (RINGPLUG_TIMEOUT="
-                    f"{self.settings.timeout:g}): a peer rank is stuck or gone."
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_SECONDS)
+                self._abort(comm.describe(error, f"{what} (asynchronous error)"), error)
+            return finished
 
-    def _abort(self, message: str) -> None:
+        self._wait(done, what, "NCCL")
+
+    def _abort(self, message: str, code: int = -1) -> None:
         if self.comm is not None:
             self.comm.abort()
         self.failure = CommunicatorFailed(
             f"rank {self.rank}: {message} The NCCL communicator was aborted; GPU collectives "
-            "cannot continue in this process."
+            "cannot continue in this process.",
+            code,
         )
         raise self.failure
 

@@ -63,13 +63,21 @@ def pathfinder_library(name: str) -> tuple[str, str | None] | None:
         from cuda import pathfinder
     except ImportError:
         return None
+    # In current releases the two "unknown library" errors subclass DynamicLibNotFoundError,
+    # so they are caught first; older releases lack them (a name that is not there must not
+    # turn the except clause itself into an AttributeError).
+    unknown = tuple(
+        getattr(pathfinder, error)
+        for error in ("DynamicLibUnknownError", "DynamicLibNotAvailableError")
+        if isinstance(getattr(pathfinder, error, None), type)
+    )
     try:
         loaded = pathfinder.load_nvidia_dynamic_lib(name)
+    except unknown as error:
+        # A cuda-pathfinder that does not know this library: the other places still apply.
+        return f"{PATHFINDER_PLACE} ({error})", None
     except pathfinder.DynamicLibNotFoundError:
         return f"{PATHFINDER_PLACE} (NVIDIA wheels, conda, system, install roots)", None
-    except (pathfinder.DynamicLibUnknownError, pathfinder.DynamicLibNotAvailableError) as error:
-        # A cuda-pathfinder too old to know this library: the other places still apply.
-        return f"{PATHFINDER_PLACE} ({error})", None
     except OSError as error:
         # Found, but it would not load (wrong architecture, missing dependency).
         return f"{PATHFINDER_PLACE} (found a library that did not load: {error})", None

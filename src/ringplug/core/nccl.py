@@ -1,17 +1,24 @@
 """A thin ctypes binding to NCCL (`libnccl.so.2`): finding it, its version, communicators.
 
 ringplug has no compiled extension; the GPU data plane reaches NCCL through this module
-and nothing else does. The library is looked for, in order:
+and nothing else does. The library is looked for, in order (`candidates`):
 
-1. ``RINGPLUG_NCCL_LIB`` (a path to the library, or a folder holding it);
-2. a ``libnccl`` already loaded in this process (torch's CUDA build brings one);
-3. the ``nvidia-nccl-cu13`` and ``nvidia-nccl-cu12`` wheels (``ringplug[cuda13]``,
+1. ``RINGPLUG_NCCL_LIB`` (a path to the library, or a folder holding it); when it is set,
+   nothing else is searched;
+2. NVIDIA's cuda-pathfinder, where it is installed: a library already loaded, NVIDIA's
+   wheels, the conda environment, the system path and ``NCCL_HOME``;
+3. a ``libnccl`` already loaded in this process (torch's CUDA build brings one);
+4. the ``nvidia-nccl-cu13`` and ``nvidia-nccl-cu12`` wheels (``ringplug[cuda13]``,
    ``ringplug[cuda12]``);
-4. the system's library path (``LD_LIBRARY_PATH``, the ld cache).
+5. the system's library path (``LD_LIBRARY_PATH``, the ld cache).
 
 Loading needs no GPU: `version()` and `unique_id()` work anywhere the library is; creating a
 communicator needs the GPU. Every NCCL failure becomes an `NcclError` that carries NCCL's
 own error string and, where the library has it, its last error text.
+
+Communicators are made non-blocking (NCCL 2.14 and later): `ncclCommInitRankConfig`
+returns at once and `Communicator.ready` polls it, so that the caller waits under its own
+deadline; a peer that never arrives is then a timeout that names it, not a hang.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import ctypes.util
 import dataclasses
 import os
 import threading
+import time
 from pathlib import Path
 
 from .errors import NcclError
@@ -71,6 +79,27 @@ class NcclNotFound(NcclError):
 
 class _UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
+
+
+CONFIG_MAGIC = 0xCAFEBEEF
+CONFIG_UNDEFINED = -(2**31)  # NCCL_CONFIG_UNDEF_INT
+CONFIG_VERSION = 21400  # the layout below is ncclConfig_t as NCCL 2.14 defined it
+
+
+class _Config(ctypes.Structure):
+    """The first fields of ``ncclConfig_t`` (NCCL 2.14's whole struct). NCCL reads `size`
+    bytes and, for a `version` before 2.17, takes its defaults for every later field."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+    ]
+
+    @classmethod
+    def non_blocking(cls) -> _Config:
+        return cls(ctypes.sizeof(cls), CONFIG_MAGIC, CONFIG_VERSION, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +198,21 @@ class Library:
         for name, argtypes in signatures.items():
             function = getattr(lib, name)
             function.argtypes, function.restype = argtypes, c_int
+        optional = {  # NCCL 2.14 and later
+            "ncclCommInitRankConfig": [
+                pointer(c_void_p),
+                c_int,
+                _UniqueId,
+                c_int,
+                pointer(_Config),
+            ],
+            "ncclCommFinalize": [c_void_p],
+        }
+        self.non_blocking = all(hasattr(lib, name) for name in optional)
+        if self.non_blocking:
+            for name, argtypes in optional.items():
+                function = getattr(lib, name)
+                function.argtypes, function.restype = argtypes, c_int
         lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [c_int], ctypes.c_char_p
         self.has_last_error = hasattr(lib, "ncclGetLastError")  # NCCL 2.13 and later
         if self.has_last_error:
@@ -243,18 +287,56 @@ class Communicator:
 
     The caller must have made `device` the current CUDA device of the calling thread.
     Collectives are enqueued on `stream` (a ``cudaStream_t`` as an int) and return at once.
+
+    Creating one returns before every rank has joined where the library can (NCCL 2.14 and
+    later, ``blocking`` False): poll `ready` until it is True, under a deadline, and `abort`
+    when the deadline passes. An older NCCL joins here, blocking, with no deadline.
     """
 
-    def __init__(self, library: Library, uid: bytes, size: int, rank: int, device: int) -> None:
+    def __init__(
+        self,
+        library: Library,
+        uid: bytes,
+        size: int,
+        rank: int,
+        device: int,
+        blocking: bool = True,
+    ) -> None:
         if len(uid) != UNIQUE_ID_BYTES:
             raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(uid)}.")
         self.library, self.size, self.rank, self.device = library, size, rank, device
+        self.call = f"ncclCommInitRank(rank {rank} of {size}, GPU {device})"
         handle = ctypes.c_void_p()
         native = _UniqueId.from_buffer_copy(uid)
-        result = library.lib.ncclCommInitRank(ctypes.byref(handle), size, native, rank)
-        library.check(result, f"ncclCommInitRank(rank {rank} of {size}, GPU {device})")
+        self.blocking = blocking or not library.non_blocking
+        if self.blocking:
+            result = library.lib.ncclCommInitRank(ctypes.byref(handle), size, native, rank)
+        else:
+            self.call = self.call.replace("InitRank", "InitRankConfig")
+            config = _Config.non_blocking()
+            result = library.lib.ncclCommInitRankConfig(
+                ctypes.byref(handle), size, native, rank, ctypes.byref(config)
+            )
         self.handle = handle.value
         self.aborted = False
+        self.joined = result == SUCCESS
+        if result not in (SUCCESS, IN_PROGRESS):
+            message = library.describe(result, self.call, self.handle)
+            self.abort()
+            raise NcclError(message, result)
+
+    def ready(self) -> bool:
+        """Whether every rank has joined (never blocks); raises `NcclError` if joining failed."""
+        if not self.joined:
+            state = self.async_error()
+            if state == IN_PROGRESS:
+                return False
+            if state != SUCCESS:
+                message = self.describe(state, self.call)
+                self.abort()
+                raise NcclError(message, state)
+            self.joined = True
+        return True
 
     def _call(self, call: str, result: int) -> None:
         self.library.check(result, call, self.handle)
@@ -327,7 +409,32 @@ class Communicator:
             self.aborted = True
             self.library.lib.ncclCommAbort(self.handle)
 
-    def destroy(self) -> None:
-        if self.handle is not None and not self.aborted:
-            self.library.lib.ncclCommDestroy(self.handle)
+    def close(self, deadline_seconds: float) -> bool:
+        """Finish the communicator's work and free it, or abort it if that takes longer
+        than `deadline_seconds` (a peer gone mid-collective): shutdown never waits for
+        ever. Whether it closed cleanly."""
+        if self.handle is None or self.aborted:
+            self.handle = None
+            return False
+        if self.blocking or not self.joined:
+            # An older NCCL's ncclCommDestroy may wait for peers with no deadline, and a
+            # communicator that never joined has nothing to finish: abort, which waits
+            # for nothing.
+            self.abort()
+            self.handle = None
+            return self.joined
+        result = self.library.lib.ncclCommFinalize(self.handle)
+        end = time.monotonic() + deadline_seconds
+        delay = 1e-4
+        state = result
+        while state == IN_PROGRESS and time.monotonic() < end:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            state = self.async_error()
+        if state != SUCCESS:
+            self.abort()
+            self.handle = None
+            return False
+        self.library.lib.ncclCommDestroy(self.handle)
         self.handle = None
+        return True

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback as traceback_module
 from types import TracebackType
 
@@ -208,6 +209,10 @@ def _install_excepthook() -> None:
         stream = sys.__stderr__ or sys.stderr
         traceback_module.print_exception(kind, value, traceback, file=stream)
         stream.flush()
+        if getattr(value, "peer_gone", False):
+            # NCCL saw a peer's process end but cannot say which: give the launcher time to
+            # see that rank's own exit, and name it, before this rank reports a fault.
+            time.sleep(_LEAVER_GRACE_S)
         culprits = tuple(getattr(value, "caused_by", ()) or ())
         plural = "s" if len(culprits) > 1 else ""
         cause = f" (caused by rank{plural} {', '.join(map(str, culprits))})" if culprits else ""

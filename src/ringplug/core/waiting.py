@@ -226,6 +226,7 @@ class Waiter:
         done: Callable[[], bool],
         phase: str | Callable[[], str] = "",
         missing: Callable[[], list[int]] | None = None,
+        why_end: str = "MPI cannot cancel a collective",
     ) -> None:
         """Call `done` until it returns True, with a stall warning and a deadline.
 
@@ -235,6 +236,7 @@ class Waiter:
                 that says it (called only for a message).
             missing: the peers this wait is known to lack (negotiation knows them);
                 ``None`` when only notices can tell.
+            why_end: why the job ends at the deadline rather than this one wait.
 
         Raises:
             PeerFailedError: a peer failed this collective and said so.
@@ -280,7 +282,7 @@ class Waiter:
                     warn_at = math.inf
                     self._warn(now - start, phase, missing)
                 if now >= end_at:
-                    self._end_job(now - start, limit, phase, missing)
+                    self._end_job(now - start, limit, phase, missing, why_end)
             time.sleep(delay)
             delay = next_delay(delay, start, now)
 
@@ -350,9 +352,12 @@ class Waiter:
         limit: float,
         phase: str | Callable[[], str],
         missing: Callable[[], list[int]] | None,
+        why_end: str = "MPI cannot cancel a collective",
     ) -> None:
         silent, alive = self._silent(missing)
-        if silent:
+        if self.size == 1:
+            verdict = "this rank is the whole job, and its own work did not finish"
+        elif silent:
             plural = len(silent) > 1
             verdict = (
                 f"{_who(silent)} stopped answering: {_they(silent)} neither did "
@@ -371,7 +376,7 @@ class Waiter:
         log.end_job(
             self.rank,
             f"{self._where(waited, phase)}: {verdict}{also} ({self._limit_name()}={limit:g}). "
-            "Ending the job: MPI cannot cancel a collective.",
+            f"Ending the job: {why_end}.",
             culprits=silent or (missing() if missing is not None else []),
         )
 

@@ -39,13 +39,17 @@ def gpu_section(context: CheckContext) -> Section:
         section.rows.append(("NCCL", "not found"))
         missing = str(error)
         have_nccl = False
+    visible = 0
     try:
         cudart = CudaRuntime(environ)
-        visible = cudart.device_count()
-        section.rows.append(("CUDA runtime", cudart.path))
     except (CudaError, OSError):
-        visible = 0
         section.rows.append(("CUDA runtime", "not found"))
+    else:
+        section.rows.append(("CUDA runtime", cudart.path))
+        try:
+            visible = cudart.device_count()
+        except CudaError as error:  # e.g. a driver older than the runtime
+            section.warnings.append(str(error))
     mask = environ.get("CUDA_VISIBLE_DEVICES")
     shown = f"{visible}" + (f" (CUDA_VISIBLE_DEVICES={mask})" if mask is not None else "")
     section.rows.append(("GPUs visible", shown))
