@@ -213,30 +213,33 @@ def run_scenario(fakes, scenario: str, ranks: int, **extra: str):
     return result, result.stdout + result.stderr
 
 
+def assert_named(output: str, ranks: int, where: str) -> None:
+    """Every healthy rank that got to its deadline aborted its communicator, naming rank 1
+    and where it waited; ringrun names rank 1 as the cause."""
+    healthy = [r for r in range(ranks) if r != 1]
+    verdicts = [line for line in output.splitlines() if "CommunicatorFailed: rank" in line]
+    assert verdicts, output
+    for line in verdicts:
+        assert any(f"CommunicatorFailed: rank {r} has waited" in line for r in healthy), line
+        assert where in line, line
+        assert "rank 1 stopped answering" in line and "(RINGPLUG_TIMEOUT=3)" in line, line
+    fatal = [line for line in output.splitlines() if "FATAL" in line]
+    assert fatal and all("(caused by rank 1)" in line for line in fatal), output
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_a_peer_that_never_joins_the_nccl_communicator_ends_the_job_naming_it(fakes, ranks):
+def test_a_peer_that_never_joins_the_nccl_communicator_is_named(fakes, ranks):
     result, output = run_scenario(fakes, "init-frozen", ranks)
     assert result.returncode == 1, output
-    assert "rank 1 stops in __init__" in output
-    fatal = [line for line in output.splitlines() if "FATAL" in line]
-    assert fatal, output
-    healthy = [r for r in range(ranks) if r != 1]
-    for line in fatal:
-        assert any(f"ringplug[{r}] FATAL: rank {r} has waited" in line for r in healthy), line
-        assert "NCCL communicator init on GPU" in line and "(joining)" in line
-        assert "rank 1 stopped answering" in line and "(RINGPLUG_TIMEOUT=3)" in line
-    assert "reduced step" not in output
+    assert "rank 1 stops in __init__" in output and "reduced step" not in output
+    assert_named(output, ranks, "in NCCL communicator init on GPU 0 (joining)")
 
 
-def test_a_peer_stuck_before_its_part_of_a_gpu_collective_ends_the_job_naming_it(fakes):
+def test_a_peer_stuck_before_its_part_of_a_gpu_collective_is_named(fakes):
     result, output = run_scenario(fakes, "collective-frozen", 3)
     assert result.returncode == 1, output
     assert output.count("reduced step 0") == 3 and "reduced step 1" not in output
-    fatal = [line for line in output.splitlines() if "FATAL" in line]
-    assert fatal, output
-    for line in fatal:
-        assert "allreduce of 1 GPU tensor(s) (NCCL)" in line
-        assert "rank 1 stopped answering" in line and "(RINGPLUG_TIMEOUT=3)" in line
+    assert_named(output, 3, "in allreduce of 1 GPU tensor(s) (NCCL)")
 
 
 def test_a_rank_that_exits_inside_a_gpu_collective_ends_the_job_naming_it(fakes):

@@ -557,29 +557,39 @@ def test_a_peer_failure_aborts_the_communicator_and_fails_every_gpu_collective(f
     assert report["aborts"] == 1
 
 
-def test_a_collective_that_never_finishes_ends_the_job_at_the_timeout(fakes):
+def test_a_collective_that_never_finishes_is_aborted_at_the_timeout(fakes):
     env = fake_env(fakes, FAKE_CUDA_EVENT_NEVER="1", RINGPLUG_TIMEOUT="1")
-    code = """
-import numpy as np
-import ringplug
-from ringplug.core import device_collectives as dc
-from ringplug.core.device import DeviceBuffer
-from ringplug.core.dtypes import DType
+    report = run_python(
+        """
+        import ctypes, json
+        import numpy as np
+        import ringplug
+        from ringplug.core import device_collectives as dc
+        from ringplug.core.device import DeviceBuffer
+        from ringplug.core.dtypes import DType
 
-ringplug.init()
-a = np.ones(4, np.float32)
-buffers = [DeviceBuffer(a.ctypes.data, 4, DType.FLOAT32, 0, a)]
-dc.allreduce_async(buffers, buffers, [(4,)], "sum", name="stuck").wait(timeout=60)
-print("finished")
-"""
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=60, check=False)  # fmt: skip
-    assert result.returncode == 1 and "finished" not in result.stdout, result.stderr
-    fatal = [line for line in result.stderr.splitlines() if "FATAL" in line]
-    assert len(fatal) == 1, result.stderr
-    assert "rank 0 has waited 1 s in allreduce of 1 GPU tensor(s) (NCCL)" in fatal[0]
-    assert "this rank is the whole job, and its own work did not finish" in fatal[0]
-    assert "(RINGPLUG_TIMEOUT=1)" in fatal[0]
+        ringplug.init()
+        lib = ctypes.CDLL(__import__("os").environ["RINGPLUG_NCCL_LIB"])
+        a = np.ones(4, np.float32)
+        buffers = [DeviceBuffer(a.ctypes.data, 4, DType.FLOAT32, 0, a)]
+        errors = []
+        for name in ("stuck", "after"):
+            try:
+                dc.allreduce_async(buffers, buffers, [(4,)], "sum", name=name).wait(timeout=60)
+                errors.append(None)
+            except Exception as error:
+                errors.append([type(error).__name__, str(error), error.code])
+        print(json.dumps({"errors": errors, "aborts": lib.fakeNcclAborts()}))
+    """,
+        env,
+    )
+    (kind, message, code), second = report["errors"]
+    assert kind == "CommunicatorFailed" and code == 8  # ncclTimeout
+    assert "rank 0 has waited 1 s in allreduce of 1 GPU tensor(s) (NCCL)" in message
+    assert "this rank is the whole job, and its own work did not finish" in message
+    assert "(RINGPLUG_TIMEOUT=1)" in message and "communicator was aborted" in message
+    assert second[0] == "CommunicatorFailed"  # every later GPU collective fails too
+    assert report["aborts"] == 1
 
 
 def test_tensorflow_gpu_tensors_go_by_dlpack_into_fresh_result_tensors(fakes):

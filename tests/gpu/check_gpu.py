@@ -20,6 +20,7 @@ import torch
 import ringplug
 import ringplug.torch as rpt
 from ringplug.core import nccl, runtime
+from ringplug.core.errors import CommunicatorFailed
 
 RESULTS: list[tuple[str, str, str]] = []
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
@@ -115,6 +116,62 @@ def allreduce_all() -> None:
         assert_close(y, expected, f"{dtype} in place, non-contiguous")
     engine = runtime.engine()
     assert engine._gpu is not None and engine._gpu.device == torch.cuda.current_device()
+
+
+@check("PreMulSum: factors 1/3 and 0.5 in fp16, bf16, fp32, fp64, in and out of place")
+def premul() -> None:
+    # One rank's Sum is a copy, but a pre-multiplied sum multiplies: these values went through
+    # NCCL's PreMulSum with ringplug's scalar bytes (bfloat16 rounded as torch rounds).
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        x = sample(dtype)
+        for factor in (1 / 3, 0.5):
+            want = (x.double() * torch.tensor(factor, dtype=dtype).double()).to(dtype)
+            got = rpt.allreduce(x, "sum", prescale_factor=factor, name=f"pm.{dtype}.{factor:.2f}")
+            assert_close(got, want, f"{dtype} x{factor:.3g} out of place")
+            y = x.clone()
+            rpt.allreduce_(y, "sum", prescale_factor=factor, name=f"pm_.{dtype}.{factor:.2f}")
+            assert_close(y, want, f"{dtype} x{factor:.3g} in place")
+
+
+@check("ordering with torch.cuda._sleep: default stream, side stream, fused group")
+def sleep_ordering() -> None:
+    # The producer's stream is kept busy ~0.2 s before it writes the input; without the
+    # engine's stream waiting for the caller's event, NCCL would read the old values.
+    cycles = int(0.2 * torch.cuda.get_device_properties(0).clock_rate * 1000)
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(stream):
+            inputs = [torch.zeros(1000, device="cuda") for _ in range(3)]
+            torch.cuda._sleep(cycles)
+            for i, tensor in enumerate(inputs):
+                tensor.fill_(i + 1.0)
+            single = rpt.allreduce(
+                inputs[0], "sum", prescale_factor=0.5, name=f"sl.{stream.stream_id}"
+            )
+            rpt.grouped_allreduce_(
+                inputs, "sum", prescale_factor=0.5, name=f"slg.{stream.stream_id}"
+            )
+        torch.cuda.synchronize()
+        assert_close(single, torch.full((1000,), 0.5, device="cuda"), "after a sleep")
+        for i, tensor in enumerate(inputs):
+            assert_close(tensor, torch.full((1000,), (i + 1) * 0.5, device="cuda"), "fused")
+
+
+@check("the communicator: ncclCommCount, ncclCommUserRank, ncclCommCuDevice")
+def communicator_facts() -> None:
+    import ctypes
+
+    rpt.allreduce(torch.ones(1, device="cuda"), name="facts")
+    comm = runtime.engine()._gpu.comm
+    values = {}
+    for call in ("ncclCommCount", "ncclCommUserRank", "ncclCommCuDevice"):
+        out = ctypes.c_int(-1)
+        comm.library.check(getattr(comm.library.lib, call)(comm.handle, ctypes.byref(out)), call)
+        values[call] = out.value
+    assert values == {
+        "ncclCommCount": 1,
+        "ncclCommUserRank": 0,
+        "ncclCommCuDevice": torch.cuda.current_device(),
+    }, values
 
 
 @check("broadcast, allgather and reducescatter of every dtype")
@@ -292,10 +349,52 @@ def lightning_fit() -> str | None:
     return None
 
 
+def nccl_mapped() -> int:
+    """The libnccl ringplug loads is the one torch mapped into the process."""
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    with open("/proc/self/maps") as maps:
+        mapped = sorted({line.split()[-1] for line in maps if "libnccl.so" in line})
+    found = nccl.version()
+    same = [os.path.realpath(path) for path in mapped] == [os.path.realpath(found.path)]
+    status = "PASS" if same else "FAIL"
+    print(
+        f"{status} NCCL: torch mapped {mapped}; ringplug loads {found.path} ({found.source}), "
+        f"version {found}",
+        flush=True,
+    )
+    return 0 if same else 1
+
+
+def timeout_ends_it() -> int:
+    """RINGPLUG_TIMEOUT=2 against a 5 s kernel: CommunicatorFailed in under 4 s."""
+    os.environ["RINGPLUG_TIMEOUT"] = "2"
+    ringplug.init()
+    rpt.allreduce(torch.ones(1, device="cuda"), name="warm")
+    cycles = int(5 * torch.cuda.get_device_properties(0).clock_rate * 1000)
+    x = torch.ones(1000, device="cuda")
+    torch.cuda._sleep(cycles)
+    start = time.perf_counter()
+    try:
+        rpt.allreduce(x, "sum", name="behind-a-5s-kernel")
+        print("FAIL the collective behind a 5 s kernel finished under RINGPLUG_TIMEOUT=2")
+        return 1
+    except CommunicatorFailed as error:
+        waited = time.perf_counter() - start
+        status = "PASS" if waited < 4 else "FAIL"
+        print(f"{status} CommunicatorFailed after {waited:.1f} s: {error}", flush=True)
+        return 0 if waited < 4 else 1
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("check_gpu.py: torch sees no GPU here (a CUDA build of torch and a GPU are needed)")
         return 2
+    mode = sys.argv[1] if len(sys.argv) > 1 else "one-rank"
+    if mode == "nccl-mapped":
+        return nccl_mapped()
+    if mode == "timeout":
+        return timeout_ends_it()
     ringplug.init()
     for run in CHECKS:
         run()

@@ -10,7 +10,8 @@ any stream. While it waits it polls NCCL's asynchronous error state: a peer that
 (ncclRemoteError) aborts the communicator and fails every pending collective instead of
 hanging. Every wait (joining the communicator, each collective) is the engine's own
 (`waiting.Waiter`): a stall warning at RINGPLUG_STALL_CHECK_SECONDS and, at
-RINGPLUG_TIMEOUT, the end of the job naming the rank that stopped taking part.
+RINGPLUG_TIMEOUT, an abort of the communicator whose error names the rank that stopped
+taking part (ringrun names it as the job's root cause).
 
 Scale factors of Sum and Average (including Average's 1/size) are applied inside NCCL
 (a pre-multiplied sum), so they cost no pass of their own.
@@ -155,12 +156,17 @@ class GpuPlane:
 
     def _wait(self, done: Callable[[], bool], what: str, phase: str) -> None:
         """Wait for `done` under the engine's deadline (RINGPLUG_TIMEOUT), with its stall
-        check and the notices that name a peer that stopped taking part."""
+        check and the notices that name a peer that stopped taking part; at the deadline
+        the communicator is aborted (NCCL's work, unlike MPI's, can be cancelled)."""
         waiter = self.transport.waiter
         before = waiter.what
         waiter.what = what
+
+        def give_up(verdict: str, culprits: list[int]) -> None:
+            self._abort(verdict, nccl.TIMEOUT, tuple(culprits))
+
         try:
-            waiter.wait(done, phase, why_end="the ranks' GPU work cannot go on without it")
+            waiter.wait(done, phase, give_up=give_up)
         finally:
             waiter.what = before
 
@@ -194,13 +200,15 @@ class GpuPlane:
 
         self._wait(done, what, "NCCL")
 
-    def _abort(self, message: str, code: int = -1) -> None:
+    def _abort(self, message: str, code: int = -1, culprits: tuple[int, ...] = ()) -> None:
         if self.comm is not None:
             self.comm.abort()
+        prefix = "" if message.startswith(f"rank {self.rank} ") else f"rank {self.rank}: "
         self.failure = CommunicatorFailed(
-            f"rank {self.rank}: {message} The NCCL communicator was aborted; GPU collectives "
-            "cannot continue in this process.",
+            f"{prefix}{message} The NCCL communicator was aborted; GPU collectives cannot "
+            "continue in this process.",
             code,
+            caused_by=culprits,
         )
         raise self.failure
 

@@ -41,7 +41,9 @@ UNIQUE_ID_BYTES = 128
 
 # ncclResult_t
 SUCCESS = 0
+REMOTE_ERROR = 6
 IN_PROGRESS = 7
+TIMEOUT = 8
 RESULT_NAMES = {
     0: "ncclSuccess",
     1: "ncclUnhandledCudaError",

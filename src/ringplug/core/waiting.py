@@ -226,7 +226,7 @@ class Waiter:
         done: Callable[[], bool],
         phase: str | Callable[[], str] = "",
         missing: Callable[[], list[int]] | None = None,
-        why_end: str = "MPI cannot cancel a collective",
+        give_up: Callable[[str, list[int]], None] | None = None,
     ) -> None:
         """Call `done` until it returns True, with a stall warning and a deadline.
 
@@ -236,7 +236,9 @@ class Waiter:
                 that says it (called only for a message).
             missing: the peers this wait is known to lack (negotiation knows them);
                 ``None`` when only notices can tell.
-            why_end: why the job ends at the deadline rather than this one wait.
+            give_up: what to do at the deadline instead of ending the job (work that can
+                be cancelled, as NCCL's can): called with the verdict and the ranks at
+                fault; it must raise.
 
         Raises:
             PeerFailedError: a peer failed this collective and said so.
@@ -282,7 +284,7 @@ class Waiter:
                     warn_at = math.inf
                     self._warn(now - start, phase, missing)
                 if now >= end_at:
-                    self._end_job(now - start, limit, phase, missing, why_end)
+                    self._end_job(now - start, limit, phase, missing, give_up)
             time.sleep(delay)
             delay = next_delay(delay, start, now)
 
@@ -352,7 +354,7 @@ class Waiter:
         limit: float,
         phase: str | Callable[[], str],
         missing: Callable[[], list[int]] | None,
-        why_end: str = "MPI cannot cancel a collective",
+        give_up: Callable[[str, list[int]], None] | None = None,
     ) -> None:
         silent, alive = self._silent(missing)
         if self.size == 1:
@@ -373,11 +375,12 @@ class Waiter:
         others = [r for r in alive if r not in silent]
         verb = "are" if len(others) > 1 else "is"
         also = f"; {_who(others)} {verb} waiting too" if others and silent else ""
+        verdict = f"{self._where(waited, phase)}: {verdict}{also} ({self._limit_name()}={limit:g})."
+        culprits = silent or (missing() if missing is not None else [])
+        if give_up is not None:
+            give_up(verdict, culprits)
         log.end_job(
-            self.rank,
-            f"{self._where(waited, phase)}: {verdict}{also} ({self._limit_name()}={limit:g}). "
-            f"Ending the job: {why_end}.",
-            culprits=silent or (missing() if missing is not None else []),
+            self.rank, f"{verdict} Ending the job: MPI cannot cancel a collective.", culprits
         )
 
     # ------------------------------------------------------------------ notices
