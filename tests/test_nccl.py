@@ -795,23 +795,32 @@ def test_communicators_are_made_without_blocking_and_closed_by_a_deadline(fakes)
         waiting = [lonely.ready() for _ in range(3)]
         closed_lonely = lonely.close(0.5)  # nothing to finish: aborted, at once
         # Two ranks (two threads, GPUs 0 and 1) join the same id and close cleanly.
-        uid = nccl.unique_id(library)
-        comms = {}
-
-        def join(rank):
+        def join(rank, uid, comms):
             runtime.set_device(rank)
             comms[rank] = nccl.Communicator(library, uid, 2, rank, rank, blocking=False)
 
-        threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        while not all(c.ready() for c in comms.values()):
-            pass
+        def pair():
+            uid, comms = nccl.unique_id(library), {}
+            threads = [threading.Thread(target=join, args=(r, uid, comms)) for r in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            while not all(c.ready() for c in comms.values()):
+                pass
+            return comms
+
+        comms = pair()
         closed = [comms[r].close(10) for r in (0, 1)]
+        # Work its peer never does: finalizing cannot finish, so close aborts at its deadline.
+        again = pair()
+        runtime.set_device(0)
+        stream = runtime.new_stream()
+        address, owner = runtime.alloc(16)
+        again[0].allreduce(address, address, 4, 7, nccl.OP_SUM, stream)  # rank 1 never does
+        stuck = again[0].close(0.5)
         print(json.dumps({
-            "waiting": waiting, "lonely": closed_lonely, "closed": closed,
+            "waiting": waiting, "lonely": closed_lonely, "closed": closed, "stuck": stuck,
             "call": lonely.call, "aborts": library.lib.fakeNcclAborts(),
         }))
     """,
@@ -819,5 +828,6 @@ def test_communicators_are_made_without_blocking_and_closed_by_a_deadline(fakes)
     )
     assert report["waiting"] == [False, False, False]
     assert report["call"] == "ncclCommInitRankConfig(rank 0 of 2, GPU 0)"
-    assert report["lonely"] is False and report["aborts"] == 1
+    assert report["lonely"] is False
     assert report["closed"] == [True, True]  # finalized, then destroyed
+    assert report["stuck"] is False and report["aborts"] == 2  # the lonely one, the stuck one
