@@ -63,7 +63,7 @@ def test_a_monitored_barrier_names_the_rank_that_did_not_arrive_and_the_job_goes
 
 
 def test_a_subgroup_collective_a_member_never_joins_fails_by_the_deadline(tmp_path):
-    reports = run("subgroup-missing", "backend", 3, tmp_path, RINGPLUG_TIMEOUT="3")
+    reports = run("subgroup-missing", "backend", 3, tmp_path, RINGPLUG_TIMEOUT="10")
     assert reports[0]["checks"]["subgroup/raised"], reports[0]["details"]
 
 

@@ -24,8 +24,6 @@
  *   FAKE_NCCL_INIT_ERROR    communicator init returns this result (e.g. 1)
  *   FAKE_NCCL_ASYNC_ERROR   ncclCommGetAsyncError reports this once a collective ran
  *   FAKE_NCCL_FAIL_CALL     the N-th collective call returns ncclSystemError
- *   FAKE_NCCL_NO_CONFIG     1: as NCCL before 2.14 (no ncclCommInitRankConfig): the call
- *                           returns ncclInvalidUsage
  *   FAKE_NCCL_DIR           where unique-id folders are made (default TMPDIR, /tmp)
  * Test-only functions (fakeNccl*) let tests look inside.
  */
@@ -591,7 +589,6 @@ ncclResult_t ncclCommInitRank(void **comm, int nranks, ncclUniqueId id, int rank
 }
 
 ncclResult_t ncclCommInitRankConfig(void **comm, int nranks, ncclUniqueId id, int rank, void *config) {
-  if (env_int("FAKE_NCCL_NO_CONFIG", 0)) return INVALID_USAGE;
   int blocking = 1;
   if (config) {
     ConfigPrefix prefix = {0};
