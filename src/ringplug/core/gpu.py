@@ -183,8 +183,8 @@ class GpuPlane:
                 event.synchronize()  # another framework's event: wait on the host
 
     def _complete(self, what: str) -> None:
-        """Block until the enqueued work has finished; abort on a peer's failure, and end
-        the job naming the peer that stopped taking part at the timeout."""
+        """Block until the enqueued work has finished; abort on a peer's failure, and at
+        the timeout with an error naming the peer that stopped taking part."""
         comm, runtime = self.comm, self.runtime
         assert comm is not None and runtime is not None
         event = runtime.record(self.stream)

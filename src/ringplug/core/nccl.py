@@ -84,7 +84,6 @@ class _UniqueId(ctypes.Structure):
 
 
 CONFIG_MAGIC = 0xCAFEBEEF
-CONFIG_UNDEFINED = -(2**31)  # NCCL_CONFIG_UNDEF_INT
 CONFIG_VERSION = 21400  # the layout below is ncclConfig_t as NCCL 2.14 defined it
 
 
