@@ -65,6 +65,21 @@ def test_a_plan_depends_only_on_seed_and_epoch(case):
     assert [p.batches for p in plans(case)] == [p.batches for p in plans(case)]
 
 
+@pytest.mark.parametrize("by_tokens", [False, True])
+def test_another_seed_or_epoch_gives_another_plan(by_tokens):
+    # The property above would pass if the seed were ignored: here it must change the plan.
+    lengths = np.random.default_rng(0).integers(10, 400, 500).tolist()
+    limits = {"max_tokens": 4000} if by_tokens else {"batch_size": 16}
+
+    def plan(seed: int, epoch: int) -> list[list[int]]:
+        return plan_batches(
+            lengths, num_replicas=2, rank=0, seed=seed, epoch=epoch, **limits
+        ).batches
+
+    assert plan(0, 0) == plan(0, 0)
+    assert plan(1, 0) != plan(0, 0) and plan(0, 1) != plan(0, 0) and plan(1, 0) != plan(0, 1)
+
+
 def test_epochs_reorder_and_buckets_cut_padding():
     rng = np.random.default_rng(0)
     lengths = rng.integers(10, 400, 2000).tolist()

@@ -33,3 +33,17 @@ def test_init_starts_mpi_but_still_no_framework():
     loaded = modules_after("import ringplug; ringplug.init()")
     assert "mpi4py.MPI" in loaded
     assert not loaded & {"torch", "tensorflow", "keras", "lightning", "jax"}
+
+
+def test_every_name_the_core_exports_is_reachable_from_ringplug_and_resolves():
+    code = (
+        "import ringplug, ringplug.core as core\n"
+        "missing = [n for n in core.__all__ if not hasattr(ringplug, n)]\n"
+        "unresolved = [n for n in core.__all__ if getattr(core, n, None) is None]\n"
+        "print(missing, unresolved)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[] []"

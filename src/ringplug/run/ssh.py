@@ -9,7 +9,6 @@ see. ssh's error lines are short and cryptic; :func:`diagnose` turns them into a
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -56,10 +55,6 @@ class SshOptions:
     def command(self, host: str, remote_command: str) -> list[str]:
         """``ssh OPTIONS HOST REMOTE_COMMAND`` (``-T``: no terminal, so no prompts either)."""
         return ["ssh", "-T", *self.arguments(), host, remote_command]
-
-    def shell_words(self) -> str:
-        """The options as one string, for launchers that take them that way."""
-        return shlex.join(self.arguments())
 
 
 @dataclass(frozen=True)

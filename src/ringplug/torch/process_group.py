@@ -138,10 +138,3 @@ def rendezvous_address() -> str:
         "interface the hosts share (ringrun sets it when it chooses the interfaces), or fix "
         "the name in /etc/hosts or DNS."
     )
-
-
-def destroy_gloo_group() -> None:
-    """Stop the group (every rank together: gloo's threads must end before exit)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
