@@ -69,6 +69,8 @@ class Settings:
     stall_shutdown_seconds: float = 0.0
     # Chrome trace of the engine (written by rank 0), or None.
     timeline: str | None = None
+    # How many of its last collectives each rank keeps for stall reports (0: none).
+    flight_record: int = 128
     log_level: str = "WARNING"
 
 
@@ -135,8 +137,18 @@ def read_settings() -> Settings:
             "RINGPLUG_STALL_SHUTDOWN_SECONDS", defaults.stall_shutdown_seconds, True
         ),
         timeline=_env("RINGPLUG_TIMELINE"),
+        flight_record=_count("RINGPLUG_FLIGHT_RECORD", defaults.flight_record, most=1 << 20),
         log_level=_log_level(),
     )
+
+
+def _count(name: str, default: int, most: int) -> int:
+    raw = _env(name)
+    if raw is None:
+        return default
+    if not raw.strip().isdigit() or int(raw) > most:
+        raise ValueError(f"{name}={raw!r} must be a whole number from 0 to {most}.")
+    return int(raw)
 
 
 # Python logging's names (what the handler accepts).

@@ -23,14 +23,20 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from . import activity, eager
+from ..forensics import flight
+from ..forensics.flight import FlightRecorder
+from ..forensics.stacks import own_stacks, report_lines
+from . import activity, eager, log
 from .config import Settings
+from .dtypes import ITEMSIZE
 from .errors import (
     CommunicatorFailed,
     MismatchError,
@@ -158,6 +164,10 @@ class Engine(ExpressCycles):
         # signature of it and its slot.
         self._agreed: dict[tuple[Any, ...], tuple[Signature, int]] = {}
         self._stalls = StallInspector(settings, self.rank, self.size)
+        # The last collectives of this rank, for stall reports (`forensics.flight`).
+        self.flight = FlightRecorder(settings.flight_record)
+        self._flight_written = False  # after a failure, once
+        log.before_end.append(self._last_words)
         # The timeline being recorded (rank 0 only); framework adapters add their tracks.
         self.timeline: Timeline | None = None
         self._timeline_lock = threading.Lock()
@@ -202,6 +212,7 @@ class Engine(ExpressCycles):
                     "each tensor its own name."
                 )
             self._in_flight[request.name] = request.handle
+            self.flight.submitted(request.name, request.signature)
             request.submitted = time.perf_counter()
             if self._host_only:
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
@@ -325,6 +336,8 @@ class Engine(ExpressCycles):
         if self._thread.is_alive():
             logger.error("the ringplug engine thread did not stop within %.0f s", timeout)
             return
+        if self._last_words in log.before_end:
+            log.before_end.remove(self._last_words)
         self.stop_timeline()
         if self._gpu is not None:
             self._gpu.close()
@@ -564,6 +577,8 @@ class Engine(ExpressCycles):
         """Decide this cycle's plan from every rank's message and run it; True when the
         engine should stop."""
         self._stalls.activities = [m.activity for m in messages]  # for the stall reports
+        if messages[0].report:  # rank 0 saw a stall: show where this rank is
+            self.report_where("rank 0 saw it stall", self.rank in messages[0].report)
         plan = decide(messages, self._cache, alike)
         self.eager_copies = eager.received(messages, self._cache, plan.repeated)
         self.cycles_run += 1
@@ -625,6 +640,7 @@ class Engine(ExpressCycles):
         if cache.eager_mask:
             message.eager = eager.pack(message, self.pending, cache)
         message.stall_abort = self._stalls.take_abort()
+        message.report = self._stalls.take_report()
         return message
 
     # ------------------------------------------------------------------ running a plan
@@ -763,10 +779,11 @@ class Engine(ExpressCycles):
                 results.append(result)
                 errors.append(failure)
         with self._mutex:
-            in_flight = self._in_flight
+            in_flight, flight = self._in_flight, self.flight
             for request in requests:
                 if request is not None:
                     in_flight.pop(request.name, None)
+                    flight.done(request.name, request.announced, error)
         finish_each(handles, results, errors)
 
     def complete(
@@ -775,6 +792,7 @@ class Engine(ExpressCycles):
         result, error = self._outcome(request, result, error)
         with self._mutex:
             self._in_flight.pop(request.name, None)
+            self.flight.done(request.name, request.announced, error)
         request.handle._finish(result, error)
 
     @staticmethod
@@ -827,7 +845,38 @@ class Engine(ExpressCycles):
             )
         )
 
+    def report_where(self, reason: str, stacks: bool = False) -> None:
+        """Write this rank's flight record (and, with `stacks`, its threads' stacks) for a
+        stall report: as ringrun events, else to a file and stderr (`forensics`)."""
+        announced = {name: r.announced for name, r in list(self.pending.items())}
+        records = self.flight.records(_kind_and_bytes, announced)
+        host = socket.gethostname()
+        written = time.time()
+        sent = log.event(
+            "flight", rank=self.rank, host=host, reason=reason, written=written, records=records
+        )
+        if not sent and records:
+            path = flight.write_own(self.rank, host, reason, records)
+            logger.error("flight record of rank %d (%s): %s", self.rank, reason, path)
+        if stacks:
+            report = own_stacks()
+            if not log.event(
+                "stacks", rank=self.rank, host=host, reason=reason, report=report.to_dict()
+            ):
+                log.say(
+                    self.rank,
+                    report_lines(f"stacks of rank {self.rank} on host {host} ({reason})", report),
+                )
+
+    def _last_words(self, message: str) -> None:
+        """Before `log.end_job` ends this rank: its flight record, once."""
+        if not self._flight_written:
+            self._flight_written = True
+            self.report_where(message[:300])
+
     def fail_everything(self, error: BaseException) -> None:
+        if self._in_flight:
+            self._last_words(f"{type(error).__name__}: {error}")
         with self._lock:
             self._failure = error
             handles = [r.handle for r in self.pending.values()] + [r.handle for r in self._queue]
@@ -852,3 +901,12 @@ def _mismatch_error(request: Request, message: str) -> BaseException:
     if "rejected their arguments" in message:
         return PeerArgumentError(message)
     return MismatchError(message)
+
+
+def _kind_and_bytes(signature: Any) -> tuple[str, int]:
+    """A flight record's kind and size of a request (an express call records them itself)."""
+    if isinstance(signature[0], str):
+        return signature
+    elements = math.prod(signature.shape) if signature.shape else 1
+    size = ITEMSIZE[signature.code] if 0 <= signature.code < len(ITEMSIZE) else 0
+    return signature.kind.label, elements * size

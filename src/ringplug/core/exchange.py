@@ -45,7 +45,7 @@ def _padding(unpadded: int, eager_length: int) -> int:
 
 def encode(message: Message) -> bytes:
     """`message` as bytes for the wire."""
-    if message.new or message.stall_abort or len(message.numbered) > 0xFFFF:
+    if message.new or message.stall_abort or message.report or len(message.numbered) > 0xFFFF:
         return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     flags = (_SHUTDOWN if message.shutdown else 0) | (_RENEW if message.renew else 0)
     return compact(

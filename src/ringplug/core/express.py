@@ -131,10 +131,13 @@ class ExpressCycles:
             ):
                 return None
             self._in_flight[name] = None
+            self.flight.submitted(name, ("allreduce", array.nbytes))
         request: Request | None = None
         try:
             form = self._agreed_form(name, cacheable, array, code, op, number)
             if form is None:
+                with self._mutex:
+                    self.flight.forget(name)  # the caller submits it as usual
                 return None
             bits, pairs, signature, carried = form
             start = time.perf_counter()
@@ -192,6 +195,7 @@ class ExpressCycles:
             if request is None:
                 with self._mutex:
                     self._in_flight.pop(name, None)
+                    self.flight.done(name)
             self._mpi.release()
             if request is not None:
                 self._after_driving(request.handle)

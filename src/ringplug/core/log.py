@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 _HANDLER_NAME = "ringplug"
 
@@ -56,7 +56,40 @@ EVENT_MARK = "ringrun-event:"
 FAULT = "fault"
 
 
-def end_job(rank: int, message: str, culprits: Sequence[int] = (), linger: float = 0.0) -> NoReturn:
+# Called with the fatal message before `end_job` ends the rank (the engine's flight record).
+before_end: list[Callable[[str], None]] = []
+
+
+def event(kind: str, **fields: Any) -> bool:
+    """Send ringrun an event of `kind` (a stall's stacks, a flight record) on the real
+    stderr; False when not under ringrun (nothing sent)."""
+    token = os.environ.get(EVENTS_VARIABLE)
+    if not token:
+        return False
+    line = f"{EVENT_MARK}{token} {json.dumps({'event': kind, **fields}, separators=(',', ':'))}\n"
+    stream = sys.__stderr__ or sys.stderr
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(line)
+        stream.flush()
+    return True
+
+
+def say(rank: int, lines: Sequence[str]) -> None:
+    """Write `lines` to the real stderr at once, each prefixed with this rank, whatever
+    the log level (a stall report on a rank other than 0)."""
+    stream = sys.__stderr__ or sys.stderr
+    with contextlib.suppress(OSError, ValueError):
+        stream.write("".join(f"ringplug[{rank}] {line}\n" for line in lines))
+        stream.flush()
+
+
+def end_job(
+    rank: int,
+    message: str,
+    culprits: Sequence[int] = (),
+    linger: float = 0.0,
+    last_words: bool = True,
+) -> NoReturn:
     """Print a fatal `message` and end this rank without finalizing MPI.
 
     `culprits` are the other ranks that caused it (empty: the cause is on this rank).
@@ -67,11 +100,16 @@ def end_job(rank: int, message: str, culprits: Sequence[int] = (), linger: float
     A rank that leaves without MPI_Finalize makes the launcher (hydra, Open MPI, ringrun)
     tear the whole job down, after its output is through.
 
+    With `last_words` the `before_end` callbacks run first (the flight record).
+
     `linger` seconds it waits first for the launcher to end it (a peer that left the job
     is exiting with its own code, which the launcher must see first).
     """
     with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()
+    for say_last in list(before_end) if last_words else []:
+        with contextlib.suppress(Exception):
+            say_last(message)
     # The real stderr: a wrapping excepthook may have pointed sys.stderr at a buffer.
     stream = sys.__stderr__ or sys.stderr
     lines = f"ringplug[{rank}] FATAL: {message}\n"

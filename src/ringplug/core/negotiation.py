@@ -101,6 +101,8 @@ class Message:
     joined_cycle: int = 0  # > 0: the cycle in which this rank joined
     shutdown: bool = False
     stall_abort: list[str] = dataclasses.field(default_factory=list)  # rank 0's verdict
+    # Rank 0 saw a stall: these ranks show their stacks, every rank its flight record.
+    report: list[int] = dataclasses.field(default_factory=list)
     renew: bool = False  # a collective was abandoned here: every rank renews its communicator
     activity: tuple[str, float] = ("", 0.0)  # the training's phase, seconds in it (activity.py)
     eager: bytes | memoryview = b""  # the data of small allreduces it carries (eager.py)

@@ -18,6 +18,7 @@ import time
 import traceback as traceback_module
 from types import TracebackType
 
+from ..forensics import stacks
 from . import log
 from .config import Settings, read_settings
 from .engine import Engine
@@ -145,6 +146,7 @@ def init() -> None:
             _state.topology = Topology(0, 1, 0, 1, 0, 1)
             _state.engine = Engine(None, settings)
             _register_atexit()
+            stacks.install()
             return
         world = mpi.COMM_WORLD
         announced = launcher_world_size()
@@ -168,6 +170,9 @@ def init() -> None:
         )
         _install_excepthook()
         _register_atexit()
+        # Every rank answers for its stacks (stall reports, ringrun --stacks), and its
+        # DataLoader workers forked from now on too.
+        stacks.install()
         logger.info("ringplug initialised: %s", _state.topology)
 
 
@@ -218,7 +223,9 @@ def _install_excepthook() -> None:
         cause = f" (caused by rank{plural} {', '.join(map(str, culprits))})" if culprits else ""
         log.end_job(
             topology.rank,
-            f"uncaught {kind.__name__} on rank {topology.rank}{cause}; ending this rank so "
+            # ringplug's own failures (a stall, a peer gone) leave the rank's flight record.
+            last_words=isinstance(value, RingplugError),
+            message=f"uncaught {kind.__name__} on rank {topology.rank}{cause}; ending this rank so "
             f"that the launcher stops all {topology.size} ranks.",
             culprits=culprits,
             # The rank that left (or whose engine failed) is exiting with its own code

@@ -34,6 +34,9 @@ class StallInspector:
         self._partial_since: dict[str, float] = {}
         self._warned: set[str] = set()
         self._abort: list[str] = []  # rank 0's verdict, for its next message
+        # Rank 0's request, for its next message: these ranks show their stacks (and every
+        # rank writes its flight record).
+        self._report: list[int] = []
         # Requests whose own timeout passed, with their errors, for the engine to fail here.
         self._expired: list[tuple[str, BaseException]] = []
         # Every rank's training phase as its last message carried it (`core/activity.py`).
@@ -55,6 +58,11 @@ class StallInspector:
         """The requests rank 0 decided to fail, once (they go into its next message)."""
         names, self._abort = self._abort, []
         return names
+
+    def take_report(self) -> list[int]:
+        """The ranks rank 0 asks to show where they are, once (for its next message)."""
+        ranks, self._report = self._report, []
+        return ranks
 
     def inspect(self, plan: Plan, pending: dict[str, Request]) -> StallError | None:
         """Look at this cycle's plan: warn (rank 0) about requests some ranks lack, end the
@@ -108,6 +116,8 @@ class StallInspector:
         if fresh:
             self._warned.update(fresh)
             logger.warning("%s", self._text(plan, late, now))
+            holders = [set(plan.partial.get(name, ())) for name in fresh]
+            self._report = sorted(set().union(*(set(range(self.size)) - h for h in holders)))
         if shutdown > 0:
             doomed = [n for n, t in self._partial_since.items() if now - t >= shutdown]
             if doomed:

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ringplug.forensics.flight import main as explain_flight
 from ringplug.run.check import CheckContext, run_check
 from ringplug.run.configfile import load_config_file
 from ringplug.run.horovodrun import TIMELINE_CYCLES_NOTE, add_horovodrun_flags, refusal
@@ -51,6 +52,7 @@ from ringplug.run.preflight import Preflight, run_preflight
 from ringplug.run.setting import add_flags, from_flags
 from ringplug.run.settings import DEFAULT_START_TIMEOUT_S, RunSettings, SettingsError
 from ringplug.run.ssh import DEFAULT_CONNECT_TIMEOUT_S, HostProblem, SshOptions
+from ringplug.run.stacks import request_stacks
 from ringplug.run.status import EVENTS_VARIABLE, RankStatus
 from ringplug.run.terminal import TERMINAL_VARIABLE, describe_terminal
 
@@ -89,6 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --check: also run a short allreduce sweep on the job's ranks (-np, -H) and "
         "print the bus bandwidth against this machine's memory copy bandwidth",
+    )
+    parser.add_argument(
+        "--stacks",
+        nargs="?",
+        const="",
+        metavar="PID",
+        help="print every rank's Python stacks of a running job, ranks stuck alike once, and "
+        "exit; PID is that job's ringrun (default: the only one of this user running here). "
+        "SIGUSR1 to a running ringrun prints them in its own output",
+    )
+    parser.add_argument(
+        "--explain",
+        nargs="+",
+        metavar="FILE",
+        help="say where the ranks' collectives parted, from the flight record file a stalled "
+        "or failed job printed, and exit",
     )
     parser.add_argument(
         "--config-file",
@@ -522,6 +540,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     if unrecognized:
         parser.error(f"unrecognized arguments: {' '.join(unrecognized)}")
+    if args.stacks is not None:
+        return request_stacks(args.stacks or None)
+    if args.explain:
+        return explain_flight(args.explain)
     if args.timeline_mark_cycles:
         print(f"ringrun: note: {TIMELINE_CYCLES_NOTE}", file=sys.stderr, flush=True)
     command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)

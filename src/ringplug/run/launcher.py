@@ -38,11 +38,14 @@ from ringplug.run.hints import hint_for
 from ringplug.run.mpi import LaunchPlan
 from ringplug.run.processes import parent_death_signal, pump_lines, write_all
 from ringplug.run.ssh import HostProblem, LaunchDiagnosis
+from ringplug.run.stacks import FlightFile, StackDesk
 from ringplug.run.status import (
     EVENT_MARK,
     Event,
     RankFault,
+    RankFlight,
     RankOutput,
+    RankStacks,
     RankStarted,
     RankStatus,
     parse_event,
@@ -353,12 +356,20 @@ class _JobWatcher:
         self.teardown_started: float | None = None
         self.terminated_at: float | None = None
         self.killed = False
+        # Stack reports (stalls, SIGUSR1, ringrun --stacks) and the job's flight records.
+        self.desk = StackDesk(self._ask_ranks, self._running_ranks, self._rank_hosts)
+        self.flight: FlightFile | None = None
 
     def run(self) -> JobResult:
         """Start the launcher and supervise it until it exits."""
         handlers = {
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
         }
+        if self.events_token is not None:  # wrappers answer for their ranks' stacks
+            handlers[signal.SIGUSR1] = signal.signal(
+                signal.SIGUSR1, lambda signum, frame: self.desk.on_signal()
+            )
+            self.desk.listen()
         relays: list[_Relay] = []
         try:
             self.process = subprocess.Popen(
@@ -393,6 +404,7 @@ class _JobWatcher:
                 self._signal_group(signal.SIGKILL)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+            self.desk.close()
         drain_until = time.monotonic() + _DRAIN_TIMEOUT_S
         for relay in relays:
             relay.join(max(0.0, drain_until - time.monotonic()))
@@ -422,6 +434,11 @@ class _JobWatcher:
                     self.started.setdefault(event.rank, event)
             elif isinstance(event, RankFault):
                 self.faults.append(event)
+            elif isinstance(event, RankStacks):
+                self.desk.on_stacks(event.rank, event.host, event.reason, event.report)
+            elif isinstance(event, RankFlight):
+                self.flight = self.flight or FlightFile()
+                self.flight.add(event.rank, event.record)
             elif event.clean:
                 self.finished.append(event)
             else:
@@ -438,6 +455,7 @@ class _JobWatcher:
                 pass
             self._take_events()
             now = time.monotonic()
+            self.desk.poll(now)
             if self.teardown_started is None:
                 if self.stop_signal is not None:
                     # The user asked to stop: no grace for the launcher, terminate now.
@@ -451,6 +469,20 @@ class _JobWatcher:
                     self.teardown_started = now - self.teardown.launcher_grace_s
             if self.teardown_started is not None:
                 self._escalate(now)
+
+    def _ask_ranks(self) -> None:
+        """Ask every rank's wrapper for its stacks: the launcher passes SIGUSR1 on to each
+        (hydra and Open MPI forward it to every process they started, on every host)."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                self.process.send_signal(signal.SIGUSR1)
+
+    def _running_ranks(self) -> set[int]:
+        ended = {s.rank for s in self.failures + self.finished}
+        return set(self.started) - ended
+
+    def _rank_hosts(self) -> dict[int, str]:
+        return {rank: event.host for rank, event in self.started.items()}
 
     def _start_overdue(self, now: float) -> bool:
         """At the start deadline, note which watched ranks never started; True if any."""

@@ -27,6 +27,8 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
+from ringplug.forensics.stacks import ProcessStacks
+
 EVENTS_VARIABLE = "RINGPLUG_RUN_EVENTS"
 """Environment variable with the job's event token; the wrapper reports only when it is set."""
 
@@ -36,6 +38,8 @@ STARTED = "started"
 EXITED = "exited"
 FAULT = "fault"  # written by ringplug.core.log.end_job, which spells it alike
 OUTPUT = "output"
+STACKS = "stacks"  # a rank's stacks (core/log.py `event` and the wrapper send them)
+FLIGHT = "flight"  # a rank's last collectives (core/log.py `event`)
 
 
 @dataclass(frozen=True)
@@ -214,7 +218,75 @@ class RankOutput:
             raise ValueError(f"not a rank's output: {event!r}") from error
 
 
-Event = RankStatus | RankStarted | RankFault | RankOutput
+@dataclass(frozen=True)
+class RankStacks:
+    """Where a rank is: its stacks, sent by the rank itself (ringplug saw a stall) or by its
+    wrapper (the rank ran no Python for too long, or ringrun asked: `reason` "requested").
+
+    Args:
+        rank: the rank.
+        host: its host.
+        reason: why the stacks were taken.
+        report: the stacks (`ringplug.forensics.stacks.ProcessStacks`).
+    """
+
+    rank: int
+    host: str
+    reason: str
+    report: ProcessStacks
+
+    def to_event(self) -> dict[str, Any]:
+        return {
+            "event": STACKS,
+            "rank": self.rank,
+            "host": self.host,
+            "reason": self.reason,
+            "report": self.report.to_dict(),
+        }
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> RankStacks:
+        """The stacks a ``stacks`` event carries.
+
+        Raises:
+            ValueError: the event lacks a field or has one of the wrong type.
+        """
+        try:
+            report = ProcessStacks.from_dict(event["report"])
+            return cls(int(event["rank"]), str(event["host"]), str(event["reason"]), report)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a stack report: {event!r}") from error
+
+
+@dataclass(frozen=True)
+class RankFlight:
+    """A rank's flight record (its last collectives), for the job's flight file.
+
+    Args:
+        rank: the rank.
+        record: host, reason, time written and the records, as the rank sent them.
+    """
+
+    rank: int
+    record: dict[str, Any]
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> RankFlight:
+        """The record a ``flight`` event carries.
+
+        Raises:
+            ValueError: the event lacks a field or has one of the wrong type.
+        """
+        try:
+            record = {k: event[k] for k in ("host", "reason", "written", "records")}
+            if not isinstance(record["records"], list):
+                raise TypeError("records is not a list")
+            return cls(int(event["rank"]), record)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a flight record: {event!r}") from error
+
+
+Event = RankStatus | RankStarted | RankFault | RankOutput | RankStacks | RankFlight
 """Anything a wrapper reports to ringrun."""
 
 
@@ -253,6 +325,10 @@ def parse_event(line: str, token: str) -> Event | None:
             return RankFault.from_event(event)
         if event.get("event") == OUTPUT:
             return RankOutput.from_event(event)
+        if event.get("event") == STACKS:
+            return RankStacks.from_event(event)
+        if event.get("event") == FLIGHT:
+            return RankFlight.from_event(event)
     except ValueError:
         return None
     return None

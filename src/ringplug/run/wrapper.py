@@ -14,17 +14,21 @@ wrapper, which is not a rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from ringplug.forensics.stacks import STACKS_DIR_VARIABLE, outside
 from ringplug.run.processes import (
     die_with_parent,
     framework_rank_variables,
@@ -34,9 +38,11 @@ from ringplug.run.processes import (
     size_from_environment,
     write_all,
 )
+from ringplug.run.stacks import REQUESTED
 from ringplug.run.status import (
     EVENTS_VARIABLE,
     RankOutput,
+    RankStacks,
     RankStarted,
     RankStatus,
     event_line,
@@ -150,6 +156,7 @@ class RankWrapper:
         # bytes then travel as events, so that needs the events token.
         spec = TerminalSpec.from_environment(self.environ) if self._events_token else None
         self._terminal = spec if spec is not None and not self.rank else None
+        self._stacks = _StackWatch(self) if self._events_token else None
 
     def run(self) -> int:
         """Start the child, wait for it, report a failure; return the shell-style exit code."""
@@ -163,11 +170,16 @@ class RankWrapper:
         previous = {
             sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)
         }
+        if self._stacks is not None:
+            # The launcher passes ringrun's SIGUSR1 to every wrapper: answer with the stacks.
+            previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._stacks.on_signal)
         # Per stream: the pseudo-terminal's (controller, program end), or None for a pipe.
         ttys: dict[str, tuple[int, int]] = {}
         # The program knows its rank from its first line, as under torchrun (see
         # `framework_rank_variables`).
         env = {**self.environ, **framework_rank_variables(self.environ)}
+        if self._stacks is not None:
+            env[STACKS_DIR_VARIABLE] = str(self._stacks.folder)
         if self._terminal is not None:
             ttys = {name: open_pseudo_terminal(self._terminal) for name in self._terminal.streams}
             if self._terminal.term and "TERM" not in self.environ:
@@ -182,7 +194,10 @@ class RankWrapper:
                     # MPICH hands its PMI connection over as an inherited descriptor (PMI_FD);
                     # Open MPI/PMIx may do the same. Keep every inherited descriptor open.
                     close_fds=False,
-                    preexec_fn=parent_death_signal(signal.SIGKILL),
+                    # Its own process group: the launcher signals the wrapper's group, and a
+                    # SIGUSR1 meant for the wrapper would end a program without a handler (or
+                    # trip Lightning's SLURM requeue). SIGTERM/SIGINT are forwarded instead.
+                    preexec_fn=_own_group_dying_with(parent_death_signal(signal.SIGKILL)),
                 )
             except OSError as error:
                 for controller, _ in ttys.values():
@@ -198,6 +213,8 @@ class RankWrapper:
                 for _, program_end in ttys.values():
                     os.close(program_end)  # the child holds its own copy
             self._mark_started(self.child.pid)
+            if self._stacks is not None:
+                self._stacks.start(self.child.pid)
             if self._pending_signal is not None:
                 # A stop request that arrived while the child was being started.
                 self.child.send_signal(self._pending_signal)
@@ -220,6 +237,8 @@ class RankWrapper:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if self._stacks is not None:
+                self._stacks.stop()
             for file in files:
                 if file is not None:
                     file.close()
@@ -279,6 +298,83 @@ class RankWrapper:
     def _send_event(self, event: dict[str, object]) -> None:
         if self._events_token is not None:
             self._stderr.write_line(event_line(self._events_token, event))
+
+
+def _own_group_dying_with(then: Callable[[], None] | None) -> Callable[[], None]:
+    """A ``preexec_fn``: put the child in a process group of its own, then run `then`."""
+
+    def prepare() -> None:
+        os.setpgid(0, 0)
+        if then is not None:
+            then()
+
+    return prepare
+
+
+class _StackWatch:
+    """The wrapper's eye on its rank: the rank's stacks on request, and when it stops
+    running Python.
+
+    The rank's heartbeat (`ringplug.forensics.stacks`) needs the interpreter lock: when it
+    is older than ``RINGPLUG_STALL_CHECK_SECONDS``, no Python thread of the rank ran for
+    that long (C code holds the lock, or the process is stopped), ringplug's own stall
+    inspector cannot speak for it, and the wrapper reports its stacks, once per episode.
+    """
+
+    def __init__(self, wrapper: RankWrapper) -> None:
+        self.wrapper = wrapper
+        self.folder = Path(tempfile.mkdtemp(prefix="ringrun-stacks-"))
+        self.check_s = _stall_check_seconds(wrapper.environ)
+        self._asked = threading.Event()
+        self._stopped = threading.Event()
+        self.pid = 0
+
+    def start(self, pid: int) -> None:
+        self.pid = pid
+        threading.Thread(target=self._watch, name="ringrun-stacks", daemon=True).start()
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        self._asked.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _watch(self) -> None:
+        reported = False  # in this episode of a stale heartbeat
+        beat = self.folder / f"{self.pid}.beat"
+        while not self._stopped.is_set():
+            if self._asked.wait(min(1.0, max(self.check_s / 4, 0.1))):
+                self._asked.clear()
+                self._send(REQUESTED)
+            with contextlib.suppress(OSError):
+                age = time.time() - beat.stat().st_mtime
+                if age < self.check_s:
+                    reported = False
+                elif not reported:
+                    reported = True
+                    self._send(
+                        f"no Python thread of it ran for {age:.0f} s (RINGPLUG_STALL_CHECK_SECONDS="
+                        f"{self.check_s:g}): it is stopped, or C code holds the interpreter lock"
+                    )
+
+    def _send(self, reason: str) -> None:
+        if self._stopped.is_set():
+            return
+        report = outside(self.pid, self.folder)
+        rank = 0 if self.wrapper.rank is None else self.wrapper.rank
+        event = RankStacks(rank, socket.gethostname(), reason, report)
+        self.wrapper._send_event(event.to_event())
+
+
+def _stall_check_seconds(environ: Mapping[str, str]) -> float:
+    """The ranks' RINGPLUG_STALL_CHECK_SECONDS (they validate it; here a bad value is the
+    default)."""
+    try:
+        value = float(environ.get("RINGPLUG_STALL_CHECK_SECONDS") or 60.0)
+    except ValueError:
+        return 60.0
+    return value if value > 0 else 60.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

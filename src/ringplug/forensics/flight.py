@@ -1,0 +1,294 @@
+"""Each rank's flight record: its last collectives, and what they say about a hang.
+
+The engine keeps the last `RINGPLUG_FLIGHT_RECORD` collectives of its rank in a ring
+buffer (`FlightRecorder`): the number of each in the rank's sequence, its name, kind, size,
+call site, and when it was submitted, entered negotiation and completed. Recording one
+costs a few stores and a short walk up the caller's frames, not a copy of anything.
+
+On a stall (when rank 0 warns about it), a timeout or an engine failure every rank that
+can writes its record: under ringrun as an event that ringrun gathers into one file per job
+(the path printed), else into a file of its own in the temporary folder (the path logged).
+`explain` reads those and says where the ranks parted: the first collective submitted
+differently, which ranks wait in which collective, which never came.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .stacks import Frame, is_user_frame
+
+_OWN = str(Path(__file__).resolve().parents[1])  # ringplug's own frames are not call sites
+_SEARCH_DEPTH = 10  # frames above ringplug's searched for a user frame
+
+# Entry layout (a list: one allocation, stores by index).
+_SEQ, _NAME, _SIGNATURE, _SITE, _SUBMITTED, _ANNOUNCED, _DONE, _FAILED = range(8)
+
+
+class FlightRecorder:
+    """The last `capacity` collectives of this rank (0: records nothing).
+
+    `submitted` and `done` run under the engine's lock, on whichever thread submits or
+    completes: they only store.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, capacity)
+        self._ring: list[list[Any] | None] = [None] * self.capacity
+        self._count = 0
+        self._open: dict[str, list[Any]] = {}
+
+    def submitted(self, name: str, signature: Any, depth: int = 2) -> None:
+        """Record that `name` was submitted now, from the caller `depth` frames up."""
+        if not self.capacity:
+            return
+        entry = [
+            self._count,
+            name,
+            signature,
+            _call_site(depth + 1),
+            time.perf_counter(),
+            0.0,
+            0.0,
+            "",
+        ]
+        self._ring[self._count % self.capacity] = entry
+        self._count += 1
+        self._open[name] = entry
+
+    def forget(self, name: str) -> None:
+        """Take back the latest entry, `name`'s, which never ran (it is submitted anew)."""
+        entry = self._open.pop(name, None)
+        if entry is not None and entry[_SEQ] == self._count - 1:
+            self._count -= 1
+            self._ring[entry[_SEQ] % self.capacity] = None
+
+    def done(self, name: str, announced: float = 0.0, error: BaseException | None = None) -> None:
+        """Record that `name` completed now (or failed with `error`)."""
+        entry = self._open.pop(name, None)
+        if entry is not None:
+            entry[_ANNOUNCED] = announced
+            entry[_DONE] = time.perf_counter()
+            if error is not None:
+                entry[_FAILED] = f"{type(error).__name__}: {error}"[:300]
+
+    def records(
+        self,
+        describe: Callable[[Any], tuple[str, int]],
+        announced: Mapping[str, float] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The record, oldest first, as plain data with wall-clock times.
+
+        `describe(signature)` gives a collective's kind and bytes; `announced` the time a
+        still pending request entered negotiation (perf_counter), by name.
+        """
+        offset = time.time() - time.perf_counter()
+        start = max(0, self._count - self.capacity)
+        out = []
+        for seq in range(start, self._count):
+            entry = self._ring[seq % self.capacity]
+            if entry is None or entry[_SEQ] != seq:
+                continue
+            kind, nbytes = describe(entry[_SIGNATURE])
+            sent = entry[_ANNOUNCED] or (announced or {}).get(entry[_NAME], 0.0)
+            out.append(
+                {
+                    "seq": seq,
+                    "name": entry[_NAME],
+                    "kind": kind,
+                    "bytes": nbytes,
+                    "site": _site_text(entry[_SITE]),
+                    "submitted": entry[_SUBMITTED] + offset,
+                    "negotiating": sent + offset if sent else None,
+                    "completed": entry[_DONE] + offset if entry[_DONE] else None,
+                    "state": "failed"
+                    if entry[_FAILED]
+                    else ("done" if entry[_DONE] else "pending"),
+                    "error": entry[_FAILED] or None,
+                }
+            )
+        return out
+
+
+def _call_site(depth: int) -> tuple[Any, int] | None:
+    """(code, line) of the caller: the innermost user frame within a few frames above
+    ringplug's own, else the first frame outside ringplug."""
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:
+        return None
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN):
+        frame = frame.f_back
+    first = frame
+    for _ in range(_SEARCH_DEPTH):
+        if frame is None:
+            break
+        code = frame.f_code
+        if is_user_frame(Frame(code.co_filename, 0, "")):
+            return code, frame.f_lineno or 0
+        frame = frame.f_back
+    return (first.f_code, first.f_lineno or 0) if first is not None else None
+
+
+def _site_text(site: tuple[Any, int] | None) -> str:
+    if site is None:
+        return "?"
+    code, line = site
+    return f"{code.co_filename}:{line} in {code.co_name}"
+
+
+# ---------------------------------------------------------------------------- files
+def write_own(
+    rank: int, host: str, reason: str, records: list[dict[str, Any]], folder: str | None = None
+) -> Path:
+    """Write one rank's record to a file of its own (without ringrun); return its path."""
+    directory = Path(folder or os.environ.get("RINGPLUG_FLIGHT_DIR") or _temporary())
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"ringplug-flight.rank-{rank}.{os.getpid()}.json"
+    own = {"host": host, "reason": reason, "written": time.time(), "records": records}
+    job = {"ranks": {str(rank): own}}
+    path.write_text(json.dumps(job, indent=1))
+    return path
+
+
+def _temporary() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+def load(paths: Sequence[str | os.PathLike[str]]) -> dict[int, dict[str, Any]]:
+    """Every rank's record from job files (ringrun's) or per-rank files, merged by rank.
+
+    Raises:
+        ValueError: a file that is not a flight record, saying which.
+    """
+    ranks: dict[int, dict[str, Any]] = {}
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+            for rank, record in data["ranks"].items():
+                ranks[int(rank)] = record
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{path} is not a ringplug flight record: {error}") from error
+    return ranks
+
+
+# ---------------------------------------------------------------------------- explaining
+def _where(record: Mapping[str, Any]) -> str:
+    size = record.get("bytes") or 0
+    amount = f", {size / 2**20:.1f} MiB" if size >= 2**20 else (f", {size} B" if size else "")
+    return f"{record['kind']} {record['name']!r} (#{record['seq']}{amount}, from {record['site']})"
+
+
+def explain(ranks: Mapping[int, Mapping[str, Any]], size: int | None = None) -> list[str]:
+    """Where the ranks' collectives parted, in lines for people.
+
+    `size` is the job's world size when known: ranks without a record are named too.
+    """
+    if not ranks:
+        return ["no flight record of any rank"]
+    lines: list[str] = []
+    world = size if size is not None else max(ranks) + 1
+    silent = [r for r in range(world) if r not in ranks]
+    records = {r: list(ranks[r].get("records", [])) for r in sorted(ranks)}
+    by_seq = {r: {e["seq"]: e for e in entries} for r, entries in records.items()}
+    last = {
+        r: max(entries, key=lambda e: e["seq"]) if entries else None
+        for r, entries in records.items()
+    }
+    # The first collective number that the ranks submitted differently, or that some lack.
+    common = [set(seqs) for seqs in by_seq.values() if seqs]
+    low = max((min(s) for s in common), default=0)
+    high = max((max(s) for s in common), default=-1)
+    for seq in range(low, high + 1):
+        seen: dict[tuple[str, str], list[int]] = {}
+        lacking = []
+        for rank in records:
+            entry = by_seq[rank].get(seq)
+            if entry is None:
+                lacking.append(rank)
+            else:
+                seen.setdefault((entry["kind"], entry["name"]), []).append(rank)
+        if len(seen) > 1:
+            lines.append(f"the ranks parted at collective #{seq}:")
+            for (_, _), holders in sorted(seen.items(), key=lambda item: item[1]):
+                entry = by_seq[holders[0]][seq]
+                lines.append(
+                    f"  rank{_s(holders)} {_list(holders)}: {_where(entry)}, {entry['state']}"
+                )
+            break
+        if lacking and seen:
+            (holders,) = seen.values()
+            entry = by_seq[holders[0]][seq]
+            if entry["state"] == "pending":
+                waits = "wait" if len(holders) > 1 else "waits"
+                lines.append(
+                    f"rank{_s(lacking)} {_list(lacking)} never submitted collective #{seq}, "
+                    f"{_where(entry)}, which rank{_s(holders)} {_list(holders)} {waits} in"
+                )
+            else:
+                lines.append(
+                    f"rank{_s(lacking)} {_list(lacking)} stopped before collective #{seq}, "
+                    f"{_where(entry)}"
+                )
+            for rank in lacking:
+                before = last[rank]
+                lines.append(
+                    f"  rank {rank}'s last collective: {_where(before)}, {before['state']}"
+                    if before
+                    else f"  rank {rank} recorded no collective"
+                )
+            break
+    for rank, entries in records.items():
+        pending = [e for e in entries if e["state"] == "pending"]
+        failed = [e for e in entries if e["state"] == "failed"]
+        if pending:
+            oldest = pending[0]
+            waited = (ranks[rank].get("written") or time.time()) - oldest["submitted"]
+            lines.append(f"rank {rank} waits in {_where(oldest)} for {waited:.0f} s")
+        for entry in failed[:1]:
+            lines.append(f"rank {rank}: {_where(entry)} failed: {entry['error']}")
+    if silent:
+        lines.append(
+            f"rank{_s(silent)} {_list(silent)} wrote no flight record (it did not answer: "
+            "stopped, killed, or unable to run Python)"
+        )
+    if not lines:
+        lines.append(f"every rank's record agrees up to collective #{high}: no divergence recorded")
+    return lines
+
+
+def _s(ranks: Sequence[int]) -> str:
+    return "s" if len(ranks) > 1 else ""
+
+
+def _list(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ringplug.forensics FILE...``: explain flight records."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m ringplug.forensics",
+        description="Say where the ranks' collectives parted, from ringplug flight records.",
+    )
+    parser.add_argument("files", nargs="+", help="ringrun's job file or the ranks' own files")
+    parser.add_argument("--size", type=int, help="the job's number of ranks")
+    args = parser.parse_args(argv)
+    try:
+        ranks = load(args.files)
+    except ValueError as error:
+        print(f"ringplug.forensics: {error}", file=sys.stderr)
+        return 2
+    for line in explain(ranks, args.size):
+        print(line)
+    return 0
