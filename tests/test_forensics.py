@@ -122,18 +122,20 @@ def test_rank_ranges(ranks, text):
     assert stacks.rank_ranges(ranks) == text
 
 
-def submit_from_here(recorder: flight.FlightRecorder, name: str) -> int:
-    recorder.submitted(name, ("allreduce", 64), depth=1)
-    return inspect.currentframe().f_lineno - 1
+def submit_from_here(recorder: flight.FlightRecorder, name: str) -> tuple[list, int]:
+    recorder.note_site(name, depth=1)
+    line = inspect.currentframe().f_lineno - 1
+    return recorder.add(name, ("allreduce", 64), time.perf_counter()), line
 
 
 def test_the_flight_record_keeps_the_last_collectives_with_their_call_sites():
     recorder = flight.FlightRecorder(3)
     lines = {}
     for n in range(5):
-        lines[n] = submit_from_here(recorder, f"t{n}")
+        entry, lines[n] = submit_from_here(recorder, f"t{n}")
         if n != 3:
-            recorder.done(f"t{n}", error=ValueError("bad") if n == 4 else None)
+            error = ValueError("bad") if n == 4 else None
+            flight.finish(entry, 0.0, time.perf_counter(), error)
     records = recorder.records(lambda signature: signature)
     assert [(r["seq"], r["name"], r["state"]) for r in records] == [
         (2, "t2", "done"),
@@ -147,9 +149,9 @@ def test_the_flight_record_keeps_the_last_collectives_with_their_call_sites():
 
 def test_a_collective_taken_back_leaves_no_trace():
     recorder = flight.FlightRecorder(4)
-    recorder.submitted("a", ("allreduce", 8))
+    recorder.add("a", ("allreduce", 8), time.perf_counter(), track=True)
     recorder.forget("a")
-    recorder.submitted("a", ("allreduce", 8))
+    recorder.add("a", ("allreduce", 8), time.perf_counter())
     assert [r["seq"] for r in recorder.records(lambda s: s)] == [0]
 
 

@@ -349,3 +349,37 @@ def test_check_explains_an_unknown_host_key(bed, tmp_path):
     assert result.returncode == 1
     assert f"host {bed.address('b')}: host key: " in result.stdout
     assert f"ssh-keyscan -H {bed.address('b')} >> ~/.ssh/known_hosts" in result.stdout
+
+
+# --------------------------------------------------------------------- where a job is stuck
+def test_ringrun_stacks_answers_for_every_rank_on_every_host(bed, tmp_path):
+    done = tmp_path / "done"
+    argv = ringrun_argv(bed, ["-H", hosts(bed, "a:2", "b:2"), *OVER_TCP,
+                              "-x", f"HANGS_DONE_FILE={done}", sys.executable,
+                              str(WORKERS / "hangs.py"), "none"])  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key != "RINGPLUG_MPIEXEC"}
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env)  # fmt: skip
+    try:
+        ready: set[str] = set()
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        assert job.stdout is not None
+        while len(ready) < 4:
+            assert time.monotonic() < deadline and job.poll() is None, "the ranks did not start"
+            found = re.search(r"rank (\d) ready", job.stdout.readline())
+            if found:
+                ready.add(found.group(1))
+        asked_at = time.monotonic()
+        asked = subprocess.run([*RINGRUN, "--stacks", str(job.pid)], capture_output=True,
+                               text=True, timeout=30, check=False)  # fmt: skip
+    finally:
+        done.touch()
+        _, stderr = job.communicate(timeout=JOB_TIMEOUT_S)
+    print(f"ringrun --stacks answered in {time.monotonic() - asked_at:.2f} s")  # the figure
+    assert asked.returncode == 0, asked.stderr
+    assert asked.stdout.startswith("stacks of 4 ranks, taken just now:"), asked.stdout
+    # Ranks 0, 2, 3 (on a, b, b) wait alike in the allreduce; rank 1 (on a) waits for the file.
+    assert re.search(r"^ranks 0, 2-3 \(sleeping\):$", asked.stdout, re.M), asked.stdout
+    assert re.search(r"^rank 1 on host bed-a \(pid \d+, sleeping\):$", asked.stdout, re.M)
+    assert "in planted_wait_for_file   <-- innermost user frame" in asked.stdout
+    assert job.returncode == 0, stderr

@@ -23,10 +23,13 @@ Small-message rows: one 4 KiB tensor submitted and waited for (small-1); 1,000 t
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import numpy as np
 
 import ringplug
+from ringplug.core import runtime
+from ringplug.forensics.flight import FlightRecorder
 
 from .allreduce import _gloo_group
 from .common import ROUNDS, Record, environment, measure_side_by_side, median, write_json
@@ -60,13 +63,28 @@ def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
+def _without_flight(step: Callable[[], object]) -> Callable[[], None]:
+    """`step` with the engine's flight record off (as with RINGPLUG_FLIGHT_RECORD=0)."""
+
+    def run_it() -> None:
+        engine = runtime.engine()
+        kept, engine.flight = engine.flight, FlightRecorder(0)
+        try:
+            step()
+        finally:
+            engine.flight = kept
+
+    return run_it
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=15, help="timed iterations per impl")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--impls",
         default="ringplug,ringplug-views,single,copy,gloo,small",
-        help="comma-separated subset (small = the three small-message rows)",
+        help="comma-separated subset (small = the small-message rows; no-flight = the "
+        "ringplug and small-1000 rows again with the flight record off, for its cost)",
     )
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
@@ -156,8 +174,16 @@ def run(args: argparse.Namespace) -> int:
         "small-1000-grouped-in-place",
         "single-4M",
     )
+    if "no-flight" in impls:  # the same steps with RINGPLUG_FLIGHT_RECORD=0, interleaved
+        runners["ringplug-no-flight"] = _without_flight(runners["ringplug"])
+        runners["small-1000-no-flight"] = _without_flight(small_many)
+    flightless = ("ringplug-no-flight", "small-1000-no-flight")
     chosen = [
-        name for name in runners if name in impls or ("small" in impls and name in small_rows)
+        name
+        for name in runners
+        if name in impls
+        or ("small" in impls and name in small_rows)
+        or ("no-flight" in impls and name in flightless)
     ]
     timed = measure_side_by_side(
         {impl: runners[impl] for impl in chosen},
@@ -173,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             "small-1000": 4096 * 1000,
             "small-1000-grouped": 4096 * 1000,
             "small-1000-grouped-in-place": 4096 * 1000,
+            "small-1000-no-flight": 4096 * 1000,
             "single-4M": 4 << 20,
         }.get(impl, total * 4)
         count = {
@@ -180,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
             "small-1000": 1000,
             "small-1000-grouped": 1000,
             "small-1000-grouped-in-place": 1000,
+            "small-1000-no-flight": 1000,
             "single-4M": 1,
             "single": 1,
         }.get(impl, len(arrays))

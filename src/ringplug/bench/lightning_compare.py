@@ -49,7 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: the cost of the step-time breakdown per step (on and "
         "off in turns within each 2-rank job)",
     )
+    parser.add_argument(
+        "--flight-cost",
+        action="store_true",
+        help="instead: RingStrategy with its flight record against RINGPLUG_FLIGHT_RECORD=0, "
+        "alternating, on the MLP and the tiny MLP",
+    )
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+
+
+NO_FLIGHT = "-noflight"  # an impl with this suffix runs with RINGPLUG_FLIGHT_RECORD=0
 
 
 def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict:
@@ -58,6 +67,9 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
     impl = impl.removesuffix(TINY)
     steps, hidden = (args.tiny_steps, args.tiny_hidden) if tiny else (args.steps, args.hidden)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if impl.endswith(NO_FLIGHT):
+        impl = impl.removesuffix(NO_FLIGHT)
+        env["RINGPLUG_FLIGHT_RECORD"] = "0"
     command = [sys.executable, JOB, impl, str(steps), str(hidden), str(out)]
     if impl.startswith("ring"):
         command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *command]
@@ -74,6 +86,8 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
 def run(args: argparse.Namespace) -> int:
     if args.diagnose:
         return _run_diagnose(args)
+    if args.flight_cost:
+        return _run_flight_cost(args)
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
         records, ratios = alternating_pairs(
             args.pairs,
@@ -116,6 +130,25 @@ def run(args: argparse.Namespace) -> int:
             },
             records,
         )
+    return 0
+
+
+def _run_flight_cost(args: argparse.Namespace) -> int:
+    """Throughput with the flight record over without it, alternating jobs, 2 ranks."""
+    with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
+        _, ratios = alternating_pairs(
+            args.pairs,
+            [
+                ("flight/none", "ring", "ring" + NO_FLIGHT, 2),
+                ("flight/none tiny", "ring" + TINY, "ring" + NO_FLIGHT + TINY, 2),
+            ],
+            lambda impl, ranks: _job(impl, ranks, args, Path(tmp)),
+            lambda impl, ranks: impl,
+        )
+    for label, values in ratios.items():
+        cost = 1 - statistics.median(values)
+        print(f"# {label}: median throughput ratio {statistics.median(values):.3f} "
+              f"(the flight record costs {cost * 100:.1f}%; target < 1%)")  # fmt: skip
     return 0
 
 

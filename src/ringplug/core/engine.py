@@ -212,8 +212,8 @@ class Engine(ExpressCycles):
                     "each tensor its own name."
                 )
             self._in_flight[request.name] = request.handle
-            self.flight.submitted(request.name, request.signature)
             request.submitted = time.perf_counter()
+            self.flight.note_site(request.name)  # the entry itself: `_take_submissions`
             if self._host_only:
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
             # A caller about to wait, with nothing else queued: its cycle runs here and now
@@ -571,7 +571,12 @@ class Engine(ExpressCycles):
                     self._lock.notify_all()
             if self._join_handle is not None and not self._joined_cycle:
                 self._joined_cycle = self._cycle + 1
-            return fresh, self._stop_requested
+            stopping = self._stop_requested
+        record = self.flight
+        if record.capacity:  # here, on the thread that runs the cycles, not the caller's
+            for request in fresh:
+                request.flight = record.add(request.name, request.signature, request.submitted)
+        return fresh, stopping
 
     def _follow(self, messages: list[Message], alike: bool, cycle_start: float) -> bool:
         """Decide this cycle's plan from every rank's message and run it; True when the
@@ -778,12 +783,15 @@ class Engine(ExpressCycles):
                 handles.append(request.handle)
                 results.append(result)
                 errors.append(failure)
+        now = time.perf_counter()
         with self._mutex:
-            in_flight, flight = self._in_flight, self.flight
+            in_flight = self._in_flight
             for request in requests:
                 if request is not None:
                     in_flight.pop(request.name, None)
-                    flight.done(request.name, request.announced, error)
+                    entry = request.flight
+                    if entry is not None:
+                        flight.finish(entry, request.announced, now, error)
         finish_each(handles, results, errors)
 
     def complete(
@@ -792,7 +800,7 @@ class Engine(ExpressCycles):
         result, error = self._outcome(request, result, error)
         with self._mutex:
             self._in_flight.pop(request.name, None)
-            self.flight.done(request.name, request.announced, error)
+        flight.finish(request.flight, request.announced, time.perf_counter(), error)
         request.handle._finish(result, error)
 
     @staticmethod

@@ -131,7 +131,8 @@ class ExpressCycles:
             ):
                 return None
             self._in_flight[name] = None
-            self.flight.submitted(name, ("allreduce", array.nbytes))
+            self.flight.note_site(name)
+            self.flight.add(name, ("allreduce", array.nbytes), time.perf_counter(), track=True)
         request: Request | None = None
         try:
             form = self._agreed_form(name, cacheable, array, code, op, number)
@@ -195,7 +196,7 @@ class ExpressCycles:
             if request is None:
                 with self._mutex:
                     self._in_flight.pop(name, None)
-                    self.flight.done(name)
+                    self.flight.finish_named(name)
             self._mpi.release()
             if request is not None:
                 self._after_driving(request.handle)
@@ -289,6 +290,7 @@ class ExpressCycles:
         request.handle._engine = self  # its waiter may run the cycles (see `drive`)
         with self._mutex:
             self._in_flight[name] = request.handle
+            request.flight = self.flight.tracked(name)
         if pending:
             self.pending[name] = request
         return request

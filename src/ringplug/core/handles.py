@@ -159,6 +159,7 @@ class Request:
     result: Any = None
     submitted: float = 0.0
     announced: float = 0.0
+    flight: list[Any] | None = None  # its entry in the flight record (`forensics.flight`)
     # Seconds this rank waits for the others to submit it before failing it here alone
     # (`BarrierTimeoutError`); 0: `RINGPLUG_TIMEOUT`, after which the job ends.
     timeout: float = 0.0

@@ -43,40 +43,48 @@ class FlightRecorder:
         self._ring: list[list[Any] | None] = [None] * self.capacity
         self._count = 0
         self._open: dict[str, list[Any]] = {}
+        self._sites: dict[str, tuple[Any, int] | None] = {}
 
-    def submitted(self, name: str, signature: Any, depth: int = 2) -> None:
-        """Record that `name` was submitted now, from the caller `depth` frames up."""
+    def note_site(self, name: str, depth: int = 2) -> None:
+        """On the submitting thread: remember where `name` is submitted from (the caller
+        `depth` frames up), the first time only: a training step submits the same names
+        from the same places every step, and walking the frames costs microseconds."""
+        if self.capacity and name not in self._sites:
+            if len(self._sites) >= _SITES_KEPT:
+                self._sites.clear()  # unnamed requests ("noname.N") never repeat
+            self._sites[name] = _call_site(depth + 1)
+
+    def add(
+        self, name: str, signature: Any, submitted: float, track: bool = False
+    ) -> list[Any] | None:
+        """Record `name`, submitted at `submitted` (perf_counter); return its entry, for
+        `finish` (None when recording nothing). With `track` the entry is kept by name too
+        (a call without a request: `tracked`, `finish_named`, `forget`)."""
         if not self.capacity:
-            return
-        entry = [
-            self._count,
-            name,
-            signature,
-            _call_site(depth + 1),
-            time.perf_counter(),
-            0.0,
-            0.0,
-            "",
-        ]
+            return None
+        site = self._sites.get(name)
+        entry = [self._count, name, signature, site, submitted, 0.0, 0.0, ""]
         self._ring[self._count % self.capacity] = entry
         self._count += 1
-        self._open[name] = entry
+        if track:
+            self._open[name] = entry
+        return entry
+
+    def tracked(self, name: str) -> list[Any] | None:
+        """The entry `submitted(track=True)` keeps for `name` (a request adopts it)."""
+        return self._open.pop(name, None)
 
     def forget(self, name: str) -> None:
-        """Take back the latest entry, `name`'s, which never ran (it is submitted anew)."""
+        """Take back the latest entry, `name`'s tracked one, which never ran (it is submitted
+        anew)."""
         entry = self._open.pop(name, None)
         if entry is not None and entry[_SEQ] == self._count - 1:
             self._count -= 1
             self._ring[entry[_SEQ] % self.capacity] = None
 
-    def done(self, name: str, announced: float = 0.0, error: BaseException | None = None) -> None:
-        """Record that `name` completed now (or failed with `error`)."""
-        entry = self._open.pop(name, None)
-        if entry is not None:
-            entry[_ANNOUNCED] = announced
-            entry[_DONE] = time.perf_counter()
-            if error is not None:
-                entry[_FAILED] = f"{type(error).__name__}: {error}"[:300]
+    def finish_named(self, name: str) -> None:
+        """Record that the tracked `name` completed now."""
+        finish(self._open.pop(name, None), 0.0, time.perf_counter())
 
     def records(
         self,
@@ -116,22 +124,55 @@ class FlightRecorder:
         return out
 
 
+# Code object -> what its frames are: 0 ringplug's own, 1 a library's, 2 the user's.
+_KINDS: dict[Any, int] = {}
+_MOST_FRAMES = 40  # walked up from the submission, at most
+_SITES_KEPT = 4096
+
+
+def _frame_kind(code: Any) -> int:
+    kind = _KINDS.get(code)
+    if kind is None:
+        name = code.co_filename
+        kind = _KINDS[code] = (
+            0 if name.startswith(_OWN) else (2 if is_user_frame(Frame(name, 0, "")) else 1)
+        )
+    return kind
+
+
+def finish(
+    entry: list[Any] | None, announced: float, now: float, error: BaseException | None = None
+) -> None:
+    """Record that the collective of `entry` (None: not recorded) completed at `now`, having
+    entered negotiation at `announced`, or failed with `error`."""
+    if entry is not None:
+        entry[_ANNOUNCED] = announced
+        entry[_DONE] = now
+        if error is not None:
+            entry[_FAILED] = f"{type(error).__name__}: {error}"[:300]
+
+
 def _call_site(depth: int) -> tuple[Any, int] | None:
-    """(code, line) of the caller: the innermost user frame within a few frames above
-    ringplug's own, else the first frame outside ringplug."""
+    """(code, line) of the caller: the innermost user frame within `_SEARCH_DEPTH` frames
+    above ringplug's own, else the first frame outside ringplug. One dictionary lookup per
+    frame (the answer is kept per code object)."""
     try:
         frame = sys._getframe(depth)
     except ValueError:
         return None
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN):
-        frame = frame.f_back
-    first = frame
-    for _ in range(_SEARCH_DEPTH):
+    first = None
+    outside = 0
+    for _ in range(_MOST_FRAMES):
         if frame is None:
             break
-        code = frame.f_code
-        if is_user_frame(Frame(code.co_filename, 0, "")):
-            return code, frame.f_lineno or 0
+        kind = _frame_kind(frame.f_code)
+        if kind == 2:
+            return frame.f_code, frame.f_lineno or 0
+        if kind == 1:
+            first = first or frame
+            outside += 1
+            if outside > _SEARCH_DEPTH:
+                break
         frame = frame.f_back
     return (first.f_code, first.f_lineno or 0) if first is not None else None
 
