@@ -883,7 +883,7 @@ class Engine(ExpressCycles):
             self.report_where(message[:300])
 
     def fail_everything(self, error: BaseException) -> None:
-        if self._in_flight:
+        if self._in_flight and self.size > 1:  # a lone process has no one to part from
             self._last_words(f"{type(error).__name__}: {error}")
         with self._lock:
             self._failure = error

@@ -258,6 +258,15 @@ def process_state(pid: int) -> str:
     return words
 
 
+def _wait_channel(pid: int) -> str:
+    """The kernel function the process's main thread sleeps in (``futex_wait_queue``), or ""."""
+    try:
+        name = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        return ""
+    return "" if name in ("", "0") else name
+
+
 def child_pids(pid: int) -> list[int]:
     """The process's children (every thread's), from ``/proc``."""
     found: list[int] = []
@@ -281,18 +290,39 @@ def _handles_signal(pid: int) -> bool:
 
 
 def outside(
-    pid: int, folder: Path | str | None, timeout: float = 2.0, children: bool = True
+    pid: int,
+    folder: Path | str | None,
+    timeout: float = 2.0,
+    children: bool = True,
+    interrupt: bool = True,
 ) -> ProcessStacks:
     """The stacks of process `pid` taken from outside it, through its stack handler.
 
     A stopped process is reported as stopped (it would answer only once continued); one
-    without the handler (ringplug not started yet there) by its state alone.
+    without the handler (ringplug not started yet there) by its state alone. Without
+    `interrupt` a process whose main thread sleeps in a system call is not signalled either:
+    a signal ends a C call's sleep early (``EINTR``; Python's own calls retry, C code may
+    not), so its report gives the kernel function it waits in instead.
     """
     state = process_state(pid)
-    kids = [outside(c, folder, timeout, children) for c in child_pids(pid)] if children else []
+    kids = (
+        [outside(c, folder, timeout, children, interrupt) for c in child_pids(pid)]
+        if children
+        else []
+    )
     if state.startswith("stopped") or state in ("gone", "dead") or state.startswith("a zombie"):
         return ProcessStacks(
             pid, state, note="it does not run Python now: no stacks to take", children=kids
+        )
+    if not interrupt and not state.startswith("running"):
+        where = _wait_channel(pid)
+        return ProcessStacks(
+            pid,
+            state,
+            note=f"it waits in a system call{f' ({where})' if where else ''} while holding the "
+            "interpreter lock; its stacks are not taken so as not to interrupt that call "
+            "(`ringrun --stacks` takes them anyway)",
+            children=kids,
         )
     path = Path(folder, f"{pid}.stacks") if folder else None
     if path is None or not path.exists() or not _handles_signal(pid):
@@ -316,16 +346,27 @@ def outside(
 
 
 def _read_settled(path: Path, deadline: float) -> str:
-    """The file's text once it stopped growing (faulthandler writes it in one go, from a
-    signal handler: nothing marks its end), or what is there at `deadline`."""
-    last = -1
+    """The file's text once faulthandler is done writing it, or what is there at `deadline`.
+
+    Nothing marks the end of a dump (it is written from a signal handler, a line at a time).
+    The main thread comes last and ends in a module's frame: a dump that ends so and stopped
+    growing for 0.1 s is whole; any other stops growing for 0.5 s first (a process
+    preempted mid-dump on a busy host).
+    """
+    last, since = -1, time.monotonic()
     while True:
         size = path.stat().st_size if path.exists() else 0
         now = time.monotonic()
-        if (size and size == last) or now >= deadline:
-            return path.read_text(errors="replace")
-        last = size
-        time.sleep(0.05)
+        if size != last:
+            last, since = size, now
+        elif size:
+            text = path.read_text(errors="replace")
+            whole = text.rstrip().endswith("in <module>")
+            if now - since >= (0.1 if whole else 0.5):
+                return text
+        if now >= deadline:
+            return path.read_text(errors="replace") if path.exists() else ""
+        time.sleep(0.02)
 
 
 def _thread_names(path: Path) -> dict[int, tuple[str, bool]]:

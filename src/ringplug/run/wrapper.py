@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from ringplug.forensics.stacks import STACKS_DIR_VARIABLE, outside
+from ringplug.forensics.stacks import HEARTBEAT_SECONDS, STACKS_DIR_VARIABLE, outside
 from ringplug.run.processes import (
     die_with_parent,
     framework_rank_variables,
@@ -349,19 +349,21 @@ class _StackWatch:
                 self._send(REQUESTED)
             with contextlib.suppress(OSError):
                 age = time.time() - beat.stat().st_mtime
-                if age < self.check_s:
+                # The beat comes every second, later on a busy host: a margin of two.
+                if age < self.check_s + 2 * HEARTBEAT_SECONDS:
                     reported = False
                 elif not reported:
                     reported = True
                     self._send(
                         f"no Python thread of it ran for {age:.0f} s (RINGPLUG_STALL_CHECK_SECONDS="
-                        f"{self.check_s:g}): it is stopped, or C code holds the interpreter lock"
+                        f"{self.check_s:g}): it is stopped, or C code holds the interpreter lock",
+                        interrupt=False,
                     )
 
-    def _send(self, reason: str) -> None:
+    def _send(self, reason: str, interrupt: bool = True) -> None:
         if self._stopped.is_set():
             return
-        report = outside(self.pid, self.folder)
+        report = outside(self.pid, self.folder, interrupt=interrupt)
         rank = 0 if self.wrapper.rank is None else self.wrapper.rank
         event = RankStacks(rank, socket.gethostname(), reason, report)
         self.wrapper._send_event(event.to_event())
