@@ -1,6 +1,6 @@
 """The step-time breakdown and its verdict: the rules on planted medians (one process), and
-on 2 real ranks with planted bottlenecks, in Lightning and in Keras; stall reports that say
-what the missing rank was doing."""
+on 2 real ranks with planted bottlenecks, in Lightning and in Keras, and on 3 real ranks of
+a 2-parameter model; stall reports that say what the missing rank was doing."""
 
 from __future__ import annotations
 
@@ -27,12 +27,14 @@ EXPECTED = {"data": ("data-bound", 1), "straggler": ("straggler", 1),
 
 def ms(rank: int, step: float, data: float = 0.0, compute: float = 0.0,
        communication: float = 0.0, optimizer: float = 0.0, nbytes: float = 0.0,
-       window: float = 0.0) -> RankSummary:  # fmt: skip
-    """A rank's medians, given in milliseconds."""
+       window: float = 0.0, collectives: float = 0.0,
+       reductions: float = 0.0) -> RankSummary:  # fmt: skip
+    """A rank's medians, given in milliseconds (and counts per step)."""
     other = step - data - compute - communication - optimizer
     return RankSummary(rank, "host", 20, step / 1e3, data / 1e3, compute / 1e3,
                        communication / 1e3, optimizer / 1e3, other / 1e3, nbytes,
-                       window / 1e3)  # fmt: skip
+                       window / 1e3, (step - communication) / 1e3, collectives,
+                       reductions)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- the rules
@@ -76,6 +78,115 @@ def test_without_a_measured_ceiling_the_verdict_says_how_to_measure_one():
     assert "ringrun --check --bench" in verdict(ranks).text
 
 
+def test_large_gradients_far_below_a_fast_measured_link_stay_communication_bound():
+    # 32 MiB at a measured 20 GB/s would take 1.7 ms of the 60 ms wait: the link is going
+    # far slower than it can, but an allreduce this large is about bytes, not round trips.
+    mib = 32 * 2**20
+    ranks = [ms(r, 100, compute=30, communication=60, nbytes=mib, window=60, collectives=2,
+                reductions=2) for r in range(2)]  # fmt: skip
+    found = verdict(ranks, ceiling_busbw=20e9)
+    assert found.kind == "communication-bound"
+    assert "the link can do more" in found.text
+    assert "compression='fp16'" in found.text
+
+
+def test_a_two_parameter_model_waiting_on_round_trips_is_latency_bound():
+    # The medians of a real 3-rank Lightning fit of Linear(1, 1) on 2 cores: 8 bytes of
+    # gradients, yet 43% or more of every step in the reduction. Bandwidth has nothing to
+    # do with it, so neither do fp16 or a faster interconnect.
+    ranks = [ms(0, 14.7, data=0.3, compute=2.9, communication=6.3, optimizer=0.4, nbytes=8,
+                window=6.5, collectives=2, reductions=1),
+             ms(1, 14.0, data=0.3, compute=1.6, communication=7.2, optimizer=0.4, nbytes=8,
+                window=7.4, collectives=2, reductions=1),
+             ms(2, 12.5, data=0.3, compute=1.8, communication=6.4, optimizer=0.4, nbytes=8,
+                window=6.6, collectives=2, reductions=1)]  # fmt: skip
+    found = verdict(ranks)
+    assert (found.kind, found.rank) == ("latency-bound", None)
+    assert "communication-bound" not in found.text and "GB/s bus bandwidth" not in found.text
+    assert "compression" not in found.text and "interconnect" not in found.text
+    assert "every rank waits 43% or more" in found.text
+    assert "only 8 B per step" in found.text
+    assert "(1 gradient allreduce per step, 6.30 ms; 2 collectives per step in all" in found.text
+    assert "more processes than cores" in found.text  # 6.3 ms is no network's round trip
+    assert "backward_passes_per_step" in found.text and "sync_dist" in found.text
+    assert "RINGPLUG_FUSION_THRESHOLD" not in found.text  # one allreduce: nothing to fuse
+    assert "ringrun --check --bench -np N measures yours" in found.text
+
+
+def test_many_small_allreduces_are_told_to_fuse():
+    ranks = [ms(r, 10, compute=5, communication=4, nbytes=4000, window=4.5, collectives=30,
+                reductions=30) for r in range(2)]  # fmt: skip
+    found = verdict(ranks)
+    assert found.kind == "latency-bound"
+    assert "30 gradient allreduces per step, 0.13 ms each" in found.text
+    assert "RINGPLUG_FUSION_THRESHOLD" in found.text and "bucket_bytes" in found.text
+    assert "sync_dist" not in found.text  # no collectives besides the gradients'
+    assert "more processes than cores" not in found.text
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "ceiling", "kind"),
+    [
+        # No ceiling: a 0.1 GB/s link moves 5,000 bytes in one 50 us round trip (2 ranks
+        # send each byte once on the bus).
+        (4_000, None, "latency-bound"),
+        (6_000, None, "communication-bound"),
+        # At a measured 6 GB/s, a round trip's worth is 300,000 bytes.
+        (250_000, 6e9, "latency-bound"),
+        (350_000, 6e9, "communication-bound"),
+    ],
+)
+def test_bandwidth_is_named_once_the_bytes_outlast_a_round_trip(nbytes, ceiling, kind):
+    ranks = [ms(r, 100, compute=30, communication=60, nbytes=nbytes, window=60, collectives=1,
+                reductions=1) for r in range(2)]  # fmt: skip
+    assert verdict(ranks, ceiling_busbw=ceiling).kind == kind
+
+
+@pytest.mark.parametrize(("nbytes", "kind"), [(20_000, "latency-bound"),
+                                              (40_000, "communication-bound")])  # fmt: skip
+def test_bytes_that_fill_a_quarter_of_a_short_wait_are_named(nbytes, kind):
+    # 10 allreduces' round trips (0.5 ms) are more than either payload needs at 0.1 GB/s,
+    # but 40 KB take 0.4 ms of the 1.2 ms wait, and 20 KB only 0.2 ms.
+    ranks = [ms(r, 4, compute=2, communication=1.2, nbytes=nbytes, window=1.2, collectives=10,
+                reductions=10) for r in range(2)]  # fmt: skip
+    assert verdict(ranks).kind == kind
+
+
+def test_a_rank_late_with_other_work_is_named_though_it_computes_no_longer():
+    # Rank 2 computes 20% longer (no straggler), but spends 11 ms more on the rest of its
+    # step; ranks 0 and 1 wait for it in the reduction.
+    ranks = [ms(0, 30, compute=5, communication=14), ms(1, 30, compute=5, communication=14),
+             ms(2, 30, compute=6, communication=2)]  # fmt: skip
+    found = verdict(ranks)
+    assert (found.kind, found.rank) == ("late rank", 2)
+    assert "rank 2 reaches the gradient reduction last, 12.0 ms after the others" in found.text
+    assert "most of the difference in the rest of the step: 22.0 against 11.0 ms" in found.text
+    assert "ranks 0, 1 wait 12.0 ms longer than it does (40% of each step)" in found.text
+    assert "logging, callbacks" in found.text
+    assert "communication-bound" not in found.text
+
+
+def test_a_rank_computing_a_little_longer_is_late_before_it_is_a_straggler():
+    # 25 against 20 ms: under STRAGGLER_RATIO, but rank 0 waits 15% of each step for it.
+    ranks = [ms(0, 40, compute=20, communication=10), ms(1, 40, compute=25, communication=4)]
+    found = verdict(ranks)
+    assert (found.kind, found.rank) == ("late rank", 1)
+    assert "most of the difference in forward and backward: 25.0 against 20.0 ms" in found.text
+    assert "rank 1 reaches the gradient reduction last, 6.0 ms after the others" in found.text
+    assert "rank 0 waits 6.0 ms longer than it does (15% of each step)" in found.text
+
+
+def test_a_late_rank_costing_more_than_the_reduction_is_named_first():
+    # Every rank waits at least 30% (rank 2 too), but ranks 0 and 1 wait 40 ms more for it.
+    ranks = [ms(0, 100, compute=20, communication=70, nbytes=8),
+             ms(1, 100, compute=20, communication=70, nbytes=8),
+             ms(2, 100, compute=20, communication=30, nbytes=8)]  # fmt: skip
+    assert (verdict(ranks).kind, verdict(ranks).rank) == ("late rank", 2)
+    # With the lateness smaller than what every rank waits, the reduction comes first.
+    ranks[2] = ms(2, 100, compute=20, communication=55, nbytes=8)
+    assert verdict(ranks).kind == "latency-bound"
+
+
 def test_waiting_behind_a_straggler_is_not_called_communication_bound():
     # Rank 0 waits most of its step, but rank 1 (the slow one) hardly waits at all.
     ranks = [ms(0, 50, compute=10, communication=38), ms(1, 50, compute=45, communication=2)]
@@ -91,10 +202,11 @@ def test_busy_ranks_with_small_waits_are_compute_bound():
 
 
 def test_medians_leave_out_the_first_step_and_split_each_step_into_phases():
-    # (start, data_start, data, arrived, backward_end, reduce_start, reduced, end, nbytes)
-    warmup = (0.0, 0.0, 0.5, 1.0, 2.0, 1.5, 3.0, 4.0, 100)
-    rows = [warmup] + [(t, t, 0.001, t + 0.002, t + 0.010, t + 0.006, t + 0.013, t + 0.015, 100)
-                       for t in (10.0, 20.0, 30.0)]  # fmt: skip
+    # (start, data_start, data, arrived, backward_end, reduce_start, reduced, end, nbytes,
+    #  collectives, reductions)
+    warmup = (0.0, 0.0, 0.5, 1.0, 2.0, 1.5, 3.0, 4.0, 100, 9, 9)
+    rows = [warmup] + [(t, t, 0.001, t + 0.002, t + 0.010, t + 0.006, t + 0.013, t + 0.015, 100,
+                        3, 2) for t in (10.0, 20.0, 30.0)]  # fmt: skip
     summary = summarize(rows, rank=3, host="h")
     assert summary.steps == 3
     assert summary.step == pytest.approx(0.015)
@@ -104,6 +216,34 @@ def test_medians_leave_out_the_first_step_and_split_each_step_into_phases():
     assert summary.optimizer == pytest.approx(0.002)
     assert summary.window == pytest.approx(0.007)
     assert summary.bytes_per_step == 100
+    assert summary.own_time == pytest.approx(0.012)  # the step less its 3 ms reduction wait
+    assert (summary.collectives, summary.reductions) == (3, 2)
+
+
+def test_the_clock_counts_the_engines_collectives_and_the_optimizers_allreduces(monkeypatch):
+    class Engine:
+        collectives_run = 0
+
+    engine = Engine()
+    monkeypatch.setattr("ringplug.core.runtime.current_engine", lambda: engine)
+    monkeypatch.setattr(diagnose, "_active", None)  # start() makes the clock the active one
+    clock = diagnose.StepClock(trace=False)
+    clock.start()
+    for t in (1.0, 2.0):  # two steps, each: 2 buckets, 3 collectives in all
+        clock.arrived(t)
+        clock.reduction_started(t + 0.1)
+        clock.reduction_started(t + 0.2)
+        clock.backward_ended(t + 0.3)
+        engine.collectives_run += 3
+        clock.reduced(t + 0.4, 64)
+        clock.step_ended(t + 0.5)
+    engine.collectives_run += 5  # between the phases (a validation loop): the next step's
+    clock.arrived(3.0)
+    clock.backward_ended(3.3)  # Keras: only backward's end and the reduction's
+    engine.collectives_run += 1
+    clock.reduced(3.4, 64)
+    clock.step_ended(3.5)
+    assert [row[9:] for row in clock.recent(3)] == [(3, 2), (3, 2), (6, 1)]
 
 
 def test_the_table_has_a_row_per_rank_and_the_verdict_line():
@@ -246,6 +386,26 @@ def test_keras_epoch_logs_reach_the_csv_logger(keras_run):
         (row,) = list(csv.DictReader(file))
     assert float(row["ringplug_rank1_data_share"]) >= diagnose.DATA_SHARE
     assert "ringplug_rank0_compute_ms" in row
+
+
+@pytest.mark.multirank
+def test_a_two_parameter_model_on_3_ranks_is_not_called_communication_bound(tmp_path):
+    pytest.importorskip("lightning")
+    result = run_ringrun("-np", "3", sys.executable, str(WORKERS / "diagnose_lightning.py"),
+                         str(tmp_path), "tiny", extra_env={"RINGPLUG_TIMEOUT": "60"},
+                         timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = [json.loads((tmp_path / f"tiny-{r}.json").read_text()) for r in range(3)]
+    table = reports[0]["table"]
+    # Whatever held these steps up (round trips, a rank the 2 cores ran late, compute), it
+    # was not 8 bytes of gradients.
+    kinds = {r["verdict"]["kind"] for r in reports}
+    assert len(kinds) == 1 and "communication-bound" not in kinds, table
+    assert "compression='fp16'" not in reports[0]["verdict"]["text"], table
+    for rank in reports[0]["ranks"]:
+        assert rank["bytes_per_step"] == 8, table  # Linear(1, 1): 2 float32 gradients
+        assert rank["reductions"] == 1, table  # one bucket
+        assert rank["collectives"] >= 1, table
 
 
 @pytest.mark.multirank

@@ -12,7 +12,9 @@ Per rank and per step the clock keeps:
   that backward did not hide;
 - **optimizer**: the update after the gradients are averaged;
 - **other**: the rest of the step (the framework's own per-step work, waiting for other
-  ranks outside the reduction).
+  ranks outside the reduction);
+- the collectives the engine ran during the step, and how many gradient allreduces the
+  optimizer started (for the latency-bound verdict: round trips, not bytes).
 
 At the end of fit (and every N steps when asked) every rank sends its medians to every
 other (one collective), rank 0 prints a table and one verdict line, and the adapter hands
@@ -54,6 +56,18 @@ COMMUNICATION_SHARE = 0.25
 # least this share of the step (so a few microseconds on a tiny model are not a verdict).
 STRAGGLER_RATIO = 1.3
 STRAGGLER_SHARE = 0.10
+# Whether a reduction's wait is about its bytes (see `bandwidth_matters`). A small allreduce
+# costs at least a round trip: 46-52 us for 4 KiB on 2 ranks of the 2-core CI machine (see
+# `core.config`); across hosts it costs more, so taking the least keeps bandwidth in the
+# verdict for as many bytes as possible. Without a ceiling measured by `ringrun --check
+# --bench`, the link is taken to be a slow one, 1 Gb/s Ethernet (about 0.1 GB/s of bus
+# bandwidth): bytes a link that slow moves in a small share of the wait move as fast on any.
+# With both, bandwidth is not named below 5 KB per allreduce of 2 ranks (at a measured 6 GB/s:
+# 300 KB), nor when the bytes would take under BANDWIDTH_SHARE of the measured wait.
+ROUND_TRIP = 50e-6
+SLOW_ROUND_TRIP = 1e-3  # 20 round trips: not the link, but ranks kept from running
+ASSUMED_BUSBW = 0.1e9
+BANDWIDTH_SHARE = 0.25
 _KEEP_STEPS = 10_000  # rows kept per rank for the final medians (a ring buffer)
 _TRACE_STEPS = 2_000  # steps per report that go to the timeline
 
@@ -89,6 +103,9 @@ class RankSummary:
     other: float
     bytes_per_step: float  # gradient bytes this rank reduced per step
     window: float  # median time from the first reduction's start to the last one's end
+    own_time: float  # the step less its reduction wait: when this rank reaches the reduction
+    collectives: float  # collectives the engine ran per step, all of them (0: not known)
+    reductions: float  # gradient allreduces per step (DistributedOptimizer: its buckets)
 
     def share(self, phase: str) -> float:
         """`phase`'s median as a share of the median step (0 when steps took no time)."""
@@ -97,8 +114,9 @@ class RankSummary:
 
 @dataclasses.dataclass
 class Verdict:
-    """The bottleneck: ``kind`` is data-bound, straggler, communication-bound or
-    compute-bound (``no steps`` when nothing was measured); ``rank`` the rank named."""
+    """The bottleneck: ``kind`` is data-bound, communication-bound, latency-bound,
+    straggler, late rank or compute-bound (``no steps`` when nothing was measured);
+    ``rank`` the rank named."""
 
     kind: str
     rank: int | None
@@ -175,6 +193,7 @@ class _Step:
         "reduce_start",
         "reduced",
         "nbytes",
+        "reductions",
     )
 
     def __init__(self) -> None:
@@ -185,6 +204,7 @@ class _Step:
         self.reduce_start = 0.0
         self.reduced = 0.0
         self.nbytes = 0
+        self.reductions = 0  # gradient allreduces started (DistributedOptimizer: buckets)
 
 
 class StepClock:
@@ -219,11 +239,14 @@ class StepClock:
         self.trace = trace
         self.print_table = print_table
         self.diagnosis: Diagnosis | None = None  # the last report
-        # (start, data_start, data, arrived, backward_end, reduce_start, reduced, end, nbytes)
+        # (start, data_start, data, arrived, backward_end, reduce_start, reduced, end, nbytes,
+        #  collectives, reductions): see `summarize`
         self._rows: collections.deque[tuple] = collections.deque(maxlen=_KEEP_STEPS)
         self._since_report = 0
         self._step = _Step()
         self._last_end = time.perf_counter()
+        self._engine: Any = None  # counts the collectives it runs (read, never waited on)
+        self._last_ran = 0  # the engine's count when the previous step ended
         self._reports = 0
         self.steps = 0  # steps measured so far
         self.fetch_began = 0.0  # see fetched()
@@ -232,7 +255,11 @@ class StepClock:
     def start(self) -> None:
         """Begin measuring (before the first batch is fetched); makes this the active clock."""
         global _active
+        from .core import runtime
+
         _active = self
+        self._engine = runtime.current_engine()
+        self._last_ran = self._ran()
         self._step = _Step()
         self._last_end = time.perf_counter()
         activity.set_phase(activity.WAITING_FOR_DATA)
@@ -244,6 +271,10 @@ class StepClock:
             _active = None
         activity.set_phase(activity.BETWEEN_STEPS)
         return self.report(list(self._rows), final=True)
+
+    def _ran(self) -> int:
+        """How many collectives this process's engine has run (0 without an engine)."""
+        return getattr(self._engine, "collectives_run", 0)
 
     # ------------------------------------------------------------------ phases
     def data(self, start: float, end: float) -> None:
@@ -287,8 +318,10 @@ class StepClock:
 
     def reduction_started(self, now: float) -> None:
         """A gradient reduction was started (the first one of a step opens the window)."""
-        if not self._step.reduce_start:
-            self._step.reduce_start = now
+        step = self._step
+        step.reductions += 1
+        if not step.reduce_start:
+            step.reduce_start = now
 
     def backward_ended(self, now: float) -> None:
         """Backward is done and the wait for its reductions begins (exposed communication)."""
@@ -308,6 +341,7 @@ class StepClock:
         """The optimizer step is done: the step's row is closed (and maybe reported)."""
         end = time.perf_counter() if now is None else now
         s = self._step
+        ran = self._ran()
         if s.arrived:  # a step() with no batch (a dry run) is not a training step
             self._rows.append(
                 (
@@ -320,12 +354,16 @@ class StepClock:
                     s.reduced,
                     end,
                     s.nbytes,
+                    ran - self._last_ran,
+                    # A caller that reports only the reduction's end (Keras) made one.
+                    s.reductions or (1 if s.reduced else 0),
                 )
             )
             self._since_report += 1
             self.steps += 1
         self._step = _Step()
         self._last_end = end
+        self._last_ran = ran
         activity.set_phase(activity.WAITING_FOR_DATA)
         if self.every_n_steps and self._since_report >= self.every_n_steps:
             self.report(self.recent(self._since_report), final=False)
@@ -360,6 +398,7 @@ class StepClock:
                 print(diagnosis.table(), file=sys.stdout, flush=True)
         if self.on_report is not None:
             self.on_report(diagnosis)
+        self._last_ran = self._ran()  # the report's own collectives are no step's
         return diagnosis
 
 
@@ -368,8 +407,11 @@ def summarize(rows: list[tuple], rank: int, host: str) -> RankSummary:
     # The first step pays for warm-up (allocations, lazy initialisation): leave it out
     # when there are others.
     rows = rows[1:] if len(rows) > 1 else rows
-    columns: dict[str, list[float]] = {name: [] for name in ("step", *PHASES, "bytes", "window")}
-    for start, _, data, arrived, backward_end, reduce_start, reduced, end, nbytes in rows:
+    names = ("step", *PHASES, "bytes", "window", "own", "collectives", "reductions")
+    columns: dict[str, list[float]] = {name: [] for name in names}
+    for row in rows:
+        start, _, data, arrived, backward_end, reduce_start, reduced, end, nbytes = row[:9]
+        collectives, reductions = row[9:]
         step = end - start
         backward_end = backward_end or end
         reduced = reduced or backward_end
@@ -384,6 +426,9 @@ def summarize(rows: list[tuple], rank: int, host: str) -> RankSummary:
         columns["other"].append(max(step - data - compute - communication - optimizer, 0.0))
         columns["bytes"].append(float(nbytes))
         columns["window"].append(max(reduced - reduce_start, 0.0) if nbytes else 0.0)
+        columns["own"].append(step - communication)
+        columns["collectives"].append(float(collectives))
+        columns["reductions"].append(float(reductions))
 
     def median(name: str) -> float:
         values = columns[name]
@@ -401,6 +446,9 @@ def summarize(rows: list[tuple], rank: int, host: str) -> RankSummary:
         median("other"),
         median("bytes"),
         median("window"),
+        median("own"),
+        median("collectives"),
+        median("reductions"),
     )
 
 
@@ -420,10 +468,15 @@ def verdict(ranks: list[RankSummary], ceiling_busbw: float | None = None) -> Ver
 
     In order: a rank whose own data loading takes at least `DATA_SHARE` of the step is
     data-bound (the others wait for it, wherever that shows); then, when every rank waits
-    at least `COMMUNICATION_SHARE` of its step for the reduction after backward, the job
-    is communication-bound (behind a straggler or a slow loader only the others wait);
-    then a rank computing at least `STRAGGLER_RATIO` times the others' median (and
-    `STRAGGLER_SHARE` of the step more) is a straggler; otherwise compute-bound.
+    at least `COMMUNICATION_SHARE` of its step for the reduction after backward (behind a
+    straggler or a slow loader only the others wait), the job is communication-bound if
+    its bytes can explain the wait (`bandwidth_matters`), else latency-bound; then a rank
+    computing at least `STRAGGLER_RATIO` times the others' median (and `STRAGGLER_SHARE`
+    of the step more) is a straggler; then a rank whose own work per step (all but its
+    reduction wait) makes the others wait at least `STRAGGLER_SHARE` of the step longer
+    than it does is a late rank, named even when its compute alone is no straggler's;
+    otherwise compute-bound. A late rank that costs the others more than the reduction
+    costs every rank is named before the reduction is.
     """
     if not ranks or all(r.steps == 0 for r in ranks):
         return Verdict("no steps", None, "no training steps were measured.")
@@ -443,30 +496,15 @@ def verdict(ranks: list[RankSummary], ceiling_busbw: float | None = None) -> Ver
                 "prefetch/AUTOTUNE), or make loading cheaper (decode once, cache)."
             ),
         )
-    # Every rank waits for a slow network; behind a straggler only the others do.
+    late, lateness = _late_rank(ranks, step)
+    # Every rank waits for a slow network or for round trips; behind a straggler or a late
+    # rank only the others do. What the last rank to arrive waits is the reduction's own.
     exposed = min(r.share("communication") for r in ranks)
-    if exposed >= COMMUNICATION_SHARE:
-        nbytes = statistics.median(r.bytes_per_step for r in ranks)
-        busbw = achieved_busbw(ranks)
-        reached = f", {busbw / 1e9:.2f} GB/s bus bandwidth" if busbw else ""
-        if ceiling_busbw:
-            against = f" against {ceiling_busbw / 1e9:.2f} GB/s by ringrun --check --bench"
-            if busbw and busbw < 0.5 * ceiling_busbw:
-                against += (
-                    " (the link can do more: look for contention, waits or the wrong interface)"
-                )
-        else:
-            against = " (ringrun --check --bench -np N measures what the link reaches)"
-        return Verdict(
-            "communication-bound",
-            None,
-            (
-                f"communication-bound: every rank waits {exposed:.0%} or more of each step for the "
-                f"gradient reduction after backward ({nbytes / 2**20:.1f} MiB per step{reached}"
-                f"{against}): larger batches per rank, gradient accumulation "
-                "(backward_passes_per_step), compression='fp16', or a faster interconnect."
-            ),
-        )
+    wait = min(r.communication for r in ranks)
+    if exposed >= COMMUNICATION_SHARE and lateness <= wait:
+        if bandwidth_matters(ranks, wait, ceiling_busbw):
+            return _communication_bound(ranks, exposed, ceiling_busbw)
+        return _latency_bound(ranks, exposed, wait, ceiling_busbw)
     if len(ranks) >= 2:
         slowest = max(ranks, key=lambda r: r.compute)
         typical = statistics.median(r.compute for r in ranks if r is not slowest)
@@ -487,6 +525,8 @@ def verdict(ranks: list[RankSummary], ceiling_busbw: float | None = None) -> Ver
                     "checkpointing only on that rank)."
                 ),
             )
+    if late is not None:
+        return _late_verdict(ranks, late, step)
     busy = statistics.median(r.share("compute") + r.share("optimizer") for r in ranks)
     waiting = statistics.median(r.share("communication") for r in ranks)
     return Verdict(
@@ -497,6 +537,195 @@ def verdict(ranks: list[RankSummary], ceiling_busbw: float | None = None) -> Ver
             f"optimizer, and {waiting:.0%} waiting for gradients: nothing to fix in distribution."
         ),
     )
+
+
+def link_busbw(ceiling_busbw: float | None) -> float:
+    """The bus bandwidth (bytes/s) the verdict takes the link to reach: the measured
+    ceiling, or `ASSUMED_BUSBW` without one."""
+    return ceiling_busbw if ceiling_busbw else ASSUMED_BUSBW
+
+
+def moving_time(ranks: list[RankSummary], ceiling_busbw: float | None = None) -> float:
+    """Seconds the link (`link_busbw`) needs for a step's gradient bytes: an allreduce of S
+    bytes on n ranks moves 2(n-1)/n S per rank over the bus."""
+    n = len(ranks)
+    nbytes = statistics.median(r.bytes_per_step for r in ranks)
+    return 2 * (n - 1) / n * nbytes / link_busbw(ceiling_busbw) if n > 1 else 0.0
+
+
+def bandwidth_matters(
+    ranks: list[RankSummary], wait: float, ceiling_busbw: float | None = None
+) -> bool:
+    """Whether the gradient bytes can explain a reduction `wait` (seconds) of every rank.
+
+    The model of one step's reduction: each of its allreduces pays a round trip
+    (`ROUND_TRIP`), and its bytes cross the link at the link's bus bandwidth
+    (`moving_time`): ``allreduces * ROUND_TRIP + 2(n-1)/n * bytes / busbw``. The bytes
+    matter when their term is at least the round trips' (each allreduce is past its
+    half-bandwidth point: a link going slower than it should, as under contention, still
+    shows in bytes), or at least `BANDWIDTH_SHARE` of the measured wait. Below both,
+    fewer bytes or a faster link buy back little: the wait is round trips or ranks
+    waiting for each other.
+    """
+    allreduces = max(statistics.median(r.reductions for r in ranks), 1.0)
+    moving = moving_time(ranks, ceiling_busbw)
+    return moving >= allreduces * ROUND_TRIP or moving >= BANDWIDTH_SHARE * wait
+
+
+def _communication_bound(
+    ranks: list[RankSummary], exposed: float, ceiling_busbw: float | None
+) -> Verdict:
+    nbytes = statistics.median(r.bytes_per_step for r in ranks)
+    busbw = achieved_busbw(ranks)
+    reached = f", {busbw / 1e9:.2f} GB/s bus bandwidth" if busbw else ""
+    if ceiling_busbw:
+        against = f" against {ceiling_busbw / 1e9:.2f} GB/s by ringrun --check --bench"
+        if busbw and busbw < 0.5 * ceiling_busbw:
+            against += " (the link can do more: look for contention, waits or the wrong interface)"
+    else:
+        against = " (ringrun --check --bench -np N measures what the link reaches)"
+    return Verdict(
+        "communication-bound",
+        None,
+        (
+            f"communication-bound: every rank waits {exposed:.0%} or more of each step for the "
+            f"gradient reduction after backward ({nbytes / 2**20:.1f} MiB per step{reached}"
+            f"{against}): larger batches per rank, gradient accumulation "
+            "(backward_passes_per_step), compression='fp16', or a faster interconnect."
+        ),
+    )
+
+
+def _latency_bound(
+    ranks: list[RankSummary], exposed: float, wait: float, ceiling_busbw: float | None
+) -> Verdict:
+    nbytes = statistics.median(r.bytes_per_step for r in ranks)
+    busbw = link_busbw(ceiling_busbw)
+    moving = moving_time(ranks, ceiling_busbw)
+    if ceiling_busbw:
+        link = f"{busbw / 1e9:.2f} GB/s, what ringrun --check --bench measured"
+    else:
+        link = f"{busbw / 1e9:.2f} GB/s, a slow link; ringrun --check --bench -np N measures yours"
+    allreduces = statistics.median(r.reductions for r in ranks)
+    collectives = statistics.median(r.collectives for r in ranks)
+    counted = ""
+    if allreduces >= 1:
+        each = wait / allreduces
+        counted = (
+            f" ({_count(allreduces, 'gradient allreduce')} per step, "
+            f"{each * 1e3:.2f} ms{' each' if allreduces != 1 else ''}"
+        )
+        if collectives > allreduces:
+            counted += f"; {collectives:g} collectives per step in all"
+        if each >= SLOW_ROUND_TRIP:
+            counted += (
+                f"; an idle host's round trip takes about {ROUND_TRIP * 1e3:.2f} ms, so these "
+                "ranks also wait for a CPU or for one another, as with more processes than cores"
+            )
+        counted += ")"
+    advice = []
+    if allreduces != 1:  # several (or not known): fusing them saves round trips
+        advice.append(
+            "fuse the gradients into fewer allreduces (a larger bucket_bytes, "
+            "RINGPLUG_FUSION_THRESHOLD, RINGPLUG_CYCLE_TIME)"
+        )
+    advice.append(
+        "reduce less often (gradient accumulation: backward_passes_per_step or "
+        "accumulate_grad_batches; larger batches per rank)"
+    )
+    if collectives == 0 or collectives > max(allreduces, 1):
+        advice.append(
+            "every metric logged with sync_dist=True adds a collective per step: log fewer, "
+            "or less often"
+        )
+    return Verdict(
+        "latency-bound",
+        None,
+        (
+            f"latency-bound: every rank waits {exposed:.0%} or more of each step for the "
+            f"gradient reduction after backward, but it moves only {_size(nbytes)} per step "
+            f"({_duration(moving)} of the {wait * 1e3:.2f} ms wait at {link}): the wait is "
+            f"round trips, not bandwidth{counted}: {'; '.join(advice)}."
+        ),
+    )
+
+
+def _late_rank(ranks: list[RankSummary], step: float) -> tuple[RankSummary | None, float]:
+    """The rank that reaches the reduction last and by how much (seconds), if that is at
+    least `STRAGGLER_SHARE` of the step; else (None, 0)."""
+    if len(ranks) < 2:
+        return None, 0.0
+    at = max(range(len(ranks)), key=lambda i: ranks[i].own_time)
+    late, others = ranks[at], ranks[:at] + ranks[at + 1 :]
+    # Two views of one lateness (medians, so they differ), the lesser counts: its own work
+    # takes longer than theirs, and they wait longer than it does.
+    behind = late.own_time - statistics.median(r.own_time for r in others)
+    waited = statistics.median(r.communication for r in others) - late.communication
+    lateness = min(behind, waited)
+    return (late, lateness) if lateness >= STRAGGLER_SHARE * step else (None, 0.0)
+
+
+_LATE_PHASE = {
+    "data": "loading its data",
+    "compute": "forward and backward",
+    "optimizer": "the optimizer update",
+    "other": "the rest of the step",
+}
+_LATE_ADVICE = {
+    "data": (
+        "its loader is slower, though not yet data-bound: give it more workers (num_workers) "
+        "or look at its storage"
+    ),
+    "compute": (
+        "its forward and backward are slower: look at what differs there (a busier host or "
+        "GPU, throttling, larger batches)"
+    ),
+    "optimizer": (
+        "its optimizer update is slower: look at what differs there (a busier host or GPU, "
+        "extra work in its update)"
+    ),
+    "other": (
+        "it does more per-step work outside forward, backward and the update: look for work "
+        "only that rank does (logging, callbacks, checkpoints, validation, a progress bar) "
+        "or a busier host"
+    ),
+}
+
+
+def _late_verdict(ranks: list[RankSummary], late: RankSummary, step: float) -> Verdict:
+    others = [r for r in ranks if r.rank != late.rank]
+    typical = statistics.median(r.own_time for r in others)
+    waited = statistics.median(r.communication for r in others) - late.communication
+    phases = ("data", "compute", "optimizer", "other")
+    usual = {p: statistics.median(getattr(r, p) for r in others) for p in phases}
+    phase = max(phases, key=lambda p: getattr(late, p) - usual[p])
+    return Verdict(
+        "late rank",
+        late.rank,
+        (
+            f"late rank: rank {late.rank} reaches the gradient reduction last, "
+            f"{(late.own_time - typical) * 1e3:.1f} ms after the others (its own work per "
+            f"step takes {late.own_time * 1e3:.1f} against {typical * 1e3:.1f} ms, most of "
+            f"the difference in {_LATE_PHASE[phase]}: {getattr(late, phase) * 1e3:.1f} against "
+            f"{usual[phase] * 1e3:.1f} ms), so {_rank_list([r.rank for r in others])} "
+            f"{'waits' if len(others) == 1 else 'wait'} {waited * 1e3:.1f} ms longer than it "
+            f"does ({waited / step:.0%} of each step): {_LATE_ADVICE[phase]}."
+        ),
+    )
+
+
+def _count(value: float, noun: str) -> str:
+    return f"{value:g} {noun}{'' if value == 1 else 's'}"
+
+
+def _size(nbytes: float) -> str:
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes >= 2**10 else f"{nbytes:.0f} B"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
 def _rank_list(ranks: list[int]) -> str:
@@ -517,7 +746,7 @@ def _trace(everyone: list[tuple[RankSummary, Any]]) -> None:
             continue
         offset, rows = spans
         shift = offset - own_offset  # rank's perf_counter -> rank 0's, through wall clocks
-        for _, data_start, data, arrived, backward_end, _, reduced, end, _ in rows:
+        for _, data_start, data, arrived, backward_end, _, reduced, end, *_ in rows:
             backward_end = backward_end or end
             reduced = reduced or backward_end
             if data:

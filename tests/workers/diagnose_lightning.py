@@ -6,7 +6,8 @@ diagnosis. Planted on rank 1: a loader that sleeps per batch ("data"), a trainin
 sleeps ("straggler"); on every rank: a 32 MiB embedding table of which a step uses 2 rows
 ("communication"), a training_step that sleeps ("compute": the sleep stands in for work on
 an accelerator, which the CPU waits for, and keeps the ranks' compute equal on a loaded
-machine, where real CPU work on two ranks differs by half from step to step).
+machine, where real CPU work on two ranks differs by half from step to step), a
+2-parameter model with nothing planted ("tiny": its reduction is round trips, not bytes).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def shapes(scenario: str) -> tuple[int, int, int]:
     """(features, hidden, batch) of each scenario's model and data."""
     if scenario == "communication":
         return 1 << 16, 128, 2  # a 32 MiB table, next to nothing to compute
+    if scenario == "tiny":
+        return 1, 1, 8  # Linear(1, 1): a weight and a bias, 8 bytes of gradients
     return 16, 32, 8
 
 
@@ -42,7 +45,8 @@ class Net(L.LightningModule):
         features, hidden, _ = shapes(scenario)
         first = torch.nn.Embedding(features, hidden) if scenario == "communication" else None
         self.embedding = first
-        layers = [] if first is not None else [torch.nn.Linear(features, hidden), torch.nn.Tanh()]
+        alone = first is not None or scenario == "tiny"
+        layers = [] if alone else [torch.nn.Linear(features, hidden), torch.nn.Tanh()]
         self.net = torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 1))
 
     def training_step(self, batch, batch_idx):
