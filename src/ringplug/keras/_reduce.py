@@ -52,6 +52,8 @@ def reduce_numpy(
             results[index] = result.astype(np.asarray(arrays[index]).dtype, copy=False)
     if clock is not None:
         clock.reduced(time.perf_counter(), nbytes)
+    else:
+        activity.set_phase(activity.STEPPING)
     return results
 
 

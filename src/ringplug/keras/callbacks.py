@@ -13,7 +13,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from .. import core
+from .. import core, diagnose
+from ..core import activity
 from .optimizer import is_distributed, reduce_at_the_outermost
 
 
@@ -48,6 +49,10 @@ class RingBroadcast(keras.callbacks.Callback):
     each epoch's end (for the callbacks after this one) and at the end of training, as DDP
     does with buffers, so every rank evaluates and saves the same model.
 
+    While training it tells ringplug where the rank is (epoch, batch within it, and step:
+    the optimizer's iterations), so a stall report names it: "rank 1 was in the train step
+    at epoch 0, batch 3 (step 3) for 61 s".
+
     Args:
         root_rank: the rank whose state everyone starts from. Defaults to 0.
         sync_statistics: re-broadcast non-trainable weights before validation, at epoch
@@ -59,6 +64,9 @@ class RingBroadcast(keras.callbacks.Callback):
         self.root_rank = root_rank
         self.sync_statistics = sync_statistics
         self._done = False
+        self._epoch = 0
+        self._epoch_start = 0  # the step the epoch began at
+        self._steps = 0  # steps done: the optimizer's iterations
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         core.init()
@@ -86,8 +94,22 @@ class RingBroadcast(keras.callbacks.Callback):
         self._done = False
         if model.built and model.weights:
             self._broadcast()
+        self._steps = _iterations(model.optimizer)  # root's: a resumed fit counts on
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch, self._epoch_start = epoch, self._steps
+        activity.set_position(epoch=epoch, step=self._steps)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        activity.set_position(epoch=self._epoch, batch=batch, step=self._epoch_start + batch)
+        if diagnose.active() is None:  # else RingDiagnose's clock names the phases
+            activity.set_phase(activity.IN_TRAIN_STEP)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        # `batch` is the last of the steps run (steps_per_execution runs several at once).
+        self._steps = self._epoch_start + batch + 1
+        if diagnose.active() is None:
+            activity.set_phase(activity.BETWEEN_STEPS)
         if not self._done:
             self._broadcast()  # the model built itself on its first batch
 
@@ -99,6 +121,7 @@ class RingBroadcast(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._sync_statistics()
+        activity.set_position()  # this fit's position ends with it
 
     def _sync_statistics(self) -> None:
         statistics = list(self.model.non_trainable_weights)
@@ -112,6 +135,13 @@ class RingBroadcast(keras.callbacks.Callback):
             optimizer.build(model.trainable_variables)
         broadcast_variables(list(model.weights) + list(optimizer.variables), self.root_rank)
         self._done = True
+
+
+def _iterations(optimizer: Any) -> int:
+    """The steps `optimizer` has taken (0 before it is built)."""
+    if optimizer is None or not getattr(optimizer, "built", False):
+        return 0
+    return int(keras.ops.convert_to_numpy(optimizer.iterations))
 
 
 class RingMetricAverage(keras.callbacks.Callback):

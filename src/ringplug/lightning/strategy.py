@@ -57,6 +57,8 @@ class RingStrategy(RingParallel, ParallelStrategy):
     Start the ranks with the MPI launcher (``ringrun -np 4 python train.py``); each rank
     trains on its shard of the data (Lightning adds the distributed sampler), gradients are
     averaged in buckets while backward runs, and every rank ends with the same weights.
+    A stall report names where each missing rank is ("rank 1 was in forward/backward at
+    epoch 0, batch 17 (step 17) for 61 s": the epoch, the batch within it, the global step).
     On CPUs the gradients take ringplug's MPI ring; with ``accelerator="gpu"`` each rank uses
     the GPU of its local rank and the gradients take NCCL.
 
@@ -227,13 +229,23 @@ class RingStrategy(RingParallel, ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        activity.set_position(epoch=trainer.current_epoch, step=trainer.global_step)
         self._diagnostics = diagnostics_for(self.diagnose, trace=True)
         if self._diagnostics is not None:
-            self._diagnostics.on_train_start(self.lightning_module.trainer)
+            self._diagnostics.on_train_start(trainer)
 
     def on_train_end(self) -> None:
         if self._diagnostics is not None:
             self._diagnostics.on_train_end()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Where this rank is, for the stall reports; the optimizer step counts itself on.
+        trainer = self.lightning_module.trainer
+        activity.set_position(
+            epoch=trainer.current_epoch, batch=batch_idx, step=trainer.global_step
+        )
+        super().on_train_batch_start(batch, batch_idx)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch_arrived()
@@ -298,6 +310,7 @@ class RingStrategy(RingParallel, ParallelStrategy):
         for optimizer in self.optimizers:
             if hasattr(optimizer, "detach_hooks"):
                 optimizer.detach_hooks()  # a later fit of the same model starts afresh
+        activity.set_position()  # this fit's position ends with it
         self._stop_ring()
         super().teardown()
 

@@ -222,6 +222,7 @@ class _Distributed:
             self.synchronize()
         self._ringplug_synchronized = False
         result = super().step(closure)  # type: ignore[misc]
+        activity.count_step()  # the position's step (a framework sets it at each batch)
         clock = diagnose.active()
         if clock is not None:
             clock.step_ended()
@@ -287,7 +288,8 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
 
     Returns:
         An optimizer of a subclass of `optimizer`'s class, with the same parameter groups
-        and state, plus `synchronize()` and `skip_synchronize()`.
+        and state, plus `synchronize()` and `skip_synchronize()`. Each `step()` counts
+        into the rank's position, so a stall report says where it is ("at step 5").
 
     Example:
         >>> optimizer = ringplug.torch.DistributedOptimizer(  # doctest: +SKIP
