@@ -60,13 +60,20 @@ FAULT = "fault"
 before_end: list[Callable[[str], None]] = []
 
 
+def _event_line(kind: str, fields: dict[str, Any]) -> str:
+    """The event line ringrun reads (see `ringplug.run.status`), or "" when not under it."""
+    token = os.environ.get(EVENTS_VARIABLE)
+    if not token:
+        return ""
+    return f"{EVENT_MARK}{token} {json.dumps({'event': kind, **fields}, separators=(',', ':'))}\n"
+
+
 def event(kind: str, **fields: Any) -> bool:
     """Send ringrun an event of `kind` (a stall's stacks, a flight record) on the real
     stderr; False when not under ringrun (nothing sent)."""
-    token = os.environ.get(EVENTS_VARIABLE)
-    if not token:
+    line = _event_line(kind, fields)
+    if not line:
         return False
-    line = f"{EVENT_MARK}{token} {json.dumps({'event': kind, **fields}, separators=(',', ':'))}\n"
     stream = sys.__stderr__ or sys.stderr
     with contextlib.suppress(OSError, ValueError):
         stream.write(line)
@@ -113,16 +120,15 @@ def end_job(
     # The real stderr: a wrapping excepthook may have pointed sys.stderr at a buffer.
     stream = sys.__stderr__ or sys.stderr
     lines = f"ringplug[{rank}] FATAL: {message}\n"
-    token = os.environ.get(EVENTS_VARIABLE)
-    if token:
-        event = {
-            "event": FAULT,
+    lines += _event_line(
+        FAULT,
+        {
             "rank": rank,
             "culprits": sorted(set(culprits)),
             "message": message,
             "timestamp": time.time(),
-        }
-        lines += f"{EVENT_MARK}{token} {json.dumps(event, separators=(',', ':'))}\n"
+        },
+    )
     with contextlib.suppress(OSError, ValueError):
         stream.write(lines)
         stream.flush()

@@ -259,7 +259,7 @@ def explain(ranks: Mapping[int, Mapping[str, Any]], size: int | None = None) -> 
                 seen.setdefault((entry["kind"], entry["name"]), []).append(rank)
         if len(seen) > 1:
             lines.append(f"the ranks parted at collective #{seq}:")
-            for (_, _), holders in sorted(seen.items(), key=lambda item: item[1]):
+            for holders in sorted(seen.values()):
                 entry = by_seq[holders[0]][seq]
                 lines.append(
                     f"  rank{_s(holders)} {_list(holders)}: {_where(entry)}, {entry['state']}"
