@@ -882,6 +882,11 @@ class Engine(ExpressCycles):
             self._flight_written = True
             self.report_where(message[:300])
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended this engine for good (every later call raises it), or ``None``."""
+        return self._failure
+
     def fail_everything(self, error: BaseException) -> None:
         if self._in_flight and self.size > 1:  # a lone process has no one to part from
             self._last_words(f"{type(error).__name__}: {error}")

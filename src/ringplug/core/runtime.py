@@ -17,6 +17,7 @@ import threading
 import time
 import traceback as traceback_module
 from types import TracebackType
+from typing import NoReturn
 
 from ..forensics import stacks
 from . import log
@@ -57,6 +58,8 @@ class _State:
         self.mpi_started = False  # ringplug initialised MPI, so it finalizes it at exit
         self.left_early = False  # the last engine ended while peers still waited for it
         self.timeout = Settings().timeout
+        self.exit_status: object = None  # what the main thread passed to sys.exit
+        self.exit_watched = False
 
 
 _state = _State()
@@ -169,6 +172,7 @@ def init() -> None:
             local_size=_state.topology.local_size,
         )
         _install_excepthook()
+        _watch_exit_status()
         _register_atexit()
         # Every rank answers for its stacks (stall reports, ringrun --stacks), and its
         # DataLoader workers forked from now on too.
@@ -218,7 +222,7 @@ def _install_excepthook() -> None:
             # NCCL saw a peer's process end but cannot say which: give the launcher time to
             # see that rank's own exit, and name it, before this rank reports a fault.
             time.sleep(_LEAVER_GRACE_S)
-        culprits = tuple(getattr(value, "caused_by", ()) or ())
+        culprits = _culprits(value)
         plural = "s" if len(culprits) > 1 else ""
         cause = f" (caused by rank{plural} {', '.join(map(str, culprits))})" if culprits else ""
         log.end_job(
@@ -239,6 +243,47 @@ def _install_excepthook() -> None:
     sys.excepthook = abort_job
 
 
+def _watch_exit_status() -> None:
+    """Note what the main thread passes to `sys.exit`, which `_at_exit` cannot learn.
+
+    A rank leaving with a code of its own (``sys.exit(3)``) must not wait in MPI_Finalize
+    for peers that compute on: the launcher would see a peer fail first and stop this rank
+    in the teardown, its code lost. ``raise SystemExit(3)`` is not seen; such a rank
+    finalizes as before.
+    """
+    if _state.exit_watched:
+        return
+    _state.exit_watched = True
+    exit_now = sys.exit
+
+    def exit(status: object = None) -> NoReturn:
+        if threading.current_thread() is threading.main_thread():
+            _state.exit_status = status
+        exit_now(status)
+
+    sys.exit = exit
+
+
+def _exit_code(status: object) -> int:
+    """The process's exit code for a `sys.exit` argument (a message exits with 1)."""
+    if status is None:
+        return 0
+    return status if isinstance(status, int) else 1
+
+
+def _culprits(error: BaseException | None) -> tuple[int, ...]:
+    """The ranks ringplug's error about a peer names, found along the chain of causes
+    (Lightning, or the user's program, may raise its own error from it)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        caused_by = tuple(getattr(error, "caused_by", ()) or ())
+        if caused_by:
+            return caused_by
+        error = error.__cause__ or error.__context__
+    return ()
+
+
 def _register_atexit() -> None:
     """Stop the engine before mpi4py finalizes MPI at exit (atexit runs last-in first-out)."""
     if not _state.atexit_registered:
@@ -249,13 +294,17 @@ def _register_atexit() -> None:
 def _at_exit() -> None:
     """Stop the engine, then finalize MPI within the timeout.
 
-    A rank that ended ringplug while its peers still waited for it does not finalize:
-    MPI_Finalize would wait for those peers, and the launcher would kill this rank with its
-    own exit code (``sys.exit(3)``) lost. Leaving without it lets the exit code through,
-    and the launcher stops the job.
+    A rank that ended ringplug while its peers still waited for it does not finalize, nor
+    does one leaving with a nonzero code: MPI_Finalize would wait for those peers, and the
+    launcher would kill this rank with its own exit code (``sys.exit(3)``) lost. Leaving
+    without it lets the exit code through, and the launcher stops the job.
     """
+    code = _exit_code(_state.exit_status)
+    engine = _state.engine
+    if code != 0 and engine is not None and engine.size > 1:
+        _report_caught_failure(engine, code)
     shutdown()
-    if not _state.mpi_started or _state.left_early:
+    if not _state.mpi_started or _state.left_early or code != 0:
         return
     from mpi4py import MPI
 
@@ -275,6 +324,29 @@ def _at_exit() -> None:
     threading.Thread(target=watchdog, name="ringplug-finalize", daemon=True).start()
     MPI.Finalize()
     finished.set()
+
+
+def _report_caught_failure(engine: Engine, code: int) -> None:
+    """A program that caught ringplug's error about a peer and exited with `code`: say so,
+    and tell ringrun which rank the error points to (it names that rank, not this one,
+    whichever ended first)."""
+    failure = engine.failure
+    culprits = _culprits(failure)
+    if not culprits:
+        return
+    plural = "s" if len(culprits) > 1 else ""
+    message = (
+        f"{type(failure).__name__} on rank {engine.rank} (caused by rank{plural} "
+        f"{', '.join(map(str, culprits))}); the program caught it and exited with code {code}."
+    )
+    log.say(engine.rank, [f"ERROR: {message}"])
+    log.event(
+        log.FAULT,
+        rank=engine.rank,
+        culprits=sorted(set(culprits)),
+        message=message,
+        timestamp=time.time(),
+    )
 
 
 def shutdown() -> None:

@@ -194,6 +194,19 @@ def find_root_cause(
     own = [fault for fault in faults if not fault.culprits]
     if own:
         first = min(own, key=lambda fault: fault.timestamp)
+        # A rank killed from outside (SIGKILL, SIGSEGV) about when the fault happened is
+        # its cause: the fault is how a peer noticed, in an error that names nobody (a
+        # library's "connection reset"), however late the dead rank's report arrived.
+        killed = [
+            status
+            for status in failures
+            if status.signal_name is not None
+            and status.signal_name not in TEARDOWN_SIGNALS
+            and status.timestamp <= first.timestamp + _SIMULTANEOUS_S
+        ]
+        if killed:
+            dead = min(killed, key=lambda status: status.timestamp)
+            return RootCause(dead.rank, dead)
         return RootCause(first.rank, reports.get(first.rank), first)
     status = root_cause(failures, arrivals)
     if status is not None:
@@ -304,6 +317,10 @@ class _Relay(threading.Thread):
 # Reports that arrive this close together may come in either order: a rank that crashes
 # because its peer on another host was killed can be reported first.
 _SIMULTANEOUS_S = 2.0
+
+# Signals a rank dies of when the job is being stopped (ringrun's and the launchers'
+# teardowns, a closed terminal or pipe); any other signal came from outside the job.
+TEARDOWN_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP", "SIGPIPE"})
 
 
 def root_cause(failures: list[RankStatus], arrivals: list[float]) -> RankStatus | None:
