@@ -155,6 +155,26 @@ def test_a_collective_taken_back_leaves_no_trace():
     assert [r["seq"] for r in recorder.records(lambda s: s)] == [0]
 
 
+def test_a_batch_longer_than_the_ring_records_its_last_collectives_numbered_in_sequence():
+    class Request:
+        def __init__(self, name: str) -> None:
+            self.name, self.signature, self.submitted = name, ("allreduce", 4), 1.0
+            self.flight = None
+
+    recorder = flight.FlightRecorder(4)
+    recorder.add("first", ("allreduce", 4), 1.0)
+    batch = [Request(f"b{n}") for n in range(10)]
+    recorder.add_latest(batch)
+    assert [r.flight is None for r in batch] == [True] * 6 + [False] * 4
+    flight.finish(batch[-1].flight, 0.0, 2.0)
+    recorder.add_latest([Request("after")])
+    records = recorder.records(lambda signature: signature)
+    assert [(r["seq"], r["name"]) for r in records] == [
+        (8, "b7"), (9, "b8"), (10, "b9"), (11, "after"),
+    ]  # fmt: skip
+    assert [r["state"] for r in records] == ["pending", "pending", "done", "pending"]
+
+
 def entry(seq: int, name: str, state: str = "done", site: str = "t.py:1 in f") -> dict:
     return {"seq": seq, "name": name, "kind": "allreduce", "bytes": 4, "site": site,
             "submitted": 0.0, "state": state, "error": None}  # fmt: skip

@@ -213,7 +213,9 @@ class Engine(ExpressCycles):
                 )
             self._in_flight[request.name] = request.handle
             request.submitted = time.perf_counter()
-            self.flight.note_site(request.name)  # the entry itself: `_take_submissions`
+            record = self.flight
+            if record.capacity and request.name not in record.sites:
+                record.note_site(request.name)  # the entry itself: `_take_submissions`
             if self._host_only:
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
             # A caller about to wait, with nothing else queued: its cycle runs here and now
@@ -572,10 +574,8 @@ class Engine(ExpressCycles):
             if self._join_handle is not None and not self._joined_cycle:
                 self._joined_cycle = self._cycle + 1
             stopping = self._stop_requested
-        record = self.flight
-        if record.capacity:  # here, on the thread that runs the cycles, not the caller's
-            for request in fresh:
-                request.flight = record.add(request.name, request.signature, request.submitted)
+        if self.flight.capacity:  # here, on the thread that runs the cycles, not the caller's
+            self.flight.add_latest(fresh)
         return fresh, stopping
 
     def _follow(self, messages: list[Message], alike: bool, cycle_start: float) -> bool:
@@ -789,9 +789,8 @@ class Engine(ExpressCycles):
             for request in requests:
                 if request is not None:
                     in_flight.pop(request.name, None)
-                    entry = request.flight
-                    if entry is not None:
-                        flight.finish(entry, request.announced, now, error)
+                    if request.flight is not None:
+                        flight.finish(request.flight, request.announced, now, error)
         finish_each(handles, results, errors)
 
     def complete(

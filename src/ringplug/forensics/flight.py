@@ -43,16 +43,17 @@ class FlightRecorder:
         self._ring: list[list[Any] | None] = [None] * self.capacity
         self._count = 0
         self._open: dict[str, list[Any]] = {}
-        self._sites: dict[str, tuple[Any, int] | None] = {}
+        # Where each name was first submitted from (`note_site`), by name.
+        self.sites: dict[str, tuple[Any, int] | None] = {}
 
     def note_site(self, name: str, depth: int = 2) -> None:
         """On the submitting thread: remember where `name` is submitted from (the caller
         `depth` frames up), the first time only: a training step submits the same names
         from the same places every step, and walking the frames costs microseconds."""
-        if self.capacity and name not in self._sites:
-            if len(self._sites) >= _SITES_KEPT:
-                self._sites.clear()  # unnamed requests ("noname.N") never repeat
-            self._sites[name] = _call_site(depth + 1)
+        if self.capacity and name not in self.sites:
+            if len(self.sites) >= _SITES_KEPT:
+                self.sites.clear()  # unnamed requests ("noname.N") never repeat
+            self.sites[name] = _call_site(depth + 1)
 
     def add(
         self, name: str, signature: Any, submitted: float, track: bool = False
@@ -62,13 +63,40 @@ class FlightRecorder:
         (a call without a request: `tracked`, `finish_named`, `forget`)."""
         if not self.capacity:
             return None
-        site = self._sites.get(name)
+        site = self.sites.get(name)
         entry = [self._count, name, signature, site, submitted, 0.0, 0.0, ""]
         self._ring[self._count % self.capacity] = entry
         self._count += 1
         if track:
             self._open[name] = entry
         return entry
+
+    def add_latest(self, requests: Sequence[Any]) -> None:
+        """Record each of `requests` (its `name`, `signature` and `submitted`), setting its
+        `flight` to its entry; of a batch longer than the ring only the last `capacity`,
+        all that the ring would keep of it (a step of 1000 small tensors records 128)."""
+        skipped = len(requests) - self.capacity
+        if skipped > 0:
+            self._count += skipped
+            requests = requests[skipped:]
+        ring, capacity, sites = self._ring, self.capacity, self.sites
+        count = self._count
+        for request in requests:
+            name = request.name
+            entry = [
+                count,
+                name,
+                request.signature,
+                sites.get(name),
+                request.submitted,
+                0.0,
+                0.0,
+                "",
+            ]
+            ring[count % capacity] = entry
+            request.flight = entry
+            count += 1
+        self._count = count
 
     def tracked(self, name: str) -> list[Any] | None:
         """The entry `submitted(track=True)` keeps for `name` (a request adopts it)."""
