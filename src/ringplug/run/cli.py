@@ -14,6 +14,7 @@ horovodrun's flags are accepted too (see :mod:`ringplug.run.horovodrun`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -24,8 +25,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ringplug.forensics.flight import main as explain_flight
+from ringplug.run import elastic
 from ringplug.run.check import CheckContext, run_check
 from ringplug.run.configfile import load_config_file
+from ringplug.run.elastic import ElasticError
 from ringplug.run.horovodrun import TIMELINE_CYCLES_NOTE, add_horovodrun_flags, refusal
 from ringplug.run.hosts import (
     Host,
@@ -300,8 +303,8 @@ def wants_preflight(spec: JobSpec, settings: RunSettings, environ: Mapping[str, 
 
 def _preflight(
     spec: JobSpec, settings: RunSettings, launcher: MpiLauncher, dry_run: bool
-) -> int | None:
-    """Check the hosts and settle the interfaces; an exit code if the job cannot start."""
+) -> list[HostProblem]:
+    """Check the hosts and settle the interfaces; the problems that stop the job (reported)."""
     preflight = run_preflight(
         spec.hosts,
         spec.ssh,
@@ -318,7 +321,7 @@ def _preflight(
             "these checks ran before any rank started; `ringrun --check -H ...` repeats them "
             "with a full report, and --no-preflight skips them"
         )
-        return START_FAILED_EXIT_CODE
+        return list(preflight.problems)
     if preflight.problems:
         for problem in preflight.problems:
             logger.warning(
@@ -328,7 +331,7 @@ def _preflight(
     if dry_run or settings.verbose:
         for line in _interface_lines(preflight):
             _say(line)
-    return None
+    return []
 
 
 def _interface_lines(preflight: Preflight) -> list[str]:
@@ -367,14 +370,19 @@ def _fd(stream: object) -> int:
 
 def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
     """Check the hosts, build the launch plan and print it, or run it and report the end."""
+    return _start(spec, settings, dry_run).exit_code
+
+
+def _start(spec: JobSpec, settings: RunSettings, dry_run: bool) -> JobResult:
+    """`_launch`, returning how the job ended (or that the preflight stopped it)."""
     launcher = find_launcher()
     if launcher is not None and wants_preflight(spec, settings, os.environ):
-        code = _preflight(spec, settings, launcher, dry_run)
-        if code is not None:
-            return code
+        problems = _preflight(spec, settings, launcher, dry_run)
+        if problems:
+            return JobResult(exit_code=START_FAILED_EXIT_CODE, host_problems=problems)
     if dry_run:
         print(build_plan(spec, launcher).shell_line(), flush=True)
-        return 0
+        return JobResult(exit_code=0)
     token = secrets.token_hex(8)
     environ = {**os.environ, EVENTS_VARIABLE: token}
     # In a terminal, rank 0's program gets one too (its progress bars draw live); a value
@@ -421,7 +429,33 @@ def _launch(spec: JobSpec, settings: RunSettings, dry_run: bool) -> int:
     if result.exit_code != 0:
         for hint in result.hints:
             _say(f"hint: {hint}")
-    return result.exit_code
+    return result
+
+
+def _launch_elastic(settings: RunSettings, command: list[str], hosts: list[Host]) -> int:
+    """Run the job, restarting it after a failure with the hosts left (`ringplug.run.elastic`)."""
+    plan = elastic.plan_from_settings(settings)
+    if plan.discovery_script is None and not hosts and plan.max_np is None:
+        raise UsageError("say how many ranks to run with -np N (or give hosts with -H)")
+    last: list[JobSpec] = []
+
+    def start(start_hosts: list[Host], np: int, restart: int) -> JobResult:
+        spec = job_from_settings(dataclasses.replace(settings, np=np), command, start_hosts)
+        spec.env[elastic.RESTART_VARIABLE] = str(restart)
+        last[:] = [spec]
+        return _start(spec, settings, dry_run=False)
+
+    def cause(result: JobResult) -> str:
+        root, spec = result.root, last[0]
+        if root is not None and root.status is not None:
+            return _describe_failure(root.status, spec)
+        if root is not None and root.rank is not None:
+            return f"rank {root.rank} stopped taking part"
+        if result.host_problems:
+            return f"host {result.host_problems[0].host} could not run its ranks"
+        return f"the launcher exited with code {result.launcher_returncode}"
+
+    return elastic.run_elastic(plan, hosts, start, cause, _say)
 
 
 def _root_cause_lines(result: JobResult, spec: JobSpec) -> list[str]:
@@ -563,11 +597,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code
         if not command:
             raise UsageError("no command given; usage: ringrun -np N [options] command [args...]")
+        if settings.elastic and not args.dry_run:
+            _say_hosts_origin(hosts, origin)
+            return _launch_elastic(settings, command, hosts)
         spec = job_from_settings(settings, command, hosts)
         if args.dry_run or settings.verbose:
             _say_hosts_origin(hosts, origin)
         return _launch(spec, settings, args.dry_run)
-    except (UsageError, SettingsError, HostSpecError, LauncherError) as error:
+    except (UsageError, SettingsError, HostSpecError, LauncherError, ElasticError) as error:
         print(f"ringrun: error: {error}", file=sys.stderr, flush=True)
         return USAGE_ERROR
 

@@ -15,6 +15,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ringplug.run.elastic import BLACKLIST_COOLDOWN_S
 from ringplug.run.setting import add_flags
 from ringplug.run.settings import RunSettings
 
@@ -38,8 +39,9 @@ class Unsupported:
 
 
 _ELASTIC = (
-    "ringplug runs a fixed set of ranks (no elastic training); give -np and -H or "
-    "--hostfile, and restart the job from a checkpoint when a host fails"
+    "ringrun restarts a failed job with the hosts the discovery script names (--max-restarts, "
+    "--min-np, --max-np, --host-discovery-script); a lost host stays out of the job for "
+    f"{BLACKLIST_COOLDOWN_S[0]:g} to {BLACKLIST_COOLDOWN_S[1]:g} s; drop the flag"
 )
 _AUTOTUNE = (
     "ringplug has no autotuner; set --fusion-threshold-mb and --cycle-time-ms yourself "
@@ -68,12 +70,6 @@ UNSUPPORTED = (
         "(`jsrun ... python train.py`, with the MPI library mpi4py uses), or run ringrun "
         "inside the allocation",
     ),
-    Unsupported(("--min-np", "--min-num-proc"), 1, _ELASTIC),
-    Unsupported(("--max-np", "--max-num-proc"), 1, _ELASTIC),
-    Unsupported(("--slots-per-host",), 1, _ELASTIC),
-    Unsupported(("--host-discovery-script",), 1, _ELASTIC),
-    Unsupported(("--elastic-timeout",), 1, _ELASTIC),
-    Unsupported(("--reset-limit",), 1, _ELASTIC),
     Unsupported(("--blacklist-cooldown-range",), 2, _ELASTIC),
     Unsupported(("--autotune",), 0, _AUTOTUNE),
     Unsupported(

@@ -75,11 +75,15 @@ class Teardown:
             failure (Open MPI does; hydra waits for the remaining ranks). Defaults to 2.0.
         terminate_grace_s: time between SIGTERM and SIGKILL to the launcher's process
             group. Defaults to 3.0.
+        signal_grace_s: the same when ringrun itself was asked to stop (SIGTERM from Slurm
+            or Kubernetes, Ctrl-C): time for the ranks to save a checkpoint. Defaults to
+            25.0, within Slurm's and Kubernetes' 30 s before they kill.
     """
 
     poll_interval_s: float = 0.1
     launcher_grace_s: float = 2.0
     terminate_grace_s: float = 3.0
+    signal_grace_s: float = 25.0
 
 
 @dataclass(frozen=True)
@@ -518,7 +522,11 @@ class _JobWatcher:
                 logger.info("sending SIGTERM to the launcher's process group")
                 self._signal_group(signal.SIGTERM)
                 self.terminated_at = now
-        elif not self.killed and now - self.terminated_at >= self.teardown.terminate_grace_s:
+        elif not self.killed and now - self.terminated_at >= (
+            self.teardown.terminate_grace_s
+            if self.stop_signal is None
+            else self.teardown.signal_grace_s
+        ):
             logger.info("sending SIGKILL to the launcher's process group")
             self._signal_group(signal.SIGKILL)
             self.killed = True

@@ -321,6 +321,72 @@ class RunSettings:
         ranks=lambda seconds: {"RINGPLUG_STALL_SHUTDOWN_SECONDS": f"{seconds:g}"},
     )
 
+    max_restarts: int | None = setting(
+        WHOLE,
+        "elastic: start the job again, up to N times, when a rank or host fails (the ranks "
+        "read which start they are in from RINGPLUG_RESTART); default 0, or 3 when another "
+        "elastic flag is given",
+        flags=("--max-restarts",),
+        horovodrun=("--reset-limit",),
+        metavar="N",
+        check=within("max_restarts must be 0 or more, got {value}", low=0),
+    )
+    min_np: int | None = setting(
+        WHOLE,
+        "elastic: the fewest ranks a restarted job may run with; fewer slots left ends the "
+        "job (default: -np, or 1 with a discovery script)",
+        horovodrun=("--min-np", "--min-num-proc"),
+        metavar="N",
+        check=within("min_np must be at least 1, got {value}", low=1),
+    )
+    max_np: int | None = setting(
+        WHOLE,
+        "elastic: the most ranks a (re)started job runs with, however many slots the hosts "
+        "offer (default: -np, else every slot)",
+        horovodrun=("--max-np", "--max-num-proc"),
+        metavar="N",
+        check=within("max_np must be at least 1, got {value}", low=1),
+    )
+    host_discovery_script: str | None = setting(
+        TEXT,
+        "elastic: a program that prints the hosts available now, one 'host' or 'host:slots' "
+        "a line; run before every start (within --elastic-timeout)",
+        horovodrun=("--host-discovery-script",),
+        metavar="FILE",
+    )
+    slots_per_host: int | None = setting(
+        WHOLE,
+        "elastic: slots of a host the discovery script names without a count (default 1)",
+        horovodrun=("--slots-per-host",),
+        metavar="N",
+        check=within("slots_per_host must be at least 1, got {value}", low=1),
+    )
+    elastic_timeout: float | None = setting(
+        NUMBER,
+        "elastic: how long to wait, asking the discovery script every second, for enough "
+        "slots for --min-np ranks (default 600)",
+        horovodrun=("--elastic-timeout",),
+        metavar="SECONDS",
+        check=within(
+            "elastic_timeout must be a finite number of seconds, got {value}", low=0, below=math.inf
+        ),
+    )
+
+    @property
+    def elastic(self) -> bool:
+        """Whether any elastic setting was given (the job restarts after a failure)."""
+        return any(
+            value is not None
+            for value in (
+                self.max_restarts,
+                self.min_np,
+                self.max_np,
+                self.host_discovery_script,
+                self.slots_per_host,
+                self.elastic_timeout,
+            )
+        )
+
     @classmethod
     def keys(cls) -> list[str]:
         """Names accepted as config-file keys, in declaration order."""
