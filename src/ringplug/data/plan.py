@@ -12,6 +12,11 @@ the same plan and takes its own share of it:
    divide by the number of ranks, the last round is completed with batches that repeat
    earlier samples (or, with ``drop_last``, dropped), so every rank gets the same number of
    batches: a rank with one batch more would wait forever in its last gradient reduction.
+
+A plan can be made for a subset of the samples (``indices``): the rest of an epoch that was
+stopped and is resumed, perhaps by another number of ranks. `trained_samples` says which
+samples the ranks' first batches of a plan hold together: what a checkpoint of the epoch's
+progress records (the samplers' ``state_dict``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ def plan_batches(
     seed: int = 0,
     epoch: int = 0,
     drop_last: bool = False,
+    indices: Sequence[int] | np.ndarray | None = None,
 ) -> Plan:
     """This rank's batches for `epoch` (see the module docstring).
 
@@ -56,11 +62,99 @@ def plan_batches(
         shuffle, seed, epoch: the order is shuffled by (seed, epoch) when `shuffle`.
         drop_last: drop the batches that would make the counts unequal instead of adding
             batches of repeated samples.
+        indices: plan only these samples (ids into `lengths`, each at most once), in this
+            order unless shuffled: the rest of a resumed epoch. None (the default) plans
+            them all; ``indices=range(len(lengths))`` gives the same plan.
     """
     sizes = np.asarray(lengths, dtype=np.int64).reshape(-1)
     _check(sizes, batch_size, max_tokens, num_replicas, rank)
+    subset = _subset(sizes, indices)
+    batches, repeated, dropped = _deal(
+        sizes, subset, batch_size, max_tokens, num_replicas, shuffle, seed, epoch, drop_last
+    )
+    return Plan(batches[rank::num_replicas], len(batches), repeated, dropped)
+
+
+def trained_samples(
+    lengths: Sequence[int] | np.ndarray,
+    batches: int,
+    *,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
+    num_replicas: int = 1,
+    shuffle: bool = True,
+    seed: int = 0,
+    epoch: int = 0,
+    drop_last: bool = False,
+    indices: Sequence[int] | np.ndarray | None = None,
+) -> np.ndarray:
+    """The samples that all ranks together have trained once each rank has trained the
+    first `batches` of its batches in the plan that `plan_batches` makes from the same
+    arguments: sorted sample ids, each once (a sample in a padding batch is counted once).
+
+    Any rank can compute it, for every rank, with nothing exchanged: the ranks of a data-
+    parallel job step together, so one count stands for all of them. A sample counts only
+    when a batch holding it was trained: the padding batches repeat samples of the first
+    round, so a repeat never marks a sample that is still to come.
+
+    Raises:
+        ValueError: `batches` is negative or more than each rank's batch count.
+    """
+    sizes = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    _check(sizes, batch_size, max_tokens, num_replicas, 0)
+    subset = _subset(sizes, indices)
+    every, _, _ = _deal(
+        sizes, subset, batch_size, max_tokens, num_replicas, shuffle, seed, epoch, drop_last
+    )
+    per_rank = len(every) // num_replicas
+    if not 0 <= batches <= per_rank:
+        raise ValueError(
+            f"batches={batches}, but this plan has {per_rank} batches per rank; give a count "
+            f"between 0 and {per_rank}."
+        )
+    # Rank r's j-th batch is every[j * num_replicas + r]: the first rounds of the deal.
+    held = [i for batch in every[: batches * num_replicas] for i in batch]
+    return np.unique(np.asarray(held, dtype=np.int64))
+
+
+def _subset(sizes: np.ndarray, indices: Sequence[int] | np.ndarray | None) -> np.ndarray | None:
+    """`indices` as an int64 array, checked: ids of samples, none twice."""
+    if indices is None:
+        return None
+    subset = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if len(subset) and (subset.min() < 0 or subset.max() >= len(sizes)):
+        raise ValueError(
+            f"indices must be sample ids in 0..{len(sizes) - 1} (there are {len(sizes)} "
+            f"lengths); got {int(subset.min())}..{int(subset.max())}."
+        )
+    if len(np.unique(subset)) != len(subset):
+        raise ValueError(
+            "indices name some samples more than once; each sample of the subset must be "
+            "planned once (remove the repeats)."
+        )
+    return subset
+
+
+def _deal(
+    sizes: np.ndarray,
+    subset: np.ndarray | None,
+    batch_size: int | None,
+    max_tokens: int | None,
+    num_replicas: int,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    drop_last: bool,
+) -> tuple[list[list[int]], int, int]:
+    """Every rank's batches in the order they are dealt (rank r takes ``[r::num_replicas]``),
+    padding included; and the samples repeated and dropped to make the counts equal."""
     rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(sizes)) if shuffle else np.arange(len(sizes))
+    if subset is None:
+        order = rng.permutation(len(sizes)) if shuffle else np.arange(len(sizes))
+    else:
+        # For the full subset in id order this draws what the full plan draws, so a resume
+        # from nothing done gives the plan the epoch had.
+        order = subset[rng.permutation(len(subset))] if shuffle else subset
     batches = _cut(order, sizes, batch_size, max_tokens)
     if shuffle:
         batches = [batches[i] for i in rng.permutation(len(batches))]
@@ -73,7 +167,7 @@ def plan_batches(
         extra = [list(batches[i % len(batches)]) for i in range(num_replicas - leftover)]
         repeated = sum(len(b) for b in extra)
         batches = batches + extra
-    return Plan(batches[rank::num_replicas], len(batches), repeated, dropped)
+    return batches, repeated, dropped
 
 
 def _check(
@@ -105,7 +199,7 @@ def _cut(
     if batch_size is not None:
         pool = batch_size * _POOL_BATCHES
     else:
-        typical = max(int(np.median(sizes)) if len(sizes) else 1, 1)
+        typical = max(int(np.median(sizes[order])) if len(order) else 1, 1)
         pool = max(max_tokens // typical, 1) * _POOL_BATCHES  # type: ignore[operator]
     batches: list[list[int]] = []
     for start in range(0, len(order), pool):
