@@ -189,3 +189,18 @@ def diagnose_setting() -> tuple[bool | None, int | None]:
             )
         steps = int(every)
     return (None if raw is None else words[raw.lower()]), steps
+
+
+def elastic_setting() -> tuple[int, str | None, str | None]:
+    """What a rank of an elastic job needs to resume: ``RINGPLUG_RESTART`` (which start of
+    the job this is, 0 for the first), ``RINGPLUG_JOB_ID`` (the same in every start of one
+    ``ringrun`` job; None outside one) and ``RINGPLUG_ELASTIC_DIR`` (where commits are kept,
+    e.g. a shared filesystem; None for the default under the temporary directory)."""
+    raw = _env("RINGPLUG_RESTART")
+    if raw is not None and not raw.isdigit():
+        raise ValueError(f"RINGPLUG_RESTART={raw!r} must be a whole number (ringrun sets it).")
+    return (
+        (int(raw) if raw is not None else 0),
+        _env("RINGPLUG_JOB_ID"),
+        _env("RINGPLUG_ELASTIC_DIR"),
+    )

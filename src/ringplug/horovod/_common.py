@@ -113,23 +113,26 @@ def remove_process_set(process_set: Any) -> None:
     raise NotImplementedError(_NO_PROCESS_SETS)
 
 
+ELASTIC_NOT_HERE = (
+    "hvd.elastic: ringplug has Horovod's elastic API for torch (ringplug.horovod.torch) "
+    "only; here, run a fixed number of ranks and resume from a checkpoint "
+    "(keras.callbacks.BackupAndRestore) under ringrun --max-restarts N."
+)
+
+
 class _Elastic:
-    """``hvd.elastic``: any use says in one line that ringplug has no elastic training."""
+    """``hvd.elastic`` where ringplug has none: any use says so in one line."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        raise NotImplementedError(
-            f"hvd.elastic.{name}: ringplug has no elastic training (workers joining or "
-            "leaving a running job). Run a fixed number of ranks with ringrun -np N, and "
-            "resume from a checkpoint after a failure."
-        )
+        raise NotImplementedError(ELASTIC_NOT_HERE)
 
     def __repr__(self) -> str:
-        return "hvd.elastic (not supported by ringplug)"
+        return "hvd.elastic (not supported here by ringplug)"
 
 
-elastic = _Elastic()
+elastic = _Elastic()  # ringplug.horovod.torch has its own
 
 
 def check_process_set(process_set: Any) -> None:

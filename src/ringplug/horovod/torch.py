@@ -2,9 +2,9 @@
 
 Same names, signatures and semantics as Horovod 0.28's PyTorch API for what ringplug
 supports: the collectives (sync, async, in place, grouped), their autograd, the
-broadcast helpers, `DistributedOptimizer`, `Compression` and `SyncBatchNorm`. What it does
-not support raises with the reason: Adasum, process sets other than the global one,
-elastic training.
+broadcast helpers, `DistributedOptimizer`, `Compression`, `SyncBatchNorm` and
+``hvd.elastic`` (on ringrun's restarts, `ringplug.horovod.torch_elastic`). What it does
+not support raises with the reason: Adasum, process sets other than the global one.
 
 Where Horovod's semantics differ from ``ringplug.torch``'s, this module follows Horovod:
 `Average` and scale factors work on integer tensors (scaled in float64, truncated toward
@@ -30,9 +30,12 @@ from ..torch import optimizer as _optimizer
 from ..torch.state import allgather_object, broadcast_object, broadcast_parameters
 from ..torch.state import broadcast_optimizer_state as _broadcast_optimizer_state
 from ..torch.sync_batchnorm import SyncBatchNorm
+from . import torch_elastic as _torch_elastic
 from ._common import *  # noqa: F403 - Horovod's basics, re-exported
 from ._common import Average, check_process_set, global_process_set, resolve_op
 from ._common import __all__ as _BASICS
+
+elastic = _torch_elastic  # Horovod's hvd.elastic (replaces the basics' refusing one)
 
 
 class _NoneCompressor:

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -438,10 +439,13 @@ def _launch_elastic(settings: RunSettings, command: list[str], hosts: list[Host]
     if plan.discovery_script is None and not hosts and plan.max_np is None:
         raise UsageError("say how many ranks to run with -np N (or give hosts with -H)")
     last: list[JobSpec] = []
+    # One id for every start, so that a restart finds the commits of the starts before it.
+    job_id = os.environ.get(elastic.JOB_ID_VARIABLE) or secrets.token_hex(6)
 
     def start(start_hosts: list[Host], np: int, restart: int) -> JobResult:
         spec = job_from_settings(dataclasses.replace(settings, np=np), command, start_hosts)
         spec.env[elastic.RESTART_VARIABLE] = str(restart)
+        spec.env[elastic.JOB_ID_VARIABLE] = job_id
         last[:] = [spec]
         return _start(spec, settings, dry_run=False)
 
@@ -455,7 +459,12 @@ def _launch_elastic(settings: RunSettings, command: list[str], hosts: list[Host]
             return f"host {result.host_problems[0].host} could not run its ranks"
         return f"the launcher exited with code {result.launcher_returncode}"
 
-    return elastic.run_elastic(plan, hosts, start, cause, _say)
+    code = elastic.run_elastic(plan, hosts, start, cause, _say)
+    if code == 0 and not os.environ.get(elastic.COMMIT_DIR_VARIABLE):
+        # The job is done: its commits (hvd.elastic's default place, on this host) are not
+        # needed any more. A directory the user named is theirs to keep.
+        shutil.rmtree(elastic.default_commit_directory(job_id), ignore_errors=True)
+    return code
 
 
 def _root_cause_lines(result: JobResult, spec: JobSpec) -> list[str]:

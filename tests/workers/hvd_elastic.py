@@ -1,0 +1,88 @@
+"""A Horovod-style elastic torch training (only ``hvd.*`` names): ``python hvd_elastic.py DIR``.
+
+240 samples, batches of 4, 2 epochs, a commit every 3 batches and at each epoch's end,
+with an `ElasticSampler` recording its batches. Rank 2 of the first start SIGKILLs itself
+one batch after its 5th commit. Every rank writes, to DIR:
+
+  ledger.<restart>.<rank>  one JSON line a commit: the commit number, and the epoch and ids
+                           of the samples this rank trained since the commit before
+  start.<restart>.<rank>   the state `train` began with, the world size and the job id
+  reset.<restart>.<rank>   one line each time a reset callback ran
+  final.<restart>.<rank>   the final weights
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import ringplug.horovod.torch as hvd
+
+BATCH = 4
+
+
+def main(folder: Path) -> None:
+    hvd.init()
+    rank, restart = hvd.rank(), int(os.environ["RINGPLUG_RESTART"])
+    torch.manual_seed(rank)  # different on purpose: the sync must make them equal
+    features = torch.randn(240, 8, generator=torch.Generator().manual_seed(0))
+    dataset = TensorDataset(features, features.sum(1, keepdim=True), torch.arange(240))
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=3)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    def on_reset() -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.01 * hvd.size()
+        with open(folder / f"reset.{restart}.{rank}", "a") as out:
+            out.write(f"{hvd.size()}\n")
+
+    def commit(state, trained: list[int], epoch: int) -> None:
+        state.commits += 1
+        state.commit()
+        with open(folder / f"ledger.{restart}.{rank}", "a") as out:
+            line = {"commit": state.commits, "epoch": epoch, "ids": trained}
+            out.write(json.dumps(line) + "\n")
+        trained.clear()
+
+    @hvd.elastic.run
+    def train(state) -> None:
+        start = {"epoch": state.epoch, "batch": state.batch, "commits": state.commits,
+                 "size": hvd.size(), "job": os.environ.get("RINGPLUG_JOB_ID"),
+                 "lr": optimizer.param_groups[0]["lr"]}  # fmt: skip
+        (folder / f"start.{restart}.{rank}").write_text(json.dumps(start))
+        trained: list[int] = []
+        while state.epoch < 2:
+            state.train_sampler.set_epoch(state.epoch)
+            for state.batch, (x, y, ids) in enumerate(loader):
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(state.model(x), y).backward()
+                optimizer.step()
+                trained.extend(ids.tolist())
+                state.train_sampler.record_batch(state.batch, BATCH)
+                if restart == 0 and rank == 2 and state.commits == 5:
+                    os.kill(os.getpid(), signal.SIGKILL)  # mid-interval: 1 batch uncommitted
+                if (state.batch + 1) % 3 == 0:
+                    commit(state, trained, state.epoch)
+            state.epoch, state.batch = state.epoch + 1, 0
+            state.train_sampler.set_epoch(state.epoch)
+            commit(state, trained, state.epoch - 1)
+
+    state = hvd.elastic.TorchState(model, optimizer, train_sampler=sampler, epoch=0, batch=0,
+                                   commits=0)  # fmt: skip
+    state.register_reset_callbacks([on_reset])
+    train(state)
+    weights = [p.detach().flatten().tolist() for p in model.parameters()]
+    (folder / f"final.{restart}.{rank}").write_text(json.dumps(weights))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
