@@ -1,5 +1,6 @@
 """`ElasticSampler`: torch's ``DistributedSampler``, resumable mid-epoch by a job with as
-many ranks or another number (the logic is numpy; torch only gives the base class)."""
+many ranks or another number (the logic is numpy; torch gives the base class and the
+shuffled order, which is ``DistributedSampler``'s)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import Sampler
 
 from . import _ranks
@@ -47,7 +49,8 @@ class ElasticSampler(Sampler[int]):
     Args:
         dataset: what the indices are for; only its ``len()`` is used, which must not change.
         shuffle: a new order every epoch, by (seed, epoch), the same on every rank (default
-            True); else the samples in index order.
+            True): a whole epoch is dealt exactly as ``DistributedSampler`` deals it, shuffled
+            or not; else the samples in index order.
         seed: the order's seed, the same on every rank (default 0).
         num_replicas, rank: default to ringplug's world (started at first use under a
             launcher) or a single process.
@@ -280,8 +283,12 @@ class ElasticSampler(Sampler[int]):
             else:
                 remaining = np.arange(self._length())
             if self.shuffle:
-                rng = np.random.default_rng([self.seed, self.epoch])
-                remaining = remaining[rng.permutation(len(remaining))]
+                # DistributedSampler's order (torch's generator, seeded seed + epoch): a whole
+                # epoch deals exactly as it does, so this sampler can stand in for it.
+                generator = torch.Generator()
+                generator.manual_seed(self.seed + self.epoch)
+                shuffled = torch.randperm(len(remaining), generator=generator).numpy()
+                remaining = remaining[shuffled]
             if self.drop_last:
                 order = remaining[: len(remaining) - len(remaining) % replicas]
             elif len(remaining):

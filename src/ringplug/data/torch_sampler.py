@@ -29,7 +29,8 @@ class DistributedBucketSampler(BatchSampler):
 
     Under ``ringrun`` with a plain DataLoader, or in ``Trainer(strategy="ring")`` (where
     Lightning leaves it alone, wherever the DataLoader was made), each rank reads its own
-    batches. Call ``set_epoch(e)`` each epoch (Lightning does) for a new order.
+    batches. Call ``set_epoch(e)`` each epoch for a new order (RingStrategy does; Lightning
+    itself calls it on samplers, not on batch samplers).
 
     An epoch stopped midway resumes where it stopped, with as many ranks or another number
     (elastic training): ``state_dict(batches_done)`` records which samples every rank has

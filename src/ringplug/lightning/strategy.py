@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 from collections.abc import Generator
 from typing import Any, Literal
 
@@ -17,10 +18,11 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from .. import core
 from ..core import activity
+from ..data.elastic_sampler import ElasticSampler
 from ..diagnose import arrived as batch_arrived
 from ..fabric.common import (
     RingParallel,
@@ -36,6 +38,7 @@ from ..torch.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
 from .diagnostics import RingDiagnostics, diagnostics_for
 from .environment import RingEnvironment
 from .launcher import RingLauncher
+from .resume import RingResume
 from .uneven import AgreedLoader, SigtermFlag, Uneven, check_mode
 
 
@@ -55,8 +58,14 @@ class RingStrategy(RingParallel, ParallelStrategy):
     """Lightning strategy that averages gradients over ranks through ringplug's engine.
 
     Start the ranks with the MPI launcher (``ringrun -np 4 python train.py``); each rank
-    trains on its shard of the data (Lightning adds the distributed sampler), gradients are
-    averaged in buckets while backward runs, and every rank ends with the same weights.
+    trains on its shard of the data, gradients are averaged in buckets while backward runs,
+    and every rank ends with the same weights. Where Lightning would add its
+    ``DistributedSampler``, `ringplug.data.ElasticSampler` goes in (the same samples in the
+    same order) and Lightning checkpoints hold its place (`ringplug.lightning.resume`): a fit
+    resumed with ``ckpt_path="last"`` after a lost rank or a preemption (``ringrun
+    --max-restarts``) goes on mid-epoch with the samples not trained yet, on the ranks there
+    are then; SIGTERM saves ``last.ckpt`` (with ``ModelCheckpoint(save_last=True)``) at the
+    batch where every rank stops.
     A stall report names where each missing rank is ("rank 1 was in forward/backward at
     epoch 0, batch 17 (step 17) for 61 s": the epoch, the batch within it, the global step).
     On CPUs the gradients take ringplug's MPI ring; with ``accelerator="gpu"`` each rank uses
@@ -133,6 +142,7 @@ class RingStrategy(RingParallel, ParallelStrategy):
         self._next_loader_stage: RunningStage | None = None
         self.diagnose = diagnose
         self._diagnostics: RingDiagnostics | None = None
+        self._resume: RingResume | None = None
 
     @property
     def _layer_sync(self) -> LayerSync | None:
@@ -163,10 +173,13 @@ class RingStrategy(RingParallel, ParallelStrategy):
         trainer = getattr(module, "_trainer", None) if module is not None else None
         if trainer is not None:
             _report_prepare_data(trainer)
+            self._resume = _resume_callback(trainer)  # before Lightning restores a checkpoint
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         _prepare_loaders_for_ring(trainer, self)
+        if self._resume is not None:
+            _before_each_epoch(trainer, self._resume)
         self._sigterm = SigtermFlag(trainer)
         epoch_loop = trainer.fit_loop.epoch_loop
         if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
@@ -214,9 +227,16 @@ class RingStrategy(RingParallel, ParallelStrategy):
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
-        """The training dataloader gets the per-batch agreement of the ranks (`AgreedLoader`)."""
+        """The training dataloader resumes where a checkpoint's epoch stopped (`RingResume`)
+        and gets the per-batch agreement of the ranks (`AgreedLoader`)."""
         stage, self._next_loader_stage = self._next_loader_stage, None
-        if stage is not RunningStage.TRAINING or core.size() == 1:
+        if stage is not RunningStage.TRAINING:
+            return dataloader
+        if self._resume is not None:
+            trainer = self.lightning_module.trainer
+            epoch = trainer.fit_loop.epoch_progress.current.processed  # the one to train next
+            dataloader = self._resume.track(dataloader, epoch)
+        if core.size() == 1:
             return dataloader
         assert self._sigterm is not None
         return AgreedLoader(dataloader, self.uneven, self._phantoms, self._sigterm)
@@ -359,12 +379,62 @@ def _report_prepare_data(trainer: Any) -> None:
     connector.prepare_data = prepare_data
 
 
+def _resume_callback(trainer: Any) -> RingResume:
+    """The Trainer's `RingResume`, added if it has none (a second fit finds the first's)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, RingResume):
+            return callback
+    callback = RingResume()
+    trainer.callbacks.append(callback)
+    return callback
+
+
+def _before_each_epoch(trainer: Any, resume: RingResume) -> None:
+    """Lightning prepares the training data before each epoch (``fit_loop.setup_data``, which
+    returns at once unless the loader is to be made again); `RingResume` looks first."""
+    fit_loop = trainer.fit_loop
+    setup_data = getattr(fit_loop, "_ringplug_original_setup_data", fit_loop.setup_data)
+
+    def setup_data_for_ring() -> None:
+        resume.before_epoch(fit_loop)
+        setup_data()
+
+    fit_loop._ringplug_original_setup_data = setup_data
+    fit_loop.setup_data = setup_data_for_ring
+
+
+def _elastic_sampler_for(dataloader: Any, connector: Any, trainer: Any) -> ElasticSampler | None:
+    """The `ElasticSampler` that stands for the ``DistributedSampler`` Lightning would put in
+    this training DataLoader (the same samples in the same order, and resumable mid-epoch),
+    or None where Lightning would not, or would wrap a sampler of the user's."""
+    if not (
+        isinstance(dataloader, DataLoader)
+        and connector._requires_distributed_sampler(dataloader)
+        and isinstance(dataloader.sampler, (RandomSampler, SequentialSampler))
+        and type(dataloader.batch_sampler) is BatchSampler
+        and dataloader.batch_size is not None
+    ):
+        return None
+    return ElasticSampler(
+        dataloader.dataset,
+        shuffle=not trainer.overfit_batches,  # Lightning shuffles training data, as here
+        seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # Lightning's seed_everything
+        batch_size=dataloader.batch_size,
+        **trainer.distributed_sampler_kwargs,
+    )
+
+
 def _prepare_loaders_for_ring(trainer: Any, strategy: RingStrategy) -> None:
     """Adjust how Lightning prepares dataloaders for RingStrategy:
 
-    - A batch sampler that already shards by rank (``shards_by_rank``, as ringplug's
-      DistributedBucketSampler) keeps its DataLoader as it is (Lightning would replace the
-      sampler, and raise for custom batch samplers made outside a ``*_dataloader`` hook).
+    - A sampler or batch sampler that already shards by rank (``shards_by_rank``, as
+      ringplug's ElasticSampler and DistributedBucketSampler) keeps its DataLoader as it is
+      (Lightning would wrap or replace the sampler, and raise for custom batch samplers made
+      outside a ``*_dataloader`` hook).
+    - Where Lightning would put a ``DistributedSampler`` in the training DataLoader, an
+      `ElasticSampler` goes in: it deals the same samples in the same order, and a checkpoint
+      holds its place, so a fit resumed mid-epoch trains the rest of the epoch, each sample
+      once, on as many ranks as there are then (see `ringplug.lightning.resume`).
     - Validation and test get a sampler that gives each sample to exactly one rank
       (Lightning's DistributedSampler pads the ranks with repeated samples), so that
       metrics synced at the epoch's end count every sample once.
@@ -377,8 +447,15 @@ def _prepare_loaders_for_ring(trainer: Any, strategy: RingStrategy) -> None:
 
     def prepare_for_ring(dataloader: Any, shuffle: bool, mode: Any) -> Any:
         strategy._next_loader_stage = mode
-        if getattr(getattr(dataloader, "batch_sampler", None), "shards_by_rank", False):
+        if any(
+            getattr(getattr(dataloader, name, None), "shards_by_rank", False)
+            for name in ("batch_sampler", "sampler")
+        ):
             return dataloader
+        if mode is RunningStage.TRAINING:
+            sampler = _elastic_sampler_for(dataloader, connector, trainer)
+            if sampler is not None:
+                return _update_dataloader(dataloader, sampler, mode=mode)
         evaluating = mode in (RunningStage.VALIDATING, RunningStage.TESTING)
         if (
             evaluating
