@@ -31,7 +31,7 @@ STACK_KERAS := 'tests/test_keras.py::test_two_ranks_train_like_one_process_on_th
 STACK_PACKAGES := pytest hypothesis tensorflow-cpu
 STACK_MODULES := mpi4py torch lightning keras tensorflow yaml
 
-.PHONY: demo test test-suite test-oldest test-newest test-openmpi lint venv venvs clean
+.PHONY: demo test test-suite test-stacks test-oldest test-newest test-openmpi lint venv venvs clean
 
 venv: $(STAMP)
 
@@ -87,11 +87,15 @@ venvs: $(STAMP) .venv-py3.10/.ringplug-installed .venv-py3.13/.ringplug-installe
 demo: $(STAMP)
 	$(BIN)/ringrun -np 2 $(BIN)/python examples/ocr/train_lightning.py --timeline ocr-timeline.json
 
-# Everything CI runs: the full suite, then the oldest and newest Python, then Open MPI.
-test: test-suite test-oldest test-newest test-openmpi
+# A contributor's `make test`: the whole suite on the main venv (no other download).
+test: test-suite
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest
+
+# What CI runs after `make test`: the oldest and newest Python, then Open MPI, each in a venv
+# of its own (the Python 3.10 and 3.13 ones download torch's CUDA build, about 5 GB each).
+test-stacks: test-oldest test-newest test-openmpi
 
 test-oldest: .venv-py3.10/.ringplug-installed
 	.venv-py3.10/bin/python -m pytest $(STACK_TESTS)
