@@ -31,7 +31,7 @@ STACK_KERAS := 'tests/test_keras.py::test_two_ranks_train_like_one_process_on_th
 STACK_PACKAGES := pytest hypothesis tensorflow-cpu
 STACK_MODULES := mpi4py torch lightning keras tensorflow yaml
 
-.PHONY: demo test test-suite test-stacks test-oldest test-newest test-openmpi lint venv venvs clean
+.PHONY: demo test test-suite test-stacks test-oldest test-newest test-openmpi lint docs venv venvs clean
 
 venv: $(STAMP)
 
@@ -114,5 +114,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests examples
 	$(BIN)/ruff format --check src tests examples
 
+# The docs site (mkdocs.yml, docs/) into site/; any warning (a broken link or anchor, a page
+# left out of the nav, a docstring mkdocstrings cannot render) fails it. tests/test_docs.py
+# runs the same build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) .venv-py3.10 .venv-py3.13 .venv-openmpi build dist src/*.egg-info
+	rm -rf $(VENV) .venv-py3.10 .venv-py3.13 .venv-openmpi build dist site src/*.egg-info

@@ -244,7 +244,7 @@ def printed_strategy(*arguments: str) -> dict:
 
 def test_lightning_cli_takes_ring_strategy_by_class_path_on_the_command_line():
     # `--trainer.strategy=ringplug.lightning.RingStrategy` alone is a strategy *name* to
-    # LightningCLI (the Trainer takes str or Strategy); the README gives this form.
+    # LightningCLI (the Trainer takes str or Strategy); docs/lightning.md gives this form.
     strategy = printed_strategy("--trainer.strategy.class_path=ringplug.lightning.RingStrategy")
     assert strategy["class_path"] == "ringplug.lightning.RingStrategy"
 

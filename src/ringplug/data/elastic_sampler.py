@@ -52,8 +52,9 @@ class ElasticSampler(Sampler[int]):
             True): a whole epoch is dealt exactly as ``DistributedSampler`` deals it, shuffled
             or not; else the samples in index order.
         seed: the order's seed, the same on every rank (default 0).
-        num_replicas, rank: default to ringplug's world (started at first use under a
-            launcher) or a single process.
+        num_replicas: the number of ranks; defaults to ringplug's world (started at first
+            use under a launcher) or a single process.
+        rank: this rank; defaults as `num_replicas` does.
         drop_last: leave out the last samples that would make the ranks' counts unequal,
             instead of repeating samples to fill the last round (default False).
         batch_size: the DataLoader's batch size (default None): what the batch counts of

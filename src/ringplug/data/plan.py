@@ -58,8 +58,11 @@ def plan_batches(
         lengths: each sample's length (tokens, frames, pixels of width...).
         batch_size: samples per batch; or
         max_tokens: padded elements per batch (longest length in the batch x samples).
-        num_replicas, rank: the ranks, and this one.
-        shuffle, seed, epoch: the order is shuffled by (seed, epoch) when `shuffle`.
+        num_replicas: the number of ranks.
+        rank: this rank.
+        shuffle: shuffle the order by (seed, epoch).
+        seed: the shuffle's seed, the same on every rank.
+        epoch: the epoch, which changes the shuffled order.
         drop_last: drop the batches that would make the counts unequal instead of adding
             batches of repeated samples.
         indices: plan only these samples (ids into `lengths`, each at most once), in this

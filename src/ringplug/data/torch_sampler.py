@@ -47,9 +47,11 @@ class DistributedBucketSampler(BatchSampler):
         batch_size: samples per batch; or
         max_tokens: a budget of padded elements per batch (longest length x samples), for
             batches with as many short samples or as few long ones as fit.
-        num_replicas, rank: default to ringplug's world (started at first use under a
-            launcher) or a single process.
-        shuffle, seed: the order changes every epoch, the same on every rank.
+        num_replicas: the number of ranks; defaults to ringplug's world (started at first
+            use under a launcher) or a single process.
+        rank: this rank; defaults as `num_replicas` does.
+        shuffle: the order changes every epoch, the same on every rank.
+        seed: the shuffle's seed, the same on every rank.
         drop_last: drop the batches that would make the ranks' counts unequal instead of
             completing the last round with repeated samples.
         sampler: set by Lightning's sampler injection (a ``DistributedSampler``); only its

@@ -17,7 +17,7 @@ from .. import core
 from ..core.config import diagnose_setting
 from ..diagnose import Diagnosis, StepClock
 
-# On unless turned off: measured with `ringplug-bench lightning` (see the README), the
+# On unless turned off: measured with `ringplug-bench lightning` (docs/benchmarks.md), the
 # breakdown costs less than 1% of a step.
 DEFAULT_ON = True
 
