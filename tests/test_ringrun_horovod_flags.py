@@ -367,10 +367,10 @@ def test_unsupported_flag_fails_with_one_line_naming_it(flag_and_values, capsys)
         (["--autotune"], "--fusion-threshold-mb and --cycle-time-ms"),
         (["--hierarchical-allreduce"], "flat ring"),
         (["--cache-capacity", "2048"], "fixed size"),
-        (["--num-nccl-streams", "2"], "no GPU (NCCL) data plane"),
+        (["--num-nccl-streams", "2"], "one stream per rank"),
         (["--thread-affinity", "1"], "--bind-to core"),
-        (["--gpu-operations", "NCCL"], "over MPI on the CPU"),
-        (["--cpu-operations", "MPI"], "over MPI on the CPU"),
+        (["--gpu-operations", "NCCL"], "NCCL for GPU tensors"),
+        (["--cpu-operations", "MPI"], "MPI for CPU"),
     ],
 )
 def test_unsupported_flag_says_what_to_do_instead(argv, advice, capsys):

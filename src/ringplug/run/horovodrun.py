@@ -52,8 +52,8 @@ _HIERARCHICAL = (
     "RINGPLUG_RING_THRESHOLD) and its allgather is MPI's; drop the flag"
 )
 _DEVICE_OPERATIONS = (
-    "ringplug runs every collective over MPI on the CPU, its only data plane (no NCCL, "
-    "Gloo or oneCCL to choose); drop the flag"
+    "ringplug picks the data plane by where a tensor lives: NCCL for GPU tensors, MPI for "
+    "CPU ones (no Gloo or oneCCL to choose); drop the flag"
 )
 
 UNSUPPORTED = (
@@ -92,8 +92,8 @@ UNSUPPORTED = (
     Unsupported(
         ("--num-nccl-streams",),
         1,
-        "ringplug has no GPU (NCCL) data plane yet; its collectives run over MPI on the "
-        "CPU; drop the flag",
+        "ringplug runs its NCCL collectives on one stream per rank, in the order the ranks "
+        "agreed; drop the flag",
     ),
     Unsupported(
         ("--thread-affinity",),
