@@ -299,8 +299,12 @@ def main(outdir: Path) -> None:
         lambda: graph_error(fractional_splits).startswith("InvalidArgumentError"),
     )
     check(
-        "elastic-refused",
-        lambda: raises(lambda: hvd.elastic.TensorFlowKerasState, NotImplementedError, "elastic"),
+        "elastic-tf1-session-refused",
+        lambda: raises(
+            lambda: hvd.elastic.TensorFlowState([tf.Variable(1.0)], session=object()),
+            NotImplementedError,
+            "eagerly",
+        ),
     )
     check(
         "eager-global-variables-refused",

@@ -9,7 +9,8 @@ from .. import core
 from ..core.errors import RingplugError
 from ..core.ops import ReduceOp, as_op
 
-# Horovod's basics, the same in ringplug.horovod.torch and ringplug.horovod.keras.
+# Horovod's basics, the same in ringplug.horovod.torch, .keras and .tensorflow (each module
+# adds its own ``elastic``).
 __all__ = [
     "Adasum",
     "Average",
@@ -25,7 +26,6 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
-    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
@@ -111,28 +111,6 @@ def add_process_set(process_set: Any) -> None:
 def remove_process_set(process_set: Any) -> None:
     """Refused: ringplug has no process sets."""
     raise NotImplementedError(_NO_PROCESS_SETS)
-
-
-ELASTIC_NOT_HERE = (
-    "hvd.elastic: ringplug has Horovod's elastic API for torch (ringplug.horovod.torch) "
-    "only; here, run a fixed number of ranks and resume from a checkpoint "
-    "(keras.callbacks.BackupAndRestore) under ringrun --max-restarts N."
-)
-
-
-class _Elastic:
-    """``hvd.elastic`` where ringplug has none: any use says so in one line."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise NotImplementedError(ELASTIC_NOT_HERE)
-
-    def __repr__(self) -> str:
-        return "hvd.elastic (not supported here by ringplug)"
-
-
-elastic = _Elastic()  # ringplug.horovod.torch has its own
 
 
 def check_process_set(process_set: Any) -> None:

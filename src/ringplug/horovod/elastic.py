@@ -1,5 +1,6 @@
 """Horovod's elastic API (``hvd.elastic``) on ringrun's restarts: `State`, `ObjectState` and
-`run`, which the torch and Keras modules build on.
+`run`, which the torch, Keras and TensorFlow modules build on (``torch_elastic``,
+``keras.elastic``, ``tensorflow.elastic``).
 
 Horovod keeps the surviving workers running, and rolls them back to the last commit in
 memory when a peer is lost. ringplug cannot re-form a job in place (the MPI wheels have no
@@ -264,10 +265,48 @@ class ObjectState(State):
             setattr(self, name, value)
 
 
-def run_fn(func: Callable[..., Any]) -> Callable[..., Any]:
+def check_commit_fits(
+    attribute: str,
+    here: list[tuple[str, tuple[int, ...]]],
+    saved: list[tuple[str, tuple[int, ...]]],
+) -> None:
+    """Refuse to put a commit's variables into others: `here` and `saved` are the (name,
+    shape) of each variable of ``state.<attribute>`` now and in the commit, in order.
+
+    Raises:
+        ValueError: they differ in number or in a shape, naming the first difference.
+    """
+    if [shape for _, shape in here] == [shape for _, shape in saved]:
+        return
+    if len(here) != len(saved):
+        detail = f"the commit holds {len(saved)} variables for it, and it has {len(here)}"
+    else:
+        index = next(i for i, (a, b) in enumerate(zip(here, saved, strict=True)) if a[1] != b[1])
+        detail = (
+            f"variable {index} is {saved[index][0]!r} of shape {saved[index][1]} in the commit "
+            f"and {here[index][0]!r} of shape {here[index][1]} here"
+        )
+    raise ValueError(
+        f"hvd.elastic: the commit does not fit state.{attribute} ({detail}). A restarted job "
+        "must build the same model and optimizer as the job that committed: check that the "
+        "script and its arguments did not change, or start the job afresh (its commits are "
+        "in RINGPLUG_ELASTIC_DIR, else in <tmp>/ringplug-elastic-<RINGPLUG_JOB_ID>)."
+    )
+
+
+def run_fn(
+    func: Callable[..., Any], failures: tuple[type[BaseException], ...] = (RingplugError,)
+) -> Callable[..., Any]:
     """``hvd.elastic.run``: call ``func(state, ...)`` after resuming `state` (see the
     module's docstring). A failed collective (a lost peer) ends this rank with the error,
-    so that ringrun restarts the job; nothing is retried in place."""
+    so that ringrun restarts the job; nothing is retried in place.
+
+    Args:
+        func: the training function; its first argument is the `State`.
+        failures: the exceptions a failed collective raises in `func`, which are reported
+            as ending the rank (ringplug's own; TensorFlow adds the ``tf.errors`` its ops
+            raise). Others pass through as they are.
+    """
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
@@ -281,7 +320,7 @@ def run_fn(func: Callable[..., Any]) -> Callable[..., Any]:
         state.sync()
         try:
             return func(state, *args, **kwargs)
-        except RingplugError as error:
+        except failures as error:
             print(
                 f"hvd.elastic: rank {core.rank()}: {type(error).__name__} in "
                 f"{getattr(func, '__name__', 'the training function')}; ending this rank so "

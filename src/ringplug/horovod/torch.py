@@ -35,7 +35,7 @@ from ._common import *  # noqa: F403 - Horovod's basics, re-exported
 from ._common import Average, check_process_set, global_process_set, resolve_op
 from ._common import __all__ as _BASICS
 
-elastic = _torch_elastic  # Horovod's hvd.elastic (replaces the basics' refusing one)
+elastic = _torch_elastic  # Horovod's hvd.elastic
 
 
 class _NoneCompressor:
@@ -1069,6 +1069,7 @@ __all__ = [
     "Compression",
     "DistributedOptimizer",
     "SyncBatchNorm",
+    "elastic",
     "allgather",
     "allgather_async",
     "allgather_object",

@@ -1,8 +1,9 @@
 """Horovod's Keras API on ringplug, working on Keras 3: ``import ringplug.horovod.keras as
 hvd`` (also ``ringplug.horovod.tensorflow.keras``).
 
-The callbacks are in ``hvd.callbacks`` under Horovod's names. Collectives take and return
-the backend's tensors.
+The callbacks are in ``hvd.callbacks`` under Horovod's names, Horovod's elastic API in
+``hvd.elastic`` (`ringplug.horovod.keras.elastic`, on ringrun's restarts). Collectives take
+and return the backend's tensors.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .._common import (
     resolve_op,
 )
 from .._common import __all__ as _BASICS
-from . import callbacks
+from . import callbacks, elastic
 
 
 class Compression:
@@ -212,6 +213,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_variables",
     "callbacks",
+    "elastic",
     "load_model",
     "reducescatter",
 ]

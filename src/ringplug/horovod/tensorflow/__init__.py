@@ -1012,7 +1012,7 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
             variable.load(array.reshape(np.shape(value)), session)
 
 
-from . import keras  # noqa: E402 - hvd.keras, as Horovod's module has
+from . import elastic, keras  # noqa: E402 - hvd.keras and hvd.elastic, as Horovod's module has
 from .sync_batch_norm import SyncBatchNormalization  # noqa: E402 - uses the ops above
 
 __all__ = [
@@ -1034,6 +1034,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_object_fn",
     "broadcast_variables",
+    "elastic",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
