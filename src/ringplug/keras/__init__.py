@@ -12,6 +12,10 @@ script needs four additions::
               callbacks=[rk.RingMetricAverage(), rk.RingBroadcast(0), rk.RingWarmup(3),
                          *rk.on_rank_zero(keras.callbacks.ModelCheckpoint("best.keras"))],
               verbose=rk.verbose())
+
+A ``keras.callbacks.BackupAndRestore(dir, save_freq=N)`` beside `RingBroadcast` becomes
+`BackupAndRestore`: rank 0 writes, every rank restores, mid-epoch with `bucketed_dataset`,
+and SIGTERM saves before the ranks stop (so ``ringrun --max-restarts`` resumes a fit).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import keras
 from .. import core
 from ..core.ops import Average, Sum
 from ._devices import pin_local_gpu
+from .backup import BackupAndRestore, Preempted
 from .callbacks import (
     RingBroadcast,
     RingMetricAverage,
@@ -94,7 +99,9 @@ def verbose(level: int | str = "auto") -> Any:
 
 __all__ = [
     "Average",
+    "BackupAndRestore",
     "DistributedOptimizer",
+    "Preempted",
     "RingBroadcast",
     "RingDiagnose",
     "RingMetricAverage",

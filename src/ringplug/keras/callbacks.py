@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import core, diagnose
 from ..core import activity
+from . import _inputs
 from .optimizer import is_distributed, reduce_at_the_outermost
 
 
@@ -51,7 +52,12 @@ class RingBroadcast(keras.callbacks.Callback):
 
     While training it tells ringplug where the rank is (epoch, batch within it, and step:
     the optimizer's iterations), so a stall report names it: "rank 1 was in the train step
-    at epoch 0, batch 3 (step 3) for 61 s".
+    at epoch 0, batch 3 (step 3) for 61 s"; and `bucketed_dataset` which epoch's order to
+    take.
+
+    A ``keras.callbacks.BackupAndRestore`` in the same callbacks becomes
+    `ringplug.keras.BackupAndRestore` (rank 0 writes, every rank restores, mid-epoch
+    included), and restores here, before the other ranks are given root's state.
 
     Args:
         root_rank: the rank whose state everyone starts from. Defaults to 0.
@@ -69,9 +75,16 @@ class RingBroadcast(keras.callbacks.Callback):
         self._steps = 0  # steps done: the optimizer's iterations
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        from .backup import adopt_keras_backups
+
         core.init()
+        _inputs.fit_began(self.params)
         model = self.model
         reduce_at_the_outermost(model)
+        restored = False
+        for backup in adopt_keras_backups(self):
+            if backup._ringplug_restored_for is not self.params:
+                restored |= backup.restore()  # every rank now holds root's restored state
         if keras.backend.backend() == "tensorflow" and getattr(model, "jit_compile", False):
             # XLA cannot compile the reduction op (a host callback): train without XLA.
             warnings.warn(
@@ -91,12 +104,13 @@ class RingBroadcast(keras.callbacks.Callback):
             )
             warnings.warn(message, stacklevel=2)
             logging.getLogger("ringplug").warning(message)
-        self._done = False
-        if model.built and model.weights:
+        self._done = restored
+        if model.built and model.weights and not restored:
             self._broadcast()
         self._steps = _iterations(model.optimizer)  # root's: a resumed fit counts on
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        _inputs.epoch_began(epoch)
         self._epoch, self._epoch_start = epoch, self._steps
         activity.set_position(epoch=epoch, step=self._steps)
 
@@ -122,6 +136,7 @@ class RingBroadcast(keras.callbacks.Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         self._sync_statistics()
         activity.set_position()  # this fit's position ends with it
+        _inputs.fit_ended()
 
     def _sync_statistics(self) -> None:
         statistics = list(self.model.non_trainable_weights)

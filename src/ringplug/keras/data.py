@@ -6,7 +6,6 @@ gradient reduction.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,7 +14,8 @@ import keras
 import numpy as np
 
 from .. import core
-from ..data.plan import pad_numpy, plan_batches
+from ..data.plan import pad_numpy
+from ._inputs import BucketedInput
 
 
 def shard(dataset: Any, rank: int | None = None, size: int | None = None) -> Any:
@@ -111,14 +111,17 @@ def bucketed_dataset(
 
     Bucketing after sharding would give each rank its own length mix and so its own batch
     count (the last reduction would then hang); here the batches are formed from the global
-    index order first and whole batches are dealt to the ranks. Each pass over the dataset
-    (each ``fit`` epoch) takes the next epoch's order.
+    index order first and whole batches are dealt to the ranks.
 
     Args:
         load: sample index -> a sample, e.g. ``(image, label_sequence, index)``.
         lengths: each sample's length (what padding pads).
         output_signature: the ``tf.TensorSpec`` tuple of one collated batch.
-        batch_size / max_tokens, shuffle, seed, drop_last: as for the sampler.
+        batch_size: samples per batch, as for the sampler; or
+        max_tokens: padded elements per batch, as for the sampler.
+        shuffle: as for the sampler.
+        seed: as for the sampler.
+        drop_last: as for the sampler.
         collate: samples -> batch arrays; defaults to `ringplug.data.pad_numpy`
             ``(inputs, input_lengths, targets, target_lengths, *extras)``.
 
@@ -127,30 +130,26 @@ def bucketed_dataset(
     unknown; Keras then takes the first epoch's count for the later ones, ending an epoch
     early or leaving its last batches out, alike on every rank (it warns that the input
     "ran out of data"). Use ``batch_size`` where every epoch must see every sample.
+
+    In a ``fit`` with `RingBroadcast` or `ringplug.keras.BackupAndRestore`, each pass takes
+    the fit's epoch (a fit resumed at epoch 3 gets epoch 3's order); elsewhere the passes
+    count epochs from 0. A backup written mid-epoch by `ringplug.keras.BackupAndRestore`
+    holds the epoch's position here: after the restore the epoch's untrained samples are
+    dealt to the ranks there are now, each once, and the epoch ends after them.
     """
     import tensorflow as tf
 
-    replicas, rank = core.size(), core.rank()
-    epochs = itertools.count()
-
-    def plan(epoch: int) -> list[list[int]]:
-        return plan_batches(
-            lengths,
-            batch_size=batch_size,
-            max_tokens=max_tokens,
-            num_replicas=replicas,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            epoch=epoch,
-            drop_last=drop_last,
-        ).batches
+    rules = {"batch_size": batch_size, "max_tokens": max_tokens, "shuffle": shuffle,
+             "seed": seed, "drop_last": drop_last}  # fmt: skip
+    source = BucketedInput(lengths, rules, core.size(), core.rank())
 
     def batches() -> Any:
-        for batch in plan(next(epochs)):
+        current = source.start_pass()
+        for batch in current.batches + source.fillers(current):
             yield collate([load(i) for i in batch])
 
     dataset = tf.data.Dataset.from_generator(batches, output_signature=output_signature)
     if batch_size is not None:
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(plan(0))))
+        cardinality = tf.data.experimental.assert_cardinality(source.full_batches)
+        dataset = dataset.apply(cardinality)
     return dataset.prefetch(2)
