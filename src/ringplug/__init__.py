@@ -14,59 +14,12 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any
 
+from . import _public
+
 __version__ = "0.1.0"
 
-_CORE_NAMES = (
-    "Average",
-    "BarrierTimeoutError",
-    "DType",
-    "Handle",
-    "Max",
-    "Min",
-    "MismatchError",
-    "NotInitializedError",
-    "PeerArgumentError",
-    "PeerEngineFailedError",
-    "PeerFailedError",
-    "PeerLeftError",
-    "Product",
-    "ReduceOp",
-    "RingplugError",
-    "StallError",
-    "Sum",
-    "allgather",
-    "allgather_async",
-    "allgather_object",
-    "allreduce",
-    "allreduce_async",
-    "alltoall",
-    "alltoall_async",
-    "barrier",
-    "barrier_async",
-    "broadcast",
-    "broadcast_async",
-    "broadcast_object",
-    "cross_rank",
-    "cross_size",
-    "grouped_allreduce",
-    "grouped_allreduce_async",
-    "init",
-    "is_initialized",
-    "join",
-    "local_rank",
-    "local_size",
-    "poll",
-    "rank",
-    "reducescatter",
-    "reducescatter_async",
-    "shutdown",
-    "size",
-    "start_timeline",
-    "stop_timeline",
-    "synchronize",
-)
-
-__all__ = ["__version__", *_CORE_NAMES]
+_CORE_NAMES = frozenset(_public.__all__)  # loaded from ringplug.core on first use
+__all__ = ["__version__", *_public.__all__]
 
 if TYPE_CHECKING:
     from .core import *  # noqa: F403

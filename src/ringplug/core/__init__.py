@@ -3,29 +3,10 @@
 This layer knows buffers, never framework tensor types, and is the only one that talks MPI.
 """
 
-from .collectives import (
-    allgather,
-    allgather_async,
-    allgather_object,
-    allreduce,
-    allreduce_async,
-    alltoall,
-    alltoall_async,
-    barrier,
-    barrier_async,
-    broadcast,
-    broadcast_async,
-    broadcast_object,
-    grouped_allreduce,
-    grouped_allreduce_async,
-    join,
-    poll,
-    reducescatter,
-    reducescatter_async,
-    start_timeline,
-    stop_timeline,
-    synchronize,
-)
+# What this imports is the public API, whose names are listed once, in ringplug/_public.py
+# (tests/test_import.py checks that the two agree).
+from .. import _public
+from .collectives import join, poll, start_timeline, stop_timeline, synchronize
 from .dtypes import DType
 from .engine import Handle
 from .errors import (
@@ -39,6 +20,18 @@ from .errors import (
     RingplugError,
     StallError,
 )
+from .kinds.allgather import allgather, allgather_async
+from .kinds.allreduce import (
+    allreduce,
+    allreduce_async,
+    grouped_allreduce,
+    grouped_allreduce_async,
+)
+from .kinds.alltoall import alltoall, alltoall_async
+from .kinds.barrier import barrier, barrier_async
+from .kinds.broadcast import broadcast, broadcast_async
+from .kinds.objects import allgather_object, broadcast_object
+from .kinds.reducescatter import reducescatter, reducescatter_async
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
 from .runtime import (
     cross_rank,
@@ -52,52 +45,4 @@ from .runtime import (
     size,
 )
 
-__all__ = [
-    "Average",
-    "BarrierTimeoutError",
-    "DType",
-    "Handle",
-    "Max",
-    "Min",
-    "MismatchError",
-    "NotInitializedError",
-    "PeerArgumentError",
-    "PeerEngineFailedError",
-    "PeerFailedError",
-    "PeerLeftError",
-    "Product",
-    "ReduceOp",
-    "RingplugError",
-    "StallError",
-    "Sum",
-    "allgather",
-    "allgather_async",
-    "allgather_object",
-    "allreduce",
-    "allreduce_async",
-    "alltoall",
-    "alltoall_async",
-    "barrier",
-    "barrier_async",
-    "broadcast",
-    "broadcast_async",
-    "broadcast_object",
-    "cross_rank",
-    "cross_size",
-    "grouped_allreduce",
-    "grouped_allreduce_async",
-    "init",
-    "is_initialized",
-    "join",
-    "local_rank",
-    "local_size",
-    "poll",
-    "rank",
-    "reducescatter",
-    "reducescatter_async",
-    "shutdown",
-    "size",
-    "start_timeline",
-    "stop_timeline",
-    "synchronize",
-]
+__all__ = [*_public.__all__]

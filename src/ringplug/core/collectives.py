@@ -1,4 +1,5 @@
 """The collectives users call: `ringplug.allreduce(array)`, `ringplug.allreduce_async(...)`, ...
+(each kind's in its module under `kinds`; here what waits on handles, join and the timeline).
 
 They take numpy arrays or anything with the buffer protocol. Each has an async form that
 returns a `Handle` at once; the plain form is the async form followed by `wait()`. Every
@@ -15,45 +16,6 @@ from typing import Any
 
 from . import runtime
 from .handles import Handle
-from .kinds.allgather import allgather, allgather_async
-from .kinds.allreduce import (
-    allreduce,
-    allreduce_async,
-    grouped_allreduce,
-    grouped_allreduce_async,
-)
-from .kinds.alltoall import alltoall, alltoall_async
-from .kinds.barrier import barrier, barrier_async
-from .kinds.base import check_root, reject
-from .kinds.broadcast import broadcast, broadcast_async
-from .kinds.objects import allgather_object, broadcast_object
-from .kinds.reducescatter import reducescatter, reducescatter_async
-
-__all__ = [
-    "allgather",
-    "allgather_async",
-    "allgather_object",
-    "allreduce",
-    "allreduce_async",
-    "alltoall",
-    "alltoall_async",
-    "barrier",
-    "barrier_async",
-    "broadcast",
-    "broadcast_async",
-    "broadcast_object",
-    "check_root",
-    "grouped_allreduce",
-    "grouped_allreduce_async",
-    "join",
-    "poll",
-    "reducescatter",
-    "reducescatter_async",
-    "reject",
-    "start_timeline",
-    "stop_timeline",
-    "synchronize",
-]
 
 
 def poll(handle: Handle) -> bool:

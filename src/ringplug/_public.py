@@ -1,0 +1,57 @@
+"""The names of ringplug's public API, listed once: ``ringplug.__all__`` and
+``ringplug.core.__all__`` are this list (nothing is imported here, so ``import ringplug``
+reads it without loading the core).
+
+``ringplug`` loads each name from `ringplug.core` on first use; tests/test_import.py checks
+that each resolves in both and that the core imports no public name the list lacks.
+"""
+
+__all__ = [
+    "Average",
+    "BarrierTimeoutError",
+    "DType",
+    "Handle",
+    "Max",
+    "Min",
+    "MismatchError",
+    "NotInitializedError",
+    "PeerArgumentError",
+    "PeerEngineFailedError",
+    "PeerFailedError",
+    "PeerLeftError",
+    "Product",
+    "ReduceOp",
+    "RingplugError",
+    "StallError",
+    "Sum",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_async",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "barrier_async",
+    "broadcast",
+    "broadcast_async",
+    "broadcast_object",
+    "cross_rank",
+    "cross_size",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "init",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "poll",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
+]
