@@ -1,5 +1,5 @@
 """The collectives users call: `ringplug.allreduce(array)`, `ringplug.allreduce_async(...)`, ...
-(each kind's in its module under `kinds`; here what waits on handles, join and the timeline).
+(each kind's defined in its module under `kinds`, and reached from here).
 
 They take numpy arrays or anything with the buffer protocol. Each has an async form that
 returns a `Handle` at once; the plain form is the async form followed by `wait()`. Every
@@ -16,6 +16,21 @@ from typing import Any
 
 from . import runtime
 from .handles import Handle
+
+# The adapters (ringplug.torch, the Horovod layer) reach every kind through this module.
+from .kinds.allgather import allgather, allgather_async
+from .kinds.allreduce import (
+    allreduce,
+    allreduce_async,
+    grouped_allreduce,
+    grouped_allreduce_async,
+)
+from .kinds.alltoall import alltoall, alltoall_async
+from .kinds.barrier import barrier, barrier_async
+from .kinds.base import check_root, reject
+from .kinds.broadcast import broadcast, broadcast_async
+from .kinds.objects import allgather_object, broadcast_object
+from .kinds.reducescatter import reducescatter, reducescatter_async
 
 
 def poll(handle: Handle) -> bool:
