@@ -17,6 +17,10 @@ Hosts (:data:`HOSTS`): ``a``, ``b``, ``c`` are healthy; ``nossh`` has an address
 sshd; ``nopython`` runs sshd in a mount namespace where the virtualenv's directory is an
 empty tmpfs; :data:`UNREACHABLE` is an address on the bed's network that nobody has.
 
+A test can take a host away mid-job as a crash would (:meth:`NetBed.kill_host`: its sshd
+and every process there SIGKILLed) and start its sshd again afterwards
+(:meth:`NetBed.revive_host`).
+
 Set-up and teardown are idempotent: names carry the owner's pid, a bed whose owner died
 (a crashed run) is removed at the next set-up, and teardown kills every process left in
 the bed's namespaces before deleting them.
@@ -268,6 +272,31 @@ class NetBed:
         host = self.host(key)
         return ["ip", "netns", "exec", self.namespace(key), "unshare", "--uts", "--", "sh", "-c",
                 'hostname "$0" && exec "$@"', host.hostname, *argv]  # fmt: skip
+
+    def kill_host(self, key: str) -> list[int]:
+        """Take host ``key`` away as a crash would: SIGKILL its sshd and every process it
+        started (all of its namespace), at once and without warning. Its address stays, with
+        nothing listening on it; returns the pids killed."""
+        namespace = self.namespace(key)
+        killed: list[int] = []
+        deadline = time.monotonic() + 10
+        while pids := _namespace_pids(namespace):  # a process may fork while the others die
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes {pids} of host {key} outlived SIGKILL")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed += [pid for pid in pids if pid not in killed]
+            time.sleep(0.05)
+        process = self.sshd.pop(key, None)
+        if process is not None:
+            process.wait(5)
+        return killed
+
+    def revive_host(self, key: str) -> None:
+        """Start host ``key``'s sshd again after :meth:`kill_host` (no-op if it runs)."""
+        if key not in self.sshd:
+            self._start_sshd(self.host(key))
 
     def processes(self) -> list[int]:
         """Pids of every process in the bed's host namespaces (sshd and what it started)."""

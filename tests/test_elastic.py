@@ -22,6 +22,7 @@ from ringplug.run.elastic import ElasticError, ElasticPlan, discover, run_elasti
 from ringplug.run.hosts import Host
 from ringplug.run.launcher import JobResult
 from ringplug.run.ssh import HostProblem
+from ringplug.run.status import RankStarted
 
 WORKER = str(Path(__file__).parent / "workers" / "elastic.py")
 
@@ -196,6 +197,60 @@ def test_a_host_the_preflight_cannot_reach_is_kept_out_and_the_start_retried():
         ([Host("a", 2)], 2, 0),
     ]
     assert said[0].startswith("host b is kept out of the job for ")
+
+
+def started(*placement: tuple[int, str]) -> dict[int, RankStarted]:
+    return {rank: RankStarted(rank, host, 100 + rank) for rank, host in placement}
+
+
+def test_a_host_lost_mid_job_stays_out_even_when_the_discovery_script_still_names_it(tmp_path):
+    # The netbed's test (tests/test_multihost.py) loses a real host; here only the logic.
+    script = discovery_script(tmp_path, "a:2\\nb:2")
+    lost = HostProblem("b", "connection closed", "the ssh server closed the connection", "-")
+    job = FakeJob(
+        JobResult(exit_code=255, started=started((0, "a"), (1, "a"), (2, "b"), (3, "b")),
+                  host_problems=[lost]),
+        JobResult(exit_code=0),
+    )  # fmt: skip
+    said: list[str] = []
+    code = run_elastic(plan(discovery_script=str(script)), [], job, lambda r: "b lost", said.append)
+    assert code == 0
+    assert [(hosts, np, restart) for hosts, np, restart in job.starts] == [
+        ([Host("a", 2), Host("b", 2)], 4, 0),
+        ([Host("a", 2)], 2, 1),
+    ]
+    assert said[0].startswith("host b is kept out of the job for ")
+    assert said[1:] == ["restart 1 of 2 after b lost: 2 ranks on a:2 (was 4)"]
+
+
+def test_a_host_whose_ssh_connection_closed_after_its_ranks_started_is_lost_not_unstartable():
+    from ringplug.run.cli import lost_hosts
+    from ringplug.run.mpi import JobSpec
+
+    closed = HostProblem("b", "connection closed", "the ssh server closed the connection", "-")
+    spec = JobSpec(np=4, command=["python"], hosts=[Host("a", 2), Host("b", 2)])
+    ran = JobResult(exit_code=255, started=started((0, "a"), (2, "b")), host_problems=[closed])
+    assert lost_hosts(ran, spec) == [(closed, [2, 3])]
+    # The same line while the job started: ranks on b never ran, so b was not lost.
+    starting = JobResult(exit_code=255, started=started((0, "a")), host_problems=[closed])
+    assert lost_hosts(starting, spec) == []
+
+
+def test_a_restart_whose_preflight_keeps_a_host_out_is_announced_once():
+    # A rank failed (no host lost); the restart's preflight then finds host b unreachable.
+    unreachable = HostProblem("b", "no route", "this machine cannot reach it", "-")
+    job = FakeJob(
+        JobResult(exit_code=1, started=started((0, "a"), (1, "a"), (2, "b"))),
+        JobResult(exit_code=255, host_problems=[unreachable]),
+        JobResult(exit_code=0),
+    )
+    said: list[str] = []
+    hosts = [Host("a", 2), Host("b", 1)]
+    assert run_elastic(plan(), hosts, job, lambda r: "rank 2 failed", said.append) == 0
+    assert [restart for _, _, restart in job.starts] == [0, 1, 1]
+    assert said[0] == "restart 1 of 2 after rank 2 failed: 3 ranks on a:2,b:1 (was 3)"
+    assert said[1].startswith("host b is kept out of the job for ")
+    assert said[2:] == ["starting again without b: 2 ranks on a:2"]
 
 
 def test_a_stopped_job_is_not_restarted_and_a_job_ending_well_ends():

@@ -96,6 +96,22 @@ def test_a_fit_that_loses_a_rank_resumes_mid_epoch_on_the_ranks_left(tmp_path):
     assert [r["world"] for r in reports] == [2, 2]
 
 
+@pytest.mark.multirank
+def test_a_fit_that_loses_a_rank_right_after_an_epochs_last_checkpoint_trains_the_next_whole(
+    tmp_path,
+):
+    # Rank 2 of 3 dies before step 13: last.ckpt is of step 12, the last batch of epoch 1.
+    # The restart (2 ranks, 9 batches an epoch) trains all of epoch 2, not the 3 batches
+    # past the 6 that epoch 1 had on 3 ranks.
+    from measure_chaos import Chaos, run_chaos
+
+    verdict, output = run_chaos(Chaos("lightning", 2, 13), tmp_path, unique_marker("epoch-end"))
+    assert verdict.problems == [], output[-4000:]
+    assert verdict.resumed_at == 12
+    again = [ledger(tmp_path, 1, rank) for rank in range(2)]
+    assert [[r["batch_idx"] for r in walk] for walk in again] == [list(range(9))] * 2
+
+
 def preempt(folder: Path, ranks: int) -> tuple[int, str]:
     """Start the sigterm job, SIGTERM ringrun once every rank waits after step 3, and
     return ringrun's exit code and output."""

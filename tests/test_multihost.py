@@ -383,3 +383,101 @@ def test_ringrun_stacks_answers_for_every_rank_on_every_host(bed, tmp_path):
     assert re.search(r"^rank 1 on host bed-a \(pid \d+, sleeping\):$", asked.stdout, re.M)
     assert "in planted_wait_for_file   <-- innermost user frame" in asked.stdout
     assert job.returncode == 0, stderr
+
+
+# --------------------------------------------------------------------- a host lost mid-job
+# The ranks on host b hold after this step of the first start (lightning_elastic.py "hold");
+# last.ckpt is of step 6, so step 7 is the one the lost host costs.
+LOST_AFTER_STEP = 7
+ELASTIC_JOB_TIMEOUT_S = 300
+
+
+def lose_host_b_mid_fit(bed: NetBed, folder: Path, still_listed: bool) -> tuple[int, str, float]:
+    """Run lightning_elastic.py's fit on a:2,b:2 under an elastic ringrun, take host b away
+    (its sshd and every process there SIGKILLed) once every rank has trained step 7, and
+    return ringrun's exit code, its stderr and the seconds from the kill to ringrun's next
+    call of the discovery script. The script names b from then on only if `still_listed`."""
+    listing = folder / "hosts"
+    listing.write_text(f"{bed.address('a')}:2\n{bed.address('b')}:2\n")
+    script = folder / "discover.sh"
+    script.write_text(f"#!/bin/sh\ndate +%s.%N >> {folder}/discovered\ncat {listing}\n")
+    script.chmod(0o755)
+    marker = unique_marker("host-lost")
+    argv = ringrun_argv(bed, [
+        "-np", "4", "-H", hosts(bed, "a:2", "b:2"), "--max-restarts", "2", "--min-np", "2",
+        "--host-discovery-script", str(script), *OVER_TCP, "-x", "RINGPLUG_TIMEOUT=20",
+        "-x", f"ELASTIC_HOLD_STEP={LOST_AFTER_STEP}", "-x", "ELASTIC_HOLD_HOSTNAME=bed-b",
+        sys.executable, str(WORKERS / "lightning_elastic.py"), "hold", str(folder), "0", marker,
+    ])  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key != "RINGPLUG_MPIEXEC"}
+    # Files, not pipes: nobody reads them while the job runs.
+    with open(folder / "ringrun.out", "w") as out, open(folder / "ringrun.err", "w") as err:
+        process = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                   env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + ELASTIC_JOB_TIMEOUT_S
+        while len(list(folder.glob("running.?"))) < 4:
+            assert process.poll() is None, (folder / "ringrun.err").read_text()
+            assert time.monotonic() < deadline, "the ranks did not reach the step"
+            time.sleep(0.05)
+        placed = {path.name: path.read_text().split()[1] for path in folder.glob("running.?")}
+        assert placed == {"running.0": "bed-a", "running.1": "bed-a",
+                          "running.2": "bed-b", "running.3": "bed-b"}  # fmt: skip
+        if not still_listed:
+            (folder / "hosts.new").write_text(f"{bed.address('a')}:2\n")
+            (folder / "hosts.new").rename(listing)
+        calls = len((folder / "discovered").read_text().split())
+        killed_at = time.time()
+        bed.kill_host("b")
+        process.wait(timeout=ELASTIC_JOB_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        bed.revive_host("b")  # for the tests after this one
+    assert processes_matching(marker) == [], "ranks were left running"
+    rediscovered = float((folder / "discovered").read_text().split()[calls])
+    return process.returncode, (folder / "ringrun.err").read_text(), rediscovered - killed_at
+
+
+def assert_resumed_on_a_from_the_last_checkpoint(folder: Path) -> None:
+    from measure_chaos import Verdict, judge_lightning
+
+    # Every sample of every epoch once by what last.ckpt kept plus what the restart trained;
+    # only step 7's samples twice; the 2 ranks of the restart end with identical weights.
+    verdict = judge_lightning(folder, Verdict(), last_done=LOST_AFTER_STEP, ranks=4,
+                              ranks_after=2)  # fmt: skip
+    assert verdict.problems == []
+    assert verdict.resumed_at == LOST_AFTER_STEP - 1
+    assert verdict.trained_twice == 4 * 4  # step 7 of 4 ranks, batches of 4
+
+
+def test_a_host_lost_mid_fit_is_named_and_the_fit_resumes_on_the_hosts_left(bed, tmp_path):
+    pytest.importorskip("lightning")
+    code, stderr, detected_s = lose_host_b_mid_fit(bed, tmp_path, still_listed=False)
+    assert code == 0, stderr
+    b = bed.address("b")
+    lines = ringrun_lines(stderr)
+    assert any(line.startswith(f"ringrun: host {b} (ranks 2, 3) was lost while the job ran: ")
+               for line in lines), stderr  # fmt: skip
+    assert [line for line in lines if line.startswith("ringrun: restart ")] == [
+        f"ringrun: restart 1 of 2 after host {b} (ranks 2, 3) was lost: 2 ranks on "
+        f"{bed.address('a')}:2 (was 4)"
+    ]
+    assert detected_s < STOP_BOUND_S, f"ringrun restarted {detected_s:.1f} s after the loss"
+    assert_resumed_on_a_from_the_last_checkpoint(tmp_path)
+
+
+def test_a_lost_host_stays_out_even_when_the_discovery_script_still_names_it(bed, tmp_path):
+    pytest.importorskip("lightning")
+    code, stderr, _ = lose_host_b_mid_fit(bed, tmp_path, still_listed=True)
+    assert code == 0, stderr
+    b = bed.address("b")
+    lines = ringrun_lines(stderr)
+    assert any(re.fullmatch(rf"ringrun: host {re.escape(b)} is kept out of the job for \d+ s",
+                            line) for line in lines), stderr  # fmt: skip
+    # Kept out by the blacklist, not found dead again by the preflight of the restart.
+    (restart,) = [line for line in lines if line.startswith("ringrun: restart ")]
+    assert restart.endswith(f": 2 ranks on {bed.address('a')}:2 (was 4)"), restart
+    assert not any("ssh refused" in line or "starting again" in line for line in lines), stderr
+    assert_resumed_on_a_from_the_last_checkpoint(tmp_path)

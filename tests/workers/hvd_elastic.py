@@ -2,10 +2,15 @@
 
 240 samples, batches of 4, 2 epochs, a commit every 3 batches and at each epoch's end,
 with an `ElasticSampler` recording its batches. Rank 2 of the first start SIGKILLs itself
-one batch after its 5th commit. Every rank writes, to DIR:
+one batch after its 5th commit (after writing DIR/kill.json with the time, rank and step);
+ELASTIC_KILL_RANK and ELASTIC_KILL_STEP choose another rank, and the step (batches trained
+in the first start, counted over its epochs) after which it dies, before that step's
+commit. Every rank writes, to DIR:
 
   ledger.<restart>.<rank>  one JSON line a commit: the commit number, and the epoch and ids
                            of the samples this rank trained since the commit before
+  batches.<restart>.<rank> one JSON line a batch: its epoch, the commits made before it,
+                           its ids and loss, and the time it ended
   start.<restart>.<rank>   the state `train` began with, the world size and the job id
   reset.<restart>.<rank>   one line each time a reset callback ran
   final.<restart>.<rank>   the final weights
@@ -17,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +31,13 @@ from torch.utils.data import DataLoader, TensorDataset
 import ringplug.horovod.torch as hvd
 
 BATCH = 4
+KILL_RANK = int(os.environ.get("ELASTIC_KILL_RANK", "2"))
+KILL_STEP = os.environ.get("ELASTIC_KILL_STEP")  # unset: one batch after the 5th commit
+
+
+def kill_now(commits: int, steps: int) -> bool:
+    """Whether the victim of the first start dies after its batch number `steps`."""
+    return commits == 5 if KILL_STEP is None else steps == int(KILL_STEP)
 
 
 def main(folder: Path) -> None:
@@ -60,16 +73,26 @@ def main(folder: Path) -> None:
                  "lr": optimizer.param_groups[0]["lr"]}  # fmt: skip
         (folder / f"start.{restart}.{rank}").write_text(json.dumps(start))
         trained: list[int] = []
+        steps = 0
+        batches = open(folder / f"batches.{restart}.{rank}", "a")  # noqa: SIM115
         while state.epoch < 2:
             state.train_sampler.set_epoch(state.epoch)
             for state.batch, (x, y, ids) in enumerate(loader):
                 optimizer.zero_grad()
-                torch.nn.functional.mse_loss(state.model(x), y).backward()
+                loss = torch.nn.functional.mse_loss(state.model(x), y)
+                loss.backward()
                 optimizer.step()
                 trained.extend(ids.tolist())
                 state.train_sampler.record_batch(state.batch, BATCH)
-                if restart == 0 and rank == 2 and state.commits == 5:
-                    os.kill(os.getpid(), signal.SIGKILL)  # mid-interval: 1 batch uncommitted
+                steps += 1
+                line = {"epoch": state.epoch, "commits": state.commits, "ids": ids.tolist(),
+                        "loss": loss.item(), "time": time.time()}  # fmt: skip
+                batches.write(json.dumps(line) + "\n")
+                batches.flush()
+                if restart == 0 and rank == KILL_RANK and kill_now(state.commits, steps):
+                    killed = {"time": time.time(), "rank": rank, "step": steps}
+                    (folder / "kill.json").write_text(json.dumps(killed))
+                    os.kill(os.getpid(), signal.SIGKILL)  # mid-interval: uncommitted batches
                 if (state.batch + 1) % 3 == 0:
                     commit(state, trained, state.epoch)
             state.epoch, state.batch = state.epoch + 1, 0

@@ -6,14 +6,21 @@ started the job before (the start is RUNS + RINGPLUG_RESTART); MARKER names the 
   kill     72 samples, a plain shuffled DataLoader (RingStrategy puts in its ElasticSampler),
            3 epochs, ``last.ckpt`` every 2 steps. In the first start (RINGPLUG_RESTART=0)
            rank 2 SIGKILLs itself before step 10 (after writing DIR/kill.json with the
-           time); the restarted job resumes with ``ckpt_path="last"``.
+           time, rank and step); the restarted job resumes with ``ckpt_path="last"``.
+           ELASTIC_KILL_RANK and ELASTIC_KILL_STEP choose another rank and step (the
+           rank dies with ELASTIC_KILL_STEP - 1 steps done).
+  hold     the kill job, but no rank kills itself: in the first start every rank writes
+           DIR/running.<rank> ("pid hostname") after step ELASTIC_HOLD_STEP (default 5)
+           and waits (bounded) for DIR/go to exist, so that a test can take a host away.
+           With ELASTIC_HOLD_HOSTNAME, only the ranks on that host wait; the others train
+           on, and wait for them in the next step's allreduce.
   sigterm  96 samples in a DistributedBucketSampler, 1 epoch. In the first start every rank
            writes DIR/running.<rank> after step 3 and waits (bounded) for SIGTERM, which
            RingStrategy turns into a ``last.ckpt`` at the step where every rank stops; a
            second start resumes from it.
 
 Every rank appends each trained batch to DIR/ledger.<start>.<rank>.jsonl (its sample ids,
-the global step and weights after it, the epoch and batch_idx), and writes
+the global step, loss and weights after it, the epoch and batch_idx), and writes
 DIR/done.<start>.<rank>.json at the end of a fit (global step, weights, the world, the step
 and weights it started from).
 Rank 0 of a restart writes DIR/times.<start>.json: when the script started, when Lightning
@@ -29,6 +36,7 @@ STARTED = time.time()
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -44,7 +52,12 @@ from ringplug.data import DistributedBucketSampler  # noqa: E402
 
 IMPORTED = time.time()
 BATCH = 4
-KILL_BEFORE_STEP = 10  # rank 2 of the first start dies with 9 steps done; last.ckpt is of 8
+# By default rank 2 of the first start dies with 9 steps done; last.ckpt is of 8.
+KILL_RANK = int(os.environ.get("ELASTIC_KILL_RANK", "2"))
+KILL_BEFORE_STEP = int(os.environ.get("ELASTIC_KILL_STEP", "10"))
+HOLD_STEP = int(os.environ.get("ELASTIC_HOLD_STEP", "5"))
+HOLD_HOSTNAME = os.environ.get("ELASTIC_HOLD_HOSTNAME")  # unset: every rank holds
+HOLD_TIMEOUT_S = 120.0
 
 
 class Numbered(Dataset):
@@ -63,10 +76,11 @@ class Numbered(Dataset):
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, folder: Path, start: int, kill: bool) -> None:
+    def __init__(self, folder: Path, start: int, kill: bool, hold: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Linear(4, 1)
-        self.folder, self.start, self.kill = folder, start, kill
+        self.folder, self.start, self.kill, self.hold = folder, start, kill, hold
+        self.last_loss = float("nan")
         self.rank = ringplug.rank()
         self.ledger = open(folder / f"ledger.{start}.{self.rank}.jsonl", "a")  # noqa: SIM115
         self.times: dict[str, float] = {"script": STARTED, "imported": IMPORTED}
@@ -77,7 +91,9 @@ class Regressor(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y, _ = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.last_loss = loss.item()
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.5)
@@ -93,23 +109,40 @@ class Regressor(L.LightningModule):
         if (
             self.kill
             and self.start == 0
-            and self.rank == 2
+            and self.rank == KILL_RANK
             and (trainer.global_step == KILL_BEFORE_STEP - 1)
         ):
-            (self.folder / "kill.json").write_text(json.dumps({"time": time.time()}))
+            killed = {"time": time.time(), "rank": self.rank, "step": trainer.global_step}
+            (self.folder / "kill.json").write_text(json.dumps(killed))
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         trainer = self.trainer
         record = {"step": trainer.global_step, "epoch": trainer.current_epoch,
                   "batch_idx": batch_idx, "ids": batch[2].tolist(),
-                  "weights": self.weights()}  # fmt: skip
+                  "loss": self.last_loss, "weights": self.weights()}  # fmt: skip
         self.ledger.write(json.dumps(record) + "\n")
         self.ledger.flush()
+        if self.hold and self.start == 0 and trainer.global_step == HOLD_STEP:
+            hold(self.folder, self.rank)
         if "first_step" not in self.times:
             self.times["first_step"] = time.time()
             if self.start > 0 and self.rank == 0:
                 (self.folder / f"times.{self.start}.json").write_text(json.dumps(self.times))
+
+
+def hold(folder: Path, rank: int) -> None:
+    """Say where this rank runs (DIR/running.<rank>), then wait for DIR/go (bounded)."""
+    partial = folder / f".running.{rank}"
+    partial.write_text(f"{os.getpid()} {socket.gethostname()}")
+    partial.rename(folder / f"running.{rank}")
+    if HOLD_HOSTNAME is not None and socket.gethostname() != HOLD_HOSTNAME:
+        return
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while not (folder / "go").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {folder / 'go'} within {HOLD_TIMEOUT_S:g} s")
+        time.sleep(0.05)
 
 
 class WaitForSigterm(L.Callback):
@@ -130,7 +163,7 @@ def main(scenario: str, folder: Path, runs: int) -> None:
     start = runs + int(os.environ.get("RINGPLUG_RESTART", "0"))
     rank, size = ringplug.rank(), ringplug.size()
     callbacks: list[L.Callback] = []
-    if scenario == "kill":
+    if scenario in ("kill", "hold"):
         dataset = Numbered(72)
         loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
         epochs, every = 3, 2
@@ -146,7 +179,7 @@ def main(scenario: str, folder: Path, runs: int) -> None:
             callbacks.append(WaitForSigterm(folder, received))
     checkpoint = ModelCheckpoint(dirpath=folder / "ckpt", save_last=True, save_top_k=0,
                                  every_n_train_steps=every)  # fmt: skip
-    model = Regressor(folder, start, kill=scenario == "kill")
+    model = Regressor(folder, start, kill=scenario == "kill", hold=scenario == "hold")
     trainer = L.Trainer(strategy="ring", accelerator="cpu", max_epochs=epochs, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[*callbacks, checkpoint])  # fmt: skip

@@ -82,6 +82,26 @@ class ResumedLoader:
         setattr(self._ringplug_loader, name, value)
 
 
+def _reset_against_length(fit_loop: Any, length: int) -> None:
+    """Have the epoch loop's next ``reset()`` (only) see `length` training batches."""
+    epoch_loop = fit_loop.epoch_loop
+    reset = epoch_loop.reset
+    own = epoch_loop.__dict__.get("reset")  # someone else's wrapper, kept
+
+    def reset_once() -> None:
+        if own is None:
+            del epoch_loop.reset  # the class's own method again
+        else:
+            epoch_loop.reset = own
+        measured, fit_loop.max_batches = fit_loop.max_batches, length
+        try:
+            reset()
+        finally:
+            fit_loop.max_batches = measured
+
+    epoch_loop.reset = reset_once
+
+
 class RingResume(Callback):
     """Keeps the training sampler's place in Lightning checkpoints and saves ``last.ckpt``
     when SIGTERM stops the ranks (added by `RingStrategy`; see the module's docstring).
@@ -173,6 +193,13 @@ class RingResume(Callback):
         if _sized(self._loader) == self._length:
             return  # as many batches as Lightning measured: its counts hold
         logger.debug("RingResume: epoch %d has another length; the loader is made again", epoch)
+        if fit_loop.epoch_loop.restarting and self._length is not None:
+            # A checkpoint of the resumed epoch's last batch: Lightning has moved on to this
+            # epoch, and its epoch loop, when it resets, finds the restored batch count at
+            # the loader's length and starts counting the epoch from 0. That count is of the
+            # resumed epoch, so it must meet that epoch's length, not this one's (else the
+            # loop goes on from it and trains only this epoch's batches past it).
+            _reset_against_length(fit_loop, self._length)
         if fit_loop._data_fetcher is not None:
             fit_loop._data_fetcher.teardown()
             fit_loop._data_fetcher = None

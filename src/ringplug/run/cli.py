@@ -402,10 +402,14 @@ def _start(spec: JobSpec, settings: RunSettings, dry_run: bool) -> JobResult:
         start_watch=start_watch(spec, settings),
         terminal=terminal,
     )
+    lost = lost_hosts(result, spec)
     if result.stopped_by is not None:
         _say("stopped; all ranks were terminated")
     elif result.not_started:
         for line in _not_started_lines(result, spec, settings):
+            _say(line)
+    elif lost and result.exit_code != 0:
+        for line in _lost_host_lines(lost, result, spec):
             _say(line)
     elif result.root is not None and not result.root.left_early:
         for line in _root_cause_lines(result, spec):
@@ -451,6 +455,10 @@ def _launch_elastic(settings: RunSettings, command: list[str], hosts: list[Host]
 
     def cause(result: JobResult) -> str:
         root, spec = result.root, last[0]
+        lost = lost_hosts(result, spec)
+        if lost and not _root_elsewhere(result, lost):
+            problem, ranks = lost[0]
+            return f"host {problem.host} ({_ranks_text(ranks)}) was lost"
         if root is not None and root.status is not None:
             return _describe_failure(root.status, spec)
         if root is not None and root.rank is not None:
@@ -465,6 +473,60 @@ def _launch_elastic(settings: RunSettings, command: list[str], hosts: list[Host]
         # needed any more. A directory the user named is theirs to keep.
         shutil.rmtree(elastic.default_commit_directory(job_id), ignore_errors=True)
     return code
+
+
+def lost_hosts(result: JobResult, spec: JobSpec) -> list[tuple[HostProblem, list[int]]]:
+    """The hosts lost while the job ran, each with the ranks -H put there.
+
+    A host is lost when ssh said its connection failed (the host went down, or its ssh
+    server or the launcher's proxy there was killed) after ranks there had started: the
+    launcher then ends the job (hydra kills every rank quietly), and nothing else names the
+    host. A host whose ranks never started could not start them, which is another message.
+    """
+    if not spec.hosts or not result.started:
+        return []
+    placed = rank_hosts(spec.hosts, spec.np)
+    lost = []
+    for problem in result.host_problems:
+        ranks = [rank for rank, host in enumerate(placed) if host == problem.host]
+        if any(rank in result.started for rank in ranks):
+            lost.append((problem, ranks))
+    return lost
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _root_elsewhere(result: JobResult, lost: Sequence[tuple[HostProblem, list[int]]]) -> bool:
+    """Whether a rank on a host that was not lost failed on its own (an exception) first:
+    then it is the cause, and the lost connections came after."""
+    root = result.root
+    on_lost = {rank for _, ranks in lost for rank in ranks}
+    return (
+        root is not None
+        and root.status is not None
+        and not root.left_early
+        and root.rank not in on_lost
+    )
+
+
+def _lost_host_lines(
+    lost: Sequence[tuple[HostProblem, list[int]]], result: JobResult, spec: JobSpec
+) -> list[str]:
+    """Each lost host with its ranks and what ssh said; a failure elsewhere first if any."""
+    lines = _root_cause_lines(result, spec) if _root_elsewhere(result, lost) else []
+    for problem, ranks in lost:
+        lines.append(
+            f"host {problem.host} ({_ranks_text(ranks)}) was lost while the job ran: "
+            f"{problem.detail}, and the launcher ended the job"
+        )
+    names = ", ".join(problem.host for problem, _ in lost)
+    lines.append(
+        f"  the host went down, or its ssh server or the launcher's proxy there was killed; "
+        f"`ringrun --check -H {names}` says whether it is back"
+    )
+    return lines
 
 
 def _root_cause_lines(result: JobResult, spec: JobSpec) -> list[str]:

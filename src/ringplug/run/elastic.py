@@ -3,10 +3,11 @@
 A job started with ``--max-restarts``, ``--min-np``, ``--max-np`` or
 ``--host-discovery-script`` is restarted when it fails, up to ``--max-restarts`` times
 (3 when only the other flags are given). Before every start the discovery script, if any,
-says which hosts are there now; hosts that were lost (their ranks vanished, ssh could not
-reach them) stay out for `BLACKLIST_COOLDOWN_S`. The job runs with as many ranks as the
-hosts have slots, at most ``--max-np``; fewer than ``--min-np`` ends it with an error once
-``--elastic-timeout`` has passed without enough of them.
+says which hosts are there now; hosts that were lost (ssh's connection to them closed while
+their ranks ran, or ssh could not reach them to start ranks) stay out for
+`BLACKLIST_COOLDOWN_S`, even when the script still names them. The job runs with as many
+ranks as the hosts have slots, at most ``--max-np``; fewer than ``--min-np`` ends it with an
+error once ``--elastic-timeout`` has passed without enough of them.
 
 A restart is a whole new job: every rank starts again, reads ``RINGPLUG_RESTART`` (1 for
 the first restart) and resumes from its checkpoint. Survivors do not re-form a ring in
@@ -240,6 +241,8 @@ def run_elastic(
     blacklist = Blacklist()
     restart = 0
     failed: tuple[JobResult, int] | None = None  # the start that failed, and its ranks
+    announced = False  # whether this restart's line was said (once, however many tries)
+    kept_out: list[str] = []  # hosts the last try's preflight could not start ranks on
     while True:
         try:
             if plan.discovery_script is None and not static_hosts:
@@ -249,21 +252,27 @@ def run_elastic(
         except ElasticError as error:
             say(f"error: {error}")
             return NOT_ENOUGH_SLOTS_EXIT_CODE
-        if failed is not None:
+        where = f" on {format_host_list(hosts)}" if hosts else ""
+        ranks = f"{np} rank{'s' if np != 1 else ''}{where}"
+        if failed is not None and not announced:
             result, before = failed
-            where = f" on {format_host_list(hosts)}" if hosts else ""
             say(
-                f"restart {restart} of {plan.max_restarts} after {cause(result)}: "
-                f"{np} rank{'s' if np != 1 else ''}{where} (was {before})"
+                f"restart {restart} of {plan.max_restarts} after {cause(result)}: {ranks} "
+                f"(was {before})"
             )
+            announced = True
+        elif kept_out:
+            say(f"starting again without {', '.join(kept_out)}: {ranks}")
         result = start(hosts, np, restart)
         if result.host_problems and not result.started:
             # The hosts could not start the job (the preflight, or ssh): without them.
             kept_out = [p.host for p in result.host_problems if blacklist.allows(p.host)]
-            for name in dict.fromkeys(kept_out):
+            kept_out = list(dict.fromkeys(kept_out))
+            for name in kept_out:
                 say(f"host {name} is kept out of the job for {blacklist.add(name):.0f} s")
             if kept_out:  # each time one more host out: this ends
                 continue
+        kept_out = []
         if result.exit_code == 0 or result.stopped_by is not None:
             return result.exit_code
         if restart >= plan.max_restarts:
@@ -277,3 +286,4 @@ def run_elastic(
             say(f"host {name} is kept out of the job for {blacklist.add(name):.0f} s")
         restart += 1
         failed = (result, np)
+        announced = False
