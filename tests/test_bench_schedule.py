@@ -43,3 +43,24 @@ def test_fewer_iterations_than_rounds_still_spread_over_the_run():
     shares = [calls[i : i + 2] for i in range(0, len(calls), 2)]
     assert all(share[0] == share[1] for share in shares)
     assert [share[0] for share in shares] == ["slow", "fast", "fast", "slow", "slow", "fast"]
+
+
+def test_training_jobs_run_in_pairs_whose_order_flips_and_ratios_keep_their_sides():
+    from ringplug.bench.common import alternating_pairs
+
+    jobs: list[tuple[str, int]] = []
+    speed = {"ours": 300.0, "theirs": 100.0, "alone": 50.0}
+
+    def job(impl: str, ranks: int) -> dict:
+        jobs.append((impl, ranks))
+        return {"samples_per_s": speed[impl] * ranks, "seconds": 1.0, "steps_timed": 4,
+                "ranks": ranks, "parameters": 10}  # fmt: skip
+
+    comparisons = [("2 ranks", "ours", "theirs", 2), ("1 rank", "ours", "alone", 1)]
+    records, ratios = alternating_pairs(3, comparisons, job, lambda impl, r: f"{impl}@{r}")
+    first = [("ours", 2), ("theirs", 2), ("ours", 1), ("alone", 1)]
+    flipped = [("theirs", 2), ("ours", 2), ("alone", 1), ("ours", 1)]
+    assert jobs == first + flipped + first
+    # first / second of each comparison, whichever ran first in the pair
+    assert ratios == {"2 ranks": [3.0, 3.0, 3.0], "1 rank": [6.0, 6.0, 6.0]}
+    assert [record.impl for record in records][:4] == ["ours@2", "theirs@2", "ours@1", "alone@1"]
