@@ -392,11 +392,11 @@ LOST_AFTER_STEP = 7
 ELASTIC_JOB_TIMEOUT_S = 300
 
 
-def lose_host_b_mid_fit(bed: NetBed, folder: Path, still_listed: bool) -> tuple[int, str, float]:
+def lose_host_b_mid_fit(bed: NetBed, folder: Path) -> tuple[int, str, float]:
     """Run lightning_elastic.py's fit on a:2,b:2 under an elastic ringrun, take host b away
     (its sshd and every process there SIGKILLed) once every rank has trained step 7, and
     return ringrun's exit code, its stderr and the seconds from the kill to ringrun's next
-    call of the discovery script. The script names b from then on only if `still_listed`."""
+    call of the discovery script. The script goes on naming b."""
     listing = folder / "hosts"
     listing.write_text(f"{bed.address('a')}:2\n{bed.address('b')}:2\n")
     script = folder / "discover.sh"
@@ -423,9 +423,6 @@ def lose_host_b_mid_fit(bed: NetBed, folder: Path, still_listed: bool) -> tuple[
         placed = {path.name: path.read_text().split()[1] for path in folder.glob("running.?")}
         assert placed == {"running.0": "bed-a", "running.1": "bed-a",
                           "running.2": "bed-b", "running.3": "bed-b"}  # fmt: skip
-        if not still_listed:
-            (folder / "hosts.new").write_text(f"{bed.address('a')}:2\n")
-            (folder / "hosts.new").rename(listing)
         calls = len((folder / "discovered").read_text().split())
         killed_at = time.time()
         bed.kill_host("b")
@@ -452,32 +449,22 @@ def assert_resumed_on_a_from_the_last_checkpoint(folder: Path) -> None:
     assert verdict.trained_twice == 4 * 4  # step 7 of 4 ranks, batches of 4
 
 
-def test_a_host_lost_mid_fit_is_named_and_the_fit_resumes_on_the_hosts_left(bed, tmp_path):
+def test_a_host_lost_mid_fit_is_named_kept_out_and_the_fit_resumes_on_the_hosts_left(bed, tmp_path):
+    # The discovery script still names the lost host: the blacklist, not the preflight of
+    # the restart finding it dead again, keeps it out.
     pytest.importorskip("lightning")
-    code, stderr, detected_s = lose_host_b_mid_fit(bed, tmp_path, still_listed=False)
+    code, stderr, detected_s = lose_host_b_mid_fit(bed, tmp_path)
     assert code == 0, stderr
     b = bed.address("b")
     lines = ringrun_lines(stderr)
     assert any(line.startswith(f"ringrun: host {b} (ranks 2, 3) was lost while the job ran: ")
                for line in lines), stderr  # fmt: skip
+    assert any(re.fullmatch(rf"ringrun: host {re.escape(b)} is kept out of the job for \d+ s",
+                            line) for line in lines), stderr  # fmt: skip
     assert [line for line in lines if line.startswith("ringrun: restart ")] == [
         f"ringrun: restart 1 of 2 after host {b} (ranks 2, 3) was lost: 2 ranks on "
         f"{bed.address('a')}:2 (was 4)"
     ]
-    assert detected_s < STOP_BOUND_S, f"ringrun restarted {detected_s:.1f} s after the loss"
-    assert_resumed_on_a_from_the_last_checkpoint(tmp_path)
-
-
-def test_a_lost_host_stays_out_even_when_the_discovery_script_still_names_it(bed, tmp_path):
-    pytest.importorskip("lightning")
-    code, stderr, _ = lose_host_b_mid_fit(bed, tmp_path, still_listed=True)
-    assert code == 0, stderr
-    b = bed.address("b")
-    lines = ringrun_lines(stderr)
-    assert any(re.fullmatch(rf"ringrun: host {re.escape(b)} is kept out of the job for \d+ s",
-                            line) for line in lines), stderr  # fmt: skip
-    # Kept out by the blacklist, not found dead again by the preflight of the restart.
-    (restart,) = [line for line in lines if line.startswith("ringrun: restart ")]
-    assert restart.endswith(f": 2 ranks on {bed.address('a')}:2 (was 4)"), restart
     assert not any("ssh refused" in line or "starting again" in line for line in lines), stderr
+    assert detected_s < STOP_BOUND_S, f"ringrun restarted {detected_s:.1f} s after the loss"
     assert_resumed_on_a_from_the_last_checkpoint(tmp_path)
