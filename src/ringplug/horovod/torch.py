@@ -28,12 +28,12 @@ from ..core.ops import ReduceOp
 from ..torch import collectives as rt
 from ..torch import optimizer as _optimizer
 from ..torch.state import allgather_object, broadcast_object, broadcast_parameters
-from ..torch.state import broadcast_optimizer_state as _broadcast_optimizer_state
 from ..torch.sync_batchnorm import SyncBatchNorm
 from . import torch_elastic as _torch_elastic
 from ._common import *  # noqa: F403 - Horovod's basics, re-exported
 from ._common import Average, check_process_set, global_process_set, resolve_op
 from ._common import __all__ as _BASICS
+from ._torch_state import broadcast_optimizer_state
 
 elastic = _torch_elastic  # Horovod's hvd.elastic
 
@@ -946,47 +946,6 @@ def poll(handle: Any) -> bool:
 def synchronize(handle: Any) -> Any:
     """Wait for the async operation behind `handle`; returns its result."""
     return handle.wait()
-
-
-def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None
-) -> None:
-    """Give every rank root's optimizer state and hyperparameters.
-
-    As Horovod, an optimizer that has not stepped yet first takes one step with zero
-    gradients on every rank (without reducing them), so that its state exists; the
-    parameters that do not require grad are left without a gradient.
-    """
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(
-            "broadcast_optimizer_state cannot broadcast torch.optim.LBFGS state; "
-            "build it the same way on every rank instead."
-        )
-    if not optimizer.state:
-        sparse = _sparse_parameters(model)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-                    if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
-                        p.grad = p.grad.to_sparse()
-        # The wrapped optimizer's own step: a DistributedOptimizer's would reduce.
-        if isinstance(optimizer, _optimizer._Distributed):
-            super(_optimizer._Distributed, optimizer).step()
-        else:
-            optimizer.step()
-    _broadcast_optimizer_state(optimizer, root_rank)
-
-
-def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
-    if model is None:
-        return set()
-    return {
-        id(p)
-        for m in model.modules()
-        if isinstance(m, torch.nn.Embedding) and m.sparse
-        for p in m.parameters()
-    }
 
 
 class _HorovodSteps:

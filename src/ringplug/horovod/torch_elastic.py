@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from ..data import ElasticSampler
+from ..torch.state import broadcast_parameters
+from ._torch_state import broadcast_optimizer_state
 from .elastic import HostsUpdatedInterrupt, ObjectState, State, run_fn
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
@@ -83,15 +85,13 @@ class TorchState(ObjectState):
     def sync(self) -> None:
         """Give every rank rank 0's state: parameters and buffers broadcast in place,
         optimizer state as ``hvd.broadcast_optimizer_state``, the rest as objects."""
-        from . import torch as hvd
-
         rest = {}
         for name in self._names:
             value = getattr(self, name)
             if isinstance(value, torch.nn.Module):
-                hvd.broadcast_parameters(value.state_dict(), root_rank=0)
+                broadcast_parameters(value.state_dict(), root_rank=0)
             elif isinstance(value, torch.optim.Optimizer):
-                hvd.broadcast_optimizer_state(value, root_rank=0)
+                broadcast_optimizer_state(value, root_rank=0)
             else:
                 rest[name] = self._snapshot_of(value)
         self._apply(self._bcast_object(rest))

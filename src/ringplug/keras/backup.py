@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import core
 from . import _inputs
-from .callbacks import broadcast_variables
+from ._broadcast import broadcast_variables
 
 logger = logging.getLogger(__name__)
 

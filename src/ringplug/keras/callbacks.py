@@ -16,23 +16,8 @@ import numpy as np
 from .. import core, diagnose
 from ..core import activity
 from . import _inputs
+from ._broadcast import broadcast_variables
 from .optimizer import is_distributed, reduce_at_the_outermost
-
-
-def broadcast_variables(variables: list[Any], root_rank: int = 0, name: str = "keras") -> None:
-    """Assign root's values to `variables` on every rank (one broadcast per dtype)."""
-    values = [keras.ops.convert_to_numpy(v) for v in variables]
-    groups: dict[np.dtype, list[int]] = {}
-    for index, value in enumerate(values):
-        groups.setdefault(value.dtype, []).append(index)
-    for dtype, indices in groups.items():
-        flat = np.concatenate([values[i].reshape(-1) for i in indices])
-        core.broadcast(flat, root_rank, out=flat, name=f"{name}.broadcast.{dtype}")
-        offset = 0
-        for i in indices:
-            count = values[i].size
-            variables[i].assign(flat[offset : offset + count].reshape(values[i].shape))
-            offset += count
 
 
 class RingBroadcast(keras.callbacks.Callback):

@@ -14,7 +14,7 @@ import keras
 
 from ... import core
 from ...keras import DistributedOptimizer as _DistributedOptimizer
-from ...keras.callbacks import broadcast_variables as _broadcast_variables
+from ...keras._broadcast import broadcast_variables as _broadcast_variables
 from ...keras.optimizer import set_local_variables as _set_local_variables
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
 from .._common import (

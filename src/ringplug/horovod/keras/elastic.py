@@ -39,7 +39,7 @@ from typing import Any
 
 import keras
 
-from ...keras.callbacks import broadcast_variables
+from ...keras._broadcast import broadcast_variables
 from ..elastic import HostsUpdatedInterrupt, ObjectState, State, check_commit_fits, run_fn
 
 __all__ = [
