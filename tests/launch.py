@@ -126,3 +126,20 @@ def torchrun_workers_refused(output: str, workers: int) -> bool:
         for rank in range(workers)
     ]
     return any(said) and all(s or t for s, t in zip(said, stopped, strict=True))
+
+
+def discovery_script(folder: Path, *answers: str) -> Path:
+    """A ``--host-discovery-script`` that gives `answers` in turn (the last one from then
+    on), e.g. ``"localhost:3", "localhost:2"``; each call's time (``date +%s.%N``) is
+    appended to ``folder/discovered``."""
+    script = folder / "discover.sh"
+    lines = "\n".join(f"  {n}) echo '{answer}' ;;" for n, answer in enumerate(answers[:-1]))
+    script.write_text(
+        "#!/bin/sh\n"
+        f"date +%s.%N >> {folder}/discovered\n"
+        f"count=$(cat {folder}/calls 2>/dev/null || echo 0)\n"
+        f"echo $((count + 1)) > {folder}/calls\n"
+        f"case \"$count\" in\n{lines}\n  *) echo '{answers[-1]}' ;;\nesac\n"
+    )
+    script.chmod(0o755)
+    return script

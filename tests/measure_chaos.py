@@ -40,6 +40,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch import discovery_script
+
 HERE = Path(__file__).parent
 WORKERS = HERE / "workers"
 RINGRUN = [sys.executable, "-m", "ringplug.run.cli"]
@@ -92,26 +94,14 @@ def draw(rng: random.Random, kind: str) -> Chaos:
     return Chaos(kind, rng.randrange(RANKS), rng.randint(low, high))
 
 
-def discovery_script(folder: Path) -> Path:
-    """Names 3 slots at the first call, 2 from then on."""
-    script = folder / "discover.sh"
-    script.write_text(
-        "#!/bin/sh\n"
-        f"date +%s.%N >> {folder}/discovered\n"
-        f'if [ "$(wc -l < {folder}/discovered)" -le 1 ]; then echo localhost:3; '
-        "else echo localhost:2; fi\n"
-    )
-    script.chmod(0o755)
-    return script
-
-
 def run_chaos(chaos: Chaos, folder: Path, marker: str = "measure-chaos") -> tuple[Verdict, str]:
     """Run `chaos` in `folder` (empty) and judge it; returns the verdict and ringrun's
     output."""
     worker = WORKERS / ("lightning_elastic.py" if chaos.kind == "lightning" else "hvd_elastic.py")
     args = ["kill", str(folder), "0"] if chaos.kind == "lightning" else [str(folder)]
+    three_then_two = discovery_script(folder, "localhost:3", "localhost:2")
     command = [*RINGRUN, "-np", str(RANKS), "--max-restarts", "2", "--min-np", str(RANKS_AFTER),
-               "--host-discovery-script", str(discovery_script(folder)),
+               "--host-discovery-script", str(three_then_two),
                sys.executable, str(worker), *args, marker]  # fmt: skip
     env = {name: value for name, value in os.environ.items() if name != "RINGPLUG_MPIEXEC"}
     env.update(

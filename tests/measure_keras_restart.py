@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from launch import discovery_script
+
 HERE = Path(__file__).parent
 WORKER = str(HERE / "workers" / "keras_elastic.py")
 RINGRUN = [sys.executable, "-m", "ringplug.run.cli"]
@@ -36,24 +38,12 @@ PHASES = [
 ]
 
 
-def discovery_script(folder: Path) -> Path:
-    """Names 3 slots, then 2; logs the time of every call."""
-    script = folder / "discover.sh"
-    script.write_text(
-        "#!/bin/sh\n"
-        f"date +%s.%N >> {folder}/discovered\n"
-        f'if [ "$(wc -l < {folder}/discovered)" -le 1 ]; then echo localhost:3; '
-        "else echo localhost:2; fi\n"
-    )
-    script.chmod(0o755)
-    return script
-
-
 def one_run(backend: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="ringplug-keras-restart-") as name:
         folder = Path(name)
+        three_then_two = discovery_script(folder, "localhost:3", "localhost:2")
         command = [*RINGRUN, "-np", "3", "--max-restarts", "2", "--min-np", "2",
-                   "--host-discovery-script", str(discovery_script(folder)),
+                   "--host-discovery-script", str(three_then_two),
                    sys.executable, WORKER, "kill", str(folder), "0", "measure-keras"]  # fmt: skip
         env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False,

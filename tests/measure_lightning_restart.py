@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from launch import discovery_script
+
 HERE = Path(__file__).parent
 WORKER = str(HERE / "workers" / "lightning_elastic.py")
 RINGRUN = [sys.executable, "-m", "ringplug.run.cli"]
@@ -34,24 +36,12 @@ PHASES = [
 ]
 
 
-def discovery_script(folder: Path) -> Path:
-    """Names 3 slots, then 2; logs the time of every call."""
-    script = folder / "discover.sh"
-    script.write_text(
-        "#!/bin/sh\n"
-        f"date +%s.%N >> {folder}/discovered\n"
-        f'if [ "$(wc -l < {folder}/discovered)" -le 1 ]; then echo localhost:3; '
-        "else echo localhost:2; fi\n"
-    )
-    script.chmod(0o755)
-    return script
-
-
 def one_run() -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="ringplug-restart-") as name:
         folder = Path(name)
+        three_then_two = discovery_script(folder, "localhost:3", "localhost:2")
         command = [*RINGRUN, "-np", "3", "--max-restarts", "2", "--min-np", "2",
-                   "--host-discovery-script", str(discovery_script(folder)),
+                   "--host-discovery-script", str(three_then_two),
                    sys.executable, WORKER, "kill", str(folder), "0", "measure-restart"]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False,
                               stdin=subprocess.DEVNULL, env=os.environ.copy())  # fmt: skip

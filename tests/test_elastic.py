@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import RINGRUN, processes_matching, run_ringrun, unique_marker
+from launch import RINGRUN, discovery_script, processes_matching, run_ringrun, unique_marker
 from ringplug.run import elastic
 from ringplug.run.elastic import ElasticError, ElasticPlan, discover, run_elastic
 from ringplug.run.hosts import Host
@@ -25,20 +25,6 @@ from ringplug.run.ssh import HostProblem
 from ringplug.run.status import RankStarted
 
 WORKER = str(Path(__file__).parent / "workers" / "elastic.py")
-
-
-def discovery_script(folder: Path, *answers: str) -> Path:
-    """A discovery script that gives `answers` in turn (the last one from then on)."""
-    script = folder / "discover.sh"
-    lines = "\n".join(f"  {n}) echo '{answer}' ;;" for n, answer in enumerate(answers[:-1]))
-    script.write_text(
-        "#!/bin/sh\n"
-        f"count=$(cat {folder}/calls 2>/dev/null || echo 0)\n"
-        f"echo $((count + 1)) > {folder}/calls\n"
-        f"case \"$count\" in\n{lines}\n  *) echo '{answers[-1]}' ;;\nesac\n"
-    )
-    script.chmod(0o755)
-    return script
 
 
 def run_elastic_job(folder: Path, scenario: str, *flags: str):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import processes_matching, run_ringrun, unique_marker
+from launch import discovery_script, processes_matching, run_ringrun, unique_marker
 
 torch = pytest.importorskip("torch")
 hvd = pytest.importorskip("ringplug.horovod.torch")
@@ -144,19 +144,6 @@ def test_check_host_updates_never_interrupts():
 
 
 # ------------------------------------------------------------------------- real ranks
-def discovery_script(folder: Path) -> Path:
-    """3 slots at the first start, 2 from then on."""
-    script = folder / "discover.sh"
-    script.write_text(
-        "#!/bin/sh\n"
-        f"count=$(cat {folder}/calls 2>/dev/null || echo 0)\n"
-        f"echo $((count + 1)) > {folder}/calls\n"
-        'if [ "$count" = 0 ]; then echo localhost:3; else echo localhost:2; fi\n'
-    )
-    script.chmod(0o755)
-    return script
-
-
 def ledger(folder: Path, restart: int, rank: int) -> list[dict]:
     path = folder / f"ledger.{restart}.{rank}"
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -167,7 +154,7 @@ def test_a_killed_rank_costs_only_the_batches_since_the_last_commit(tmp_path):
     marker = unique_marker("hvd-elastic")
     result = run_ringrun(
         "-np", "3", "--min-np", "2", "--max-restarts", "2",
-        "--host-discovery-script", str(discovery_script(tmp_path)),
+        "--host-discovery-script", str(discovery_script(tmp_path, "localhost:3", "localhost:2")),
         sys.executable, WORKER, str(tmp_path), marker,
         extra_env={"RINGPLUG_TIMEOUT": "30", "TMPDIR": str(tmp_path)}, timeout=180,
     )  # fmt: skip

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch import processes_matching, run_ringrun, unique_marker
+from launch import discovery_script, processes_matching, run_ringrun, unique_marker
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -235,19 +235,6 @@ def test_every_module_has_horovods_elastic_names():
 
 
 # ------------------------------------------------------------------------- real ranks
-def discovery_script(folder: Path) -> Path:
-    """3 slots at the first start, 2 from then on."""
-    script = folder / "discover.sh"
-    script.write_text(
-        "#!/bin/sh\n"
-        f"count=$(cat {folder}/calls 2>/dev/null || echo 0)\n"
-        f"echo $((count + 1)) > {folder}/calls\n"
-        'if [ "$count" = 0 ]; then echo localhost:3; else echo localhost:2; fi\n'
-    )
-    script.chmod(0o755)
-    return script
-
-
 def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -258,7 +245,7 @@ def run_killed_job(tmp_path: Path, style: str) -> tuple[list[dict], str]:
     marker = unique_marker(f"hvd-elastic-{style}")
     result = run_ringrun(
         "-np", "3", "--min-np", "2", "--max-restarts", "2",
-        "--host-discovery-script", str(discovery_script(tmp_path)),
+        "--host-discovery-script", str(discovery_script(tmp_path, "localhost:3", "localhost:2")),
         sys.executable, WORKER, style, str(tmp_path), marker,
         extra_env={"RINGPLUG_TIMEOUT": "30", "TMPDIR": str(tmp_path),
                    "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"},

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch import RINGRUN, processes_matching, run_ringrun, unique_marker
-from test_elastic import discovery_script, restart_lines
+from launch import RINGRUN, discovery_script, processes_matching, run_ringrun, unique_marker
+from test_elastic import restart_lines
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import RINGRUN, processes_matching, run_ringrun, unique_marker
-from test_elastic import discovery_script, restart_lines
+from launch import RINGRUN, discovery_script, processes_matching, run_ringrun, unique_marker
+from test_elastic import restart_lines
 
 pytest.importorskip("lightning")
 
