@@ -39,6 +39,36 @@ def restart_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("ringrun: restart ")]
 
 
+def preempt(worker: str, folder: Path, ranks: int, name: str, env: dict | None = None,
+            wait_s: float = 180) -> tuple[int, str]:  # fmt: skip
+    """Start `worker`'s ``sigterm`` scenario on `ranks` ranks under an elastic ringrun,
+    SIGTERM ringrun once every rank has written ``folder/running.<rank>`` (within `wait_s`),
+    and return ringrun's exit code and output; no rank may be left, nothing restarted."""
+    marker = unique_marker(name)
+    process = subprocess.Popen(
+        [*RINGRUN, "-np", str(ranks), "--max-restarts", "2", sys.executable, worker, "sigterm",
+         str(folder), "0", marker],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        env=env if env is not None else os.environ.copy(),
+    )  # fmt: skip
+    try:
+        for _ in range(int(wait_s * 10)):  # bounded: until every rank waits for the signal
+            if len(list(folder.glob("running.*"))) == ranks or process.poll() is not None:
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=0.1)
+        assert len(list(folder.glob("running.*"))) == ranks, "the ranks did not reach the step"
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=10)
+    assert processes_matching(marker) == []
+    assert restart_lines(stderr) == []  # a job that was asked to stop is not restarted
+    return process.returncode, stdout + stderr
+
+
 @pytest.mark.multirank
 def test_a_killed_rank_restarts_the_job_on_the_slots_the_discovery_script_names(tmp_path):
     script = discovery_script(tmp_path, "localhost:3", "localhost:2")

@@ -8,17 +8,16 @@ resumed epoch trains each sample not yet trained once, on the ranks left.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from launch import RINGRUN, discovery_script, processes_matching, run_ringrun, unique_marker
+from launch import discovery_script, processes_matching, run_ringrun, unique_marker
+from test_elastic import preempt as elastic_preempt
 from test_elastic import restart_lines
 
 pytest.importorskip("lightning")
@@ -113,30 +112,9 @@ def test_a_fit_that_loses_a_rank_right_after_an_epochs_last_checkpoint_trains_th
 
 
 def preempt(folder: Path, ranks: int) -> tuple[int, str]:
-    """Start the sigterm job, SIGTERM ringrun once every rank waits after step 3, and
-    return ringrun's exit code and output."""
-    marker = unique_marker("lightning-sigterm")
-    process = subprocess.Popen(
-        [*RINGRUN, "-np", str(ranks), "--max-restarts", "2", sys.executable, WORKER, "sigterm",
-         str(folder), "0", marker],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        for _ in range(1200):  # bounded: until every rank waits after step 3
-            if len(list(folder.glob("running.*"))) == ranks or process.poll() is not None:
-                break
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=0.1)
-        assert len(list(folder.glob("running.*"))) == ranks, "ranks did not reach step 3"
-        process.send_signal(signal.SIGTERM)
-        stdout, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate(timeout=10)
-    assert processes_matching(marker) == []
-    assert restart_lines(stderr) == []  # a job that was asked to stop is not restarted
-    return process.returncode, stdout + stderr
+    """The sigterm job, SIGTERMed once every rank waits after step 3: ringrun's exit code
+    and output."""
+    return elastic_preempt(WORKER, folder, ranks, "lightning-sigterm", wait_s=120)
 
 
 @pytest.mark.multirank
