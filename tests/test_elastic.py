@@ -8,10 +8,12 @@ answer changes between starts; and the restart logic itself against a fake job.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,21 @@ def run_elastic_job(folder: Path, scenario: str, *flags: str):
                          extra_env={"RINGPLUG_TIMEOUT": "10"}, timeout=120)  # fmt: skip
     assert processes_matching(marker) == [], "ranks were left running"
     return result, result.stdout + result.stderr
+
+
+# What the resume workers (tests/workers/lightning_elastic.py, keras_elastic.py) write:
+# a ledger line per trained batch, and a report at the end of a fit.
+def ledger(folder: Path, start: int, rank: int) -> list[dict]:
+    lines = (folder / f"ledger.{start}.{rank}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def ids_of(records: list[dict]) -> Counter:
+    return Counter(i for record in records for i in record["ids"])
+
+
+def report(folder: Path, start: int, rank: int) -> dict:
+    return json.loads((folder / f"done.{start}.{rank}.json").read_text())
 
 
 def restart_lines(stderr: str) -> list[str]:

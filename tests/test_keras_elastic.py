@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from launch import discovery_script, processes_matching, run_ringrun, unique_marker
+from test_elastic import ids_of, ledger, report, restart_lines
 from test_elastic import preempt as elastic_preempt
-from test_elastic import restart_lines
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -34,19 +34,6 @@ from ringplug.data import plan_batches  # noqa: E402
 
 WORKER = str(Path(__file__).parent / "workers" / "keras_elastic.py")
 LENGTHS = [1 + (i * 7) % 13 for i in range(72)]  # the worker's, for its plans
-
-
-def ledger(folder: Path, start: int, rank: int) -> list[dict]:
-    lines = (folder / f"ledger.{start}.{rank}.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def ids_of(records: list[dict]) -> Counter:
-    return Counter(i for record in records for i in record["ids"])
-
-
-def report(folder: Path, start: int, rank: int) -> dict:
-    return json.loads((folder / f"done.{start}.{rank}.json").read_text())
 
 
 def environment(backend: str) -> dict[str, str]:

@@ -8,7 +8,6 @@ resumed epoch trains each sample not yet trained once, on the ranks left.
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from collections import Counter
@@ -17,25 +16,12 @@ from pathlib import Path
 import pytest
 
 from launch import discovery_script, processes_matching, run_ringrun, unique_marker
+from test_elastic import ids_of, ledger, report, restart_lines
 from test_elastic import preempt as elastic_preempt
-from test_elastic import restart_lines
 
 pytest.importorskip("lightning")
 
 WORKER = str(Path(__file__).parent / "workers" / "lightning_elastic.py")
-
-
-def ledger(folder: Path, start: int, rank: int) -> list[dict]:
-    lines = (folder / f"ledger.{start}.{rank}.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def ids_of(records: list[dict]) -> Counter:
-    return Counter(i for record in records for i in record["ids"])
-
-
-def report(folder: Path, start: int, rank: int) -> dict:
-    return json.loads((folder / f"done.{start}.{rank}.json").read_text())
 
 
 @pytest.mark.multirank
