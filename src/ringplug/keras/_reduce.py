@@ -1,9 +1,9 @@
 """One fused allreduce of a step's gradients, from inside whatever Keras's backend runs.
 
-- TensorFlow: a ``tf.numpy_function(..., stateful=True)`` op in the compiled train step.
-  Stateful ops keep program order, so every rank reduces in the same place of the step
-  (stateless ones were reordered across threads in every trial). GPU gradients take a
-  ``tf.py_function`` instead and go to NCCL by DLPack (`_tf_gpu`).
+- TensorFlow: `ringplug.tensorflow`'s graph op (a ``tf.numpy_function(..., stateful=True)``)
+  in the compiled train step. Stateful ops keep program order, so every rank reduces in
+  the same place of the step (stateless ones were reordered across threads in every trial).
+  GPU gradients take a ``tf.py_function`` instead and go to NCCL by DLPack (`_tf_gpu`).
 - torch: eager tensors, reduced through `ringplug.torch` (CUDA tensors through NCCL).
 - JAX: an ordered ``io_callback`` inside the jitted step.
 
@@ -100,15 +100,18 @@ def _tensorflow(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[A
             out.set_shape(grad.shape)
         return list(reduced)
 
-    def run(*arrays: np.ndarray) -> list[np.ndarray]:
-        return reduce_numpy(arrays, op, name, fp16)
+    from ..tensorflow import _ops
 
-    reduced = tf.numpy_function(
-        run, dense, Tout=[g.dtype for g in dense], stateful=True, name="ringplug_allreduce"
+    # ringplug.tensorflow's graph op: stateful (program order), failing the step with
+    # FailedPreconditionError and ringplug's message when the ranks disagree.
+    return _ops.run(
+        "Allreduce",
+        lambda _, *arrays: _ops.computed(reduce_numpy(arrays, op, name, fp16)),
+        dense,
+        [g.dtype for g in dense],
+        [g.shape for g in dense],
+        name,
     )
-    for out, grad in zip(reduced, dense, strict=True):
-        out.set_shape(grad.shape)
-    return list(reduced)
 
 
 def _torch(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[Any]:

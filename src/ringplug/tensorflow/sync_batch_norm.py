@@ -1,4 +1,5 @@
-"""`SyncBatchNormalization`: batch statistics over every rank's batch (Horovod's layer)."""
+"""`SyncBatchNormalization`: Keras batch normalization with the statistics of every rank's
+batch together (TensorFlow backend)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,21 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from ... import core
-from .._common import Sum
-from . import grouped_allreduce
+from .. import core
+from ..core.ops import Sum
+from .collectives import grouped_allreduce
 
 
 @keras.saving.register_keras_serializable(package="ringplug")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     """Keras's BatchNormalization whose training-time mean and variance are those of the
     global batch (every rank's batch together), reduced with one allreduce per call; the
-    moving statistics then agree on every rank. Takes BatchNormalization's arguments."""
+    moving statistics then agree on every rank. Takes BatchNormalization's arguments.
+
+    Example:
+        >>> model = keras.Sequential([keras.layers.Conv2D(32, 3),  # doctest: +SKIP
+        ...                           rtf.SyncBatchNormalization(), keras.layers.ReLU()])
+    """
 
     def _moments(self, inputs: Any, mask: Any) -> tuple[Any, Any]:
         if mask is not None or core.size() == 1:

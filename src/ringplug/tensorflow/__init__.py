@@ -1,0 +1,110 @@
+"""ringplug for TensorFlow: collectives on tensors, a distributed gradient tape, and starting
+every rank from the same variables.
+
+``import ringplug.tensorflow`` imports TensorFlow; ``import ringplug`` alone never does.
+The collectives run eagerly and inside ``tf.function`` (or a TF1 graph session), where
+they become graph ops; see `ringplug.tensorflow.collectives` for how ranks match them and
+what a mismatch raises (``tf.errors.FailedPreconditionError``).
+
+Example:
+    >>> import tensorflow as tf, ringplug.tensorflow as rtf  # doctest: +SKIP
+    >>> rtf.init()
+    >>> rtf.broadcast_variables(model.variables, root_rank=0)
+    >>> @tf.function
+    ... def step(images, labels):
+    ...     with rtf.DistributedGradientTape() as tape:
+    ...         loss = loss_fn(labels, model(images, training=True))
+    ...     grads = tape.gradient(loss, model.trainable_variables)
+    ...     optimizer.apply_gradients(zip(grads, model.trainable_variables))
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .. import core
+from ..core import Average, Max, Min, Product, Sum, local_rank, local_size, rank, shutdown, size
+from .collectives import (
+    TensorHandle,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_async,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_async,
+    broadcast_variables,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_allreduce_async,
+    grouped_broadcast,
+    grouped_reducescatter,
+    join,
+    reducescatter,
+    reducescatter_async,
+)
+from .tape import Compression, DistributedGradientTape, reduce_gradients
+
+
+def init() -> None:
+    """Start ringplug (MPI) on every rank, ready for TensorFlow graphs.
+
+    In a TF1 graph each collective op holds one of the session's inter-op threads while it
+    waits for the other ranks, so with TensorFlow's default of one thread per core a
+    ``session.run`` with more concurrent collectives than cores could leave every thread
+    waiting on ops the other rank has not reached. Unless ``TF_NUM_INTEROP_THREADS`` is
+    set, it is set here to at least 64 (TensorFlow reads it when its first session starts
+    its thread pool): call `init` before the first TensorFlow operation.
+    """
+    os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(max(64, os.cpu_count() or 1)))
+    core.init()
+
+
+def __getattr__(name: str) -> Any:
+    # The Keras layer imports Keras, which a TensorFlow script may not use.
+    if name == "SyncBatchNormalization":
+        from .sync_batch_norm import SyncBatchNormalization
+
+        return SyncBatchNormalization
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "Average",
+    "Compression",
+    "DistributedGradientTape",
+    "Max",
+    "Min",
+    "Product",
+    "Sum",
+    "SyncBatchNormalization",
+    "TensorHandle",
+    "allgather",
+    "allgather_async",
+    "allreduce",
+    "allreduce_async",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_async",
+    "broadcast_variables",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "grouped_broadcast",
+    "grouped_reducescatter",
+    "init",
+    "join",
+    "local_rank",
+    "local_size",
+    "rank",
+    "reduce_gradients",
+    "reducescatter",
+    "reducescatter_async",
+    "shutdown",
+    "size",
+]
