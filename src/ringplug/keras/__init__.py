@@ -39,6 +39,7 @@ from .callbacks import (
 from .data import ShardedPyDataset, bucketed_dataset, shard
 from .diagnostics import RingDiagnose
 from .optimizer import DistributedOptimizer
+from .schedule import RingSchedule
 
 
 def init() -> None:
@@ -105,6 +106,7 @@ __all__ = [
     "RingBroadcast",
     "RingDiagnose",
     "RingMetricAverage",
+    "RingSchedule",
     "RingWarmup",
     "ShardedPyDataset",
     "Sum",

@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import core
 from ..core import Average, Max, Min, Product, Sum, local_rank, local_size, rank, shutdown, size
@@ -47,6 +47,9 @@ from .collectives import (
     reducescatter_async,
 )
 from .tape import Compression, DistributedGradientTape, reduce_gradients
+
+if TYPE_CHECKING:
+    from .sync_batch_norm import SyncBatchNormalization
 
 
 def init() -> None:
