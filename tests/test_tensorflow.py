@@ -35,7 +35,7 @@ def test_ringplug_tensorflow_collectives_tape_and_errors_match_numpy_on_every_ra
     for rank in range(ranks):
         checks = json.loads((tmp_path / f"rtf-{rank}.json").read_text())
         # 15 collectives x 2 modes, and the tape, broadcast, gradient and error checks.
-        assert len(checks) >= 39
+        assert len(checks) >= 37
         assert [name for name, ok in checks.items() if not ok] == []
 
 

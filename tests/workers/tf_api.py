@@ -37,7 +37,7 @@ def main(outdir: Path) -> None:
     matrix = np.arange(size * 2 * 3, dtype=np.float64).reshape(size * 2, 3) + 100 * rank
     # Rank r gets rows [2r, 2r + 2) of every rank's matrix, in rank order.
     exchanged = np.concatenate(
-        [np.arange(size * 2 * 3).reshape(size * 2, 3)[2 * rank : 2 * rank + 2] + 100 * r
+        [np.arange(size * 2 * 3.0).reshape(size * 2, 3)[2 * rank : 2 * rank + 2] + 100 * r
          for r in range(size)]
     )  # fmt: skip
     blocks = np.array_split(sum(matrix + 100 * (r - rank) for r in range(size)), size)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .. import core
 from ..core import Average, Max, Min, Product, Sum, local_rank, local_size, rank, shutdown, size
 from .collectives import (
+    BroadcastVariablesHook,
     TensorHandle,
     allgather,
     allgather_async,
@@ -77,6 +78,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Average",
+    "BroadcastVariablesHook",
     "Compression",
     "DistributedGradientTape",
     "Max",

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from .. import core
@@ -462,3 +463,29 @@ def join() -> Any:
 def barrier() -> None:
     """Wait until every rank has called barrier (eagerly)."""
     core.barrier()
+
+
+class BroadcastVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """TF1 graphs: when a ``tf.compat.v1.train.MonitoredTrainingSession`` is created, every
+    rank's global variables get `root_rank`'s values.
+
+    Args:
+        root_rank: the rank whose values every rank starts from. Defaults to 0.
+
+    Example:
+        >>> hooks = [rtf.BroadcastVariablesHook(0)]  # doctest: +SKIP
+        >>> with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as session:
+        ...     session.run(train_op)
+    """
+
+    def __init__(self, root_rank: int = 0) -> None:
+        self.root_rank = root_rank
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        variables = tf.compat.v1.global_variables()
+        for index, (variable, value) in enumerate(
+            zip(variables, session.run(variables), strict=True)
+        ):
+            array = np.array(value, copy=True).reshape(-1)  # 0-d values too
+            core.broadcast(array, self.root_rank, out=array, name=f"hook.{index}")
+            variable.load(array.reshape(np.shape(value)), session)

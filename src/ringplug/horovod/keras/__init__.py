@@ -88,20 +88,10 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
     (each rank trains its own copy of those layers; divided by the number of ranks with
     `scale_local_gradients`, as Horovod); the others are averaged."""
     distributed = DistributedOptimizer(
-        optimizer,
-        name,
-        device_dense,
-        device_sparse,
-        compression,
-        sparse_as_dense,
-        gradient_predivide_factor,
-        op,
-        backward_passes_per_step,
-        average_aggregated_gradients,
-        0,
-        groups,
-        process_set,
-    )
+        optimizer, compression=compression, op=op, process_set=process_set,
+        gradient_predivide_factor=gradient_predivide_factor,
+        backward_passes_per_step=backward_passes_per_step,
+    )  # fmt: skip
     _set_local_variables(
         distributed,
         local_layers_variables(local_layers),

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from ... import core
@@ -356,22 +355,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     )
 
 
-class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
-    """When the session is created, every rank's global variables get root's values (for
-    ``tf.compat.v1.train.MonitoredTrainingSession(hooks=[...])``)."""
+class BroadcastGlobalVariablesHook(_tf.BroadcastVariablesHook):
+    """`ringplug.tensorflow.BroadcastVariablesHook` under Horovod's name and arguments."""
 
     def __init__(self, root_rank: int, device: str = "", process_set: Any = _SET) -> None:
         check_process_set(process_set)
-        self.root_rank = root_rank
-
-    def after_create_session(self, session: Any, coord: Any) -> None:
-        variables = tf.compat.v1.global_variables()
-        for index, (variable, value) in enumerate(
-            zip(variables, session.run(variables), strict=True)
-        ):
-            array = np.array(value, copy=True).reshape(-1)  # 0-d values too
-            core.broadcast(array, self.root_rank, out=array, name=f"hook.{index}")
-            variable.load(array.reshape(np.shape(value)), session)
+        super().__init__(root_rank)
 
 
 from ...tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: E402
