@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
 
 from .. import core
 from ..core import Average, Max, Min, Product, Sum, local_rank, local_size, rank, shutdown, size
@@ -47,10 +46,8 @@ from .collectives import (
     reducescatter,
     reducescatter_async,
 )
+from .sync_batch_norm import SyncBatchNormalization
 from .tape import Compression, DistributedGradientTape, reduce_gradients
-
-if TYPE_CHECKING:
-    from .sync_batch_norm import SyncBatchNormalization
 
 
 def init() -> None:
@@ -65,15 +62,6 @@ def init() -> None:
     """
     os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(max(64, os.cpu_count() or 1)))
     core.init()
-
-
-def __getattr__(name: str) -> Any:
-    # The Keras layer imports Keras, which a TensorFlow script may not use.
-    if name == "SyncBatchNormalization":
-        from .sync_batch_norm import SyncBatchNormalization
-
-        return SyncBatchNormalization
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

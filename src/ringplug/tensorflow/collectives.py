@@ -175,6 +175,20 @@ def grouped_allreduce(
     return results
 
 
+def _allreduce_async(
+    tensors: Sequence[Any],
+    op: ReduceOp | str,
+    name: str | None,
+    pre: float,
+    post: float,
+    unpack: Callable[[list[Any]], Any],
+) -> TensorHandle:
+    values = [_dense(t) for t in tensors]
+    start = _ops.allreduce_starter(as_op(op), pre, post)
+    touts, shapes = [v.dtype for v in values], [v.shape for v in values]
+    return _async("GroupedAllreduce", start, values, touts, shapes, name, unpack)
+
+
 def allreduce_async(
     tensor: Any,
     op: ReduceOp | str = Average,
@@ -183,15 +197,14 @@ def allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> TensorHandle:
-    """Start `allreduce` of a dense tensor; ``wait()`` returns the reduction."""
-    return grouped_allreduce_async(
-        [tensor],
-        op,
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        _unpack=_first,
-    )
+    """Start `allreduce` of a dense tensor; ``wait()`` returns the reduction.
+
+    Example:
+        >>> handle = rtf.allreduce_async(loss_sum, op="sum")  # doctest: +SKIP
+        >>> ...                                              # other work meanwhile
+        >>> total = handle.wait()
+    """
+    return _allreduce_async([tensor], op, name, prescale_factor, postscale_factor, _first)
 
 
 def grouped_allreduce_async(
@@ -201,13 +214,9 @@ def grouped_allreduce_async(
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    _unpack: Callable[[list[Any]], Any] = list,
 ) -> TensorHandle:
     """Start `grouped_allreduce` of dense tensors; ``wait()`` returns them in order."""
-    values = [_dense(t) for t in tensors]
-    start = _ops.allreduce_starter(as_op(op), prescale_factor, postscale_factor)
-    touts, shapes = [v.dtype for v in values], [v.shape for v in values]
-    return _async("GroupedAllreduce", start, values, touts, shapes, name, _unpack)
+    return _allreduce_async(tensors, op, name, prescale_factor, postscale_factor, list)
 
 
 # ---------------------------------------------------------------------------- allgather

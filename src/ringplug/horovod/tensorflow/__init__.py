@@ -34,6 +34,7 @@ from . import util
 from .util import _executing_eagerly  # noqa: F401 - hvd._executing_eagerly, as Horovod
 
 Compression = _tf.Compression
+SyncBatchNormalization = _tf.SyncBatchNormalization
 _SET = global_process_set
 
 
@@ -363,7 +364,6 @@ class BroadcastGlobalVariablesHook(_tf.BroadcastVariablesHook):
         super().__init__(root_rank)
 
 
-from ...tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: E402
 from . import elastic, keras  # noqa: E402 - hvd.keras and hvd.elastic, as Horovod's module has
 
 __all__ = [
