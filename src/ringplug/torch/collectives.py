@@ -19,9 +19,9 @@ import torch
 
 from ..core import collectives as core
 from ..core import device_collectives as device
-from ..core.device import DeviceBuffer
 from ..core.dtypes import DType
-from ..core.engine import Handle
+from ..core.engine.handles import Handle
+from ..core.gpu.device import DeviceBuffer
 from ..core.ops import Average, ReduceOp
 
 # torch dtype -> (the dtype the core reads the bytes as, or None to use the tensor's own)

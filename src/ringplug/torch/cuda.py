@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.cuda import DeviceRuntime, register_runtime
 from ..core.dtypes import DType
+from ..core.gpu.cuda import DeviceRuntime, register_runtime
 
 
 class _DeviceArray:

@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import log
-from .config import Settings
-from .errors import PeerEngineFailedError, PeerFailedError
+from .. import log
+from ..config import Settings
+from ..errors import PeerEngineFailedError, PeerFailedError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
