@@ -74,10 +74,10 @@ _POLL_AFTER_CYCLE_SECONDS = 1e-3
 _CACHE_CAPACITY = 4096
 # A burst of asynchronous submissions runs as one cycle: with at least `_BURST_LEAST`
 # requests queued, the engine thread steps aside while the newest is younger than the gap,
-# for at most the wait (`_let_burst_finish`). Measured on 2 ranks, 1,000 allreduce_async of
-# 4 KiB: without it the engine thread took the GIL 5 ms into the loop (CPython's switch
-# interval) and ran two cycles a burst, 7% slower. A few gradient buckets, or gradients
-# that a backward pass hands over further apart than the gap, run at once.
+# for at most the wait (`_let_burst_finish`). Without it the engine thread takes the GIL at
+# CPython's switch interval, in the middle of the loop, and a burst costs two negotiations
+# (figures: docs/benchmarks.md, "Design measurements"). A few gradient buckets, or
+# gradients that a backward pass hands over further apart than the gap, run at once.
 _BURST_LEAST = 64
 _BURST_GAP_SECONDS = 300e-6
 _BURST_WAIT_SECONDS = 1e-3
@@ -86,8 +86,8 @@ _BURST_WAIT_SECONDS = 1e-3
 # cycle that has deadlines of its own); otherwise the engine thread runs them.
 _DRIVE_ACQUIRE_SECONDS = 1e-3
 # While a caller drives, the engine thread sleeps until the caller hands over (it notifies);
-# this is only a backstop. Waking every millisecond to look cost a caller spinning in a
-# 1 MiB Iallreduce 13% (the woken thread takes the GIL from it), every 100 us 50%.
+# this is only a backstop. Waking often to look slows a caller spinning in an Iallreduce:
+# the woken thread takes the GIL from it (figures: docs/benchmarks.md, "Design measurements").
 _DRIVEN_SLEEP_SECONDS = 0.05
 
 
@@ -437,11 +437,12 @@ class Engine(ExpressCycles):
         delay = 20e-6
         retry_at = time.monotonic() + self._idle_period
         # Right after a cycle the next request or a peer's message is usually microseconds
-        # away: poll, yielding the GIL, before sleeping (a sleep costs 60+ us to wake from).
+        # away: poll, yielding the GIL, before sleeping (waking from a sleep costs more).
         # With nothing of ours in flight there is nothing to answer quickly: a local request
         # wakes the engine at once, and peers wait for that request anyway. Then the engine
-        # sleeps 1 ms at a time, leaving the core to the training thread (polling every
-        # 200 us through the forward pass cost 20% of its speed on a 1-core rank).
+        # sleeps 1 ms at a time, leaving the core to the training thread (polling more often
+        # through the forward pass slows it on a rank with one core; see the module's
+        # constants).
         in_flight = bool(self.pending) or self._join_handle is not None or driving
         spin_until = time.perf_counter() + (_POLL_AFTER_CYCLE_SECONDS if in_flight else 0.0)
         if not in_flight:

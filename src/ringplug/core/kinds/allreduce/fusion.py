@@ -60,9 +60,8 @@ def result_factor(op: ReduceOp, postscale: float, size: int) -> float:
 
 # The ring reduces a batch where its tensors lie when they average at least a ring segment
 # over this (64 KiB of the default 512 KiB); smaller ones are packed into the fusion
-# buffer first: each tensor in place travels as messages of its own. Measured on 2 ranks,
-# 8 MiB as one grouped allreduce in place: 2,048 tensors of 4 KiB took 104 ms in place and
-# 34 packed, 64 KiB tensors 8.4 and 8.3, 256 KiB tensors 5.6 and 8.0.
+# buffer first: each tensor in place travels as messages of its own, which costs more than
+# the copy below that size (figures: docs/benchmarks.md, "Design measurements").
 _PIECES_PER_SEGMENT = 8
 
 

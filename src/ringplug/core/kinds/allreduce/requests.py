@@ -217,7 +217,7 @@ def _plain(
         reduce_op, code, postscale = as_op(op), classify(array), float(postscale_factor)
     except Exception:  # noqa: BLE001 - the usual path raises it, and tells the other ranks
         return None
-    # `in FLOATING`, not the enum's `is_floating` property, which costs 0.4 us a call
+    # `in FLOATING`, not the enum's `is_floating` property, a Python call each time
     if not (code in FLOATING or (reduce_op is not ReduceOp.AVERAGE and postscale == 1.0)):
         return None
     if not array.flags.c_contiguous:
@@ -226,7 +226,7 @@ def _plain(
 
 
 # The signatures of plain requests by (type, op, shape): a training step submits the same
-# few forms every step, and a signature made anew costs 0.7 us of the 5 a submission takes.
+# few forms every step, and a signature made anew is a noticeable part of a submission.
 # Signatures are immutable, so requests share them; the dictionary is emptied when it has
 # this many (shapes that change every step).
 _PLAIN_SIGNATURES: dict[tuple[DType, ReduceOp, tuple[int, ...]], Signature] = {}
@@ -365,7 +365,7 @@ def grouped_allreduce_async(
                 )
             outs = [flat(storage_view(t, code)) for t in targets]
             # `out=arrays` (C-contiguous, so `sends` are views of them) is in place; other
-            # outputs are compared by address, which costs 3 us an array.
+            # outputs are compared by address, which costs a ctypes call an array.
             in_place = all(t is s for t, s in zip(targets, sources, strict=True)) or all(
                 o.ctypes.data == s.ctypes.data for o, s in zip(outs, sends, strict=True)
             )
