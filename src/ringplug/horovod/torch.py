@@ -121,90 +121,82 @@ def _truncated(tensor: torch.Tensor, factor: float, out: torch.Tensor | None = N
         return out.copy_(scaled)
 
 
-def _scaled_after(
-    start: Callable[..., rt.TensorHandle],
-    tensors: list,
-    op: ReduceOp,
-    pre: float,
-    post: float,
-    in_place: bool,
-    copy: bool = True,
-) -> rt.TensorHandle:
-    """``start(works, op, pre, post)`` on `tensors` (in place), or on copies (unless `copy`
-    is False: `start` leaves them alone), with Horovod's integer scaling around it."""
-    after = _integer_scale(tensors, op, pre, post)
-    if after is None:
-        works = [_copy(t) for t in tensors] if copy and not in_place else tensors
-        return start(works, op, pre, post)
-    works = [_truncated(t, pre, t if in_place else None) for t in tensors]
-
-    def finish(result: Any) -> Any:
-        for tensor in result if isinstance(result, list) else [result]:
-            _truncated(tensor, after, tensor)
-        return result
-
-    return rt.TensorHandle(start(works, ReduceOp.SUM, 1.0, 1.0), finish)
-
-
 def _copy(tensor: Any) -> Any:
     if not isinstance(tensor, torch.Tensor):
         return tensor  # refused by ringplug.torch, on every rank
     return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
-def _allreduce_async(
-    tensors: list, op: ReduceOp, name: Any, scales: tuple, grouped: bool, in_place: bool
+# ringplug.torch's forms of Horovod's reductions: async on one tensor, async grouped (an
+# allreduce's in place, a reducescatter's into new blocks), then the differentiable ones.
+_FORMS = {
+    "allreduce": (
+        rt.allreduce_async_,
+        rt.grouped_allreduce_async_,
+        rt.allreduce,
+        rt.grouped_allreduce,
+    ),
+    "reducescatter": (
+        rt.reducescatter_async,
+        rt.grouped_reducescatter_async,
+        rt.reducescatter,
+        rt.grouped_reducescatter,
+    ),
+}
+
+
+def _reduce_async(
+    kind: str,
+    tensors: Any,
+    op: ReduceOp,
+    name: Any,
+    scales: tuple,
+    grouped: bool,
+    in_place: bool = False,
 ) -> rt.TensorHandle:
+    """Start Horovod's (grouped) `kind`, with Horovod's integer scaling around it; an
+    allreduce works on `tensors` when `in_place`, else on copies."""
+    one, group = _FORMS[kind][:2]
+
     def start(works: list, op: ReduceOp, pre: float, post: float) -> rt.TensorHandle:
         kwargs = {"name": name, "prescale_factor": pre, "postscale_factor": post}
-        if grouped:
-            return rt.grouped_allreduce_async_(works, op, **kwargs)
-        return rt.allreduce_async_(works[0], op, **kwargs)
+        return group(works, op, **kwargs) if grouped else one(works[0], op, **kwargs)
 
-    return _scaled_after(start, list(tensors), op, *scales, in_place)
+    tensors = list(tensors)
+    after = _integer_scale(tensors, op, *scales)
+    if after is None:
+        copy = kind == "allreduce" and not in_place  # a reducescatter leaves its input alone
+        return start([_copy(t) for t in tensors] if copy else tensors, op, *scales)
+    works = [_truncated(t, scales[0], t if in_place else None) for t in tensors]
+
+    def finish(result: Any) -> Any:
+        for tensor in _listed(result):
+            _truncated(tensor, after, tensor)
+        return result
+
+    return rt.TensorHandle(start(works, ReduceOp.SUM, 1.0, 1.0), finish)
 
 
-def _allreduced(
-    tensors: Any, op: ReduceOp, name: Any, compression: Any, scales: tuple, grouped: bool
+def _reduced(
+    kind: str,
+    tensors: Any,
+    op: ReduceOp,
+    name: Any,
+    compression: Any,
+    scales: tuple,
+    grouped: bool,
 ) -> list[torch.Tensor]:
-    """Horovod's (grouped) allreduce into new tensors, differentiable."""
+    """Horovod's (grouped) `kind` into new tensors, differentiable (a reducescatter's
+    gradient is ``size`` times ringplug.torch's)."""
+    one, group = _FORMS[kind][2:]
 
     def reduce(sent: list) -> list:
         if _integer_scale(sent, op, *scales) is not None:  # integers: never on the graph
-            return _listed(_allreduce_async(sent, op, name, scales, grouped, False).wait())
+            return _listed(_reduce_async(kind, sent, op, name, scales, grouped).wait())
+        if kind == "reducescatter":
+            sent = _graded(sent, times=core.size())
         kwargs = {"name": name, "prescale_factor": scales[0], "postscale_factor": scales[1]}
-        if grouped:
-            return rt.grouped_allreduce(sent, op, **kwargs)
-        return [rt.allreduce(sent[0], op, **kwargs)]
-
-    return _compressed(compression, tensors, reduce)
-
-
-def _reducescatter_async(
-    tensors: list, op: ReduceOp, name: Any, scales: tuple, grouped: bool
-) -> rt.TensorHandle:
-    def start(works: list, op: ReduceOp, pre: float, post: float) -> rt.TensorHandle:
-        kwargs = {"name": name, "prescale_factor": pre, "postscale_factor": post}
-        if grouped:
-            return rt.grouped_reducescatter_async(works, op, **kwargs)
-        return rt.reducescatter_async(works[0], op, **kwargs)
-
-    return _scaled_after(start, list(tensors), op, *scales, in_place=False, copy=False)
-
-
-def _reducescattered(
-    tensors: Any, op: ReduceOp, name: Any, compression: Any, scales: tuple, grouped: bool
-) -> list[torch.Tensor]:
-    """Horovod's (grouped) reducescatter, differentiable (``size`` x ringplug's gradient)."""
-
-    def reduce(sent: list) -> list:
-        if _integer_scale(sent, op, *scales) is not None:
-            return _listed(_reducescatter_async(sent, op, name, scales, grouped).wait())
-        graded = _graded(sent, times=core.size())
-        kwargs = {"name": name, "prescale_factor": scales[0], "postscale_factor": scales[1]}
-        if grouped:
-            return rt.grouped_reducescatter(graded, op, **kwargs)
-        return [rt.reducescatter(graded[0], op, **kwargs)]
+        return group(sent, op, **kwargs) if grouped else [one(sent[0], op, **kwargs)]
 
     return _compressed(compression, tensors, reduce)
 
@@ -265,7 +257,7 @@ def allreduce(
     """The reduction of `tensor` over every rank, as a new tensor (differentiable)."""
     scales = (prescale_factor, postscale_factor)
     reduce_op = _op(average, op, process_set)
-    return _allreduced([tensor], reduce_op, name, compression, scales, grouped=False)[0]
+    return _reduced("allreduce", [tensor], reduce_op, name, compression, scales, False)[0]
 
 
 def allreduce_async(
@@ -282,7 +274,7 @@ def allreduce_async(
     return _claimed(
         "allreduce",
         name,
-        lambda: _allreduce_async([tensor], reduce_op, name, scales, False, False),
+        lambda: _reduce_async("allreduce", [tensor], reduce_op, name, scales, False, False),
     )
 
 
@@ -315,7 +307,7 @@ def allreduce_async_(
     return _claimed(
         "allreduce",
         name,
-        lambda: _allreduce_async([tensor], reduce_op, name, scales, False, True),
+        lambda: _reduce_async("allreduce", [tensor], reduce_op, name, scales, False, True),
     )
 
 
@@ -332,7 +324,7 @@ def grouped_allreduce(
     """Several tensors reduced as one request; returns new tensors (differentiable)."""
     scales = (prescale_factor, postscale_factor)
     reduce_op = _op(average, op, process_set)
-    return _allreduced(tensors, reduce_op, name, compression, scales, grouped=True)
+    return _reduced("allreduce", tensors, reduce_op, name, compression, scales, True)
 
 
 def grouped_allreduce_async(
@@ -349,7 +341,7 @@ def grouped_allreduce_async(
     return _claimed(
         "grouped_allreduce",
         name,
-        lambda: _allreduce_async(list(tensors), reduce_op, name, scales, True, False),
+        lambda: _reduce_async("allreduce", tensors, reduce_op, name, scales, True, False),
     )
 
 
@@ -382,7 +374,7 @@ def grouped_allreduce_async_(
     return _claimed(
         "grouped_allreduce",
         name,
-        lambda: _allreduce_async(list(tensors), reduce_op, name, scales, True, True),
+        lambda: _reduce_async("allreduce", tensors, reduce_op, name, scales, True, True),
     )
 
 
@@ -564,7 +556,7 @@ def reducescatter(
     """This rank's block of rows of the reduction (earlier ranks get a row more when the
     rows do not divide); differentiable."""
     scales, reduce_op = (prescale_factor, postscale_factor), _op(None, op, process_set)
-    return _reducescattered([tensor], reduce_op, name, compression, scales, grouped=False)[0]
+    return _reduced("reducescatter", [tensor], reduce_op, name, compression, scales, False)[0]
 
 
 def reducescatter_async(
@@ -580,7 +572,7 @@ def reducescatter_async(
     return _claimed(
         "reducescatter",
         name,
-        lambda: _reducescatter_async([tensor], reduce_op, name, scales, grouped=False),
+        lambda: _reduce_async("reducescatter", [tensor], reduce_op, name, scales, False),
     )
 
 
@@ -596,7 +588,7 @@ def grouped_reducescatter(
     """`reducescatter` of several tensors started together; returns this rank's blocks
     (differentiable)."""
     scales, reduce_op = (prescale_factor, postscale_factor), _op(None, op, process_set)
-    return _reducescattered(tensors, reduce_op, name, compression, scales, grouped=True)
+    return _reduced("reducescatter", tensors, reduce_op, name, compression, scales, True)
 
 
 def grouped_reducescatter_async(
@@ -612,7 +604,7 @@ def grouped_reducescatter_async(
     return _claimed(
         "grouped_reducescatter",
         name,
-        lambda: _reducescatter_async(list(tensors), reduce_op, name, scales, grouped=True),
+        lambda: _reduce_async("reducescatter", tensors, reduce_op, name, scales, True),
     )
 
 
