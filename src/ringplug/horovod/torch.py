@@ -29,7 +29,8 @@ from ..compression import Compression
 from ..core.ops import ReduceOp
 from ..torch import collectives as rt
 from ..torch import optimizer as _optimizer
-from ..torch.state import allgather_object, broadcast_object, broadcast_parameters
+from ..torch import state as _state
+from ..torch.state import broadcast_parameters
 from ..torch.sync_batchnorm import SyncBatchNorm
 from . import torch_elastic as elastic  # Horovod's hvd.elastic
 from ._common import *  # noqa: F403 - Horovod's basics, re-exported
@@ -609,6 +610,22 @@ def grouped_reducescatter_async(
 
 
 # ---------------------------------------------------------------------------- the rest
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
+) -> Any:
+    """Root's picklable `obj` (tensors included) on every rank."""
+    check_process_set(process_set)
+    return _state.broadcast_object(obj, root_rank, name=name)
+
+
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: Any = global_process_set
+) -> list[Any]:
+    """Every rank's picklable `obj`, as a list in rank order."""
+    check_process_set(process_set)
+    return _state.allgather_object(obj, name=name)
+
+
 def barrier(process_set: Any = global_process_set) -> None:
     """Wait until every rank has called barrier."""
     check_process_set(process_set)

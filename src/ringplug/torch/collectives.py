@@ -341,11 +341,10 @@ def _reduce_copies(
     tensors: list[torch.Tensor], grouped: bool, op: Any, name: str | None, scales: tuple
 ) -> list[torch.Tensor]:
     """The reductions of copies of `tensors`: one grouped request, or one tensor's."""
-    copies = [_copy(t) for t in tensors]
     kwargs = {"name": name, "prescale_factor": scales[0], "postscale_factor": scales[1]}
     if grouped:
-        return grouped_allreduce_async_(copies, op, **kwargs).wait()
-    return [allreduce_async_(copies[0], op, **kwargs).wait()]
+        return grouped_allreduce_async_([_copy(t) for t in tensors], op, **kwargs).wait()
+    return [allreduce_async(tensors[0], op, **kwargs).wait()]
 
 
 def _copy(tensor: Any) -> Any:
