@@ -1,7 +1,7 @@
 """torch's CUDA facilities for ringplug's GPU data plane: ``torch.cuda`` streams and events
 and torch's caching allocator, so that ringplug's buffers live in torch's memory pool.
 
-``import ringplug.torch`` registers `TorchCuda` with the core (`core.cuda.register_runtime`),
+``import ringplug.torch`` registers `TorchCuda` with the core (`core.gpu.cuda.register_runtime`),
 which never imports torch itself.
 """
 
