@@ -146,7 +146,7 @@ def test_small_allreduces_named_before_travel_in_the_negotiation_message(tmp_pat
         assert bad == {}
         # The first call of a name (or of an unnamed signature) is negotiated as new.
         assert all(case["paths"][1:] == ["eager", "eager"] for case in report["cases"].values())
-        # Those calls ran without a request (`Engine.allreduce_now`), unless they need one: a
+        # Those calls ran without a request (`Engine.call_now`), unless they need one: a
         # prescale factor, or a dtype given to reinterpret the buffer. (An idle engine
         # thread that sees a peer's message first may answer it itself: a call may not.)
         usual = {key: case["now"] for key, case in report["cases"].items()

@@ -9,7 +9,7 @@ import math
 import time
 from types import SimpleNamespace
 
-from ringplug.core.engine import _BURST_LEAST, Engine
+from ringplug.core.engine.engine import _BURST_LEAST, Engine
 
 
 class Queue(collections.deque):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringplug.core.exchange import decode, encode, form_length, messages, same_form
-from ringplug.core.negotiation import Kind, Message, Signature
+from ringplug.core.engine.exchange import decode, encode, form_length, messages, same_form
+from ringplug.core.wire import Kind, Message, Signature
 
 MESSAGES = [
     Message(1),

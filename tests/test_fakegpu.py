@@ -196,7 +196,7 @@ def test_a_planted_bug_in_the_gpu_path_fails_the_battery(fakes, bug, cases, rank
 def test_a_bfloat16_scale_factor_is_rounded_as_torch_rounds_it():
     torch = pytest.importorskip("torch")
     from ringplug.core.dtypes import DType
-    from ringplug.core.gpu import scalar_bytes
+    from ringplug.core.gpu.plane import scalar_bytes
 
     for value in [1 / 3, 1 / 6, 0.1, 2 / 3, 1 / 7, 3.0, -1 / 3, 1e-3, 65504.0, 1 / 1024]:
         want = torch.tensor(value, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF

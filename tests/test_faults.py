@@ -75,7 +75,7 @@ def test_a_frozen_rank_is_reported_then_ends_the_job_and_is_named(scenario, rank
         assert "(RINGPLUG_TIMEOUT=3)" in line
     if scenario == "stop-user-agreed":
         # The healthy ranks' calls of the warm-up's form ran without a request (the wait
-        # above is inside one of them: `Engine.allreduce_now`).
+        # above is inside one of them: `Engine.call_now`).
         ran = dict(re.findall(r"\[(\d)\] calls run without a request: (\d+)", output))
         assert sorted(ran) == [str(r) for r in healthy] and all(int(n) for n in ran.values())
     # ringrun names the frozen rank, not the first rank that gave up on it.

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from ringplug.core.handles import Handle, finish_each
+from ringplug.core.engine.handles import Handle, finish_each
 
 
 def test_a_batch_finishes_every_handle_with_its_own_outcome():

@@ -74,13 +74,13 @@ def _clean_env(**extra: str) -> dict[str, str]:
     [(2708, (2, 7, 8)), (21003, (2, 10, 3)), (22703, (2, 27, 3)), (23203, (2, 32, 3))],
 )
 def test_version_codes_of_old_and_new_releases_parse(code, expected):
-    from ringplug.core.nccl import parse_version
+    from ringplug.core.gpu.nccl import parse_version
 
     assert parse_version(code) == expected
 
 
 def test_the_explicit_library_is_used_and_reported_with_its_version(fakes, monkeypatch):
-    from ringplug.core import nccl
+    from ringplug.core.gpu import nccl
 
     monkeypatch.setenv("FAKE_NCCL_VERSION", "22703")
     found = nccl.version({"RINGPLUG_NCCL_LIB": fakes["nccl"]})
@@ -92,7 +92,7 @@ def test_the_explicit_library_is_used_and_reported_with_its_version(fakes, monke
 
 
 def test_a_missing_explicit_library_is_an_error_not_a_silent_fallback(tmp_path):
-    from ringplug.core import nccl
+    from ringplug.core.gpu import nccl
 
     with pytest.raises(nccl.NcclNotFound) as caught:
         nccl.version({"RINGPLUG_NCCL_LIB": str(tmp_path / "nope.so")})
@@ -113,7 +113,7 @@ def test_a_library_already_loaded_in_the_process_comes_before_the_wheels(fakes, 
         WITHOUT_PATHFINDER
         + f"""
 import ctypes, json
-from ringplug.core import nccl
+from ringplug.core.gpu import nccl
 before = nccl.version()
 nccl._loaded = None
 ctypes.CDLL({str(preloaded)!r})  # as `import torch` (CUDA build) does
@@ -140,7 +140,7 @@ def test_cuda_pathfinder_takes_the_nccl_already_loaded_and_names_it_again_when_a
         f"""
         import ctypes, json
         ctypes.CDLL({str(preloaded)!r})  # as `import torch` (CUDA build) does
-        from ringplug.core import nccl
+        from ringplug.core.gpu import nccl
         first = nccl.candidates()[0]
         found = nccl.version()
         print(json.dumps({{"first": first, "found": [found.source, found.path]}}))
@@ -152,14 +152,14 @@ def test_cuda_pathfinder_takes_the_nccl_already_loaded_and_names_it_again_when_a
 
 
 def test_the_cuda13_wheel_is_preferred_to_the_cuda12_wheel(fakes, tmp_path):
-    from ringplug.core import nccl
+    from ringplug.core.gpu import nccl
 
     cu12 = _fake_wheel(tmp_path / "a", "nvidia-nccl-cu12", fakes["nccl"])
     cu13 = _fake_wheel(tmp_path / "b", "nvidia-nccl-cu13", fakes["nccl"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGPLUG_")}
     code = """
         import json
-        from ringplug.core import nccl
+        from ringplug.core.gpu import nccl
         print(json.dumps({"source": nccl.version().source}))
     """
     env["PYTHONPATH"] = os.pathsep.join([str(cu12), str(cu13)])
@@ -181,7 +181,7 @@ def test_the_system_library_path_is_searched_last(fakes, tmp_path, pathfinder):
         ("" if pathfinder else WITHOUT_PATHFINDER)
         + """
 import json
-from ringplug.core import nccl
+from ringplug.core.gpu import nccl
 places = nccl.candidates()
 found = nccl.version()
 print(json.dumps({"source": found.source, "path": found.path,
@@ -217,7 +217,7 @@ def test_cuda_pathfinder_finds_nccl_in_its_install_root_and_cudart_in_an_nvidia_
         f"""
         import json, site
         site.getsitepackages = lambda: [{str(site_dir)!r}]  # a venv with the wheel
-        from ringplug.core import cuda, nccl
+        from ringplug.core.gpu import cuda, nccl
         found = nccl.version()
         runtime = cuda.CudaRuntime()
         print(json.dumps({{"nccl": [found.source, found.path, str(found)],
@@ -237,7 +237,7 @@ def test_cuda_pathfinder_finds_nccl_in_its_install_root_and_cudart_in_an_nvidia_
         WITHOUT_PATHFINDER
         + """
 import json
-from ringplug.core import nccl
+from ringplug.core.gpu import nccl
 try:
     print(json.dumps({"found": nccl.version().path}))
 except nccl.NcclNotFound as error:
@@ -266,7 +266,7 @@ def test_the_library_variables_come_before_cuda_pathfinder(fakes, tmp_path):
     report = run_python(
         """
         import json
-        from ringplug.core import cuda, nccl
+        from ringplug.core.gpu import cuda, nccl
         print(json.dumps({"nccl": [p for _, p in nccl.candidates()],
                           "cudart": [p for _, p in cuda.cudart_candidates()],
                           "loaded": nccl.version().path}))
@@ -286,7 +286,7 @@ def test_no_library_anywhere_names_every_place_searched_and_how_to_install(tmp_p
     report = run_python(
         """
         import json
-        from ringplug.core import nccl
+        from ringplug.core.gpu import nccl
         try:
             nccl.version()
             print(json.dumps({"found": True}))
@@ -320,7 +320,7 @@ def _fake_wheel(site: Path, distribution: str, library: str) -> Path:
 
 # ---------------------------------------------------------------------- ids and errors
 def test_unique_ids_are_128_bytes_and_new_each_time(fakes):
-    from ringplug.core import nccl
+    from ringplug.core.gpu import nccl
 
     library = nccl.load({"RINGPLUG_NCCL_LIB": fakes["nccl"]})
     first, second = nccl.unique_id(library), nccl.unique_id(library)
@@ -329,7 +329,7 @@ def test_unique_ids_are_128_bytes_and_new_each_time(fakes):
 
 
 def test_nccl_results_become_errors_with_nccls_own_strings_and_what_to_do(fakes, monkeypatch):
-    from ringplug.core import nccl
+    from ringplug.core.gpu import nccl
 
     library = nccl.load({"RINGPLUG_NCCL_LIB": fakes["nccl"]})
     monkeypatch.setenv("FAKE_NCCL_INIT_ERROR", "1")
@@ -348,7 +348,7 @@ def test_nccl_results_become_errors_with_nccls_own_strings_and_what_to_do(fakes,
 
 
 def test_a_wrong_size_unique_id_is_refused(fakes):
-    from ringplug.core import nccl
+    from ringplug.core.gpu import nccl
 
     library = nccl.load({"RINGPLUG_NCCL_LIB": fakes["nccl"]})
     with pytest.raises(ValueError, match="128 bytes"):
@@ -360,14 +360,14 @@ def test_a_wrong_size_unique_id_is_refused(fakes):
     [(0, 1, 0), (3, 1, 0), (0, 4, 0), (2, 4, 2)],
 )
 def test_each_local_rank_gets_its_own_gpu(local_rank, visible, expected):
-    from ringplug.core.gpu import device_for_local_rank
+    from ringplug.core.gpu.plane import device_for_local_rank
 
     assert device_for_local_rank(local_rank, visible) == expected
 
 
 def test_no_gpu_or_too_few_gpus_are_errors_that_say_what_to_do(monkeypatch):
-    from ringplug.core.cuda import CudaError
-    from ringplug.core.gpu import device_for_local_rank
+    from ringplug.core.gpu.cuda import CudaError
+    from ringplug.core.gpu.plane import device_for_local_rank
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(CudaError, match=r"No GPU is visible .*CUDA_VISIBLE_DEVICES=\)"):
@@ -377,8 +377,8 @@ def test_no_gpu_or_too_few_gpus_are_errors_that_say_what_to_do(monkeypatch):
 
 
 def test_nccl_has_no_int16_and_says_what_to_convert_to():
-    from ringplug.core.device import nccl_type
     from ringplug.core.dtypes import DType
+    from ringplug.core.gpu.device import nccl_type
 
     with pytest.raises(TypeError, match="int32"):
         nccl_type(DType.INT16)
@@ -387,7 +387,7 @@ def test_nccl_has_no_int16_and_says_what_to_convert_to():
 
 def test_premultiplied_sum_scalars_have_the_data_type_bytes():
     from ringplug.core.dtypes import DType
-    from ringplug.core.gpu import scalar_bytes
+    from ringplug.core.gpu.plane import scalar_bytes
 
     assert scalar_bytes(0.5, DType.FLOAT32) == np.float32(0.5).tobytes()
     assert scalar_bytes(0.25, DType.FLOAT64) == np.float64(0.25).tobytes()
@@ -400,8 +400,8 @@ def test_dlpack_capsules_give_address_type_shape_and_device_without_being_consum
     torch = pytest.importorskip("torch")
     from torch.utils.dlpack import to_dlpack
 
-    from ringplug.core.device import DL_CPU, read_dlpack
     from ringplug.core.dtypes import DType
+    from ringplug.core.gpu.device import DL_CPU, read_dlpack
 
     tensor = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
     capsule = to_dlpack(tensor)
@@ -417,7 +417,7 @@ def test_host_tensors_are_refused_by_the_nccl_path():
     torch = pytest.importorskip("torch")
     from torch.utils.dlpack import to_dlpack
 
-    from ringplug.core.device import from_dlpack
+    from ringplug.core.gpu.device import from_dlpack
 
     with pytest.raises(TypeError, match="not in GPU memory"):
         from_dlpack(to_dlpack(torch.ones(3)))
@@ -431,9 +431,9 @@ def test_the_engine_reduces_gpu_buffers_through_nccl(fakes):
         import numpy as np
         import ringplug
         from ringplug.core import device_collectives as dc, runtime
-        from ringplug.core.device import DeviceBuffer
+        from ringplug.core.gpu.device import DeviceBuffer
         from ringplug.core.dtypes import DType
-        from ringplug.core.engine import Request
+        from ringplug.core.engine.handles import Request
 
         ringplug.init()
         lib = ctypes.CDLL({fakes["nccl"]!r})
@@ -531,7 +531,7 @@ def test_a_peer_failure_aborts_the_communicator_and_fails_every_gpu_collective(f
         import numpy as np
         import ringplug
         from ringplug.core import device_collectives as dc
-        from ringplug.core.device import DeviceBuffer
+        from ringplug.core.gpu.device import DeviceBuffer
         from ringplug.core.dtypes import DType
 
         ringplug.init()
@@ -565,7 +565,7 @@ def test_a_collective_that_never_finishes_is_aborted_at_the_timeout(fakes):
         import numpy as np
         import ringplug
         from ringplug.core import device_collectives as dc
-        from ringplug.core.device import DeviceBuffer
+        from ringplug.core.gpu.device import DeviceBuffer
         from ringplug.core.dtypes import DType
 
         ringplug.init()
@@ -600,7 +600,7 @@ def test_tensorflow_gpu_tensors_go_by_dlpack_into_fresh_result_tensors(fakes):
         import json
         import tensorflow as tf
         import ringplug
-        from ringplug.core import device
+        from ringplug.core.gpu import device
         from ringplug.keras import _tf_gpu
 
         ringplug.init()
@@ -717,7 +717,7 @@ def _fake_pathfinder(monkeypatch, not_found: type, raises: type, *extra: type) -
 
 
 def test_cuda_pathfinder_not_knowing_a_library_is_told_apart_from_not_finding_it(monkeypatch):
-    from ringplug.core.libraries import pathfinder_library
+    from ringplug.core.gpu.libraries import pathfinder_library
 
     # Current releases: the "unknown" errors subclass DynamicLibNotFoundError.
     class DynamicLibNotFoundError(Exception):
@@ -743,7 +743,7 @@ def test_cuda_pathfinder_not_knowing_a_library_is_told_apart_from_not_finding_it
 
 
 def test_an_older_cuda_pathfinder_without_the_unknown_errors_still_says_not_found(monkeypatch):
-    from ringplug.core.libraries import pathfinder_library
+    from ringplug.core.gpu.libraries import pathfinder_library
 
     class DynamicLibNotFoundError(Exception):
         pass
@@ -758,7 +758,7 @@ def test_a_driver_older_than_the_runtime_is_said_so_not_taken_for_no_gpu(fakes):
     report = run_python(
         """
         import json
-        from ringplug.core.cuda import CudaError, CudaRuntime
+        from ringplug.core.gpu.cuda import CudaError, CudaRuntime
         try:
             print(json.dumps({"count": CudaRuntime().device_count()}))
         except CudaError as error:
@@ -773,7 +773,7 @@ def test_a_driver_older_than_the_runtime_is_said_so_not_taken_for_no_gpu(fakes):
     none = run_python(
         """
         import json
-        from ringplug.core.cuda import CudaRuntime
+        from ringplug.core.gpu.cuda import CudaRuntime
         print(json.dumps({"count": CudaRuntime().device_count()}))
     """,
         fake_env(fakes, FAKE_CUDA_DEVICES="0"),
@@ -785,7 +785,7 @@ def test_communicators_are_made_without_blocking_and_closed_by_a_deadline(fakes)
     report = run_python(
         """
         import json, threading
-        from ringplug.core import cuda, nccl
+        from ringplug.core.gpu import cuda, nccl
 
         runtime = cuda.CudaRuntime()
         runtime.set_device(0)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ringplug.core.dtypes import DType
-from ringplug.core.negotiation import Cache, Kind, Message, Signature, decide, numbered
+from ringplug.core.engine.negotiation import Cache, decide
 from ringplug.core.ops import ReduceOp
+from ringplug.core.wire import Kind, Message, Signature, numbered
 
 W = Signature(Kind.ALLREDUCE, DType.FLOAT32, ReduceOp.AVERAGE, -1, (4, 3))
 B = Signature(Kind.ALLREDUCE, DType.FLOAT32, ReduceOp.AVERAGE, -1, (3,))

@@ -43,8 +43,9 @@ def main() -> int:
         return 0
     name, make, to_numpy, capsule_of = found
     import ringplug
-    from ringplug.core import cuda, device_collectives
-    from ringplug.core.device import from_dlpack
+    from ringplug.core import device_collectives
+    from ringplug.core.gpu import cuda
+    from ringplug.core.gpu.device import from_dlpack
 
     ringplug.init()
     runtime = cuda.default_runtime()

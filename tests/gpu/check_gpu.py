@@ -19,8 +19,9 @@ import torch
 
 import ringplug
 import ringplug.torch as rpt
-from ringplug.core import nccl, runtime
+from ringplug.core import runtime
 from ringplug.core.errors import CommunicatorFailed
+from ringplug.core.gpu import nccl
 
 RESULTS: list[tuple[str, str, str]] = []
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]

@@ -290,7 +290,7 @@ def eager(rank: int) -> dict:
             key = f"{'named' if named else 'unnamed'}/{dtype}/{op}/{pre}"
             report["cases"][key] = {
                 "paths": paths,
-                "now": engine.calls_now - before,  # run without a request (allreduce_now)
+                "now": engine.calls_now - before,  # run without a request (call_now)
                 "ok": bool(
                     np.allclose(
                         np.asarray(got, np.float64), expected, rtol=tolerance, atol=tolerance
@@ -393,7 +393,7 @@ def express(rank: int) -> dict:
         big[:] = rank
     report["big_ok"] = bool(np.all(ringplug.allreduce(big, op="sum", name="big-sync")
                                    == sum(range(size))))  # fmt: skip
-    report["big_now"] = engine.calls_now - before  # without a request (allreduce_now)
+    report["big_now"] = engine.calls_now - before  # without a request (call_now)
     # A form agreed before, now with another shape on rank 0: a mismatch on every rank.
     try:
         ringplug.allreduce(np.ones(5 if rank == 0 else 4), op="sum", name="sync")

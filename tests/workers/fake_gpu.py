@@ -18,8 +18,8 @@ import numpy as np
 import ringplug
 from ringplug.core import device_collectives as dc
 from ringplug.core import runtime
-from ringplug.core.device import DeviceBuffer
 from ringplug.core.dtypes import DType
+from ringplug.core.gpu.device import DeviceBuffer
 
 
 def main(scenario: str) -> None:

@@ -30,10 +30,11 @@ import zlib
 import numpy as np
 
 import ringplug
-from ringplug.core import cuda, gpu, nccl
 from ringplug.core import device_collectives as dc
-from ringplug.core.device import DeviceBuffer
 from ringplug.core.dtypes import DType
+from ringplug.core.gpu import cuda, nccl
+from ringplug.core.gpu import plane as gpu
+from ringplug.core.gpu.device import DeviceBuffer
 
 RANK_ONE_STOPS = threading.Event()  # never set: rank 1 blocks on it
 

@@ -42,7 +42,8 @@ from typing import NoReturn
 import numpy as np
 
 import ringplug
-from ringplug.core import ring, runtime
+from ringplug.core import runtime
+from ringplug.core.transport import ring
 
 
 def fault(label: str) -> None:
@@ -119,7 +120,7 @@ def main(scenario: str, extra: list[str]) -> None:
         forever(small)
     if scenario == "stop-user-agreed":
         # The others' next calls are of a form agreed in the warm-up: each waits inside
-        # allreduce_now's express cycle, which has no request of its own. Under load a
+        # call_now's express cycle, which has no request of its own. Under load a
         # rank's warm-up calls may all have gone through a request (the engine thread held
         # the ring): warm up until every rank has run one without (bounded).
         flag = np.zeros(1, np.float32)
@@ -197,7 +198,7 @@ def engine_errors(rank: int, size: int, engine) -> None:
         print(f"rank {rank}: read-only allreduce raised {type(error).__name__}: {error}",
               flush=True)  # fmt: skip
     # A call of a form agreed before, larger than a message carries, runs without a request
-    # (Engine.allreduce_now) and fails on rank 1 in the middle of its collective.
+    # (Engine.call_now) and fails on rank 1 in the middle of its collective.
     mid = np.full(1 << 15, rank + 1.0, np.float32)
     for _ in range(2):
         ringplug.allreduce(mid, op=ringplug.Sum, out=mid, name="mid")

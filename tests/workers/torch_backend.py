@@ -67,7 +67,7 @@ def calls(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
     ) and torch.equal(coalesced[1], torch.full((2, 2), float(sum(range(1, size + 1)))))
 
     # Synchronous calls of a form agreed before run without a request of the core's
-    # (`Engine.allreduce_now`; an idle engine thread that sees a peer's message first may
+    # (`Engine.call_now`; an idle engine thread that sees a peer's message first may
     # take one), with the same results.
     engine = ringplug.core.runtime.engine()
     before, repeated = engine.calls_now, []

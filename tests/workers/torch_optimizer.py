@@ -87,7 +87,7 @@ def main(scenario: str, outdir: Path) -> None:
         "collectives": collectives,
         # CPU training must not start the GPU plane or load NCCL (nor need it installed).
         "touched_nccl": engine._gpu is not None
-        or getattr(sys.modules.get("ringplug.core.nccl"), "_loaded", None) is not None
+        or getattr(sys.modules.get("ringplug.core.gpu.nccl"), "_loaded", None) is not None
         or "libnccl" in Path("/proc/self/maps").read_text(),
     }
     (outdir / f"{scenario}-{rank}.json").write_text(json.dumps(report))

@@ -305,7 +305,7 @@ def _start_cuda(impls: list[str]) -> None:
     """Put this rank on the GPU of its local rank, and start torch's NCCL group if asked."""
     import torch
 
-    from ..core.gpu import device_for_local_rank
+    from ..core.gpu.plane import device_for_local_rank
 
     try:
         device = device_for_local_rank(ringplug.local_rank(), torch.cuda.device_count())

@@ -8,7 +8,7 @@ This layer knows buffers, never framework tensor types, and is the only one that
 from .. import _public
 from .collectives import join, poll, start_timeline, stop_timeline, synchronize
 from .dtypes import DType
-from .engine import Handle
+from .engine.handles import Handle
 from .errors import (
     BarrierTimeoutError,
     MismatchError,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import runtime
-from .handles import Handle
+from .engine.handles import Handle
 
 # The adapters (ringplug.torch, the Horovod layer) reach every kind through this module.
 from .kinds.allgather import allgather, allgather_async

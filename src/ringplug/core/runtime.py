@@ -22,7 +22,7 @@ from typing import NoReturn
 from ..forensics import stacks
 from . import log
 from .config import Settings, read_settings
-from .engine import Engine
+from .engine.engine import Engine
 from .errors import NotInitializedError, PeerEngineFailedError, PeerLeftError, RingplugError
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,9 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from ..compression import Compression
 from ..torch import broadcast_parameters
-from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
+from ..torch.optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer
 from .common import (
     RingParallel,
     configure_launcher,

@@ -174,7 +174,7 @@ def gloo_built() -> bool:
 
 def nccl_built() -> int:
     """NCCL's version code (e.g. 23203) when ringplug finds an NCCL library, else 0."""
-    from ..core import nccl
+    from ..core.gpu import nccl
 
     try:
         return nccl.version().code

@@ -1,16 +1,18 @@
 """Horovod's ``horovod.torch`` API on ringplug: ``import ringplug.horovod.torch as hvd``.
 
-Same names, signatures and semantics as Horovod 0.28's PyTorch API for what ringplug
-supports: the collectives (sync, async, in place, grouped), their autograd, the
-broadcast helpers, `DistributedOptimizer`, `Compression`, `SyncBatchNorm` and
-``hvd.elastic`` (on ringrun's restarts, `ringplug.horovod.torch_elastic`). What it does
-not support raises with the reason: Adasum, process sets other than the global one.
+Horovod 0.28's names and signatures over ``ringplug.torch``, which does the work: its
+collectives (differentiable), `TensorHandle`, `DistributedOptimizer`, `Compression`,
+`SyncBatchNorm` and broadcast helpers. ``hvd.elastic`` is `ringplug.horovod.torch_elastic`.
+What ringplug does not support raises with the reason: Adasum, process sets other than
+the global one.
 
-Where Horovod's semantics differ from ``ringplug.torch``'s, this module follows Horovod:
+What this module adds is where Horovod's semantics differ from ``ringplug.torch``'s:
 `Average` and scale factors work on integer tensors (scaled in float64, truncated toward
-zero), `alltoall` returns only the tensor when no splits are given, `allgather`'s gradient
-is the average of the ranks' gradients, and allgather and broadcast fail while a rank has
-joined.
+zero); `alltoall` returns only the tensor when no splits are given, and int32 counts;
+allgather's and broadcast's gradients are the average of the ranks' gradients (ringplug's
+are the sum) and reducescatter's ``size`` times ringplug's; allgather and broadcast fail
+while a rank has joined; an async operation's name stays taken until its handle is
+synchronized.
 """
 
 from __future__ import annotations
@@ -23,53 +25,20 @@ from typing import Any
 import torch
 
 from .. import core
-from ..core import collectives as _core
+from ..compression import Compression
 from ..core.ops import ReduceOp
 from ..torch import collectives as rt
 from ..torch import optimizer as _optimizer
-from ..torch.state import allgather_object, broadcast_object, broadcast_parameters
+from ..torch import state as _state
+from ..torch.state import broadcast_parameters
 from ..torch.sync_batchnorm import SyncBatchNorm
-from . import torch_elastic as _torch_elastic
+from . import torch_elastic as elastic  # Horovod's hvd.elastic
 from ._common import *  # noqa: F403 - Horovod's basics, re-exported
 from ._common import Average, check_process_set, global_process_set, resolve_op
 from ._common import __all__ as _BASICS
 from ._torch_state import broadcast_optimizer_state
 
-elastic = _torch_elastic  # Horovod's hvd.elastic
-
-
-class _NoneCompressor:
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor
-
-
-class _FP16Compressor:
-    """Sends floating tensors as float16."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
-        if tensor.dtype.is_floating_point:
-            return tensor.to(torch.float16), tensor.dtype
-        return tensor, tensor.dtype
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
-        return tensor.to(ctx) if ctx is not None and ctx.is_floating_point else tensor
-
-
-class Compression:
-    """``hvd.Compression.none`` / ``hvd.Compression.fp16``."""
-
-    none = _NoneCompressor
-    fp16 = _FP16Compressor
-
+_Tensors = Sequence[torch.Tensor]
 
 # The names of the asynchronous operations whose handles the program has not synchronized
 # (nor seen done with `poll`), per engine and kind: ``(id(engine), "allreduce", name)``.
@@ -81,19 +50,23 @@ _unsynchronized_lock = threading.Lock()
 
 
 class Handle:
-    """An operation in flight, for `poll()` and `synchronize()` (Horovod's handle)."""
+    """Horovod's handle on an operation in flight, for `poll()` and `synchronize()`: a
+    ``ringplug.torch.TensorHandle`` whose name stays taken until the program sees it end."""
 
-    def __init__(self, parts: Any, finish: Callable[[Any], Any] | None = None) -> None:
-        self._parts = parts  # one ringplug handle, or a list of them
-        self._finish = finish
-        self._claim: tuple[int, str, str] | None = None  # its name, until synchronized
+    def __init__(self, parts: rt.TensorHandle, claim: tuple[int, str, str] | None) -> None:
+        self._parts, self._claim = parts, claim
 
     def done(self) -> bool:
-        parts = self._parts if isinstance(self._parts, list) else [self._parts]
-        if all(part.done() for part in parts):
+        if self._parts.done():
             self._release()
             return True
         return False
+
+    def wait(self) -> Any:
+        try:
+            return self._parts.wait()
+        finally:
+            self._release()
 
     def _release(self) -> None:
         if self._claim is not None:
@@ -101,33 +74,12 @@ class Handle:
                 _unsynchronized.discard(self._claim)
             self._claim = None
 
-    def wait(self) -> Any:
-        try:
-            return self._wait()
-        finally:
-            self._release()
 
-    def _wait(self) -> Any:
-        if isinstance(self._parts, list):
-            # Wait for every part even when one fails, so none is left in flight.
-            results, error = [], None
-            for part in self._parts:
-                try:
-                    results.append(part.wait())
-                except Exception as exc:  # noqa: BLE001 - re-raised below
-                    error = error or exc
-            if error is not None:
-                raise error
-        else:
-            results = self._parts.wait()
-        return self._finish(results) if self._finish else results
-
-
-def _claimed(kind: str, name: str | None, start: Callable[[], Handle]) -> Handle:
+def _claimed(kind: str, name: str | None, start: Callable[[], rt.TensorHandle]) -> Handle:
     """`start()` the asynchronous `kind` operation named `name`, refusing the name while an
     earlier one of that kind has not been synchronized."""
     if name is None:
-        return start()
+        return Handle(start(), None)
     key = (id(core.runtime.engine()), kind, name)
     with _unsynchronized_lock:
         if key in _unsynchronized:
@@ -138,114 +90,161 @@ def _claimed(kind: str, name: str | None, start: Callable[[], Handle]) -> Handle
             )
         _unsynchronized.add(key)
     try:
-        handle = start()
+        return Handle(start(), key)
     except BaseException:
         with _unsynchronized_lock:
             _unsynchronized.discard(key)
         raise
-    handle._claim = key
-    return handle
 
 
-# ---------------------------------------------------------------------------- scaling
-def _is_integer(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, torch.Tensor) and not (
-        tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype is torch.bool
-    )
+# ---------------------------------------------------------------------------- Horovod's ways
+def _integer_scale(tensors: list[Any], op: ReduceOp, pre: float, post: float) -> float | None:
+    """What to scale the sum by afterwards when Horovod scales integer `tensors` itself
+    (Average, or Sum with scale factors), else None: ringplug refuses them. Horovod scales
+    in float64 and truncates toward zero, each rank's values by `pre` before the sum."""
+    first = tensors[0] if tensors else None
+    if not isinstance(first, torch.Tensor) or first.is_floating_point() or first.is_complex():
+        return None
+    if first.dtype is torch.bool or op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        return None
+    if op is ReduceOp.SUM and pre == post == 1.0:
+        return None
+    return post / core.size() if op is ReduceOp.AVERAGE else post
 
 
-def _plan(
-    tensor: Any, op: ReduceOp, pre: float, post: float
-) -> tuple[ReduceOp, float, float, bool]:
-    """(op, prescale, postscale for the core, and whether to scale here instead).
-
-    Integer tensors are scaled here as Horovod does, in float64 and truncated toward zero:
-    each rank's values by `pre` before the sum, the sum by `post` (and 1/size for Average)
-    after it. The core keeps refusing scale factors on integers for its own callers."""
-    if not _is_integer(tensor) or (op is not ReduceOp.AVERAGE and pre == 1.0 and post == 1.0):
-        return op, pre, post, False
-    if op is ReduceOp.AVERAGE:
-        return ReduceOp.SUM, pre, post / core.size(), True
-    if op is not ReduceOp.SUM:
-        return op, pre, post, False  # Min/Max/Product with factors: the core's error
-    return op, pre, post, True
+def _truncated(tensor: torch.Tensor, factor: float, out: torch.Tensor | None = None) -> Any:
+    """`tensor` times `factor`, in float64 and truncated toward zero, into `out` (default:
+    a new tensor)."""
+    scaled = (tensor.detach().to(torch.float64) * factor).to(tensor.dtype)
+    if out is None:
+        return scaled
+    with torch.no_grad():
+        return out.copy_(scaled)
 
 
-def _scale_integer(tensor: torch.Tensor, factor: float) -> None:
-    if factor != 1.0:
-        with torch.no_grad():
-            tensor.copy_((tensor.to(torch.float64) * factor).to(tensor.dtype))
-
-
-def _start_allreduce(
-    works: list[torch.Tensor],
-    op: ReduceOp,
-    name: str | None,
-    pre: float,
-    post: float,
-    grouped: bool,
-) -> tuple[Any, Callable[[], None]]:
-    """Start reducing `works` in place; returns the handle and what to run after it."""
-    core_op, pre, post, here = _plan(works[0] if works else None, op, pre, post)
-    if here:
-        for work in works:
-            _scale_integer(work, pre)
-        pre = 1.0
-        scale_after, post = post, 1.0
-    else:
-        scale_after = 1.0
-    if grouped:
-        handle = rt.grouped_allreduce_async_(
-            works, core_op, name=name, prescale_factor=pre, postscale_factor=post
-        )
-    else:
-        handle = rt.allreduce_async_(
-            works[0], core_op, name=name, prescale_factor=pre, postscale_factor=post
-        )
-
-    def after() -> None:
-        for work in works:
-            _scale_integer(work, scale_after)
-
-    return handle, after
-
-
-def _copy(tensor: torch.Tensor) -> torch.Tensor:
+def _copy(tensor: Any) -> Any:
+    if not isinstance(tensor, torch.Tensor):
+        return tensor  # refused by ringplug.torch, on every rank
     return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
-# ---------------------------------------------------------------------------- allreduce
+# ringplug.torch's forms of Horovod's reductions: async on one tensor, async grouped (an
+# allreduce's in place, a reducescatter's into new blocks), then the differentiable ones.
+_FORMS = {
+    "allreduce": (
+        rt.allreduce_async_,
+        rt.grouped_allreduce_async_,
+        rt.allreduce,
+        rt.grouped_allreduce,
+    ),
+    "reducescatter": (
+        rt.reducescatter_async,
+        rt.grouped_reducescatter_async,
+        rt.reducescatter,
+        rt.grouped_reducescatter,
+    ),
+}
+
+
+def _reduce_async(
+    kind: str,
+    tensors: Any,
+    op: ReduceOp,
+    name: Any,
+    scales: tuple,
+    grouped: bool,
+    in_place: bool = False,
+) -> rt.TensorHandle:
+    """Start Horovod's (grouped) `kind`, with Horovod's integer scaling around it; an
+    allreduce works on `tensors` when `in_place`, else on copies."""
+    one, group = _FORMS[kind][:2]
+
+    def start(works: list, op: ReduceOp, pre: float, post: float) -> rt.TensorHandle:
+        kwargs = {"name": name, "prescale_factor": pre, "postscale_factor": post}
+        return group(works, op, **kwargs) if grouped else one(works[0], op, **kwargs)
+
+    tensors = list(tensors)
+    after = _integer_scale(tensors, op, *scales)
+    if after is None:
+        copy = kind == "allreduce" and not in_place  # a reducescatter leaves its input alone
+        return start([_copy(t) for t in tensors] if copy else tensors, op, *scales)
+    works = [_truncated(t, scales[0], t if in_place else None) for t in tensors]
+
+    def finish(result: Any) -> Any:
+        for tensor in _listed(result):
+            _truncated(tensor, after, tensor)
+        return result
+
+    return rt.TensorHandle(start(works, ReduceOp.SUM, 1.0, 1.0), finish)
+
+
+def _reduced(
+    kind: str,
+    tensors: Any,
+    op: ReduceOp,
+    name: Any,
+    compression: Any,
+    scales: tuple,
+    grouped: bool,
+) -> list[torch.Tensor]:
+    """Horovod's (grouped) `kind` into new tensors, differentiable (a reducescatter's
+    gradient is ``size`` times ringplug.torch's)."""
+    one, group = _FORMS[kind][2:]
+
+    def reduce(sent: list) -> list:
+        if _integer_scale(sent, op, *scales) is not None:  # integers: never on the graph
+            return _listed(_reduce_async(kind, sent, op, name, scales, grouped).wait())
+        if kind == "reducescatter":
+            sent = _graded(sent, times=core.size())
+        kwargs = {"name": name, "prescale_factor": scales[0], "postscale_factor": scales[1]}
+        return group(sent, op, **kwargs) if grouped else [one(sent[0], op, **kwargs)]
+
+    return _compressed(compression, tensors, reduce)
+
+
+def _listed(result: Any) -> list:
+    return result if isinstance(result, list) else [result]
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """The identity, whose gradient is multiplied by `times` and divided by `over`: where
+    Horovod's gradient of a collective is a multiple of ringplug.torch's."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, times: int, over: int) -> torch.Tensor:
+        ctx.times, ctx.over = times, over
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:
+        return grad * ctx.times / ctx.over, None, None
+
+
+def _graded(tensors: list, times: int = 1, over: int = 1) -> list:
+    """`tensors`, with Horovod's gradient scaling where autograd tracks them."""
+    if not torch.is_grad_enabled():
+        return tensors
+    return [
+        _ScaledGradient.apply(t, times, over)
+        if isinstance(t, torch.Tensor) and t.requires_grad
+        else t
+        for t in tensors
+    ]
+
+
 def _op(average: bool | None, op: Any, process_set: Any) -> ReduceOp:
     check_process_set(process_set)
     return resolve_op(average, op)
 
 
-def _allreduce_into(
-    tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float, post: float
-) -> Handle:
-    handle, after = _start_allreduce([tensor], op, name, pre, post, grouped=False)
-
-    def finish(result: torch.Tensor) -> torch.Tensor:
-        after()
-        return result
-
-    return Handle(handle, finish)
+def _compressed(compression: Any, tensors: Any, reduce: Callable[[list], list]) -> list:
+    """``reduce`` of the compressed `tensors`, decompressed."""
+    packed = [compression.compress(t) for t in tensors]
+    results = reduce([sent for sent, _ in packed])
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
 
 
-class _Allreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float, post: float
-    ) -> torch.Tensor:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        return _allreduce_into(_copy(tensor), op, name, pre, post).wait()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _allreduce_into(_copy(grad), ctx.op, None, ctx.pre, ctx.post).wait()
-        return reduced, None, None, None, None
-
-
+# ---------------------------------------------------------------------------- allreduce
 def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -256,28 +255,10 @@ def allreduce(
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
 ) -> torch.Tensor:
-    """The reduction of `tensor` over every rank, as a new tensor (differentiable: the
-    gradient is reduced the same way)."""
+    """The reduction of `tensor` over every rank, as a new tensor (differentiable)."""
+    scales = (prescale_factor, postscale_factor)
     reduce_op = _op(average, op, process_set)
-    compressed, ctx = compression.compress(tensor)
-    if compressed.requires_grad and torch.is_grad_enabled():
-        result = _Allreduce.apply(compressed, reduce_op, name, prescale_factor, postscale_factor)
-    else:
-        result = _allreduce_into(
-            _checked_copy(compressed, "allreduce", name),
-            reduce_op,
-            name,
-            prescale_factor,
-            postscale_factor,
-        ).wait()
-    return compression.decompress(result, ctx)
-
-
-def _checked_copy(tensor: Any, what: str, name: str | None) -> torch.Tensor:
-    """A contiguous copy of `tensor`; something that is not a tensor fails on every rank."""
-    if not isinstance(tensor, torch.Tensor):
-        _core.reject(TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}."), name)
-    return _copy(tensor)
+    return _reduced("allreduce", [tensor], reduce_op, name, compression, scales, False)[0]
 
 
 def allreduce_async(
@@ -290,16 +271,11 @@ def allreduce_async(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `allreduce`; `synchronize(handle)` returns the result (the input is not changed)."""
+    scales, reduce_op = (prescale_factor, postscale_factor), _op(average, op, process_set)
     return _claimed(
         "allreduce",
         name,
-        lambda: _allreduce_into(
-            _checked_copy(tensor, "allreduce_async", name),
-            _op(average, op, process_set),
-            name,
-            prescale_factor,
-            postscale_factor,
-        ),
+        lambda: _reduce_async("allreduce", [tensor], reduce_op, name, scales, False, False),
     )
 
 
@@ -328,43 +304,16 @@ def allreduce_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `allreduce_` (in place); `synchronize(handle)` returns `tensor`."""
+    scales, reduce_op = (prescale_factor, postscale_factor), _op(average, op, process_set)
     return _claimed(
         "allreduce",
         name,
-        lambda: _allreduce_into(
-            tensor, _op(average, op, process_set), name, prescale_factor, postscale_factor
-        ),
+        lambda: _reduce_async("allreduce", [tensor], reduce_op, name, scales, False, True),
     )
 
 
-def _grouped_into(
-    tensors: list[torch.Tensor], op: ReduceOp, name: str | None, pre: float, post: float
-) -> Handle:
-    handle, after = _start_allreduce(tensors, op, name, pre, post, grouped=True)
-
-    def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-        after()
-        return results
-
-    return Handle(handle, finish)
-
-
-class _GroupedAllreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, op: ReduceOp, name: str | None, pre: float, post: float, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        return tuple(_grouped_into([_copy(t) for t in tensors], op, name, pre, post).wait())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _grouped_into([_copy(g) for g in grads], ctx.op, None, ctx.pre, ctx.post).wait()
-        return (None, None, None, None, *reduced)
-
-
 def grouped_allreduce(
-    tensors: Sequence[torch.Tensor],
+    tensors: _Tensors,
     average: bool | None = None,
     name: str | None = None,
     compression: Any = Compression.none,
@@ -374,23 +323,13 @@ def grouped_allreduce(
     process_set: Any = global_process_set,
 ) -> list[torch.Tensor]:
     """Several tensors reduced as one request; returns new tensors (differentiable)."""
+    scales = (prescale_factor, postscale_factor)
     reduce_op = _op(average, op, process_set)
-    packed = [compression.compress(t) for t in tensors]
-    compressed = [c for c, _ in packed]
-    if torch.is_grad_enabled() and any(
-        isinstance(c, torch.Tensor) and c.requires_grad for c in compressed
-    ):
-        results = list(
-            _GroupedAllreduce.apply(reduce_op, name, prescale_factor, postscale_factor, *compressed)
-        )
-    else:
-        copies = [_checked_copy(c, "grouped_allreduce", name) for c in compressed]
-        results = _grouped_into(copies, reduce_op, name, prescale_factor, postscale_factor).wait()
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
+    return _reduced("allreduce", tensors, reduce_op, name, compression, scales, True)
 
 
 def grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
+    tensors: _Tensors,
     average: bool | None = None,
     name: str | None = None,
     op: Any = None,
@@ -399,18 +338,16 @@ def grouped_allreduce_async(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `grouped_allreduce`; `synchronize(handle)` returns the new tensors."""
-
-    def start() -> Handle:
-        copies = [_checked_copy(t, "grouped_allreduce_async", name) for t in tensors]
-        return _grouped_into(
-            copies, _op(average, op, process_set), name, prescale_factor, postscale_factor
-        )
-
-    return _claimed("grouped_allreduce", name, start)
+    scales, reduce_op = (prescale_factor, postscale_factor), _op(average, op, process_set)
+    return _claimed(
+        "grouped_allreduce",
+        name,
+        lambda: _reduce_async("allreduce", tensors, reduce_op, name, scales, True, False),
+    )
 
 
 def grouped_allreduce_(
-    tensors: Sequence[torch.Tensor],
+    tensors: _Tensors,
     average: bool | None = None,
     name: str | None = None,
     op: Any = None,
@@ -425,7 +362,7 @@ def grouped_allreduce_(
 
 
 def grouped_allreduce_async_(
-    tensors: Sequence[torch.Tensor],
+    tensors: _Tensors,
     average: bool | None = None,
     name: str | None = None,
     op: Any = None,
@@ -434,12 +371,11 @@ def grouped_allreduce_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `grouped_allreduce_` (in place); `synchronize(handle)` returns `tensors`."""
+    scales, reduce_op = (prescale_factor, postscale_factor), _op(average, op, process_set)
     return _claimed(
         "grouped_allreduce",
         name,
-        lambda: _grouped_into(
-            list(tensors), _op(average, op, process_set), name, prescale_factor, postscale_factor
-        ),
+        lambda: _reduce_async("allreduce", tensors, reduce_op, name, scales, True, True),
     )
 
 
@@ -454,65 +390,32 @@ def sparse_allreduce_async(
         raise ValueError("sparse_allreduce_async reduces with Sum or Average.")
     sparse = tensor.coalesce()
     # Rows of the gathered indices are the nonzeros, so transpose to gather along them.
-    indices = rt.allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices")
-    values = rt.allgather_async(sparse.values().contiguous(), name=f"{name}.values")
+    gathered = rt.TensorHandle(
+        [
+            rt.allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices"),
+            rt.allgather_async(sparse.values().contiguous(), name=f"{name}.values"),
+        ],
+        list,
+    )
 
     def wait() -> torch.Tensor:
-        handle = Handle([indices, values])
-        gathered_indices, gathered_values = handle.wait()
+        indices, values = gathered.wait()
         if reduce_op is ReduceOp.AVERAGE:
-            gathered_values = gathered_values / core.size()
-        return torch.sparse_coo_tensor(
-            gathered_indices.t(), gathered_values, tensor.size(), check_invariants=True
-        )
+            values = values / core.size()
+        return torch.sparse_coo_tensor(indices.t(), values, tensor.size(), check_invariants=True)
 
     return wait
 
 
 # ---------------------------------------------------------------------------- allgather
-def _rows(tensor: torch.Tensor) -> int:
-    return tensor.shape[0] if tensor.dim() else 1
-
-
-def _my_rows(grad: torch.Tensor, rows: int) -> torch.Tensor:
-    """This rank's rows of an averaged gradient of a gather (row counts exchanged now)."""
-    counts = rt.allgather(torch.tensor([rows], dtype=torch.int64)).tolist()
-    offset = sum(counts[: core.rank()])
-    return grad.narrow(0, offset, rows)
-
-
-class _Allgather(torch.autograd.Function):
-    """allgather whose gradient is this rank's rows of the ranks' averaged gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-        ctx.rows, ctx.scalar = _rows(tensor), tensor.dim() == 0
-        return _gather_handle(tensor, name).wait()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
-        averaged = rt.allreduce(grad.contiguous(), ReduceOp.AVERAGE)
-        mine = _my_rows(averaged, ctx.rows)
-        return (mine.reshape(()) if ctx.scalar else mine), None
-
-
-def _gather_handle(tensor: Any, name: str | None) -> Any:
-    if not isinstance(tensor, torch.Tensor):
-        _core.reject(
-            TypeError(f"allgather takes a torch.Tensor, got {type(tensor).__name__}."), name
-        )
-    return rt.allgather_async(tensor, name=name, refuse_joined=True)
-
-
 def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
 ) -> torch.Tensor:
     """Every rank's `tensor` concatenated on the first dimension (which may differ);
     differentiable (each rank's rows get the average of the ranks' gradients for them)."""
     check_process_set(process_set)
-    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
-        return _Allgather.apply(tensor, name)
-    return _gather_handle(tensor, name).wait()
+    (graded,) = _graded([tensor], over=core.size())
+    return rt.allgather(graded, name=name, refuse_joined=True)
 
 
 def allgather_async(
@@ -520,101 +423,49 @@ def allgather_async(
 ) -> Handle:
     """Start `allgather`; `synchronize(handle)` returns the gathered tensor."""
     check_process_set(process_set)
-    return _claimed("allgather", name, lambda: Handle(_gather_handle(tensor, name)))
-
-
-def _group_names(name: str | None, count: int) -> list[str | None]:
-    return [None if name is None else f"{name}.{i}" for i in range(count)]
-
-
-class _GroupedAllgather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, name: str | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.rows = [_rows(t) for t in tensors]
-        ctx.scalars = [t.dim() == 0 for t in tensors]
-        return tuple(grouped_allgather_async(list(tensors), name).wait())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        averaged = grouped_allreduce([g.contiguous() for g in grads], op=Average)
-        mine = [_my_rows(g, rows) for g, rows in zip(averaged, ctx.rows, strict=True)]
-        return (None, *[m.reshape(()) if s else m for m, s in zip(mine, ctx.scalars, strict=True)])
+    return _claimed(
+        "allgather", name, lambda: rt.allgather_async(tensor, name=name, refuse_joined=True)
+    )
 
 
 def grouped_allgather(
-    tensors: Sequence[torch.Tensor],
+    tensors: _Tensors,
     name: str | None = None,
     process_set: Any = global_process_set,
 ) -> list[torch.Tensor]:
     """`allgather` of several tensors started together; returns the gathered tensors
     (differentiable)."""
     check_process_set(process_set)
-    tensors = list(tensors)
-    if torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
-    ):
-        return list(_GroupedAllgather.apply(name, *tensors))
-    return grouped_allgather_async(tensors, name).wait()
+    graded = _graded(list(tensors), over=core.size())
+    return rt.grouped_allgather(graded, name=name, refuse_joined=True)
 
 
 def grouped_allgather_async(
-    tensors: Sequence[torch.Tensor],
+    tensors: _Tensors,
     name: str | None = None,
     process_set: Any = global_process_set,
 ) -> Handle:
     """Start `grouped_allgather`; `synchronize(handle)` returns the list."""
     check_process_set(process_set)
-    tensors = list(tensors)
     return _claimed(
         "grouped_allgather",
         name,
-        lambda: Handle(
-            [
-                _gather_handle(t, n)
-                for t, n in zip(tensors, _group_names(name, len(tensors)), strict=True)
-            ]
-        ),
+        lambda: rt.grouped_allgather_async(list(tensors), name=name, refuse_joined=True),
     )
 
 
 # ---------------------------------------------------------------------------- broadcast
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
-        ctx.root_rank = root_rank
-        return _broadcast_copy(tensor, root_rank, name)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        # As Horovod: the averaged gradient on the root, zero elsewhere.
-        reduced = rt.allreduce(grad.contiguous(), ReduceOp.AVERAGE)
-        if core.rank() != ctx.root_rank:
-            reduced = reduced * 0
-        return reduced, None, None
-
-
-def _checked(tensor: Any, what: str, name: str | None) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        _core.reject(TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}."), name)
-    return tensor
-
-
 def broadcast(
     tensor: torch.Tensor,
     root_rank: int,
     name: str | None = None,
     process_set: Any = global_process_set,
 ) -> torch.Tensor:
-    """Root's `tensor` on every rank, as a new tensor (differentiable, as Horovod)."""
+    """Root's `tensor` on every rank, as a new tensor (differentiable: root's gets the
+    average of the ranks' gradients, the others' zero)."""
     check_process_set(process_set)
-    _checked(tensor, "broadcast", name)
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _Broadcast.apply(tensor, root_rank, name)
-    return _broadcast_copy(tensor, root_rank, name)
-
-
-def _broadcast_copy(tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
-    return rt.broadcast_async_(_copy(tensor), root_rank, name=name, refuse_joined=True).wait()
+    (graded,) = _graded([tensor], over=core.size())
+    return rt.broadcast(graded, root_rank, name=name, refuse_joined=True)
 
 
 def broadcast_(
@@ -624,10 +475,7 @@ def broadcast_(
     process_set: Any = global_process_set,
 ) -> torch.Tensor:
     """Overwrite `tensor` with root's on every rank; returns `tensor`."""
-    check_process_set(process_set)
-    return rt.broadcast_async_(
-        _checked(tensor, "broadcast_", name), root_rank, name=name, refuse_joined=True
-    ).wait()
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
 def broadcast_async(
@@ -638,11 +486,10 @@ def broadcast_async(
 ) -> Handle:
     """Start `broadcast`; `synchronize(handle)` returns root's tensor (a new one)."""
     check_process_set(process_set)
-    copy = _checked_copy(tensor, "broadcast_async", name)
     return _claimed(
         "broadcast",
         name,
-        lambda: Handle(rt.broadcast_async_(copy, root_rank, name=name, refuse_joined=True)),
+        lambda: rt.broadcast_async(tensor, root_rank, name=name, refuse_joined=True),
     )
 
 
@@ -657,53 +504,13 @@ def broadcast_async_(
     return _claimed(
         "broadcast",
         name,
-        lambda: Handle(
-            rt.broadcast_async_(
-                _checked(tensor, "broadcast_async_", name), root_rank, name=name, refuse_joined=True
-            )
-        ),
+        lambda: rt.broadcast_async_(tensor, root_rank, name=name, refuse_joined=True),
     )
 
 
 # ---------------------------------------------------------------------------- alltoall
-def _alltoall_handle(tensor: Any, splits: Any, name: str | None) -> Handle:
-    """Start an alltoall; the handle gives (received rows, int32 rows received per rank)."""
-    _checked(tensor, "alltoall", name)
-    if isinstance(splits, torch.Tensor):
-        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype is torch.bool:
-            _core.reject(
-                ValueError(f"alltoall splits must be integers (torch.int32), got {splits.dtype}."),
-                name,
-            )
-        splits = splits.tolist()
-    rt._check(tensor, "alltoall", name)
-    source = tensor.detach().cpu().contiguous()  # CUDA rows travel through host memory
-    array, dtype = rt.as_numpy(source)
-    handle = _core.alltoall_async(array, splits, name=name, dtype=dtype)
-
-    def finish(result: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        received, counts = result
-        rows = rt.from_numpy(received, source).to(tensor.device)
-        return rows, torch.as_tensor(counts, dtype=torch.int32)
-
-    return Handle(handle, finish)
-
-
-class _Alltoall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None) -> Any:
-        received, counts = _alltoall_handle(tensor, splits, name).wait()
-        ctx.received = counts
-        if splits is None:
-            return received
-        ctx.mark_non_differentiable(counts)
-        return received, counts
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> tuple[Any, None, None]:
-        # Each row goes back to the rank it came from.
-        sent_back, _ = _alltoall_handle(grad.contiguous(), ctx.received, None).wait()
-        return sent_back, None, None
+def _int32_counts(result: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    return result[0], result[1].to(torch.int32)
 
 
 def alltoall(
@@ -718,9 +525,7 @@ def alltoall(
     and the int32 counts received from each rank (as Horovod). Differentiable.
     """
     check_process_set(process_set)
-    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
-        return _Alltoall.apply(tensor, splits, name)
-    received, counts = _alltoall_handle(tensor, splits, name).wait()
+    received, counts = _int32_counts(rt.alltoall(tensor, splits, name=name))
     return received if splits is None else (received, counts)
 
 
@@ -732,77 +537,14 @@ def alltoall_async(
 ) -> Handle:
     """Start `alltoall`; `synchronize(handle)` returns (received rows, received counts)."""
     check_process_set(process_set)
-    return _claimed("alltoall", name, lambda: _alltoall_handle(tensor, splits, name))
+    return _claimed(
+        "alltoall",
+        name,
+        lambda: rt.TensorHandle(rt.alltoall_async(tensor, splits, name=name), _int32_counts),
+    )
 
 
 # ---------------------------------------------------------------------------- reducescatter
-def _reducescatter_handle(
-    tensor: Any, op: ReduceOp, name: str | None, pre: float, post: float
-) -> Handle:
-    _checked(tensor, "reducescatter", name)
-    rt._check(tensor, "reducescatter", name)
-    work = tensor.detach().contiguous()
-    core_op, pre, post, here = _plan(work, op, pre, post)
-    scale_after = 1.0
-    if here:
-        if pre != 1.0:
-            work = work.clone()
-            _scale_integer(work, pre)
-        pre, scale_after, post = 1.0, post, 1.0
-    if work.is_cuda:
-        # The GPU plane's reducescatter is synchronous; the handle is already done.
-        result = rt.reducescatter(work, core_op, name=name)
-        if pre != 1.0 or post != 1.0:
-            result = result * (pre * post)
-        handle: Any = _Done(result)
-    else:
-        array, dtype = rt.as_numpy(work)
-        handle = _core.reducescatter_async(
-            array, core_op, name=name, dtype=dtype, prescale_factor=pre, postscale_factor=post
-        )
-
-    def finish(result: Any) -> torch.Tensor:
-        block = result if isinstance(result, torch.Tensor) else rt.from_numpy(result, work)
-        _scale_integer(block, scale_after)
-        return block
-
-    return Handle(handle, finish)
-
-
-class _Done:
-    """A finished operation's result, in a handle's shape."""
-
-    def __init__(self, result: Any) -> None:
-        self._result = result
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> Any:
-        return self._result
-
-
-def _reducescatter_grad(grad: torch.Tensor, op: ReduceOp, pre: float, post: float) -> torch.Tensor:
-    # Each rank's input reached every rank's block: gather the blocks' gradients back,
-    # scaled as the forward pass scaled them (Sum counts every rank once more than Average).
-    factor = (core.size() if op is ReduceOp.SUM else 1.0) * pre * post
-    return grad * factor if factor != 1.0 else grad
-
-
-class _Reducescatter(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float, post: float
-    ) -> torch.Tensor:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        return _reducescatter_handle(tensor, op, name, pre, post).wait()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        scaled = _reducescatter_grad(grad.contiguous(), ctx.op, ctx.pre, ctx.post)
-        return rt.allgather(scaled), None, None, None, None
-
-
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -814,22 +556,8 @@ def reducescatter(
 ) -> torch.Tensor:
     """This rank's block of rows of the reduction (earlier ranks get a row more when the
     rows do not divide); differentiable."""
-    check_process_set(process_set)
-    reduce_op = resolve_op(None, op)
-    compressed, ctx = compression.compress(tensor)
-    if (
-        isinstance(compressed, torch.Tensor)
-        and compressed.requires_grad
-        and torch.is_grad_enabled()
-    ):
-        result = _Reducescatter.apply(
-            compressed, reduce_op, name, prescale_factor, postscale_factor
-        )
-    else:
-        result = _reducescatter_handle(
-            compressed, reduce_op, name, prescale_factor, postscale_factor
-        ).wait()
-    return compression.decompress(result, ctx)
+    scales, reduce_op = (prescale_factor, postscale_factor), _op(None, op, process_set)
+    return _reduced("reducescatter", [tensor], reduce_op, name, compression, scales, False)[0]
 
 
 def reducescatter_async(
@@ -841,42 +569,16 @@ def reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start `reducescatter`; `synchronize(handle)` returns this rank's block."""
-    check_process_set(process_set)
+    scales, reduce_op = (prescale_factor, postscale_factor), _op(None, op, process_set)
     return _claimed(
         "reducescatter",
         name,
-        lambda: _reducescatter_handle(
-            tensor, resolve_op(None, op), name, prescale_factor, postscale_factor
-        ),
+        lambda: _reduce_async("reducescatter", [tensor], reduce_op, name, scales, False),
     )
 
 
-class _GroupedReducescatter(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, op: ReduceOp, name: str | None, pre: float, post: float, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        return tuple(_grouped_reducescatter(list(tensors), op, name, pre, post).wait())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        scaled = [_reducescatter_grad(g.contiguous(), ctx.op, ctx.pre, ctx.post) for g in grads]
-        return (None, None, None, None, *grouped_allgather_async(scaled).wait())
-
-
-def _grouped_reducescatter(
-    tensors: list[torch.Tensor], op: ReduceOp, name: str | None, pre: float, post: float
-) -> Handle:
-    parts = [
-        _reducescatter_handle(t, op, n, pre, post)
-        for t, n in zip(tensors, _group_names(name, len(tensors)), strict=True)
-    ]
-    return Handle(parts)
-
-
 def grouped_reducescatter(
-    tensors: Sequence[torch.Tensor],
+    tensors: _Tensors,
     name: str | None = None,
     compression: Any = Compression.none,
     op: Any = Average,
@@ -886,27 +588,12 @@ def grouped_reducescatter(
 ) -> list[torch.Tensor]:
     """`reducescatter` of several tensors started together; returns this rank's blocks
     (differentiable)."""
-    check_process_set(process_set)
-    reduce_op = resolve_op(None, op)
-    packed = [compression.compress(t) for t in tensors]
-    compressed = [c for c, _ in packed]
-    if torch.is_grad_enabled() and any(
-        isinstance(c, torch.Tensor) and c.requires_grad for c in compressed
-    ):
-        results = list(
-            _GroupedReducescatter.apply(
-                reduce_op, name, prescale_factor, postscale_factor, *compressed
-            )
-        )
-    else:
-        results = _grouped_reducescatter(
-            compressed, reduce_op, name, prescale_factor, postscale_factor
-        ).wait()
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
+    scales, reduce_op = (prescale_factor, postscale_factor), _op(None, op, process_set)
+    return _reduced("reducescatter", tensors, reduce_op, name, compression, scales, True)
 
 
 def grouped_reducescatter_async(
-    tensors: Sequence[torch.Tensor],
+    tensors: _Tensors,
     name: str | None = None,
     op: Any = Average,
     process_set: Any = global_process_set,
@@ -914,17 +601,31 @@ def grouped_reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start `grouped_reducescatter`; `synchronize(handle)` returns the blocks."""
-    check_process_set(process_set)
+    scales, reduce_op = (prescale_factor, postscale_factor), _op(None, op, process_set)
     return _claimed(
         "grouped_reducescatter",
         name,
-        lambda: _grouped_reducescatter(
-            list(tensors), resolve_op(None, op), name, prescale_factor, postscale_factor
-        ),
+        lambda: _reduce_async("reducescatter", tensors, reduce_op, name, scales, True),
     )
 
 
 # ---------------------------------------------------------------------------- the rest
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
+) -> Any:
+    """Root's picklable `obj` (tensors included) on every rank."""
+    check_process_set(process_set)
+    return _state.broadcast_object(obj, root_rank, name=name)
+
+
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: Any = global_process_set
+) -> list[Any]:
+    """Every rank's picklable `obj`, as a list in rank order."""
+    check_process_set(process_set)
+    return _state.allgather_object(obj, name=name)
+
+
 def barrier(process_set: Any = global_process_set) -> None:
     """Wait until every rank has called barrier."""
     check_process_set(process_set)
@@ -938,12 +639,12 @@ def join(device: int = -1) -> int:
     return core.join()
 
 
-def poll(handle: Any) -> bool:
+def poll(handle: Handle) -> bool:
     """Whether the async operation behind `handle` has finished."""
     return handle.done()
 
 
-def synchronize(handle: Any) -> Any:
+def synchronize(handle: Handle) -> Any:
     """Wait for the async operation behind `handle`; returns its result."""
     return handle.wait()
 
@@ -980,46 +681,22 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     `skip_synchronize()`). `num_groups`/`groups` are accepted and not needed: ringplug
     buckets by size. Sparse gradients are reduced as dense and handed back sparse."""
     check_process_set(process_set)
-    reduce_op = resolve_op(None, op)
-    if named_parameters is not None:
-        named_parameters = list(named_parameters)
-        if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
-            raise ValueError(
-                "named_parameters should be a sequence of (name, parameter) "
-                "tuples, such as model.named_parameters()."
-            )
-        names = [name for name, _ in named_parameters]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(
-                f"named_parameters has duplicate names: {', '.join(duplicates)}. "
-                "Give every parameter its own name."
-            )
-    fp16 = compression is Compression.fp16
-    kind = _optimizer.Compression.fp16 if fp16 else _optimizer.Compression.none
+    named = None if named_parameters is None else list(named_parameters)
     distributed = _optimizer.DistributedOptimizer(
         optimizer,
-        named_parameters=named_parameters,
+        named_parameters=named,
         backward_passes_per_step=backward_passes_per_step,
-        compression=kind,
-        op=reduce_op,
+        compression=compression if isinstance(compression, Compression) else Compression.none,
+        op=resolve_op(None, op),
         gradient_predivide_factor=gradient_predivide_factor,
     )
-    distributed.__class__ = type(
-        distributed.__class__.__name__, (_HorovodSteps, distributed.__class__), {}
-    )
-    if named_parameters is not None:
-        given = {id(p): name for name, p in named_parameters}
-    else:
-        params = [p for group in distributed.param_groups for p in group["params"]]
-        given = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    cls = distributed.__class__
+    distributed.__class__ = type(cls.__name__, (_HorovodSteps, cls), {})
+    params = [p for group in distributed.param_groups for p in group["params"]]
+    given = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    given = given if named is None else {id(p): name for name, p in named}
     # Horovod's attribute: parameter -> the name its gradient is reduced under.
-    distributed._parameter_names = {
-        p: given[id(p)]
-        for group in distributed.param_groups
-        for p in group["params"]
-        if id(p) in given
-    }
+    distributed._parameter_names = {p: given[id(p)] for p in params if id(p) in given}
     return distributed
 
 

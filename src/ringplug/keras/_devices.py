@@ -165,7 +165,7 @@ def _jax_has_cuda() -> bool:
 
 def _cuda_device_count() -> int | None:
     """How many GPUs the CUDA runtime sees (without starting JAX), or None if unknown."""
-    from ..core.cuda import CudaError, CudaRuntime
+    from ..core.gpu.cuda import CudaError, CudaRuntime
 
     try:
         return CudaRuntime().device_count()

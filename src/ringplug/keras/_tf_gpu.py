@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..core import device_collectives
-from ..core.device import from_dlpack
+from ..core.gpu.device import from_dlpack
 from ..core.ops import ReduceOp
 from ._devices import physical_gpu
 

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from .. import core
+from ..compression import Compression
 from ..core import activity
 from ..data.elastic_sampler import ElasticSampler
 from ..diagnose import arrived as batch_arrived
@@ -32,7 +33,7 @@ from ..fabric.common import (
     reduce_over_ranks,
 )
 from ..torch import broadcast_parameters
-from ..torch.optimizer import DEFAULT_BUCKET_BYTES, Compression, DistributedOptimizer
+from ..torch.optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer
 from ..torch.state import broadcast_buffers
 from ..torch.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
 from .diagnostics import RingDiagnostics, diagnostics_for

@@ -26,8 +26,8 @@ def _gpu_names(environ: dict[str, str]) -> list[str]:
 def gpu_section(context: CheckContext) -> Section:
     """NCCL's library and version, the CUDA runtime, and the GPUs visible."""
     # Here, not at the top: ringrun's other commands need none of the core.
-    from ringplug.core import nccl
-    from ringplug.core.cuda import CudaError, CudaRuntime
+    from ringplug.core.gpu import nccl
+    from ringplug.core.gpu.cuda import CudaError, CudaRuntime
 
     environ = dict(context.environ)
     section = Section("NCCL and GPUs")

@@ -10,6 +10,7 @@ Example:
     >>> rpt.allreduce_(loss_sum, op="sum")
 """
 
+from ..compression import Compression
 from ..core import (
     Average,
     Max,
@@ -33,16 +34,23 @@ from .collectives import (
     allreduce_async,
     allreduce_async_,
     alltoall,
+    alltoall_async,
     broadcast,
     broadcast_,
+    broadcast_async,
     broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     reducescatter,
+    reducescatter_async,
 )
 from .device import init
-from .optimizer import Compression, DistributedOptimizer
+from .optimizer import DistributedOptimizer
 from .state import (
     allgather_object,
     broadcast_object,
@@ -72,20 +80,27 @@ __all__ = [
     "allreduce_async",
     "allreduce_async_",
     "alltoall",
+    "alltoall_async",
     "broadcast",
     "broadcast_",
+    "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "local_rank",
     "local_size",
     "rank",
     "reducescatter",
+    "reducescatter_async",
     "shutdown",
     "size",
 ]

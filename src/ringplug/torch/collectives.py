@@ -7,22 +7,30 @@ are ready for any stream when `wait()` returns. Non-contiguous tensors go throug
 contiguous copy. The forms ending in ``_`` work in place; the ``_async`` forms return a handle whose
 ``wait()`` gives the tensor. Every rank must call the same collectives in the same order
 (or under the same ``name``), as for the core.
+
+The plain forms that return new tensors (`allreduce`, `grouped_allreduce`, `broadcast`,
+`allgather`, `grouped_allgather`, `reducescatter`, `grouped_reducescatter`, `alltoall`) are
+differentiable when an input requires grad. Their gradients are those of the sum of every
+rank's loss: backward runs the matching collective on the ranks' gradients (an allreduce
+for an allreduce, an allgather for a reducescatter, ...), so every rank must run backward
+through them in the same order.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..core import Handle, runtime
 from ..core import collectives as core
 from ..core import device_collectives as device
-from ..core.device import DeviceBuffer
 from ..core.dtypes import DType
-from ..core.engine import Handle
-from ..core.ops import Average, ReduceOp
+from ..core.gpu.device import DeviceBuffer
+from ..core.ops import Average, ReduceOp, as_op
 
 # torch dtype -> (the dtype the core reads the bytes as, or None to use the tensor's own)
 _SUPPORTED: dict[torch.dtype, str | None] = {
@@ -52,17 +60,45 @@ _CODES = {
 
 
 class TensorHandle:
-    """A collective on tensors in flight; `wait()` returns the tensor result."""
+    """A collective on tensors in flight; `wait()` returns the tensor result.
 
-    def __init__(self, handle: Handle, finish: Any) -> None:
+    Args:
+        handle: what is in flight: the core's `Handle`, another `TensorHandle`, or a list of
+            them started together (done when all are; `wait()` waits for every one, even
+            after one fails, so that none is left in flight, then raises the first error).
+        finish: called with the result (a list of results for a list) once it has come;
+            what it returns is what `wait()` returns.
+
+    Example:
+        >>> handle = ringplug.torch.allreduce_async(tensor, op="sum")  # doctest: +SKIP
+        >>> doubled = ringplug.torch.TensorHandle(handle, lambda result: result * 2)
+        >>> doubled.wait()
+    """
+
+    def __init__(self, handle: Handle | TensorHandle | list[Any], finish: Any) -> None:
         self._handle = handle
         self._finish = finish
 
     def done(self) -> bool:
-        return self._handle.done()
+        """Whether the result has come (never blocks)."""
+        parts = self._handle if isinstance(self._handle, list) else [self._handle]
+        return all(part.done() for part in parts)
 
     def wait(self, timeout: float | None = None) -> Any:
-        return self._finish(self._handle.wait(timeout))
+        """The result, once it has come (at most `timeout` seconds for all of it)."""
+        if not isinstance(self._handle, list):
+            return self._finish(self._handle.wait(timeout))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results, error = [], None
+        for part in self._handle:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                results.append(part.wait(left))
+            except Exception as exc:  # noqa: BLE001 - raised once every part has ended
+                error = error or exc
+        if error is not None:
+            raise error
+        return self._finish(results)
 
     synchronize = wait
 
@@ -210,9 +246,23 @@ def _allreduce_into(work, op, name, prescale, postscale, finish) -> TensorHandle
     return TensorHandle(handle, lambda _: finish())
 
 
-def allreduce(tensor: torch.Tensor, op: ReduceOp | str = Average, **kwargs: Any) -> torch.Tensor:
-    """The elementwise reduction of `tensor` over every rank, as a new tensor."""
-    return allreduce_async(tensor, op, **kwargs).wait()
+def allreduce(
+    tensor: torch.Tensor,
+    op: ReduceOp | str = Average,
+    *,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """The elementwise reduction of `tensor` over every rank, as a new tensor.
+
+    Differentiable: the gradient is the ranks' gradients reduced the same way (op and
+    scale factors).
+    """
+    scales = (prescale_factor, postscale_factor)
+    if _tracks_grad([tensor]):
+        return _Allreduce.apply(False, as_op(op), name, scales, tensor)[0]
+    return _reduce_copies([tensor], False, op, name, scales)[0]
 
 
 def allreduce_(tensor: torch.Tensor, op: ReduceOp | str = Average, **kwargs: Any) -> torch.Tensor:
@@ -272,16 +322,57 @@ def grouped_allreduce_(
 
 
 def grouped_allreduce(
-    tensors: Sequence[torch.Tensor], op: ReduceOp | str = Average, **kwargs: Any
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp | str = Average,
+    *,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
-    """The reductions of several tensors of one dtype, as new tensors (inputs unchanged)."""
-    copies = [
-        t.detach().clone(memory_format=torch.contiguous_format)
-        if isinstance(t, torch.Tensor)
-        else t
-        for t in tensors
-    ]
-    return grouped_allreduce_async_(copies, op, **kwargs).wait()
+    """The reductions of several tensors of one dtype, as new tensors (inputs unchanged);
+    differentiable, as `allreduce`."""
+    tensors, scales = list(tensors), (prescale_factor, postscale_factor)
+    if _tracks_grad(tensors):
+        return list(_Allreduce.apply(True, as_op(op), name, scales, *tensors))
+    return _reduce_copies(tensors, True, op, name, scales)
+
+
+def _reduce_copies(
+    tensors: list[torch.Tensor], grouped: bool, op: Any, name: str | None, scales: tuple
+) -> list[torch.Tensor]:
+    """The reductions of copies of `tensors`: one grouped request, or one tensor's."""
+    kwargs = {"name": name, "prescale_factor": scales[0], "postscale_factor": scales[1]}
+    if grouped:
+        return grouped_allreduce_async_([_copy(t) for t in tensors], op, **kwargs).wait()
+    return [allreduce_async(tensors[0], op, **kwargs).wait()]
+
+
+def _copy(tensor: Any) -> Any:
+    """A contiguous copy of a tensor, off the graph (anything else as it is, for `_check`)."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _tracks_grad(tensors: Sequence[Any]) -> bool:
+    """Whether a collective of `tensors` is on autograd's graph."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
+class _Allreduce(torch.autograd.Function):
+    """allreduce and grouped_allreduce, whose gradients are reduced the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, grouped: bool, op: ReduceOp, name: Any, scales: tuple, *tensors: Any):
+        ctx.grouped, ctx.op, ctx.scales = grouped, op, scales
+        return tuple(_reduce_copies(list(tensors), grouped, op, name, scales))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        reduced = _reduce_copies(list(grads), ctx.grouped, ctx.op, None, ctx.scales)
+        return (None, None, None, None, *reduced)
 
 
 def broadcast_async_(
@@ -319,20 +410,60 @@ def broadcast_async_(
     return TensorHandle(handle, finish)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int = 0, *, name: str | None = None):
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int = 0,
+    *,
+    name: str | None = None,
+    refuse_joined: bool = False,
+) -> TensorHandle:
+    """Start a broadcast of root's `tensor` into a new tensor (the input is not changed)."""
+    return broadcast_async_(_copy(tensor), root_rank, name=name, refuse_joined=refuse_joined)
+
+
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int = 0,
+    *,
+    name: str | None = None,
+    refuse_joined: bool = False,
+) -> torch.Tensor:
     """Overwrite `tensor` with root's on every rank; returns `tensor`."""
-    return broadcast_async_(tensor, root_rank, name=name).wait()
+    return broadcast_async_(tensor, root_rank, name=name, refuse_joined=refuse_joined).wait()
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int = 0, *, name: str | None = None):
-    """Root's `tensor`, as a new tensor on every rank."""
-    return broadcast_(
-        tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name=name
-    )
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int = 0,
+    *,
+    name: str | None = None,
+    refuse_joined: bool = False,
+) -> torch.Tensor:
+    """Root's `tensor`, as a new tensor on every rank.
+
+    Differentiable: root's tensor gets the sum of every rank's gradient, the other ranks'
+    tensors a zero gradient.
+    """
+    if _tracks_grad([tensor]):
+        return _Broadcast.apply(tensor, root_rank, name, refuse_joined)
+    return broadcast_async(tensor, root_rank, name=name, refuse_joined=refuse_joined).wait()
 
 
-def _allgather(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-    return allgather_async(tensor, name=name).wait()
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any, refuse: bool) -> Any:
+        ctx.root_rank = root_rank
+        return broadcast_async(tensor, root_rank, name=name, refuse_joined=refuse).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
+        summed = allreduce_async(grad, "sum").wait()
+        return (
+            (summed if runtime.rank() == ctx.root_rank else torch.zeros_like(summed)),
+            None,
+            None,
+            None,
+        )
 
 
 def allgather_async(
@@ -358,49 +489,86 @@ def allgather_async(
     return TensorHandle(handle, lambda gathered: from_numpy(gathered, tensor))
 
 
-class _AllgatherWithGrad(torch.autograd.Function):
-    """allgather whose backward sums every rank's gradient for this rank's rows."""
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], *, name: str | None = None, refuse_joined: bool = False
+) -> TensorHandle:
+    """Start an allgather of each of several tensors (named ``<name>.<i>``), together;
+    `wait()` returns the list of gathered tensors (no autograd)."""
+    parts = [
+        allgather_async(t, name=n, refuse_joined=refuse_joined)
+        for t, n in zip(tensors, _member_names(name, len(tensors)), strict=True)
+    ]
+    return TensorHandle(parts, list)
+
+
+def _member_names(name: str | None, count: int) -> list[str | None]:
+    """The names of a group's members: ``<name>.<i>`` (unnamed when the group is)."""
+    return [None if name is None else f"{name}.{i}" for i in range(count)]
+
+
+class _Allgather(torch.autograd.Function):
+    """(grouped) allgather whose backward sums every rank's gradient for this rank's rows."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-        rows = tensor.shape[0] if tensor.dim() else 1
+    def forward(ctx: Any, name: Any, refuse: bool, *tensors: torch.Tensor) -> Any:
+        rows = [t.shape[0] if t.dim() else 1 for t in tensors]
         counts = core.allgather_object(rows, name=None if name is None else f"{name}.rows")
-        ctx.rows = counts
-        ctx.rank = int(np.sum(np.asarray(counts)[: _rank()]))
-        ctx.scalar = tensor.dim() == 0
-        return _allgather(tensor, name)
+        ctx.offsets = [sum(c[i] for c in counts[: runtime.rank()]) for i in range(len(rows))]
+        ctx.rows, ctx.scalars = rows, [t.dim() == 0 for t in tensors]
+        names = [name] if len(tensors) == 1 else _member_names(name, len(tensors))
+        parts = zip(tensors, names, strict=True)
+        handles = [allgather_async(t, name=n, refuse_joined=refuse) for t, n in parts]
+        return tuple(TensorHandle(handles, list).wait())
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
-        summed = allreduce(grad.contiguous(), "sum")
-        mine = summed[ctx.rank : ctx.rank + ctx.rows[_rank()]]
-        return (mine.reshape(()) if ctx.scalar else mine), None
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        summed = TensorHandle([allreduce_async(g, "sum") for g in grads], list).wait()
+        places = zip(summed, ctx.offsets, ctx.rows, ctx.scalars, strict=True)
+        mine = [
+            s.narrow(0, offset, rows).reshape(()) if scalar else s.narrow(0, offset, rows)
+            for s, offset, rows, scalar in places
+        ]
+        return (None, None, *mine)
 
 
-def _rank() -> int:
-    from ..core import runtime
-
-    return runtime.rank()
-
-
-def allgather(tensor: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor, *, name: str | None = None, refuse_joined: bool = False
+) -> torch.Tensor:
     """Every rank's `tensor` concatenated on the first dimension (which may differ).
 
     Differentiable when `tensor` requires grad: the gradient of each rank's rows is the sum
     of every rank's gradient for them (what Lightning's ``all_gather(sync_grads=True)``
     expects).
     """
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherWithGrad.apply(tensor, name)
-    return _allgather(tensor, name)
+    if _tracks_grad([tensor]):
+        return _Allgather.apply(name, refuse_joined, tensor)[0]
+    return allgather_async(tensor, name=name, refuse_joined=refuse_joined).wait()
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], *, name: str | None = None, refuse_joined: bool = False
+) -> list[torch.Tensor]:
+    """`allgather` of each of several tensors, started together; differentiable, as
+    `allgather`."""
+    tensors = list(tensors)
+    if _tracks_grad(tensors):
+        return list(_Allgather.apply(name, refuse_joined, *tensors))
+    return grouped_allgather_async(tensors, name=name, refuse_joined=refuse_joined).wait()
 
 
 def reducescatter_async(
-    tensor: torch.Tensor, op: ReduceOp | str = Average, *, name: str | None = None
+    tensor: torch.Tensor,
+    op: ReduceOp | str = Average,
+    *,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> TensorHandle:
-    """Start a reducescatter; `wait()` returns this rank's block of rows of the reduction."""
+    """Start a reducescatter; `wait()` returns this rank's block of rows of the reduction
+    (earlier ranks get a row more when the rows do not divide)."""
     _check(tensor, "reducescatter", name)
     work = tensor.detach().contiguous()
+    scales = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
     if work.is_cuda:
         if work.dim() == 0:
             core.reject(
@@ -414,19 +582,87 @@ def reducescatter_async(
             )
 
         handle = device.reducescatter_async(
-            device_buffer(work), tuple(work.shape), op, name=name, ready=_ready(work)
+            device_buffer(work), tuple(work.shape), op, name=name, ready=_ready(work), **scales
         )
         return TensorHandle(handle, finish)
     array, dtype = as_numpy(work)
-    handle = core.reducescatter_async(array, op, name=name, dtype=dtype)
+    handle = core.reducescatter_async(array, op, name=name, dtype=dtype, **scales)
     return TensorHandle(handle, lambda block: from_numpy(block, tensor))
 
 
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp | str = Average,
+    *,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> TensorHandle:
+    """Start a reducescatter of each of several tensors (named ``<name>.<i>``), together;
+    `wait()` returns this rank's blocks (no autograd)."""
+    scales = (prescale_factor, postscale_factor)
+    return _reducescatters(list(tensors), _member_names(name, len(tensors)), op, scales)
+
+
+def _reducescatters(tensors: list, names: list, op: Any, scales: tuple) -> TensorHandle:
+    parts = [
+        reducescatter_async(t, op, name=n, prescale_factor=scales[0], postscale_factor=scales[1])
+        for t, n in zip(tensors, names, strict=True)
+    ]
+    return TensorHandle(parts, list)
+
+
+class _Reducescatter(torch.autograd.Function):
+    """(grouped) reducescatter, whose backward gathers the blocks' gradients back."""
+
+    @staticmethod
+    def forward(ctx: Any, op: ReduceOp, names: list, scales: tuple, *tensors: Any) -> Any:
+        if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise ValueError(f"reducescatter has a gradient for Sum and Average, not {op.name}.")
+        ctx.factor = scales[0] * scales[1] / (runtime.size() if op is Average else 1)
+        return tuple(_reducescatters(list(tensors), names, op, scales).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        # Every rank's input reached every block, scaled by the op and the factors.
+        gathered = TensorHandle([allgather_async(g) for g in grads], list).wait()
+        return (None, None, None, *(g * ctx.factor if ctx.factor != 1 else g for g in gathered))
+
+
 def reducescatter(
-    tensor: torch.Tensor, op: ReduceOp | str = Average, *, name: str | None = None
+    tensor: torch.Tensor,
+    op: ReduceOp | str = Average,
+    *,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> torch.Tensor:
-    """This rank's block of rows of the reduction of `tensor` over every rank."""
-    return reducescatter_async(tensor, op, name=name).wait()
+    """This rank's block of rows of the reduction of `tensor` over every rank.
+
+    Differentiable (Sum and Average): every rank's block's gradient, gathered back to each
+    rank's input and scaled as the reduction scaled it.
+    """
+    scales = (prescale_factor, postscale_factor)
+    if _tracks_grad([tensor]):
+        return _Reducescatter.apply(as_op(op), [name], scales, tensor)[0]
+    return _reducescatters([tensor], [name], op, scales).wait()[0]
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp | str = Average,
+    *,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """`reducescatter` of each of several tensors, started together; differentiable, as
+    `reducescatter`."""
+    tensors, scales = list(tensors), (prescale_factor, postscale_factor)
+    names = _member_names(name, len(tensors))
+    if _tracks_grad(tensors):
+        return list(_Reducescatter.apply(as_op(op), names, scales, *tensors))
+    return _reducescatters(tensors, names, op, scales).wait()
 
 
 def alltoall_async(
@@ -438,6 +674,11 @@ def alltoall_async(
     """Start an alltoall; `wait()` returns the rows received and their counts per rank."""
     _check(tensor, "alltoall", name)
     if isinstance(splits, torch.Tensor):
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype is torch.bool:
+            core.reject(
+                ValueError(f"alltoall splits must be integers (torch.int32), got {splits.dtype}."),
+                name,
+            )
         splits = splits.tolist()
     host = tensor.detach().cpu() if tensor.is_cuda else tensor.detach()
     array, dtype = as_numpy(host.contiguous())
@@ -449,14 +690,32 @@ def alltoall_async(
     return TensorHandle(core.alltoall_async(array, splits, name=name, dtype=dtype), finish)
 
 
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any) -> Any:
+        received, counts = alltoall_async(tensor, splits, name=name).wait()
+        ctx.counts = counts
+        ctx.mark_non_differentiable(counts)
+        return received, counts
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[Any, None, None]:
+        # Each row's gradient goes back to the rank it came from.
+        return alltoall_async(grad, ctx.counts).wait()[0], None, None
+
+
 def alltoall(
     tensor: torch.Tensor,
     splits: Sequence[int] | torch.Tensor | None = None,
     *,
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send rows `splits[i]` of `tensor` to rank i; returns the rows received and their counts.
+    """Send rows `splits[i]` of `tensor` to rank i (an even split without `splits`); returns
+    the rows received, in rank order, and their counts from each rank.
 
-    CUDA tensors travel through host memory (NCCL has no alltoall with per-rank splits).
+    Differentiable: each row's gradient goes back to the rank it came from. CUDA tensors
+    travel through host memory (NCCL has no alltoall with per-rank splits).
     """
+    if _tracks_grad([tensor]):
+        return _Alltoall.apply(tensor, splits, name)
     return alltoall_async(tensor, splits, name=name).wait()

@@ -1,7 +1,7 @@
 """torch's CUDA facilities for ringplug's GPU data plane: ``torch.cuda`` streams and events
 and torch's caching allocator, so that ringplug's buffers live in torch's memory pool.
 
-``import ringplug.torch`` registers `TorchCuda` with the core (`core.cuda.register_runtime`),
+``import ringplug.torch`` registers `TorchCuda` with the core (`core.gpu.cuda.register_runtime`),
 which never imports torch itself.
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.cuda import DeviceRuntime, register_runtime
 from ..core.dtypes import DType
+from ..core.gpu.cuda import DeviceRuntime, register_runtime
 
 
 class _DeviceArray:

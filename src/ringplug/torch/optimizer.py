@@ -16,7 +16,6 @@ cheapest.
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import time
 import weakref
@@ -26,19 +25,13 @@ from typing import Any
 import torch
 
 from .. import diagnose
+from ..compression import Compression
 from ..core import activity, runtime
 from ..core.ops import Average, ReduceOp, as_op
 from .collectives import TensorHandle, allreduce_async_, grouped_allreduce_async_
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 _OPTIMIZER_IDS = itertools.count()
-
-
-class Compression(enum.Enum):
-    """How gradients travel: as they are, or as float16 (half the bytes, less precision)."""
-
-    none = "none"
-    fp16 = "fp16"
 
 
 class _Bucket:
@@ -76,7 +69,7 @@ class _Distributed:
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         names = {id(p): f"param.{i}" for i, p in enumerate(params)}
         if named_parameters is not None:
-            given = {id(p): name for name, p in named_parameters}
+            given = {id(p): name for name, p in _checked_names(named_parameters)}
             missing = [names[id(p)] for p in params if id(p) not in given]
             if missing:
                 raise ValueError(
@@ -245,6 +238,26 @@ class _Distributed:
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
 
+def _checked_names(
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """`named_parameters` as a list, refused unless (name, parameter) pairs of unique names."""
+    pairs = list(named_parameters)
+    if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
+        raise ValueError(
+            "named_parameters should be a sequence of (name, parameter) tuples, such as "
+            "model.named_parameters()."
+        )
+    names = [name for name, _ in pairs]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(
+            f"named_parameters has duplicate names: {', '.join(duplicates)}. Give every "
+            "parameter its own name."
+        )
+    return pairs
+
+
 def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
     """Group parameters (in the given order) into same-dtype buckets of about bucket_bytes."""
     buckets: list[_Bucket] = []
@@ -267,7 +280,7 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
     backward_passes_per_step: int = 1,
-    compression: Compression = Compression.none,
+    compression: Compression | str = Compression.none,
     op: ReduceOp | str = Average,
     gradient_predivide_factor: float = 1.0,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -277,10 +290,11 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     Args:
         optimizer: any torch optimizer, already built over the model's parameters.
         named_parameters: ``model.named_parameters()``, to name gradients in errors and the
-            timeline. Defaults to ``None`` (named by position).
+            timeline; the names must be unique. Defaults to ``None`` (named by position).
         backward_passes_per_step: backward passes whose gradients accumulate locally before
             one reduction (gradient accumulation). Defaults to 1.
-        compression: `Compression.none` (default) or `Compression.fp16`.
+        compression: `Compression.none` (default) or `Compression.fp16` (or its value,
+            ``"fp16"``).
         op: `Average` (default) or `Sum`.
         gradient_predivide_factor: divide by this before the sum and by size/this after
             (Average only), to keep float16 sums in range. Defaults to 1.0.
@@ -304,7 +318,7 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     distributed._ringplug_setup(
         named_parameters,
         backward_passes_per_step,
-        compression,
+        Compression(compression),
         as_op(op),
         float(gradient_predivide_factor),
         int(bucket_bytes),

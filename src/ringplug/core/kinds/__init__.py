@@ -1,10 +1,7 @@
-"""Every kind of collective in one module each: its request builders (host arrays, GPU
-buffers), its blocking form, and its object (how it runs on host buffers and on the GPU,
-what a joined rank contributes, how it describes itself), registered with `core.kind`.
+"""Every kind of collective: its request builders (host arrays, GPU buffers), its blocking
+form, and its object (how it runs on host buffers and on the GPU, what a joined rank
+contributes, how it describes itself), registered with `kinds.kind`. A kind is one module,
+or one package when it has several paths (`allreduce`).
 
-Importing this package registers every kind.
+Importing a kind's module registers it; `core.collectives` imports every one.
 """
-
-from . import allgather, allreduce, alltoall, barrier, broadcast, objects, reducescatter
-
-__all__ = ["allgather", "allreduce", "alltoall", "barrier", "broadcast", "objects", "reducescatter"]

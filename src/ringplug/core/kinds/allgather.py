@@ -4,15 +4,14 @@ differ between ranks)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ..device import DeviceBuffer
 from ..dtypes import DType, classify
-from ..handles import Handle, Request
-from ..kind import GPU, Buffer, CollectiveKind, register, shape_text
-from ..negotiation import Kind, Signature
+from ..engine.handles import Handle, Request
+from ..gpu.device import DeviceBuffer
+from ..wire import Kind, Response, Signature
 from .base import (
     ArrayLike,
     Finish,
@@ -24,10 +23,7 @@ from .base import (
     result_as,
     start,
 )
-
-if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..negotiation import Response
+from .kind import GPU, Buffer, CollectiveKind, EngineView, register, shape_text
 
 
 def allgather_async(
@@ -105,7 +101,7 @@ class Allgather(CollectiveKind):
     def shape_text(self, signature: Signature) -> str:
         return f"with rows of shape {shape_text(signature.shape)}"
 
-    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_host(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         signature = response.signature
         if request is not None:
             send = request.payload.send
@@ -113,7 +109,7 @@ class Allgather(CollectiveKind):
             send = np.empty((0, *signature.shape), DType(signature.code).storage)
         return engine.transport.allgather(send, response.extras)
 
-    def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_gpu(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         signature = response.signature
         row_elems = math.prod(signature.shape)
         send, out, ready = (

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .. import runtime
 from ..dtypes import DType, classify
-from ..handles import Handle, Request
-from ..kind import Buffer, CollectiveKind, SameEverywhere, register, shape_text
-from ..negotiation import Kind, Signature
+from ..engine.handles import Handle, Request
+from ..wire import Kind, Response, Signature
 from .base import (
     ArrayLike,
     as_array,
@@ -20,10 +19,7 @@ from .base import (
     result_as,
     start,
 )
-
-if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..negotiation import Response
+from .kind import Buffer, CollectiveKind, EngineView, SameEverywhere, register, shape_text
 
 
 def alltoall_async(
@@ -88,7 +84,7 @@ class Alltoall(CollectiveKind):
     def shape_text(self, signature: Signature) -> str:
         return f"with rows of shape {shape_text(signature.shape)}"
 
-    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_host(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         if not all(response.have):
             raise SameEverywhere(f"alltoall {response.name!r} cannot run after a rank joined.")
         return engine.transport.alltoall(request.payload.send, request.payload.splits)

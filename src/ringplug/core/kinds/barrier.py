@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..handles import Handle, Request
-from ..kind import CollectiveKind, register
-from ..negotiation import Kind, Signature
+from ..engine.handles import Handle, Request
+from ..wire import Kind, Response, Signature
 from .base import (
     blocking,
     name_request,
     submit,
 )
-
-if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..negotiation import Response
+from .kind import CollectiveKind, EngineView, register
 
 
 def barrier_async(name: str | None = None, timeout: float | None = None) -> Handle:
@@ -62,7 +58,7 @@ class Barrier(CollectiveKind):
 
     label = "barrier"
 
-    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_host(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         return None
 
 

@@ -7,19 +7,21 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from .. import runtime
-from ..device import DeviceBuffer, nccl_type
 from ..dtypes import DType, storage_view
-from ..engine import Engine, cacheable_name
+from ..engine.handles import Handle, Request
 from ..errors import RingplugError
-from ..handles import Handle, Request
-from ..kind import kind_of
-from ..negotiation import Kind, Signature
+from ..gpu.device import DeviceBuffer, nccl_type
 from ..ops import ReduceOp
+from ..wire import Kind, Signature, cacheable_name
+from .kind import kind_of
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
 
 Finish = Callable[[Any], Any]
 Build = Callable[[str], Request]
@@ -173,9 +175,9 @@ def check_buffers(buffers: Sequence[DeviceBuffer], what: str) -> None:
     """Raise if this rank's GPU plane cannot take `buffers` (no NCCL, no GPU, wrong GPU,
     a type NCCL lacks)."""
     # Only GPU jobs load NCCL and the CUDA runtime (and pay for importing their bindings).
-    from .. import nccl
-    from ..cuda import default_runtime
-    from ..gpu import device_for_local_rank
+    from ..gpu import nccl
+    from ..gpu.cuda import default_runtime
+    from ..gpu.plane import device_for_local_rank
 
     nccl.load()
     expected = device_for_local_rank(runtime.local_rank(), default_runtime().device_count())
@@ -191,7 +193,7 @@ def check_buffers(buffers: Sequence[DeviceBuffer], what: str) -> None:
 
 def check_scaling(op: ReduceOp, prescale: float, postscale: float) -> None:
     """Raise when scale factors go with an op that the CUDA runtime in use cannot scale."""
-    from ..cuda import default_runtime  # GPU jobs only, as in `check_buffers`
+    from ..gpu.cuda import default_runtime  # GPU jobs only, as in `check_buffers`
 
     sums = op in (ReduceOp.SUM, ReduceOp.AVERAGE)
     scaled = (prescale, postscale) != (1.0, 1.0)

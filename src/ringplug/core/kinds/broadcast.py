@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ..device import DeviceBuffer
 from ..dtypes import DType, classify, storage_view
-from ..handles import Handle, Request
-from ..kind import GPU, Buffer, CollectiveKind, SameEverywhere, register
-from ..negotiation import Kind, Signature
+from ..engine.handles import Handle, Request
+from ..gpu.device import DeviceBuffer
+from ..wire import Kind, Response, Signature
 from .base import (
     ArrayLike,
     Finish,
@@ -22,10 +21,7 @@ from .base import (
     make,
     start,
 )
-
-if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..negotiation import Response
+from .kind import GPU, Buffer, CollectiveKind, EngineView, SameEverywhere, register
 
 
 def broadcast_async(
@@ -113,7 +109,7 @@ class Broadcast(CollectiveKind):
     label = "broadcast"
     cacheable = True
 
-    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_host(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         signature = response.signature
         _check_root_present(response)
         if request is not None:
@@ -123,7 +119,7 @@ class Broadcast(CollectiveKind):
         engine.transport.broadcast(buf, signature.root)
         return buf
 
-    def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_gpu(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         signature = response.signature
         _check_root_present(response)
         count = math.prod(signature.shape)

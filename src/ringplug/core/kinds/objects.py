@@ -3,22 +3,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import pickle
+from typing import Any
 
 from .. import runtime
-from ..handles import Handle, Request
-from ..kind import CollectiveKind, SameEverywhere, register
-from ..negotiation import Kind, Signature
+from ..engine.handles import Handle, Request
+from ..wire import Kind, Response, Signature
 from .base import (
     name_request,
     submit_and_wait,
 )
-
-if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..negotiation import Response
-
-import pickle
+from .kind import CollectiveKind, EngineView, SameEverywhere, register
 
 
 def _pickled(obj: Any) -> bytes:
@@ -74,7 +69,7 @@ def allgather_object(obj: Any, *, name: str | None = None) -> list[Any]:
 class BroadcastObject(CollectiveKind):
     label = "broadcast_object"
 
-    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_host(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         root = response.signature.root
         if not response.have[root]:
             raise SameEverywhere(
@@ -87,7 +82,7 @@ class BroadcastObject(CollectiveKind):
 class AllgatherObject(CollectiveKind):
     label = "allgather_object"
 
-    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_host(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         data = request.payload if request is not None else b""
         return engine.transport.allgather_bytes(data, response.extras)
 

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from .. import reduce
-from ..device import DeviceBuffer
 from ..dtypes import DType, classify
-from ..handles import Handle, Request
-from ..kind import GPU, Buffer, CollectiveKind, identity, register
-from ..negotiation import Kind, Signature
+from ..engine.handles import Handle, Request
+from ..gpu.device import DeviceBuffer
 from ..ops import Average, ReduceOp, as_op
+from ..transport import reduce
+from ..wire import Kind, Response, Signature
 from .base import (
     ArrayLike,
     Finish,
@@ -26,10 +25,7 @@ from .base import (
     result_as,
     start,
 )
-
-if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..negotiation import Response
+from .kind import GPU, Buffer, CollectiveKind, EngineView, identity, register
 
 
 def reducescatter_async(
@@ -111,7 +107,7 @@ class Reducescatter(CollectiveKind):
     label = "reducescatter"
     cacheable = True
 
-    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_host(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         signature = response.signature
         op, code = ReduceOp(signature.op), DType(signature.code)
         if request is not None:
@@ -129,7 +125,7 @@ class Reducescatter(CollectiveKind):
             reduce.scale(block.reshape(-1), factor, code)
         return block
 
-    def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_gpu(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         signature = response.signature
         op, code = ReduceOp(signature.op), DType(signature.code)
         count = math.prod(signature.shape)

@@ -1,30 +1,78 @@
 """What every kind of collective provides, and the registry the engine dispatches through.
 
-A kind is one object (a module of `ringplug.core.kinds` makes and registers it): how it
-describes itself in errors and the timeline, how it runs on host buffers and on the GPU,
-and what a rank that has joined contributes. Its request builders live in the same module.
-The engine knows no kind by name: it asks `kind_of(signature.kind)`.
+A kind is one object (a module or package of `ringplug.core.kinds` makes and registers it):
+how it describes itself in errors and the timeline, how it runs on host buffers and on the
+GPU, whether it runs in fused batches, whether small requests of it travel inside the
+negotiation message, and what a rank that has joined contributes. Its request builders live
+beside it. The engine knows no kind by name: it asks `kind_of(signature.kind)`, and a kind
+sees the engine only through `EngineView`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .dtypes import DType
-from .errors import RingplugError
-from .ops import ReduceOp
+from ..dtypes import DType
+from ..errors import PeerFailedError, RingplugError
+from ..ops import ReduceOp
+from ..wire import GPU, HOST, Response, Signature
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .handles import Request
-    from .negotiation import Response, Signature
+    from ..config import Settings
+    from ..engine.handles import Request
+    from ..gpu.plane import GpuPlane
+    from ..timeline import Timeline
+    from ..transport.host import Transport
+
+__all__ = [
+    "GPU",
+    "HOST",
+    "Buffer",
+    "CollectiveKind",
+    "EngineView",
+    "SameEverywhere",
+    "check_joined",
+    "identity",
+    "kind_of",
+    "register",
+    "shape_text",
+]
 
 
-# Where a request's buffers live (`Signature.place`): host memory or GPU memory (NCCL).
-HOST, GPU = 0, 1
+class EngineView(Protocol):
+    """What a kind may use of the engine that runs it (`engine.Engine` is one)."""
+
+    settings: Settings
+    rank: int
+    size: int
+    transport: Transport
+    timeline: Timeline | None
+    pending: dict[str, Request]
+    # This cycle's data carried in the messages: name -> every rank's copy.
+    carried_copies: dict[str, list[memoryview]]
+    collectives_run: int
+    # Per-kind state the engine keeps for its kinds (a fusion buffer), by kind label.
+    kind_state: dict[str, Any]
+
+    def gpu_plane(self) -> GpuPlane: ...
+
+    def begin_collective(self, kind: str, responses: list[Response]) -> PeerFailedError | None: ...
+
+    def collective_failed(self, exc: BaseException, requests: list[Request | None]) -> None: ...
+
+    def complete(
+        self, request: Request, result: Any = None, error: BaseException | None = None
+    ) -> None: ...
+
+    def complete_each(
+        self, requests: list[Request | None], error: BaseException | None = None
+    ) -> None: ...
+
+    def trace_wait(self, timeline: Timeline, request: Request, start: float) -> None: ...
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -52,8 +100,8 @@ class CollectiveKind:
     # Its signature repeats step after step (gradients, buffers): the negotiation cache
     # gives it a slot, so that a repeated request costs a bit, not its name and signature.
     cacheable = False
-    # Run in fused batches with its neighbours in the plan (allreduce: `core/fusion.py`),
-    # not one by one through `run_host`/`run_gpu`.
+    # Run in fused batches with its neighbours in the plan (`run_batch`; allreduce's are
+    # in `kinds/allreduce/fusion.py`), not one by one through `run_host`/`run_gpu`.
     fused = False
 
     def shape_text(self, signature: Signature) -> str:
@@ -75,14 +123,39 @@ class CollectiveKind:
         parts.append("refusing joined ranks" if signature.refuse_joined else "")
         return " ".join(p for p in parts if p)
 
-    def run_host(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_host(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         """Run on host buffers (`request` is None on a rank that has joined); the result
         goes to the request's `finish`."""
         raise SameEverywhere(f"{self.label} cannot run on host buffers.")
 
-    def run_gpu(self, engine: Engine, response: Response, request: Request | None) -> Any:
+    def run_gpu(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         """Run on GPU buffers through the engine's GPU plane (results stay on the GPU)."""
         raise RingplugError(f"{self.label} is not available for GPU tensors.")
+
+    def run_batch(self, engine: EngineView, batch: list[Response]) -> None:
+        """Run `batch` (consecutive requests of this kind, see `fuses_with`) as one
+        collective and complete its requests; for `fused` kinds."""
+        raise NotImplementedError(f"{self.label} does not run in fused batches.")
+
+    def fuses_with(self, first: Signature, signature: Signature) -> bool:
+        """Whether a request of `signature` may join a batch that starts with `first`."""
+        return False
+
+    def carried_bytes(self, signature: Signature, threshold: int) -> int:
+        """The bytes a request of `signature` carries inside the negotiation message (at
+        most `threshold`), or 0 when it runs as a collective of its own."""
+        return 0
+
+    def carried_pieces(self, request: Request) -> list[memoryview]:
+        """What the message carries of `request` (see `carried_bytes`)."""
+        raise NotImplementedError(f"{self.label} carries no data in messages.")
+
+    def run_carried(
+        self, engine: EngineView, request: Request, copies: Sequence[Any], offset: int
+    ) -> None:
+        """Complete `request` from every rank's copy of its carried data (in rank order,
+        from byte `offset` of each copy)."""
+        raise NotImplementedError(f"{self.label} carries no data in messages.")
 
 
 _KINDS: dict[int, CollectiveKind] = {}

@@ -31,13 +31,13 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..forensics import flight
-from ..forensics.flight import FlightRecorder
-from ..forensics.stacks import own_stacks, report_lines
-from . import activity, eager, log
-from .config import Settings
-from .dtypes import ITEMSIZE
-from .errors import (
+from ...forensics import flight
+from ...forensics.flight import FlightRecorder
+from ...forensics.stacks import own_stacks, report_lines
+from .. import activity, log
+from ..config import Settings
+from ..dtypes import ITEMSIZE
+from ..errors import (
     CommunicatorFailed,
     MismatchError,
     PeerArgumentError,
@@ -46,32 +46,25 @@ from .errors import (
     PeerLeftError,
     RingplugError,
 )
+from ..kinds.kind import SameEverywhere, check_joined, kind_of
+from ..timeline import Timeline
+from ..transport.host import Transport
+from ..transport.waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay, peer_failed_error
+from ..wire import GPU, UNNAMED, Kind, Message, Response, Signature, cacheable_name
+from . import carried
+from .batches import batches
 from .exchange import Exchange
 from .express import ExpressCycles
-from .fusion import Fusion, batches
 from .handles import Handle, Request, finish_each, wake_waiters
-from .kind import GPU, SameEverywhere, check_joined, kind_of
-from .negotiation import (
-    UNNAMED,
-    Cache,
-    Kind,
-    Message,
-    Plan,
-    Response,
-    Signature,
-    decide,
-)
+from .negotiation import Cache, Plan, decide
 from .stalls import StallInspector
-from .timeline import Timeline
-from .transport import Transport
-from .waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay, peer_failed_error
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-    from .gpu import GpuPlane
+    from ..gpu.plane import GpuPlane
 
-__all__ = ["Engine", "Handle", "Request", "cacheable_name"]
+__all__ = ["Engine", "Handle", "Request"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +74,10 @@ _POLL_AFTER_CYCLE_SECONDS = 1e-3
 _CACHE_CAPACITY = 4096
 # A burst of asynchronous submissions runs as one cycle: with at least `_BURST_LEAST`
 # requests queued, the engine thread steps aside while the newest is younger than the gap,
-# for at most the wait (`_let_burst_finish`). Measured on 2 ranks, 1,000 allreduce_async of
-# 4 KiB: without it the engine thread took the GIL 5 ms into the loop (CPython's switch
-# interval) and ran two cycles a burst, 7% slower. A few gradient buckets, or gradients
-# that a backward pass hands over further apart than the gap, run at once.
+# for at most the wait (`_let_burst_finish`). Without it the engine thread takes the GIL at
+# CPython's switch interval, in the middle of the loop, and a burst costs two negotiations
+# (figures: docs/benchmarks.md, "Design measurements"). A few gradient buckets, or
+# gradients that a backward pass hands over further apart than the gap, run at once.
 _BURST_LEAST = 64
 _BURST_GAP_SECONDS = 300e-6
 _BURST_WAIT_SECONDS = 1e-3
@@ -93,8 +86,8 @@ _BURST_WAIT_SECONDS = 1e-3
 # cycle that has deadlines of its own); otherwise the engine thread runs them.
 _DRIVE_ACQUIRE_SECONDS = 1e-3
 # While a caller drives, the engine thread sleeps until the caller hands over (it notifies);
-# this is only a backstop. Waking every millisecond to look cost a caller spinning in a
-# 1 MiB Iallreduce 13% (the woken thread takes the GIL from it), every 100 us 50%.
+# this is only a backstop. Waking often to look slows a caller spinning in an Iallreduce:
+# the woken thread takes the GIL from it (figures: docs/benchmarks.md, "Design measurements").
 _DRIVEN_SLEEP_SECONDS = 0.05
 
 
@@ -103,13 +96,6 @@ def _cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def cacheable_name(name: str) -> bool:
-    """Whether the negotiation cache may learn a request of this name: given names, but not
-    numbered ones ("torch.default#12", used once). Decided from the name alone, so that a
-    joined rank, which sees only the names, learns the same slots as the others."""
-    return not name.startswith(UNNAMED) and "#" not in name
 
 
 class Engine(ExpressCycles):
@@ -143,15 +129,16 @@ class Engine(ExpressCycles):
         self._waited_at = 0.0  # when a caller last began waiting for a handle (`drive`)
         self._queue: collections.deque[Request] = collections.deque()
         # name -> handle of every collective submitted and not complete (None: a request-less
-        # `allreduce_now`, which its caller runs): names are unique while in flight, and a
+        # `call_now`, which its caller runs): names are unique while in flight, and a
         # failing engine fails every handle here, including a batch it was running.
         self._in_flight: dict[str, Handle | None] = {}
         self.pending: dict[str, Request] = {}  # engine thread only
         self._cache = Cache(_CACHE_CAPACITY, settings.eager_threshold if self.size > 1 else 0)
-        # This cycle's eager data: name -> every rank's copy (see `eager`).
-        self.eager_copies: dict[str, list[memoryview]] = {}
+        # This cycle's data carried in the messages: name -> every rank's copy (`carried`).
+        self.carried_copies: dict[str, list[memoryview]] = {}
         self._cycle = 0
-        self._fusion = Fusion(self, settings)
+        # What the kinds keep per engine, by kind label (allreduce: its fusion buffer).
+        self.kind_state: dict[str, Any] = {}
         self._last_batches: tuple[list[Response], list[list[Response] | Response]] | None = None
         self._failure: BaseException | None = None
         self._failed_here: PeerFailedError | None = None  # a collective of this cycle failed
@@ -160,8 +147,8 @@ class Engine(ExpressCycles):
         self._joined_cycle = 0
         self._join_handle: Handle | None = None
         self._unnamed_next = 1  # the number of the next unnamed request ("noname.N")
-        # allreduce_now's agreed forms: (name or prefix, shape, code, op) -> the cache's
-        # signature of it and its slot.
+        # call_now's agreed forms: (name or prefix, signature) -> the cache's signature of
+        # it and its slot.
         self._agreed: dict[tuple[Any, ...], tuple[Signature, int]] = {}
         self._stalls = StallInspector(settings, self.rank, self.size)
         # The last collectives of this rank, for stall reports (`forensics.flight`).
@@ -174,8 +161,7 @@ class Engine(ExpressCycles):
         self.cycles_run = 0
         self.cycles_by_callers = 0  # of those, run by a waiting caller (`drive`; tests read it)
         self.express_cycles = 0  # of those, express cycles that ran their request (`_express`)
-        self.calls_now = 0  # of those, synchronous allreduces run without a request
-        # (`allreduce_now`)
+        self.calls_now = 0  # of those, synchronous calls run without a request (`call_now`)
         self._last_activity = time.perf_counter()  # end of the last cycle that ran something
         self.collectives_run = 0  # fused batches count once (tests count them)
         if settings.timeline:
@@ -451,11 +437,12 @@ class Engine(ExpressCycles):
         delay = 20e-6
         retry_at = time.monotonic() + self._idle_period
         # Right after a cycle the next request or a peer's message is usually microseconds
-        # away: poll, yielding the GIL, before sleeping (a sleep costs 60+ us to wake from).
+        # away: poll, yielding the GIL, before sleeping (waking from a sleep costs more).
         # With nothing of ours in flight there is nothing to answer quickly: a local request
         # wakes the engine at once, and peers wait for that request anyway. Then the engine
-        # sleeps 1 ms at a time, leaving the core to the training thread (polling every
-        # 200 us through the forward pass cost 20% of its speed on a 1-core rank).
+        # sleeps 1 ms at a time, leaving the core to the training thread (polling more often
+        # through the forward pass slows it on a rank with one core; see the module's
+        # constants).
         in_flight = bool(self.pending) or self._join_handle is not None or driving
         spin_until = time.perf_counter() + (_POLL_AFTER_CYCLE_SECONDS if in_flight else 0.0)
         if not in_flight:
@@ -585,7 +572,7 @@ class Engine(ExpressCycles):
         if messages[0].report:  # rank 0 saw a stall: show where this rank is
             self.report_where("rank 0 saw it stall", self.rank in messages[0].report)
         plan = decide(messages, self._cache, alike)
-        self.eager_copies = eager.received(messages, self._cache, plan.repeated)
+        self.carried_copies = carried.received(messages, self._cache, plan.repeated)
         self.cycles_run += 1
         if plan.shutdown_by is not None:
             if plan.shutdown_by == self.rank:
@@ -643,7 +630,7 @@ class Engine(ExpressCycles):
                     continue
             message.new.append((name, request.signature, request.extra))
         if cache.eager_mask:
-            message.eager = eager.pack(message, self.pending, cache)
+            message.eager = carried.pack(message, self.pending, cache)
         message.stall_abort = self._stalls.take_abort()
         message.report = self._stalls.take_report()
         return message
@@ -660,7 +647,7 @@ class Engine(ExpressCycles):
         self._position = 0
         for item in self._batches(plan.responses):
             if isinstance(item, list):
-                self._fusion.run(item)
+                kind_of(item[0].signature.kind).run_batch(self, item)
             else:
                 self._run_single(item)
 
@@ -677,7 +664,7 @@ class Engine(ExpressCycles):
     def gpu_plane(self) -> GpuPlane:
         """The GPU data plane (NCCL), made at the first GPU collective."""
         if self._gpu is None:
-            from .gpu import GpuPlane  # only GPU jobs load NCCL
+            from ..gpu.plane import GpuPlane  # only GPU jobs load NCCL
 
             self._gpu = GpuPlane(self.transport, self.settings, self.local_rank)
         return self._gpu

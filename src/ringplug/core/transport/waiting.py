@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import log
-from .config import Settings
-from .errors import PeerEngineFailedError, PeerFailedError
+from .. import log
+from ..config import Settings
+from ..errors import PeerEngineFailedError, PeerFailedError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -43,17 +43,17 @@ logger = logging.getLogger(__name__)
 
 NOTICE_TAG = 7300
 
-# Right after posting, most operations finish within microseconds: test in a tight loop for
-# 50 us (yielding the core there cost 2 ranks 0.3 ms per small allreduce on the loaded 2-core
-# machine), then yield between tests until 200 us (spinning longer starved 3 ranks on 2
-# cores: 64 MiB took 220 ms instead of 80). Then sleep, doubling from 20 us to 200 us while
-# the wait is young (a late message costs little) and to 1 ms once it has lasted 50 ms.
+# Right after posting, most operations finish within microseconds: test in a tight loop
+# first (yielding the core there slows small allreduces on a loaded machine), then yield
+# between tests (spinning longer starves ranks that share cores). Then sleep, doubling from
+# 20 us to 200 us while the wait is young (a late message costs little) and to 1 ms once it
+# has lasted 50 ms (figures: docs/benchmarks.md, "Design measurements").
 _TIGHT_SECONDS = 50e-6
 _SPIN_SECONDS = 200e-6
 # With a core per rank, nothing is starved by yielding: test (and so progress MPI's
 # nonblocking collectives, which advance only inside a test) for 10 ms before sleeping.
-# Sleeping between tests (20 us asks for 60+ us) made a 256 KiB Iallreduce on 2 ranks take
-# 1.2 ms instead of 0.16, and a 64 MiB ring 16 ms instead of 10.
+# A sleep between tests lasts far longer than asked and stalls MPI's progress
+# (figures: docs/benchmarks.md, "Design measurements").
 SPIN_SECONDS_WITH_A_CORE_EACH = 10e-3
 _FIRST_SLEEP_SECONDS = 20e-6
 _BUSY_SLEEP_SECONDS = 200e-6

@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import NcclError
+from ..errors import NcclError
 from .libraries import mapped_library, pathfinder_library, wheel_library
 
 LIBRARY_VARIABLE = "RINGPLUG_NCCL_LIB"

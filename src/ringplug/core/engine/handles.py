@@ -7,12 +7,16 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .negotiation import Signature
+from ..wire import Signature
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class Driver(Protocol):
+    """What a handle needs of the engine that may run its cycle on the waiting thread."""
+
+    def drive(self, handle: Handle) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ class Handle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Handle], None]] | None = None
-        self._engine: Engine | None = None  # set when the waiter may run the engine's cycles
+        self._engine: Driver | None = None  # set when the waiter may run the engine's cycles
 
     @classmethod
     def completed(cls, name: str, result: Any) -> Handle:

@@ -14,9 +14,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import activity, log
-from .config import Settings
-from .errors import BarrierTimeoutError, StallError
+from .. import activity, log
+from ..config import Settings
+from ..errors import BarrierTimeoutError, StallError
 from .negotiation import Plan
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import ctypes
 import dataclasses
 from typing import Any
 
-from .dtypes import DType
+from ..dtypes import DType
 
 # DLPack's DLDeviceType values
 DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED = 1, 2, 3, 13

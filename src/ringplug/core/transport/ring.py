@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .dtypes import DType
-from .ops import ReduceOp
+from ..dtypes import DType
+from ..ops import ReduceOp
 from .reduce import combine, scale
 
 if TYPE_CHECKING:

@@ -13,24 +13,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import eager, reduce, ring
-from .config import Settings
-from .dtypes import BY_CODE, ITEMSIZE, DType
-from .errors import CommunicatorFailed
-from .kind import GPU, identity
-from .negotiation import Kind, Response
-from .ops import BY_CODE as OP_BY_CODE
-from .ops import ReduceOp
+from ...config import Settings
+from ...dtypes import BY_CODE, DType
+from ...errors import CommunicatorFailed
+from ...ops import BY_CODE as OP_BY_CODE
+from ...ops import ReduceOp
+from ...transport import reduce, ring
+from ...wire import GPU, Response
+from ..kind import EngineView, identity
+from . import eager
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .handles import Request
-    from .timeline import Timeline
+    from ...engine.handles import Request
+    from ...timeline import Timeline
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -60,47 +60,15 @@ def result_factor(op: ReduceOp, postscale: float, size: int) -> float:
 
 # The ring reduces a batch where its tensors lie when they average at least a ring segment
 # over this (64 KiB of the default 512 KiB); smaller ones are packed into the fusion
-# buffer first: each tensor in place travels as messages of its own. Measured on 2 ranks,
-# 8 MiB as one grouped allreduce in place: 2,048 tensors of 4 KiB took 104 ms in place and
-# 34 packed, 64 KiB tensors 8.4 and 8.3, 256 KiB tensors 5.6 and 8.0.
+# buffer first: each tensor in place travels as messages of its own, which costs more than
+# the copy below that size (figures: docs/benchmarks.md, "Design measurements").
 _PIECES_PER_SEGMENT = 8
-
-
-def batches(responses: list[Response], threshold: int) -> Iterator[list[Response] | Response]:
-    """The plan in running order: lists of allreduces to fuse (same dtype, op and place, at
-    most `threshold` bytes together, or one larger tensor), and other collectives alone."""
-    if len(responses) == 1:  # a step's one collective (a synchronous call): nothing to group
-        yield [responses[0]] if responses[0].signature.kind is Kind.ALLREDUCE else responses[0]
-        return
-    batch: list[Response] = []
-    batch_bytes = 0
-    for response in responses:
-        signature = response.signature
-        if signature.kind is not Kind.ALLREDUCE:
-            if batch:
-                yield batch
-                batch, batch_bytes = [], 0
-            yield response
-            continue
-        nbytes = math.prod(signature.shape) * ITEMSIZE[signature.code]
-        if batch and (
-            batch[0].signature.code != signature.code
-            or batch[0].signature.op != signature.op
-            or batch[0].signature.place != signature.place
-            or batch_bytes + nbytes > threshold
-        ):
-            yield batch
-            batch, batch_bytes = [], 0
-        batch.append(response)
-        batch_bytes += nbytes
-    if batch:
-        yield batch
 
 
 class Fusion:
     """Runs the fused allreduce batches of one engine, with its reused fusion buffer."""
 
-    def __init__(self, engine: Engine, settings: Settings) -> None:
+    def __init__(self, engine: EngineView, settings: Settings) -> None:
         self.engine = engine
         self.settings = settings
         self._buffer = np.empty(0, np.uint8)
@@ -120,7 +88,7 @@ class Fusion:
         if signature.place == GPU:
             self._gpu(batch, requests, code, op)
             return
-        if engine.eager_copies:
+        if engine.carried_copies:
             batch, requests = self._eager(batch, requests, code, op)
             if not batch:
                 engine.collectives_run += 1
@@ -141,7 +109,7 @@ class Fusion:
     ) -> tuple[list[Response], list[Request | None]]:
         """Reduce the requests of `batch` whose data every rank's message carried (see
         `eager`); returns the rest of the batch, for the transport."""
-        copies = self.engine.eager_copies
+        copies = self.engine.carried_copies
         rest: list[Response] = []
         rest_requests: list[Request | None] = []
         for response, request in zip(batch, requests, strict=True):

@@ -1,31 +1,30 @@
 """The express cycle: the cycle of a lone synchronous call of a form the ranks agreed on
 before, whose negotiation is one message each way, recognised by its bytes; and the
-synchronous allreduce that runs such a cycle without building a request
-(`allreduce_now`).
+synchronous call that runs such a cycle without building a request (`call_now`, which the
+allreduce kind uses for its blocking form).
 
 `ExpressCycles` is a part of `Engine` (a base class of it): its methods read and change the
 engine's state as the engine's own do (`engine.py` says what each attribute is), and talk to
-MPI only while holding the engine's `_mpi` lock, as every cycle does.
+MPI only while holding the engine's `_mpi` lock, as every cycle does. What a kind adds (the
+data a message carries, what its copies or its collective make) comes through its kind
+object or the callables a caller passes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import numpy as np
-
-from . import activity, eager
-from .dtypes import DType
-from .errors import CommunicatorFailed
+from .. import activity
+from ..errors import CommunicatorFailed
+from ..kinds.kind import kind_of
+from ..wire import GPU, UNNAMED, Response, Signature, numbered
 from .exchange import compact, decode, messages, same_form
-from .fusion import result_factor
-from .handles import Handle, Request, wake_waiters
-from .kind import GPU
-from .negotiation import UNNAMED, Kind, Plan, Response, Signature, numbered
-from .ops import ReduceOp
+from .handles import Request, wake_waiters
+from .negotiation import Plan
 
-# allreduce_now's agreed forms kept at most (a program with more shapes than this starts over).
+# call_now's agreed forms kept at most (a program with more shapes than this starts over).
 _AGREED_CAPACITY = 4096
 
 
@@ -37,8 +36,8 @@ class ExpressCycles:
         else in flight here (a synchronous call's usual cycle); None, before anything is
         sent, when this cycle needs more than that (see `_run_cycle`).
 
-        Its message names the request's slot (and carries its data when it is a small
-        allreduce, see `eager`). When every peer sent a message of the same form, that is
+        Its message names the request's slot (and carries its data when its kind carries
+        it, see `carried`). When every peer sent a message of the same form, that is
         the whole negotiation: the request runs at once, without the plan of `decide`, the
         fusion of batches or the stall inspector, which have nothing to do in such a cycle.
         Otherwise the messages go through the general path, as any cycle's.
@@ -51,6 +50,7 @@ class ExpressCycles:
             return None
         slot, bits, pairs = form
         carried = cache.eager_bytes[slot]
+        kind = kind_of(request.signature.kind) if carried else None
         request.announced = cycle_start
         self.pending[request.name] = request
         self._cycle += 1
@@ -58,7 +58,7 @@ class ExpressCycles:
             self._cycle,
             bits,
             pairs,
-            eager.pieces(request) if carried else (),
+            kind.carried_pieces(request) if kind is not None else (),
             activity.current(),
         )
         received = self._exchange.send_and_receive(self._cycle, wire, self.pending)
@@ -67,13 +67,13 @@ class ExpressCycles:
             return self._follow(messages(decode(wire), wire, received, 0), False, cycle_start)
         self.cycles_run += 1
         self.express_cycles += 1
-        if carried:
+        if kind is not None:
             del self.pending[request.name]
-            self._fusion.reduce_eager(request, received, length)
+            kind.run_carried(self, request, received, length)
             self.collectives_run += 1
             self.transport.last_path = "eager"
         else:
-            self.eager_copies = {}
+            self.carried_copies = {}
             response = Response.everywhere(request.name, request.signature, self.size)
             self._execute(Plan([response], repeated=True, nothing_new=True))
         wake_waiters()
@@ -92,32 +92,35 @@ class ExpressCycles:
             or self._stalls.watching
         )
 
-    def allreduce_now(
+    def call_now(
         self,
         name: str,
         cacheable: bool,
-        array: np.ndarray,
-        fresh: bool,
-        op: ReduceOp,
-        code: DType,
-        postscale: float,
+        signature: Signature,
+        number: int | None,
+        nbytes: int,
+        data: memoryview,
+        from_copies: Callable[[Sequence[Any], int], Any],
+        run: Callable[[], Any],
         build: Callable[[str], Request],
-        number: int | None = None,
-    ) -> np.ndarray | Handle | None:
-        """A synchronous host allreduce of a form the ranks agreed on before, with nothing
+    ) -> Any:
+        """A synchronous host collective of a form the ranks agreed on before, with nothing
         else in flight: its express cycle (see `_express`) and, when its data is larger than
-        the message carries, its collective (`_run_now`), on the caller's thread without a
-        request, a handle or a queue.
+        the message carries, its collective, on the caller's thread without a request, a
+        handle or a queue.
 
-        `array` is C-contiguous, of a native type, with valid arguments; the result goes
-        to a new array when `fresh`, else into `array`. Should the cycle need more (a peer
-        sent something else, or it failed), `build(name)` makes the request, which takes
-        the usual path from there. `number`: the name is the unnamed request of that
-        number (see `unnamed_number`).
+        `signature` is the request's (`number`: the name is the unnamed request of that
+        number, see `unnamed_number`); `data` its `nbytes` bytes, which the message carries
+        when the cache says so. When every rank's message carried it, `from_copies(copies,
+        offset)` makes the result from every rank's copy; otherwise `run()` runs the
+        collective and returns the result. Should the cycle need more (a peer sent something
+        else, or it failed), `build(name)` makes the request, which takes the usual path from
+        there.
 
         Returns the result; the handle to wait for when the cycle needed more; or None,
         before anything was sent, when the call cannot run here (submit it as usual).
         """
+        label = kind_of(signature.kind).label
         with self._mutex:
             if (
                 self._failure is not None
@@ -132,10 +135,10 @@ class ExpressCycles:
                 return None
             self._in_flight[name] = None
             self.flight.note_site(name)
-            self.flight.add(name, ("allreduce", array.nbytes), time.perf_counter(), track=True)
+            self.flight.add(name, (label, nbytes), time.perf_counter(), track=True)
         request: Request | None = None
         try:
-            form = self._agreed_form(name, cacheable, array, code, op, number)
+            form = self._agreed_form(name, cacheable, signature, number)
             if form is None:
                 with self._mutex:
                     self.flight.forget(name)  # the caller submits it as usual
@@ -143,8 +146,7 @@ class ExpressCycles:
             bits, pairs, signature, carried = form
             start = time.perf_counter()
             self._cycle += 1
-            data = (array.data.cast("B"),) if carried else ()
-            wire = compact(self._cycle, bits, pairs, data, activity.current())
+            wire = compact(self._cycle, bits, pairs, (data,) if carried else (), activity.current())
             try:
                 received = self._exchange.send_and_receive(self._cycle, wire, (name,))
                 length = same_form(wire, received)
@@ -161,27 +163,20 @@ class ExpressCycles:
                 return request.handle
             self.cycles_run += 1
             self.express_cycles += 1
-            result = np.empty_like(array) if fresh else array
-            flat = result.reshape(-1)
-            factor = result_factor(op, postscale, self.size)
             if carried:
                 self.collectives_run += 1
                 self.transport.last_path = "eager"
                 # The same copies on every rank: an error here is raised alike everywhere.
-                eager.reduce_copies([flat], received, op, code, length, factor)
+                result = from_copies(received, length)
                 self.calls_now += 1
                 self._last_activity = time.perf_counter()
                 return result
-            if fresh:
-                np.copyto(flat, array.reshape(-1))
             try:
-                request = self._run_now(
+                result, request = self._run_now(
                     name,
                     signature,
-                    flat,
-                    op,
-                    code,
-                    factor,
+                    label,
+                    run,
                     lambda: self._adopt(name, cacheable, build, start, pending=False),
                 )
             except BaseException as exc:  # noqa: BLE001 - as `_guarded_cycle`
@@ -208,46 +203,38 @@ class ExpressCycles:
         self,
         name: str,
         signature: Signature,
-        flat: np.ndarray,
-        op: ReduceOp,
-        code: DType,
-        factor: float,
+        label: str,
+        run: Callable[[], Any],
         adopt: Callable[[], Request],
-    ) -> Request | None:
-        """The collective of an `allreduce_now` too large to travel in the message, as the
-        usual path runs it (`Fusion._one`). When it fails (a peer failed an earlier
+    ) -> tuple[Any, Request | None]:
+        """The collective of a `call_now` too large to travel in the message, as the usual
+        path runs it: (its result, None). When it fails (a peer failed an earlier
         collective of the cycle, or this one failed), the request `adopt()` makes fails as
         the usual path's would, and is returned. A communicator failure raises."""
         self._failed_here, self._position = None, 0
         response = Response.everywhere(name, signature, self.size)
-        skipped = self.begin_collective("allreduce", [response])
+        skipped = self.begin_collective(label, [response])
         if skipped is not None:
             request = adopt()
             self.complete_each([request], error=skipped)
-            return request
+            return None, request
         try:
-            self.transport.allreduce(flat, op, code, postscale=factor)
+            result = run()
         except CommunicatorFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
             request = adopt()
             self.collective_failed(exc, [request])
-            return request
+            return None, request
         self.collectives_run += 1
-        return None
+        return result, None
 
     def _agreed_form(
-        self,
-        name: str,
-        cacheable: bool,
-        array: np.ndarray,
-        code: DType,
-        op: ReduceOp,
-        number: int | None,
+        self, name: str, cacheable: bool, signature: Signature, number: int | None
     ) -> tuple[int, tuple[tuple[int, int], ...], Signature, bool] | None:
-        """The cached bits and numbered pairs of `allreduce_now`'s message, its signature
-        and whether its data travels in the message, when nothing else is in flight and
-        the ranks agreed on this form before (else None)."""
+        """The cached bits and numbered pairs of `call_now`'s message, the cache's signature
+        of it and whether its data travels in the message, when nothing else is in flight
+        and the ranks agreed on this form before (else None)."""
         if self._express_ruled_out():
             return None
         if cacheable:
@@ -256,11 +243,10 @@ class ExpressCycles:
             parts = (UNNAMED, number) if number is not None else numbered(name)
             if parts is None:
                 return None
-        key = (name if parts is None else parts[0], array.shape, code, op)
+        key = (name if parts is None else parts[0], signature)
         cache = self._cache
         known = self._agreed.get(key)
         if known is None or cache.slots[known[1]][1] is not known[0]:
-            signature = Signature(Kind.ALLREDUCE, code, op, -1, array.shape)
             form = cache.form_for(name, parts is None, signature)
             if form is None:
                 return None
@@ -282,7 +268,7 @@ class ExpressCycles:
         start: float,
         pending: bool = True,
     ) -> Request:
-        """The request of an `allreduce_now` whose cycle needs the usual path, `pending` as
+        """The request of a `call_now` whose cycle needs the usual path, `pending` as
         if it had been submitted (else it is about to be completed)."""
         request = build(name)
         request.cacheable = cacheable

@@ -1,7 +1,10 @@
-"""Allreduce: every rank gets the elementwise reduction of every rank's array.
+"""The requests of an allreduce: host arrays (one call, or a group in one pass) and GPU
+buffers, their blocking forms, and the synchronous call that needs no request at all.
 
-Allreduces run in fused batches (`core/fusion.py`); this module builds and checks their
-requests (host arrays, grouped arrays, GPU buffers) and describes them.
+Every host request is made by `_request`, whose fast path takes the usual call (a
+C-contiguous numpy array of a native type, reduced in place or into a new array, valid
+arguments) without the general checks. A blocking call of an agreed form first tries
+`Engine.call_now`, which runs it without a request.
 """
 
 from __future__ import annotations
@@ -11,16 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import reduce, ring, runtime
-from ..device import DeviceBuffer
-from ..dtypes import FLOATING, DType, classify, storage_view
-from ..engine import cacheable_name
-from ..fusion import Reduction
-from ..handles import Handle, Request
-from ..kind import GPU, HOST, CollectiveKind, register, shape_text
-from ..negotiation import UNNAMED, Kind, Signature
-from ..ops import Average, ReduceOp, as_op
-from .base import (
+from ... import runtime
+from ...dtypes import FLOATING, DType, classify, storage_view
+from ...engine.handles import Handle, Request
+from ...gpu.device import DeviceBuffer
+from ...ops import Average, ReduceOp, as_op
+from ...transport import reduce, ring
+from ...wire import GPU, HOST, UNNAMED, Kind, Signature, cacheable_name
+from ..base import (
     ArrayLike,
     Finish,
     as_array,
@@ -35,6 +36,11 @@ from .base import (
     waited_at_once,
     waited_at_once_now,
 )
+from .eager import reduce_copies
+from .fusion import Reduction, result_factor
+
+# (op, type, postscale) of a plain call (see `_plain`).
+Plain = tuple[ReduceOp, DType, float]
 
 
 def allreduce_async(
@@ -55,95 +61,7 @@ def allreduce_async(
         outcome, name = _now(array, op, prescale_factor, postscale_factor, out, name, dtype)
         if outcome is not None:
             return outcome if isinstance(outcome, Handle) else Handle.completed(name, outcome)
-        return _start(array, op, prescale_factor, postscale_factor, out, name, dtype)
-    engine = runtime.current_engine()
-    plain = _plain(array, op, prescale_factor, postscale_factor, out, dtype)
-    if engine is None or plain is None:
-        return _start(array, op, prescale_factor, postscale_factor, out, name, dtype)
-    # The usual call (a gradient, a metric): its request without the general checks.
-    request_name, cacheable = name_request(name, engine)
-    request = _plain_request(request_name, array, out is None, *plain)
-    request.cacheable = cacheable
-    return engine.submit(request)
-
-
-def _start(
-    array: ArrayLike,
-    op: ReduceOp | str,
-    prescale_factor: float,
-    postscale_factor: float,
-    out: np.ndarray | None,
-    name: str | None,
-    dtype: str | DType | None,
-) -> Handle:
-    """Submit the request of `allreduce_async`'s arguments the usual way."""
-    return start(
-        name,
-        lambda request_name: _request(
-            request_name, array, op, prescale_factor, postscale_factor, out, dtype
-        ),
-    )
-
-
-def _request(
-    name: str,
-    array: ArrayLike,
-    op: ReduceOp | str,
-    prescale_factor: float,
-    postscale_factor: float,
-    out: np.ndarray | None,
-    dtype: str | DType | None,
-) -> Request:
-    """The request of `allreduce_async`'s arguments, checked."""
-    source = as_array(array)
-    code = classify(source, dtype)
-    reduce_op = as_op(op)
-    prescale, postscale = float(prescale_factor), float(postscale_factor)
-    reduce.check_op(reduce_op, code, prescale, postscale)
-    target = np.empty_like(source) if out is None else out
-    if target is not source and (
-        not isinstance(target, np.ndarray)
-        or target.shape != source.shape
-        or target.dtype != source.dtype
-    ):
-        raise ValueError(f"out must be an array of shape {source.shape} and dtype {source.dtype}.")
-    send = contiguous(source, code)
-    view = storage_view(target, code)
-    work = view if view.flags.c_contiguous else np.empty(view.shape, view.dtype)
-    # Signature and Reduction take every argument by position: this runs once per
-    # asynchronous call, and keywords with defaults cost them twice their time.
-    return Request(
-        name,
-        Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape, (), HOST, False),
-        Handle(name),
-        Reduction(
-            [send if send.ndim == 1 else send.reshape(-1)],
-            [work if work.ndim == 1 else work.reshape(-1)],
-            # a new array (out=None) never shares the input's memory: no address to read
-            work is send or (out is not None and work.ctypes.data == send.ctypes.data),
-            None,
-            prescale,
-            postscale,
-        ),
-        finish=None if work is view else _copy_back(work, view, target),
-        result=target,
-    )
-
-
-def flat(array: np.ndarray) -> np.ndarray:
-    """`array` (C-contiguous) as one dimension, itself when it has one already."""
-    return array if array.ndim == 1 else array.reshape(-1)
-
-
-def _copy_back(work: np.ndarray, view: np.ndarray, target: np.ndarray) -> Finish:
-    """The `finish` of an allreduce reduced in a contiguous copy (`work`) of an output that
-    is not contiguous: copy the result into the output's `view` and return `target`."""
-
-    def finish(_: Any) -> np.ndarray:
-        view[...] = work
-        return target
-
-    return finish
+    return _submit(array, op, prescale_factor, postscale_factor, out, name, dtype)
 
 
 def allreduce(
@@ -180,11 +98,11 @@ def allreduce(
     if outcome is not None:
         return outcome.wait() if isinstance(outcome, Handle) else outcome
     with waited_at_once():
-        handle = _start(array, op, prescale_factor, postscale_factor, out, name, dtype)
+        handle = _submit(array, op, prescale_factor, postscale_factor, out, name, dtype)
     return handle.wait()
 
 
-def _now(
+def _submit(
     array: ArrayLike,
     op: ReduceOp | str,
     prescale_factor: float,
@@ -192,36 +110,87 @@ def _now(
     out: np.ndarray | None,
     name: str | None,
     dtype: str | DType | None,
-) -> tuple[np.ndarray | Handle | None, str | None]:
-    """A synchronous allreduce through `Engine.allreduce_now`, when its arguments allow it
-    (a C-contiguous numpy array of a native type, in place or into a new array, valid
-    arguments): its result, or the handle of the request it became. Returns None before
-    anything is sent otherwise (the usual path checks the arguments, says what is wrong
-    and tells the other ranks), with the name to submit under (an unnamed call has drawn
-    its number)."""
+) -> Handle:
+    """Submit the request of `allreduce_async`'s arguments (`_request`). Arguments that may
+    be wrong go through `start`, which tells the other ranks when they are."""
     engine = runtime.current_engine()
     plain = _plain(array, op, prescale_factor, postscale_factor, out, dtype)
     if engine is None or plain is None:
-        return None, name
-    reduce_op, code, postscale = plain
-    if name is None:
-        number: int | None = engine.unnamed_number()
-        name, cacheable = f"{UNNAMED}{number}", False  # the usual path keeps it
-    else:
-        name, number = str(name), None
-        cacheable = cacheable_name(name)
-    outcome = engine.allreduce_now(
+        return start(
+            name,
+            lambda request_name: _request(
+                request_name, array, op, prescale_factor, postscale_factor, out, dtype
+            ),
+        )
+    request_name, cacheable = name_request(name, engine)
+    request = _request(request_name, array, op, 1.0, postscale_factor, out, None, plain)
+    request.cacheable = cacheable
+    return engine.submit(request)
+
+
+def _request(
+    name: str,
+    array: ArrayLike,
+    op: ReduceOp | str,
+    prescale_factor: float,
+    postscale_factor: float,
+    out: np.ndarray | None,
+    dtype: str | DType | None,
+    plain: Plain | None = None,
+) -> Request:
+    """The request of `allreduce_async`'s arguments, checked; `plain` (see `_plain`): they
+    are the plain case, which needs none of the checks and conversions."""
+    if plain is not None:
+        return _plain_request(name, array, out is None, *plain)
+    source = as_array(array)
+    code = classify(source, dtype)
+    reduce_op = as_op(op)
+    prescale, postscale = float(prescale_factor), float(postscale_factor)
+    reduce.check_op(reduce_op, code, prescale, postscale)
+    target = np.empty_like(source) if out is None else out
+    if target is not source and (
+        not isinstance(target, np.ndarray)
+        or target.shape != source.shape
+        or target.dtype != source.dtype
+    ):
+        raise ValueError(f"out must be an array of shape {source.shape} and dtype {source.dtype}.")
+    send = contiguous(source, code)
+    view = storage_view(target, code)
+    work = view if view.flags.c_contiguous else np.empty(view.shape, view.dtype)
+    # Signature and Reduction take every argument by position: this runs once per
+    # asynchronous call, and keywords with defaults cost them twice their time.
+    return Request(
         name,
-        cacheable,
-        array,
-        out is None,
-        reduce_op,
-        code,
-        postscale,
-        lambda request_name: _request(request_name, array, op, 1.0, postscale, out, None),
-        number,
+        Signature(Kind.ALLREDUCE, code, reduce_op, -1, source.shape, (), HOST, False),
+        Handle(name),
+        Reduction(
+            [send if send.ndim == 1 else send.reshape(-1)],
+            [work if work.ndim == 1 else work.reshape(-1)],
+            # a new array (out=None) never shares the input's memory: no address to read
+            work is send or (out is not None and work.ctypes.data == send.ctypes.data),
+            None,
+            prescale,
+            postscale,
+        ),
+        finish=None if work is view else _copy_back(work, view, target),
+        result=target,
     )
-    return outcome, name
+
+
+def _plain_request(
+    name: str, array: np.ndarray, fresh: bool, op: ReduceOp, code: DType, postscale: float
+) -> Request:
+    """`_request`'s fast path: `array` reduced in place, or into a new array when `fresh`."""
+    send = storage_view(array if array.ndim == 1 else array.reshape(-1), code)
+    result = np.empty_like(array) if fresh else array
+    out = storage_view(result if result.ndim == 1 else result.reshape(-1), code) if fresh else send
+    return Request(
+        name,
+        plain_signature(code, op, array.shape),
+        Handle(name),
+        Reduction([send], [out], not fresh, None, 1.0, postscale),
+        result=result,
+    )
 
 
 def _plain(
@@ -231,7 +200,7 @@ def _plain(
     postscale_factor: float,
     out: np.ndarray | None,
     dtype: str | DType | None,
-) -> tuple[ReduceOp, DType, float] | None:
+) -> Plain | None:
     """(op, type, postscale) when the arguments are the plain case that needs none of the
     usual path's conversions: a C-contiguous numpy array of a native type, reduced in place
     or into a new array, no prescale, valid arguments; else None (the usual path checks
@@ -248,7 +217,7 @@ def _plain(
         reduce_op, code, postscale = as_op(op), classify(array), float(postscale_factor)
     except Exception:  # noqa: BLE001 - the usual path raises it, and tells the other ranks
         return None
-    # `in FLOATING`, not the enum's `is_floating` property, which costs 0.4 us a call
+    # `in FLOATING`, not the enum's `is_floating` property, a Python call each time
     if not (code in FLOATING or (reduce_op is not ReduceOp.AVERAGE and postscale == 1.0)):
         return None
     if not array.flags.c_contiguous:
@@ -257,36 +226,94 @@ def _plain(
 
 
 # The signatures of plain requests by (type, op, shape): a training step submits the same
-# few forms every step, and a signature made anew costs 0.7 us of the 5 a submission takes.
+# few forms every step, and a signature made anew is a noticeable part of a submission.
 # Signatures are immutable, so requests share them; the dictionary is emptied when it has
 # this many (shapes that change every step).
 _PLAIN_SIGNATURES: dict[tuple[DType, ReduceOp, tuple[int, ...]], Signature] = {}
 _PLAIN_SIGNATURES_KEPT = 4096
 
 
-def _plain_request(
-    name: str, array: np.ndarray, fresh: bool, op: ReduceOp, code: DType, postscale: float
-) -> Request:
-    """The request of a plain call (see `_plain`): `array` reduced in place, or into a new
-    array when `fresh`."""
-    send = storage_view(array if array.ndim == 1 else array.reshape(-1), code)
-    result = np.empty_like(array) if fresh else array
-    out = storage_view(result if result.ndim == 1 else result.reshape(-1), code) if fresh else send
-    form = (code, op, array.shape)
+def plain_signature(code: DType, op: ReduceOp, shape: tuple[int, ...]) -> Signature:
+    """The signature of a plain host allreduce, shared by every request of that form."""
+    form = (code, op, shape)
     signature = _PLAIN_SIGNATURES.get(form)
     if signature is None:
         if len(_PLAIN_SIGNATURES) >= _PLAIN_SIGNATURES_KEPT:
             _PLAIN_SIGNATURES.clear()
         signature = _PLAIN_SIGNATURES[form] = Signature(
-            Kind.ALLREDUCE, code, op, -1, array.shape, (), HOST, False
+            Kind.ALLREDUCE, code, op, -1, shape, (), HOST, False
         )
-    return Request(
+    return signature
+
+
+def _now(
+    array: ArrayLike,
+    op: ReduceOp | str,
+    prescale_factor: float,
+    postscale_factor: float,
+    out: np.ndarray | None,
+    name: str | None,
+    dtype: str | DType | None,
+) -> tuple[np.ndarray | Handle | None, str | None]:
+    """A synchronous allreduce through `Engine.call_now`, when its arguments are the plain
+    case (see `_plain`): its result, or the handle of the request it became. Returns None
+    before anything is sent otherwise, with the name to submit under (an unnamed call has
+    drawn its number)."""
+    engine = runtime.current_engine()
+    plain = _plain(array, op, prescale_factor, postscale_factor, out, dtype)
+    if engine is None or plain is None:
+        return None, name
+    reduce_op, code, postscale = plain
+    if name is None:
+        number: int | None = engine.unnamed_number()
+        name, cacheable = f"{UNNAMED}{number}", False  # the usual path keeps it
+    else:
+        name, number = str(name), None
+        cacheable = cacheable_name(name)
+    fresh = out is None
+    factor = result_factor(reduce_op, postscale, engine.size)
+
+    def from_copies(copies: Sequence[Any], offset: int) -> np.ndarray:
+        reduced = np.empty_like(array) if fresh else array
+        reduce_copies([reduced.reshape(-1)], copies, reduce_op, code, offset, factor)
+        return reduced
+
+    def run() -> np.ndarray:
+        result = np.empty_like(array) if fresh else array
+        target = result.reshape(-1)
+        if fresh:
+            np.copyto(target, array.reshape(-1))
+        engine.transport.allreduce(target, reduce_op, code, postscale=factor)
+        return result
+
+    outcome = engine.call_now(
         name,
-        signature,
-        Handle(name),
-        Reduction([send], [out], not fresh, None, 1.0, postscale),
-        result=result,
+        cacheable,
+        plain_signature(code, reduce_op, array.shape),
+        number,
+        array.nbytes,
+        array.data.cast("B"),
+        from_copies,
+        run,
+        lambda request_name: _request(request_name, array, op, 1.0, postscale, out, None),
     )
+    return outcome, name
+
+
+def flat(array: np.ndarray) -> np.ndarray:
+    """`array` (C-contiguous) as one dimension, itself when it has one already."""
+    return array if array.ndim == 1 else array.reshape(-1)
+
+
+def _copy_back(work: np.ndarray, view: np.ndarray, target: np.ndarray) -> Finish:
+    """The `finish` of an allreduce reduced in a contiguous copy (`work`) of an output that
+    is not contiguous: copy the result into the output's `view` and return `target`."""
+
+    def finish(_: Any) -> np.ndarray:
+        view[...] = work
+        return target
+
+    return finish
 
 
 def grouped_allreduce_async(
@@ -338,7 +365,7 @@ def grouped_allreduce_async(
                 )
             outs = [flat(storage_view(t, code)) for t in targets]
             # `out=arrays` (C-contiguous, so `sends` are views of them) is in place; other
-            # outputs are compared by address, which costs 3 us an array.
+            # outputs are compared by address, which costs a ctypes call an array.
             in_place = all(t is s for t, s in zip(targets, sources, strict=True)) or all(
                 o.ctypes.data == s.ctypes.data for o, s in zip(outs, sends, strict=True)
             )
@@ -412,21 +439,3 @@ def gpu_allreduce_async(
         )
 
     return start(name, build)
-
-
-class Allreduce(CollectiveKind):
-    """Run by `core/fusion.py` in batches; what a joined rank contributes is there too."""
-
-    label = "allreduce"
-    cacheable = True
-    fused = True
-
-    def shape_text(self, signature: Signature) -> str:
-        if signature.parts:
-            shown = ", ".join(shape_text(p) for p in signature.parts[:8])
-            more = ", ..." if len(signature.parts) > 8 else ""
-            return f"of {len(signature.parts)} tensors with shapes {shown}{more}"
-        return super().shape_text(signature)
-
-
-register(Kind.ALLREDUCE, Allreduce())

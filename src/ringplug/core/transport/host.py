@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..config import Settings
+from ..dtypes import DType
+from ..ops import ReduceOp
 from . import reduce, ring
-from .config import Settings
-from .dtypes import DType
-from .ops import ReduceOp
 from .waiting import Waiter
 
 if TYPE_CHECKING:

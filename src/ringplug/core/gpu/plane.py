@@ -28,13 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from . import nccl, ring
-from .config import Settings
+from ..config import Settings
+from ..dtypes import DType
+from ..errors import CommunicatorFailed, NcclError
+from ..ops import ReduceOp
+from ..transport import ring
+from . import nccl
 from .cuda import CudaError, DeviceRuntime, default_runtime
 from .device import DeviceBuffer, nccl_type
-from .dtypes import DType
-from .errors import CommunicatorFailed, NcclError
-from .ops import ReduceOp
 
 logger = logging.getLogger(__name__)
 

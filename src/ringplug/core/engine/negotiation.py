@@ -17,118 +17,12 @@ and whether the job is shutting down or everyone has joined.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Sequence
-from typing import NamedTuple
 
-from . import eager
-from .kind import GPU, HOST, kind_of
+from ..kinds.kind import kind_of
+from ..wire import Kind, Message, Response, Signature, numbered
 
-
-class Kind(enum.IntEnum):
-    """The collectives the engine runs (ERROR: a rank rejected its own arguments)."""
-
-    ERROR = 0
-    ALLREDUCE = 1
-    ALLGATHER = 2
-    BROADCAST = 3
-    REDUCESCATTER = 4
-    ALLTOALL = 5
-    BARRIER = 6
-    BROADCAST_OBJECT = 7
-    ALLGATHER_OBJECT = 8
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-
-__all__ = ["GPU", "HOST", "Cache", "Kind", "Message", "Plan", "Response", "Signature", "decide"]
-
-UNNAMED = "noname."  # the prefix of unnamed requests' names
-
-
-def numbered(name: str) -> tuple[str, int] | None:
-    """(prefix, number) of a name numbered in call order ("noname.12" or "group#12"), or
-    None for a name given by the program."""
-    if name.startswith(UNNAMED):
-        cut = len(UNNAMED)
-    else:
-        cut = name.rfind("#") + 1
-        if not cut:
-            return None
-    digits = name[cut:]
-    if not (digits.isdigit() and digits.isascii()) or (digits[0] == "0" and len(digits) > 1):
-        return None
-    return name[:cut], int(digits)
-
-
-class Signature(NamedTuple):
-    """What must be equal on every rank for a request to run. For allgather and alltoall
-    `shape` holds the dimensions after the first, which may differ between ranks. A grouped
-    allreduce has `shape` (total elements,) and the shape of each of its tensors in `parts`.
-    `place` is HOST or GPU: ranks must agree on it too. (A tuple: built for every request,
-    so it must be cheap.)"""
-
-    kind: Kind
-    code: int = -1
-    op: int = -1
-    root: int = -1
-    shape: tuple[int, ...] = ()
-    parts: tuple[tuple[int, ...], ...] = ()
-    place: int = HOST
-    # Fail on every rank when a rank has joined, instead of running without its share
-    # (Horovod's semantics for allgather and broadcast; ringplug's own callers leave it off).
-    refuse_joined: bool = False
-
-    def describe(self) -> str:
-        """The request in words, for mismatch errors (its kind's `describe`)."""
-        return kind_of(self.kind).describe(self)
-
-
-@dataclasses.dataclass
-class Message:
-    """One rank's contribution to a cycle."""
-
-    cycle: int
-    cached: int = 0  # bit s set: the request in cache slot s is ready here
-    # (slot, number): the request named prefix + number, of the prefix and signature in
-    # cache slot `slot`, is ready here (requests numbered in call order, see `numbered`).
-    numbered: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    new: list[tuple[str, Signature, int]] = dataclasses.field(default_factory=list)
-    # `new` entries: (name, signature, extra); extra is the first dimension of an
-    # allgather/alltoall or the byte length of an object, else 0.
-    joined_cycle: int = 0  # > 0: the cycle in which this rank joined
-    shutdown: bool = False
-    stall_abort: list[str] = dataclasses.field(default_factory=list)  # rank 0's verdict
-    # Rank 0 saw a stall: these ranks show their stacks, every rank its flight record.
-    report: list[int] = dataclasses.field(default_factory=list)
-    renew: bool = False  # a collective was abandoned here: every rank renews its communicator
-    activity: tuple[str, float] = ("", 0.0)  # the training's phase, seconds in it (activity.py)
-    eager: bytes | memoryview = b""  # the data of small allreduces it carries (eager.py)
-
-
-@dataclasses.dataclass(slots=True)
-class Response:
-    """A request every active rank has ready, with matching signatures: run it. (Slots: a
-    burst of tensors makes one per tensor per cycle.)"""
-
-    name: str
-    signature: Signature
-    extras: list[int]  # per rank (0 for joined ranks that do not have the request)
-    have: list[bool]  # per rank: whether that rank submitted it (joined ranks may not)
-
-    @classmethod
-    def everywhere(cls, name: str, signature: Signature, ranks: int) -> Response:
-        """A request that every one of `ranks` ranks submitted alike (a repeated step).
-        Its `extras` and `have` are shared by every such response: nothing changes them."""
-        shared = _EVERYWHERE.get(ranks)
-        if shared is None:
-            shared = _EVERYWHERE[ranks] = ([0] * ranks, [True] * ranks)
-        return cls(name, signature, *shared)
-
-
-_EVERYWHERE: dict[int, tuple[list[int], list[bool]]] = {}
+__all__ = ["Cache", "Plan", "decide"]
 
 
 @dataclasses.dataclass
@@ -160,12 +54,12 @@ class Cache:
         self.slots: list[tuple[str, Signature]] = []  # (name or numbered prefix, signature)
         self.by_name: dict[str, int] = {}
         self.by_prefix: dict[tuple[str, Signature], int] = {}  # numbered names' slots
-        # The slots whose requests messages may carry with their data (see `eager`), and
+        # The slots whose requests messages may carry with their data (see `carried`), and
         # their bytes.
         self.eager_threshold = eager_threshold
         self.eager_mask = 0
         self.eager_bytes: list[int] = []
-        # eager.layout's last answer: (cached bits, numbered pairs, layout).
+        # carried.layout's last answer: (cached bits, numbered pairs, layout).
         self.last_layout: tuple[int, list[tuple[int, int]], list[tuple[str, int, int]]] | None = (
             None
         )
@@ -247,7 +141,7 @@ class Cache:
                 if key in self.by_prefix:
                     continue
                 slot = self.by_prefix[key] = self._add(parts[0], signature)
-            nbytes = eager.size_of(signature, self.eager_threshold)
+            nbytes = kind_of(signature.kind).carried_bytes(signature, self.eager_threshold)
             self.eager_bytes[slot] = nbytes
             if nbytes:
                 self.eager_mask |= 1 << slot
@@ -382,7 +276,7 @@ def mismatch_message(name: str, signatures: dict[int, Signature]) -> str:
         )
     groups: dict[str, list[int]] = {}
     for rank, signature in sorted(signatures.items()):
-        groups.setdefault(signature.describe(), []).append(rank)
+        groups.setdefault(kind_of(signature.kind).describe(signature), []).append(rank)
     lines = [
         f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} submitted {text}"
         for text, ranks in groups.items()

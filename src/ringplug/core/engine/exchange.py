@@ -14,8 +14,8 @@ import struct
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
+from ..transport.waiting import Waiter
 from .negotiation import Message
-from .waiting import Waiter
 
 if TYPE_CHECKING:
     from mpi4py import MPI

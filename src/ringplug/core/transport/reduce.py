@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import DType, bfloat16_to_float32, float32_to_bfloat16
-from .ops import ReduceOp
+from ..dtypes import DType, bfloat16_to_float32, float32_to_bfloat16
+from ..ops import ReduceOp
 
 _UFUNC = {
     ReduceOp.AVERAGE: np.add,

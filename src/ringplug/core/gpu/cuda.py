@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import DType
-from .errors import RingplugError
+from ..dtypes import DType
+from ..errors import RingplugError
 from .libraries import mapped_library, pathfinder_library, wheel_library
 
 LIBRARY_VARIABLE = "RINGPLUG_CUDART_LIB"

@@ -1,0 +1,64 @@
+"""The allreduce kind: how the engine runs allreduces (in fused batches, or from the copies
+a negotiation message carried) and how one is described."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ...wire import Kind, Response, Signature
+from ..kind import CollectiveKind, EngineView, register, shape_text
+from . import eager
+from .fusion import Fusion
+
+if TYPE_CHECKING:
+    from ...engine.handles import Request
+
+
+class Allreduce(CollectiveKind):
+    """Consecutive allreduces of one dtype, op and place run as one fused collective
+    (`fusion`); small host ones travel in the negotiation message (`eager`). What a joined
+    rank contributes is in `fusion` too."""
+
+    label = "allreduce"
+    cacheable = True
+    fused = True
+
+    def shape_text(self, signature: Signature) -> str:
+        if signature.parts:
+            shown = ", ".join(shape_text(p) for p in signature.parts[:8])
+            more = ", ..." if len(signature.parts) > 8 else ""
+            return f"of {len(signature.parts)} tensors with shapes {shown}{more}"
+        return super().shape_text(signature)
+
+    def fuses_with(self, first: Signature, signature: Signature) -> bool:
+        return (
+            first.code == signature.code
+            and first.op == signature.op
+            and first.place == signature.place
+        )
+
+    def run_batch(self, engine: EngineView, batch: list[Response]) -> None:
+        _fusion(engine).run(batch)
+
+    def carried_bytes(self, signature: Signature, threshold: int) -> int:
+        return eager.size_of(signature, threshold)
+
+    def carried_pieces(self, request: Request) -> list[memoryview]:
+        return eager.pieces(request)
+
+    def run_carried(
+        self, engine: EngineView, request: Request, copies: Sequence[Any], offset: int
+    ) -> None:
+        _fusion(engine).reduce_eager(request, copies, offset)
+
+
+def _fusion(engine: EngineView) -> Fusion:
+    """The engine's fusion (its reused buffer), made at its first allreduce."""
+    fusion = engine.kind_state.get(Allreduce.label)
+    if fusion is None:
+        fusion = engine.kind_state[Allreduce.label] = Fusion(engine, engine.settings)
+    return fusion
+
+
+register(Kind.ALLREDUCE, Allreduce())
