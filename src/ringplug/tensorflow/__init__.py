@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 
 from .. import core
+from ..compression import Compression
 from ..core import Average, Max, Min, Product, Sum, local_rank, local_size, rank, shutdown, size
 from .collectives import (
     BroadcastVariablesHook,
@@ -47,7 +48,7 @@ from .collectives import (
     reducescatter_async,
 )
 from .sync_batch_norm import SyncBatchNormalization
-from .tape import Compression, DistributedGradientTape, reduce_gradients
+from .tape import DistributedGradientTape, reduce_gradients
 
 
 def init() -> None:

@@ -1,5 +1,6 @@
 """`DistributedGradientTape`: a ``tf.GradientTape`` whose gradients are averaged over every
-rank, and `reduce_gradients`, the one grouped reduction it makes."""
+rank, and `reduce_gradients`, the one grouped reduction it makes (`Compression` is
+`ringplug.compression`'s, the one every adapter takes)."""
 
 from __future__ import annotations
 
@@ -9,44 +10,9 @@ from typing import Any
 import tensorflow as tf
 
 from .. import core
+from ..compression import Compression
 from ..core.ops import Average, ReduceOp, as_op
 from .collectives import _backend_variable, grouped_allreduce
-
-
-class _NoCompression:
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, None]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
-
-
-class _FP16Compression:
-    """Sends floating tensors as float16 (half the bytes; the result is cast back)."""
-
-    is_fp16 = True
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        dtype = tensor.dtype
-        if dtype.is_floating:
-            return tf.cast(tensor, tf.float16), dtype
-        return tensor, dtype
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tf.cast(tensor, ctx) if ctx is not None and ctx.is_floating else tensor
-
-
-class Compression:
-    """How gradients travel: ``Compression.none`` (as they are) or ``Compression.fp16``."""
-
-    none = _NoCompression
-    fp16 = _FP16Compression
 
 
 def reduce_gradients(

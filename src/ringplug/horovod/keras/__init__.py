@@ -13,6 +13,7 @@ from typing import Any
 import keras
 
 from ... import core
+from ...compression import Compression
 from ...keras import DistributedOptimizer as _DistributedOptimizer
 from ...keras._broadcast import broadcast_variables as _broadcast_variables
 from ...keras.optimizer import set_local_variables as _set_local_variables
@@ -28,13 +29,6 @@ from .._common import (
 )
 from .._common import __all__ as _BASICS
 from . import callbacks, elastic
-
-
-class Compression:
-    """``hvd.Compression.none`` / ``hvd.Compression.fp16`` (the gradients on the wire)."""
-
-    none = "none"
-    fp16 = "fp16"
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
