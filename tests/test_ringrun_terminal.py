@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from launch import RINGRUN
-from ringplug.run.status import EVENTS_VARIABLE, RankOutput, parse_event
+from ringplug.core.wire import EVENTS_VARIABLE
+from ringplug.run.status import RankOutput, parse_event
 from ringplug.run.terminal import TERMINAL_VARIABLE, TerminalSink, TerminalSpec
 
 COLUMNS, LINES = 97, 31

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ringplug._ground import config, wire
 from ringplug.forensics.flight import main as explain_flight
 from ringplug.run import elastic
 from ringplug.run.check import CheckContext, run_check
@@ -54,10 +55,10 @@ from ringplug.run.mpi import (
 )
 from ringplug.run.preflight import Preflight, run_preflight
 from ringplug.run.setting import add_flags, from_flags
-from ringplug.run.settings import DEFAULT_START_TIMEOUT_S, RunSettings, SettingsError
+from ringplug.run.settings import RunSettings, SettingsError
 from ringplug.run.ssh import DEFAULT_CONNECT_TIMEOUT_S, HostProblem, SshOptions
 from ringplug.run.stacks import request_stacks
-from ringplug.run.status import EVENTS_VARIABLE, RankStatus
+from ringplug.run.status import RankStatus
 from ringplug.run.terminal import TERMINAL_VARIABLE, describe_terminal
 
 logger = logging.getLogger(__name__)
@@ -187,13 +188,15 @@ def _say_hosts_origin(hosts: Sequence[Host], origin: str | None) -> None:
 
 
 def ssh_from_settings(settings: RunSettings) -> SshOptions:
-    """ssh options from the settings; ssh's connect timeout stays within the start timeout."""
-    limit = settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S
+    """ssh options from the settings; ssh's connect timeout stays within the start timeout
+    (ssh's own default with no start limit)."""
+    limit = settings.host_timeout_s
+    connect = DEFAULT_CONNECT_TIMEOUT_S if math.isinf(limit) else math.ceil(limit)
     return SshOptions(
         port=settings.ssh_port,
         identity_file=_absolute(settings.ssh_identity_file),
         config_file=_absolute(settings.ssh_config_file),
-        connect_timeout_s=max(1, min(DEFAULT_CONNECT_TIMEOUT_S, math.ceil(limit))),
+        connect_timeout_s=max(1, min(DEFAULT_CONNECT_TIMEOUT_S, connect)),
     )
 
 
@@ -280,7 +283,7 @@ def start_watch(spec: JobSpec, settings: RunSettings) -> StartWatch | None:
 
 def _configure_logging(verbose: bool) -> None:
     """ringrun's own messages go to stderr, prefixed so they stand out from rank output."""
-    level = os.environ.get("RINGPLUG_LOG_LEVEL", "INFO" if verbose else "WARNING").upper()
+    level = (config.LOG_LEVEL.given() or ("INFO" if verbose else "WARNING")).upper()
     logging.basicConfig(format="ringrun: %(message)s", level=level, stream=sys.stderr)
 
 
@@ -310,7 +313,7 @@ def _preflight(
         spec.hosts,
         spec.ssh,
         sys.executable,
-        timeout_s=settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S,
+        timeout_s=settings.host_timeout_s,
         needed_files=remote_executables(launcher),
         requested_interfaces=spec.network_interfaces,
     )
@@ -385,7 +388,7 @@ def _start(spec: JobSpec, settings: RunSettings, dry_run: bool) -> JobResult:
         print(build_plan(spec, launcher).shell_line(), flush=True)
         return JobResult(exit_code=0)
     token = secrets.token_hex(8)
-    environ = {**os.environ, EVENTS_VARIABLE: token}
+    environ = {**os.environ, wire.EVENTS_VARIABLE: token}
     # In a terminal, rank 0's program gets one too (its progress bars draw live); a value
     # inherited from an enclosing job must not leak into a job whose output is a pipe.
     environ.pop(TERMINAL_VARIABLE, None)
@@ -686,7 +689,7 @@ def _check_context(settings: RunSettings, hosts: list[Host]) -> CheckContext:
         hosts=hosts,
         ssh=ssh_from_settings(settings),
         network_interfaces=list(settings.network_interfaces),
-        host_timeout_s=settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S,
+        host_timeout_s=settings.host_timeout_s,
     )
 
 

@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import BinaryIO
 
+from ringplug._ground import wire
 from ringplug.run.hints import hint_for
 from ringplug.run.mpi import LaunchPlan
 from ringplug.run.processes import parent_death_signal, pump_lines, write_all
 from ringplug.run.ssh import HostProblem, LaunchDiagnosis
 from ringplug.run.stacks import FlightFile, StackDesk
 from ringplug.run.status import (
-    EVENT_MARK,
     Event,
     RankFault,
     RankFlight,
@@ -288,7 +288,7 @@ class _Relay(threading.Thread):
 
     def _line(self, line: bytes) -> None:
         text = line.decode(errors="replace")
-        if self.token is not None and EVENT_MARK in text:
+        if self.token is not None and wire.EVENT_MARK in text:
             event = parse_event(text, self.token)
             if isinstance(event, RankOutput):
                 self._write_raw(event.data)

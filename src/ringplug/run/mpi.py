@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ringplug._ground import config
 from ringplug.run.hosts import (
     Host,
     format_host_list,
@@ -31,8 +32,7 @@ from ringplug.run.ssh import SshOptions
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER_VARIABLE = "RINGPLUG_MPIEXEC"
-"""Environment variable that names the launcher to use, overriding the search."""
+LAUNCHER_VARIABLE = config.MPIEXEC.name  # names the launcher to use, overriding the search
 
 HYDRA = "hydra"
 OPEN_MPI = "openmpi"

@@ -342,7 +342,7 @@ def run_preflight(
         hosts: the job's hosts.
         ssh: options for ssh, as the launcher will get them.
         python: the interpreter the ranks run with, at the same path on every host.
-        timeout_s: how long every host gets to answer over ssh.
+        timeout_s: how long every host gets to answer over ssh (``math.inf``: no limit).
         needed_files: other executables the job runs on every host (hydra's proxy).
         requested_interfaces: interface names the user gave; then no connection round
             runs, and each host gets those of the names it has.

@@ -18,7 +18,10 @@ import math
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from ringplug._ground import config
 
 _METADATA_KEY = "ringrun"
 
@@ -33,7 +36,7 @@ def _same(value: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class Kind:
+class SettingKind:
     """How a setting is written: in a config file, and as a flag's value.
 
     Args:
@@ -148,6 +151,15 @@ def _merge_variables(
     return {**mine, **theirs}
 
 
+def _variable_text(value: Any, where: str) -> str:
+    # A config file writes numbers as numbers; the ranks read text, and check it.
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise _wrong(where, "a number or a string", value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return value if isinstance(value, str) else str(value)
+
+
 def _variable_flags(values: Sequence[str]) -> dict[str, str | None]:
     """``["A=1", "B"]`` -> ``{"A": "1", "B": None}`` (``None``: forward ringrun's value)."""
     env: dict[str, str | None] = {}
@@ -159,21 +171,25 @@ def _variable_flags(values: Sequence[str]) -> dict[str, str | None]:
     return env
 
 
-WHOLE = Kind(_whole, flag_type=int)
+WHOLE = SettingKind(_whole, flag_type=int)
 """A whole number."""
-NUMBER = Kind(_number, flag_type=float)
+NUMBER = SettingKind(_number, flag_type=float)
 """A number (a float; a config file may write a whole one)."""
-SWITCH = Kind(_switch)
+SWITCH = SettingKind(_switch)
 """True or false; its flags set one of the two (:attr:`Flag.sets`)."""
-TEXT = Kind(_text)
+TEXT = SettingKind(_text)
 """A string: a path, a name, a choice."""
-HOSTS = Kind(_hosts)
+HOSTS = SettingKind(_hosts)
 """``"a:2,b:2"``, or in a config file a list of ``"host:slots"``."""
-NAMES = Kind(_names, repeated=True, from_flags=list)
+NAMES = SettingKind(_names, repeated=True, from_flags=list)
 """A list of names; each flag adds one (or a comma-separated few, :attr:`Flag.split`)."""
-ARGUMENTS = Kind(_arguments, repeated=True, from_flags=_split_arguments)
+ARGUMENTS = SettingKind(_arguments, repeated=True, from_flags=_split_arguments)
 """Command-line words, split like a shell would."""
-VARIABLES = Kind(_variables, repeated=True, from_flags=_variable_flags, merge=_merge_variables)
+VARIABLE = SettingKind(_variable_text)
+"""The text of one ``RINGPLUG_*`` variable, checked as the ranks read it (``core.config``)."""
+VARIABLES = SettingKind(
+    _variables, repeated=True, from_flags=_variable_flags, merge=_merge_variables
+)
 """Environment variables: ``NAME=VALUE`` sets one, ``NAME`` forwards ringrun's value."""
 
 
@@ -227,7 +243,7 @@ class Setting:
         replaces: settings a command-line value clears from the config file.
     """
 
-    kind: Kind
+    kind: SettingKind
     help: str
     flags: tuple[Flag, ...] = ()
     metavar: str | None = None
@@ -237,7 +253,7 @@ class Setting:
 
 
 def setting(
-    kind: Kind,
+    kind: SettingKind,
     help: str,
     *,
     flags: Sequence[str] | Sequence[Flag] = (),
@@ -280,6 +296,54 @@ def setting(
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def _variable_value(variable: config.Variable) -> Callable[[Any], dict[str, str]]:
+    def ranks(text: str) -> dict[str, str]:
+        if variable.form == config.PATH:
+            # Absolute, so a rank writes where the user asked whatever its working directory.
+            text = str(Path(text).expanduser().resolve())
+        return {variable.name: text}
+
+    return ranks
+
+
+def variable_help(variable: config.Variable) -> str:
+    """ringrun's help for the flag of a ``RINGPLUG_*`` variable: its meaning and default."""
+    unset = variable.default is None and variable.default_doc is None
+    default = "" if unset else f"; default {variable.default_text}"
+    text = f"{variable.doc} ({variable.name}{default})"
+    return text.replace("`", "")  # the docs' markdown
+
+
+def with_flagged_variables(cls: type) -> type:
+    """Add to ``cls`` (before ``@dataclass``) a setting for each ``RINGPLUG_*`` variable with
+    a ringrun flag (``core.config``): the flag, its help and check come from the variable's
+    declaration, the config-file key is :attr:`~ringplug.core.config.Variable.key`, and a
+    value given reaches the ranks as that variable."""
+    annotations = cls.__dict__.get("__annotations__", {})
+    for variable in config.VARIABLES:
+        if variable.flag is None:
+            continue
+        flags = [Flag((variable.flag,), metavar=variable.metavar)]
+        if variable.horovodrun is not None:
+            flags.append(
+                Flag((variable.horovodrun,), horovodrun=True, help=f"same as {variable.flag}")
+            )
+        annotations[variable.key] = "str | None"
+        setattr(
+            cls,
+            variable.key,
+            setting(
+                VARIABLE,
+                variable_help(variable),
+                flags=flags,
+                metavar=variable.metavar,
+                ranks=_variable_value(variable),
+            ),
+        )
+    cls.__annotations__ = annotations
+    return cls
 
 
 def declarations(cls: type) -> list[tuple[str, Setting]]:
@@ -425,11 +489,21 @@ def overridden(base: Any, other: Any) -> Any:
 
 
 def check_values(settings: Any) -> None:
-    """Run each given setting's own check (the combinations are the class's to check)."""
+    """Run each given setting's own check, then check the ``RINGPLUG_*`` values it would give
+    the ranks as they read them (the combinations are the class's to check)."""
     for name, declared in declarations(type(settings)):
         value = getattr(settings, name)
-        if declared.check is not None and value is not None:
+        if value is None:
+            continue
+        if declared.check is not None:
             declared.check(value)
+        for variable, text in (declared.ranks(value) if declared.ranks else {}).items():
+            try:
+                config.check(variable, text)
+            except ValueError as error:
+                flag = next((flag.spellings[0] for flag in declared.flags), None)
+                where = f"{flag} ({name})" if flag else name
+                raise SettingsError(f"{where}: {error}") from None
 
 
 def rank_variables(settings: Any) -> dict[str, str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ringplug._ground import config, wire
 from ringplug.run import setting as declared
 from ringplug.run.setting import (
     ARGUMENTS,
@@ -30,6 +31,7 @@ from ringplug.run.setting import (
     SettingsError,
     one_of,
     setting,
+    with_flagged_variables,
     within,
 )
 
@@ -51,9 +53,7 @@ LOG_LEVELS = {
 }
 
 
-# Variables the launcher and ringrun set for every rank: a value from -x would break the
-# job (ranks that do not know who they are, or whose reports ringrun cannot read).
-INTERNAL_PREFIXES = ("RINGPLUG_RUN_", "PMI_", "PMIX_", "OMPI_COMM_WORLD_")
+INTERNAL_PREFIXES = wire.INTERNAL_PREFIXES
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # Hostfiles and config files are short text files.
@@ -111,16 +111,24 @@ def _stall_check_variables(on: bool) -> dict[str, str]:
     # and a shutdown time of 0 means never.
     if on:
         return {}
-    return {"RINGPLUG_STALL_CHECK_SECONDS": "inf", "RINGPLUG_STALL_SHUTDOWN_SECONDS": "0"}
+    return {config.STALL_CHECK_SECONDS.name: "inf", config.STALL_SHUTDOWN_SECONDS.name: "0"}
+
+
+def _mib(count: int) -> str:
+    return f"{count >> 20:g}" if count % (1 << 20) == 0 else f"{count / (1 << 20):g}"
 
 
 @dataclass
+@with_flagged_variables
 class RunSettings:
     """Everything that shapes a launch, whether it came from flags or ``--config-file``.
 
     Each field is one setting, declared whole where it is defined: its help says what it
     means and its default. A field at its default (``None`` or empty) means "not given",
     so the command line overrides a config file field by field.
+
+    Besides these, each ``RINGPLUG_*`` variable declared with a flag in ``core.config``
+    (``--timeout``, ``--timeline``) is a setting of its own (:func:`with_flagged_variables`).
     """
 
     np: int | None = setting(
@@ -212,18 +220,6 @@ class RunSettings:
         flags=[Flag(("--verbose",), sets=True)],
         default=False,
     )
-    timeline: str | None = setting(
-        TEXT,
-        "write a Chrome trace of the engine (negotiation, fusion, collectives) to PATH; open "
-        "it in Perfetto or chrome://tracing",
-        flags=[
-            Flag(("--timeline",)),
-            Flag(("--timeline-filename",), horovodrun=True, help="same as --timeline"),
-        ],
-        metavar="PATH",
-        # Absolute, so rank 0 writes it where the user asked whatever its working directory.
-        ranks=lambda path: {"RINGPLUG_TIMELINE": str(Path(path).resolve())},
-    )
     mpi_args: list[str] = setting(
         ARGUMENTS,
         "extra arguments for mpiexec/mpirun, placed before the program; write "
@@ -251,8 +247,9 @@ class RunSettings:
     )
     log_level: str | None = setting(
         TEXT,
-        "ringplug's log level on the ranks (RINGPLUG_LOG_LEVEL): TRACE (means DEBUG), DEBUG, "
-        "INFO, WARNING, ERROR or FATAL (means CRITICAL)",
+        f"ringplug's log level on the ranks ({config.LOG_LEVEL.name}): TRACE (means DEBUG), "
+        "DEBUG, INFO, WARNING, ERROR or FATAL (means CRITICAL); default "
+        f"{config.LOG_LEVEL.default_text}",
         flags=[
             Flag(
                 ("--log-level",),
@@ -263,28 +260,24 @@ class RunSettings:
         ],
         metavar="LEVEL",
         check=one_of("log_level", tuple(LOG_LEVELS), normalize=str.upper),
-        ranks=lambda level: {"RINGPLUG_LOG_LEVEL": LOG_LEVELS[level.upper()]},
+        ranks=lambda level: {config.LOG_LEVEL.name: LOG_LEVELS[level.upper()]},
     )
     fusion_threshold_mb: int | None = setting(
         WHOLE,
-        "fuse allreduce tensors into buffers of up to MB MiB (RINGPLUG_FUSION_THRESHOLD; 0: "
-        "no fusion; default 64)",
+        "fuse allreduce tensors into buffers of up to MB MiB "
+        f"({config.FUSION_THRESHOLD.name}; 0: no fusion; default "
+        f"{_mib(config.FUSION_THRESHOLD.default)})",
         horovodrun=("--fusion-threshold-mb",),
         metavar="MB",
-        check=within("fusion_threshold_mb must be 0 (no fusion) or more, got {value}", low=0),
-        ranks=lambda mb: {"RINGPLUG_FUSION_THRESHOLD": f"{mb}M"},
+        ranks=lambda mb: {config.FUSION_THRESHOLD.name: f"{mb}M"},
     )
     cycle_time_ms: float | None = setting(
         NUMBER,
-        "let the engine wait MS ms for more tensors to fuse (RINGPLUG_CYCLE_TIME; default 0)",
+        "let the engine wait MS ms for more tensors to fuse "
+        f"({config.CYCLE_TIME.name}; default {config.CYCLE_TIME.default_text})",
         horovodrun=("--cycle-time-ms",),
         metavar="MS",
-        check=within(
-            "cycle_time_ms (--cycle-time-ms) must be between 0 and 1000 milliseconds, got {value}",
-            low=0,
-            high=1000,
-        ),
-        ranks=lambda ms: {"RINGPLUG_CYCLE_TIME": f"{ms:g}"},
+        ranks=lambda ms: {config.CYCLE_TIME.name: f"{ms:g}"},
     )
     stall_check: bool | None = setting(
         SWITCH,
@@ -295,7 +288,7 @@ class RunSettings:
     stall_check_warning_time_seconds: float | None = setting(
         NUMBER,
         "warn when some ranks have not submitted a collective after S s "
-        "(RINGPLUG_STALL_CHECK_SECONDS; default 60)",
+        f"({config.STALL_CHECK_SECONDS.name}; default {config.STALL_CHECK_SECONDS.default_text})",
         horovodrun=("--stall-check-warning-time-seconds",),
         metavar="S",
         check=within(
@@ -304,27 +297,21 @@ class RunSettings:
             above=0,
             below=math.inf,
         ),
-        ranks=lambda seconds: {"RINGPLUG_STALL_CHECK_SECONDS": f"{seconds:g}"},
+        ranks=lambda seconds: {config.STALL_CHECK_SECONDS.name: f"{seconds:g}"},
     )
     stall_check_shutdown_time_seconds: float | None = setting(
         NUMBER,
-        "end the job when such a stall lasts S s (RINGPLUG_STALL_SHUTDOWN_SECONDS; default 0: "
-        "never)",
+        f"end the job when such a stall lasts S s ({config.STALL_SHUTDOWN_SECONDS.name}; "
+        f"default {config.STALL_SHUTDOWN_SECONDS.default_text})".replace("`", ""),
         horovodrun=("--stall-check-shutdown-time-seconds",),
         metavar="S",
-        check=within(
-            "stall_check_shutdown_time_seconds must be 0 (never) or a finite number of "
-            "seconds, got {value}",
-            low=0,
-            below=math.inf,
-        ),
-        ranks=lambda seconds: {"RINGPLUG_STALL_SHUTDOWN_SECONDS": f"{seconds:g}"},
+        ranks=lambda seconds: {config.STALL_SHUTDOWN_SECONDS.name: f"{seconds:g}"},
     )
 
     max_restarts: int | None = setting(
         WHOLE,
         "elastic: start the job again, up to N times, when a rank or host fails (the ranks "
-        "read which start they are in from RINGPLUG_RESTART); default 0, or 3 when another "
+        f"read which start they are in from {wire.RESTART_VARIABLE}); default 0, or 3 when another "
         "elastic flag is given",
         flags=("--max-restarts",),
         horovodrun=("--reset-limit",),
@@ -431,6 +418,13 @@ class RunSettings:
         if self.start_timeout is None:
             return DEFAULT_START_TIMEOUT_S
         return self.start_timeout or None
+
+    @property
+    def host_timeout_s(self) -> float:
+        """How long each host gets to answer the preflight and ``--check``: the start limit,
+        ``math.inf`` when there is none (0 means no limit here too, not the default)."""
+        limit = self.effective_start_timeout
+        return math.inf if limit is None else limit
 
     def rank_variables(self) -> dict[str, str]:
         """The ``RINGPLUG_*`` values for the ranks that the settings ask for.

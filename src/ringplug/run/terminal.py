@@ -27,10 +27,10 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ringplug._ground import wire
 from ringplug.run.processes import write_all
 
-TERMINAL_VARIABLE = "RINGPLUG_RUN_TERMINAL"
-"""Environment variable that tells rank 0's wrapper which streams are a terminal, and its size."""
+TERMINAL_VARIABLE = wire.TERMINAL_VARIABLE  # which streams are a terminal, and its size
 
 STREAMS = ("stdout", "stderr")
 

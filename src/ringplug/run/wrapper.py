@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from ringplug._ground import config, wire
 from ringplug.forensics.stacks import HEARTBEAT_SECONDS, STACKS_DIR_VARIABLE, outside
 from ringplug.run.processes import (
     die_with_parent,
@@ -40,7 +41,6 @@ from ringplug.run.processes import (
 )
 from ringplug.run.stacks import REQUESTED
 from ringplug.run.status import (
-    EVENTS_VARIABLE,
     RankOutput,
     RankStacks,
     RankStarted,
@@ -151,7 +151,7 @@ class RankWrapper:
         self._pending_signal: int | None = None
         self._stdout = _Terminal(sys.stdout.fileno())
         self._stderr = _Terminal(sys.stderr.fileno())
-        self._events_token = self.environ.get(EVENTS_VARIABLE) or None
+        self._events_token = self.environ.get(wire.EVENTS_VARIABLE) or None
         # Rank 0 writes to a pseudo-terminal where ringrun's own output is a terminal; its
         # bytes then travel as events, so that needs the events token.
         spec = TerminalSpec.from_environment(self.environ) if self._events_token else None
@@ -370,13 +370,12 @@ class _StackWatch:
 
 
 def _stall_check_seconds(environ: Mapping[str, str]) -> float:
-    """The ranks' RINGPLUG_STALL_CHECK_SECONDS (they validate it; here a bad value is the
+    """The ranks' RINGPLUG_STALL_CHECK_SECONDS (they refuse a bad value; here it is the
     default)."""
     try:
-        value = float(environ.get("RINGPLUG_STALL_CHECK_SECONDS") or 60.0)
+        return float(config.STALL_CHECK_SECONDS.read(environ))
     except ValueError:
-        return 60.0
-    return value if value > 0 else 60.0
+        return float(config.STALL_CHECK_SECONDS.default)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
