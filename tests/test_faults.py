@@ -247,9 +247,9 @@ def ringrun_error(*args: str, env: dict[str, str] | None = None) -> str:
 
 
 def test_an_infinite_cycle_time_is_refused():
-    assert "between 0 and 1000 milliseconds, got inf" in ringrun_error(
-        "--dry-run", "-np", "2", "--cycle-time-ms", "inf", "python", "x.py"
-    )
+    line = ringrun_error("--dry-run", "-np", "2", "--cycle-time-ms", "inf", "python", "x.py")
+    # the ranks' own bound (core.config), named with the flag that gave the value
+    assert "--cycle-time-ms (cycle_time_ms): RINGPLUG_CYCLE_TIME='inf' must be a finite" in line
 
 
 @pytest.mark.parametrize("content", [b"\x7fELF\x02\x01\x00\x00binary", None])
@@ -309,13 +309,15 @@ def test_the_stall_check_may_be_turned_off_with_infinity(monkeypatch):
 
 
 # ---------------------------------------------------------------- pieces, in one process
-def test_core_and_ringrun_spell_the_rank_events_alike():
+def test_core_and_ringrun_take_the_rank_events_from_one_vocabulary():
+    # no copies to keep equal: both sides name the wire's constants (the next test reads a
+    # line the core wrote with ringrun's parser)
     from ringplug.core import log
     from ringplug.run import status
 
-    assert (log.EVENTS_VARIABLE, log.EVENT_MARK, log.FAULT) == (
-        status.EVENTS_VARIABLE, status.EVENT_MARK, status.FAULT,
-    )  # fmt: skip
+    for module in (log, status):
+        assert not {"EVENTS_VARIABLE", "EVENT_MARK", "FAULT"} & set(vars(module))
+        assert module.wire is sys.modules["ringplug.core.wire"]
 
 
 def test_a_fault_line_from_the_core_is_read_by_ringrun():
