@@ -165,7 +165,7 @@ def test_ringruns_side_loads_the_declarations_without_the_core():
     # ringrun and the per-rank wrapper use core.config and core.wire alone (ringplug._ground):
     # the rest of the core and numpy stay out of them, and a later core import shares them.
     code = (
-        "import sys, ringplug.run.wrapper, ringplug.run.cli\n"
+        "import sys, ringplug.run.launch.wrapper, ringplug.run.cli\n"
         "print(sorted(m for m in ('numpy', 'mpi4py', 'ringplug.core', 'ringplug.core.engine')"
         " if m in sys.modules))\n"
         "from ringplug.core import config\n"

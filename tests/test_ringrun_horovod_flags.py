@@ -19,6 +19,7 @@ import pytest
 from launch import fake_open_mpi, processes_matching, run_ringrun, unique_marker
 from ringplug.core import config
 from ringplug.core.config import read_settings
+from ringplug.run.checks.preflight import _Probe
 from ringplug.run.cli import (
     _check_context,
     build_parser,
@@ -30,20 +31,18 @@ from ringplug.run.cli import (
 )
 from ringplug.run.configfile import load_config_file
 from ringplug.run.horovodrun import UNSUPPORTED
-from ringplug.run.hosts import Host, rank_hosts
-from ringplug.run.launcher import START_TIMEOUT_EXIT_CODE, StartWatch, run_job
-from ringplug.run.mpi import LaunchPlan
-from ringplug.run.preflight import _Probe
-from ringplug.run.setting import SettingsError
-from ringplug.run.settings import LOG_LEVELS, RunSettings
-from ringplug.run.ssh import DEFAULT_CONNECT_TIMEOUT_S
-from ringplug.run.status import RankStarted, RankStatus, event_line, parse_event
+from ringplug.run.hosts.spec import Host, rank_hosts
+from ringplug.run.hosts.ssh import DEFAULT_CONNECT_TIMEOUT_S
+from ringplug.run.launch.job import START_TIMEOUT_EXIT_CODE, StartWatch, run_job
+from ringplug.run.launch.mpi import LaunchPlan
+from ringplug.run.launch.status import RankStarted, RankStatus, event_line, parse_event
+from ringplug.run.settings import LOG_LEVELS, RunSettings, SettingsError
 
 JOB_TIMEOUT_S = 30
 # A job stopped by --start-timeout must end well within this (the ranks never would).
 STOPPED_JOB_TIMEOUT_S = 20
 
-WRAPPER_TAIL = [sys.executable, "-m", "ringplug.run.wrapper", "--"]
+WRAPPER_TAIL = [sys.executable, "-m", "ringplug.run.launch.wrapper", "--"]
 
 
 def dry_run(*args: str, extra_env: dict[str, str] | None = None, cwd: Path | None = None):

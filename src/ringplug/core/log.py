@@ -56,7 +56,7 @@ before_end: list[Callable[[str], None]] = []
 
 
 def _event_line(kind: str, fields: dict[str, Any]) -> str:
-    """The event line ringrun reads (see `ringplug.run.status`), or "" when not under it."""
+    """The event line ringrun reads (see `ringplug.run.launch.status`), or "" when not under it."""
     token = os.environ.get(wire.EVENTS_VARIABLE)
     if not token:
         return ""

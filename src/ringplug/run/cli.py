@@ -27,12 +27,11 @@ from pathlib import Path
 
 from ringplug._ground import config, wire
 from ringplug.forensics.flight import main as explain_flight
-from ringplug.run import elastic
-from ringplug.run.check import CheckContext, run_check
+from ringplug.run.checks.check import CheckContext, run_check
+from ringplug.run.checks.preflight import Preflight, run_preflight
 from ringplug.run.configfile import load_config_file
-from ringplug.run.elastic import ElasticError
 from ringplug.run.horovodrun import TIMELINE_CYCLES_NOTE, add_horovodrun_flags, refusal
-from ringplug.run.hosts import (
+from ringplug.run.hosts.spec import (
     Host,
     HostSpecError,
     format_host_list,
@@ -43,8 +42,11 @@ from ringplug.run.hosts import (
     rank_hosts,
     total_slots,
 )
-from ringplug.run.launcher import START_FAILED_EXIT_CODE, JobResult, StartWatch, run_job
-from ringplug.run.mpi import (
+from ringplug.run.hosts.ssh import DEFAULT_CONNECT_TIMEOUT_S, HostProblem, SshOptions
+from ringplug.run.launch import elastic
+from ringplug.run.launch.elastic import ElasticError
+from ringplug.run.launch.job import START_FAILED_EXIT_CODE, JobResult, StartWatch, run_job
+from ringplug.run.launch.mpi import (
     FORWARDED_VARIABLES,
     JobSpec,
     LauncherError,
@@ -53,13 +55,10 @@ from ringplug.run.mpi import (
     find_launcher,
     remote_executables,
 )
-from ringplug.run.preflight import Preflight, run_preflight
-from ringplug.run.setting import add_flags, from_flags
-from ringplug.run.settings import RunSettings, SettingsError
-from ringplug.run.ssh import DEFAULT_CONNECT_TIMEOUT_S, HostProblem, SshOptions
-from ringplug.run.stacks import request_stacks
-from ringplug.run.status import RankStatus
-from ringplug.run.terminal import TERMINAL_VARIABLE, describe_terminal
+from ringplug.run.launch.stacks import request_stacks
+from ringplug.run.launch.status import RankStatus
+from ringplug.run.launch.terminal import TERMINAL_VARIABLE, describe_terminal
+from ringplug.run.settings import RunSettings, SettingsError, add_flags, from_flags
 
 logger = logging.getLogger(__name__)
 
@@ -441,7 +440,7 @@ def _start(spec: JobSpec, settings: RunSettings, dry_run: bool) -> JobResult:
 
 
 def _launch_elastic(settings: RunSettings, command: list[str], hosts: list[Host]) -> int:
-    """Run the job, restarting it after a failure with the hosts left (`ringplug.run.elastic`)."""
+    """Run the job, restarting it after a failure with the hosts left (`launch.elastic`)."""
     plan = elastic.plan_from_settings(settings)
     if plan.discovery_script is None and not hosts and plan.max_np is None:
         raise UsageError("say how many ranks to run with -np N (or give hosts with -H)")
@@ -664,8 +663,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             _say_hosts_origin(hosts, origin)
             code = run_check(_check_context(settings, hosts))
-            if args.bench:  # the measured ceiling: a short job of ringplug.run.ceiling
-                ceiling = [sys.executable, "-m", "ringplug.run.ceiling"]
+            if args.bench:  # the measured ceiling: a short job of ringplug.run.checks.ceiling
+                ceiling = [sys.executable, "-m", "ringplug.run.checks.ceiling"]
                 spec = job_from_settings(settings, ceiling, hosts)
                 code = max(code, _launch(spec, settings, args.dry_run))
             return code

@@ -29,8 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringplug._ground import config, wire
-from ringplug.run.hosts import Host, HostSpecError, format_host_list, parse_host_entry, total_slots
-from ringplug.run.launcher import JobResult
+from ringplug.run.hosts.spec import (
+    Host,
+    HostSpecError,
+    format_host_list,
+    parse_host_entry,
+    total_slots,
+)
+from ringplug.run.launch.job import JobResult
 from ringplug.run.settings import RunSettings
 
 # RESTART_VARIABLE: which start of the job a rank is in. JOB_ID_VARIABLE: the same in every

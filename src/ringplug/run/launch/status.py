@@ -181,7 +181,7 @@ class RankOutput:
     When ringrun's output is a terminal, rank 0's program writes to a pseudo-terminal and
     its wrapper sends what it reads there as these events, so that carriage returns and
     cursor moves (progress bars) reach ringrun's terminal as written, neither split nor
-    prefixed by the launcher (see :mod:`ringplug.run.terminal`).
+    prefixed by the launcher (see :mod:`ringplug.run.launch.terminal`).
 
     Args:
         rank: the rank that wrote them.
