@@ -269,7 +269,9 @@ def test_the_diagnose_variables_are_read_and_bad_values_refused(monkeypatch):
         diagnose_setting()
     monkeypatch.setenv("RINGPLUG_DIAGNOSE", "1")
     monkeypatch.setenv("RINGPLUG_DIAGNOSE_EVERY", "0")
-    with pytest.raises(ValueError, match="positive number of steps"):
+    with pytest.raises(
+        ValueError, match="RINGPLUG_DIAGNOSE_EVERY=.0. must be a whole number of at least 1"
+    ):
         diagnose_setting()
 
 

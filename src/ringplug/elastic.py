@@ -93,8 +93,8 @@ class CommitStore:
             return cls(directory)
         if job_id is None:
             return cls(None)
-        # ringrun removes it by the same name (ringplug.run.elastic, not imported: the
-        # launcher's modules are not a rank's to load).
+        # ringrun removes it by the same name (ringplug.run.launch.elastic, not imported:
+        # the launcher's modules are not a rank's to load).
         return cls(Path(tempfile.gettempdir()) / f"ringplug-elastic-{job_id}")
 
     def write(self, number: int, size: int, data: bytes) -> None:
