@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ringplug.core import config, log, wire
-from ringplug.core.config import Settings, parse_bytes, read_settings
+from ringplug import config, wire
+from ringplug.config import Settings, parse_bytes, read_settings
+from ringplug.core import log
 from ringplug.core.ops import ReduceOp, as_op
 
 
@@ -87,7 +88,7 @@ def test_the_docs_table_is_the_one_the_declarations_make():
     page = DOCS.read_text(encoding="utf-8")
     assert config.generated_part(page), "docs/configuration.md lost its generated tables"
     assert config.generated_part(page) == config.markdown(), (
-        "docs/configuration.md differs from src/ringplug/core/config.py: run "
+        "docs/configuration.md differs from src/ringplug/config.py: run "
         "`python tools/settings_table.py`"
     )
 
@@ -118,7 +119,7 @@ def test_every_ringplug_variable_named_in_the_source_is_declared_once():
     }
     stray = {}
     for path in SRC.rglob("*.py"):
-        if path.name in ("config.py", "wire.py") and path.parent.name == "core":
+        if path.name in ("config.py", "wire.py") and path.parent == SRC:
             continue
         for name in re.findall(r"[\"'](RINGPLUG_[A-Z_]+)[\"']", path.read_text(encoding="utf-8")):
             if name not in known:
@@ -162,13 +163,13 @@ def test_the_log_level_is_read_through_its_declaration(monkeypatch):
 
 
 def test_ringruns_side_loads_the_declarations_without_the_core():
-    # ringrun and the per-rank wrapper use core.config and core.wire alone (ringplug._ground):
-    # the rest of the core and numpy stay out of them, and a later core import shares them.
+    # ringrun and the per-rank wrapper use ringplug.config and ringplug.wire: the core and
+    # numpy stay out of them, and a later core import shares the same declarations.
     code = (
         "import sys, ringplug.run.launch.wrapper, ringplug.run.cli\n"
         "print(sorted(m for m in ('numpy', 'mpi4py', 'ringplug.core', 'ringplug.core.engine')"
         " if m in sys.modules))\n"
-        "from ringplug.core import config\n"
+        "from ringplug import config\n"
         "import ringplug.core.runtime as runtime\n"
         "print(runtime.Settings is config.Settings is sys.modules[config.__name__].Settings)\n"
     )

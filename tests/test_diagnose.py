@@ -13,8 +13,8 @@ import pytest
 
 from launch import run_ringrun
 from ringplug import diagnose
+from ringplug.config import diagnose_setting
 from ringplug.core import activity
-from ringplug.core.config import diagnose_setting
 from ringplug.core.timeline import Timeline
 from ringplug.diagnose import RankSummary, summarize, verdict
 

@@ -248,7 +248,7 @@ def ringrun_error(*args: str, env: dict[str, str] | None = None) -> str:
 
 def test_an_infinite_cycle_time_is_refused():
     line = ringrun_error("--dry-run", "-np", "2", "--cycle-time-ms", "inf", "python", "x.py")
-    # the ranks' own bound (core.config), named with the flag that gave the value
+    # the ranks' own bound (ringplug.config), named with the flag that gave the value
     assert "--cycle-time-ms (cycle_time_ms): RINGPLUG_CYCLE_TIME='inf' must be a finite" in line
 
 
@@ -294,7 +294,7 @@ def test_x_of_something_that_is_no_variable_name_is_refused():
     ],
 )
 def test_rank_settings_that_would_break_the_engine_are_refused(name, value, says, monkeypatch):
-    from ringplug.core.config import read_settings
+    from ringplug.config import read_settings
 
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=says):
@@ -302,7 +302,7 @@ def test_rank_settings_that_would_break_the_engine_are_refused(name, value, says
 
 
 def test_the_stall_check_may_be_turned_off_with_infinity(monkeypatch):
-    from ringplug.core.config import read_settings
+    from ringplug.config import read_settings
 
     monkeypatch.setenv("RINGPLUG_STALL_CHECK_SECONDS", "inf")
     assert read_settings().stall_check_seconds == float("inf")
@@ -317,7 +317,7 @@ def test_core_and_ringrun_take_the_rank_events_from_one_vocabulary():
 
     for module in (log, status):
         assert not {"EVENTS_VARIABLE", "EVENT_MARK", "FAULT"} & set(vars(module))
-        assert module.wire is sys.modules["ringplug.core.wire"]
+        assert module.wire is sys.modules["ringplug.wire"]
 
 
 def test_a_fault_line_from_the_core_is_read_by_ringrun():

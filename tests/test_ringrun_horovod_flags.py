@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from launch import fake_open_mpi, processes_matching, run_ringrun, unique_marker
-from ringplug.core import config
-from ringplug.core.config import read_settings
+from ringplug import config
+from ringplug.config import read_settings
 from ringplug.run.checks.preflight import _Probe
 from ringplug.run.cli import (
     _check_context,
@@ -199,7 +199,7 @@ def test_mpi_args_reach_the_launcher_and_show_in_verbose_output():
 
 # ----------------------------------------------------------------------------- tuning flags
 READ_SETTINGS = """
-from ringplug.core.config import read_settings
+from ringplug.config import read_settings
 s = read_settings()
 print(os.environ.get('RINGPLUG_LOG_LEVEL'), s.log_level, s.fusion_threshold, s.cycle_time,
       s.stall_check_seconds, s.stall_shutdown_seconds)
@@ -588,7 +588,7 @@ def test_start_timeout_does_not_stop_ranks_that_started_and_run_past_it():
     assert sorted(result.stdout.splitlines()) == ["[0] ran 0", "[1] ran 1"]
 
 
-# ------------------------------------------------- settings declared in core.config, flags
+# ------------------------------------------------- settings declared in ringplug.config, flags
 FLAGGED = [variable for variable in config.VARIABLES if variable.flag is not None]
 
 
@@ -633,7 +633,7 @@ def test_every_flag_of_a_declared_setting_has_its_help_from_the_declaration(vari
 
 def test_timeout_reaches_every_rank_and_a_bad_one_is_refused_before_any_starts():
     marker = unique_marker("timeout")
-    code = "from ringplug.core.config import read_settings\nprint(read_settings().timeout)\n"
+    code = "from ringplug.config import read_settings\nprint(read_settings().timeout)\n"
     result = run_ringrun(
         "-np", "2", "--timeout", "42.5", *rank_program(code, marker), timeout=JOB_TIMEOUT_S
     )
@@ -650,7 +650,7 @@ def test_timeout_is_on_the_dry_run_line():
 
 
 def test_the_horovodrun_tuning_flags_are_checked_by_the_ranks_bounds():
-    # the cycle time's limit is declared once (core.config), not again for the flag
+    # the cycle time's limit is declared once (ringplug.config), not again for the flag
     limit = config.CYCLE_TIME.most
     with pytest.raises(SettingsError, match=f"RINGPLUG_CYCLE_TIME='{limit + 1:g}' must be at most"):
         RunSettings(cycle_time_ms=limit + 1).validate()

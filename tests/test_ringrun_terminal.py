@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from launch import RINGRUN
-from ringplug.core.wire import EVENTS_VARIABLE
 from ringplug.run.launch.status import RankOutput, parse_event
 from ringplug.run.launch.terminal import TERMINAL_VARIABLE, TerminalSink, TerminalSpec
+from ringplug.wire import EVENTS_VARIABLE
 
 COLUMNS, LINES = 97, 31
 

@@ -3,7 +3,7 @@
     python tools/settings_table.py            # rewrite the page's generated part
     python tools/settings_table.py --print    # print the tables instead
 
-The declarations are in src/ringplug/core/config.py; tests/test_config.py fails when the
+The declarations are in src/ringplug/config.py; tests/test_config.py fails when the
 page and they differ.
 """
 
@@ -19,7 +19,7 @@ PAGE = ROOT / "docs" / "configuration.md"
 def main(argv: list[str]) -> int:
     """Rewrite the page (or with ``--print``, print the tables); 2 for other arguments."""
     sys.path.insert(0, str(ROOT / "src"))
-    from ringplug.core import config
+    from ringplug import config
 
     if argv == ["--print"]:
         sys.stdout.write(config.markdown())

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from . import core
-from .core.config import elastic_setting
+from .config import elastic_setting
 from .core.errors import RingplugError
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from . import config, wire
+from .. import config, wire
 
 _HANDLER_NAME = "ringplug"
 

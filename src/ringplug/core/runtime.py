@@ -19,9 +19,10 @@ import traceback as traceback_module
 from types import TracebackType
 from typing import NoReturn
 
+from .. import wire
+from ..config import Settings, read_settings
 from ..forensics import stacks
-from . import log, wire
-from .config import Settings, read_settings
+from . import log
 from .engine.engine import Engine
 from .errors import NotInitializedError, PeerEngineFailedError, PeerLeftError, RingplugError
 

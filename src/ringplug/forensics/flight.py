@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ringplug._ground import config
+from ringplug import config
 
 from .stacks import Frame, is_user_frame
 

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ringplug._ground import wire
+from ringplug import wire
 
 STACKS_DIR_VARIABLE = wire.STACKS_DIR_VARIABLE  # where the wrapper wants stacks and heartbeat
 

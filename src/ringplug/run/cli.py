@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ringplug._ground import config, wire
+from ringplug import config, wire
 from ringplug.forensics.flight import main as explain_flight
 from ringplug.run.checks.check import CheckContext, run_check
 from ringplug.run.checks.preflight import Preflight, run_preflight

@@ -7,7 +7,7 @@ its config-file key. From those declarations come the command line (:func:`add_f
 config file (:func:`from_mapping`), the merge of flags over a file (:func:`from_flags`,
 :func:`overridden`), the validation (:func:`check_values`) and what reaches the ranks
 (:func:`rank_variables`, which ``--dry-run`` shows). A setting of the ranks with a ringrun
-flag (``--timeout``) is declared in :mod:`ringplug.core.config` alone and becomes a field
+flag (``--timeout``) is declared in :mod:`ringplug.config` alone and becomes a field
 here by itself (:func:`with_flagged_variables`); a launch setting is one field, plus its
 tests and docs.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ringplug._ground import config, wire
+from ringplug import config, wire
 
 _METADATA_KEY = "ringrun"
 
@@ -189,7 +189,7 @@ NAMES = SettingKind(_names, repeated=True, from_flags=list)
 ARGUMENTS = SettingKind(_arguments, repeated=True, from_flags=_split_arguments)
 """Command-line words, split like a shell would."""
 VARIABLE = SettingKind(_variable_text)
-"""The text of one ``RINGPLUG_*`` variable, checked as the ranks read it (``core.config``)."""
+"""The text of one ``RINGPLUG_*`` variable, checked as the ranks read it (``ringplug.config``)."""
 VARIABLES = SettingKind(
     _variables, repeated=True, from_flags=_variable_flags, merge=_merge_variables
 )
@@ -321,8 +321,8 @@ def variable_help(variable: config.Variable) -> str:
 
 def with_flagged_variables(cls: type) -> type:
     """Add to ``cls`` (before ``@dataclass``) a setting for each ``RINGPLUG_*`` variable with
-    a ringrun flag (``core.config``): the flag, its help and check come from the variable's
-    declaration, the config-file key is :attr:`~ringplug.core.config.Variable.key`, and a
+    a ringrun flag (``ringplug.config``): the flag, its help and check come from the variable's
+    declaration, the config-file key is :attr:`~ringplug.config.Variable.key`, and a
     value given reaches the ranks as that variable."""
     annotations = cls.__dict__.get("__annotations__", {})
     for variable in config.VARIABLES:
@@ -612,7 +612,7 @@ class RunSettings:
     means and its default. A field at its default (``None`` or empty) means "not given",
     so the command line overrides a config file field by field.
 
-    Besides these, each ``RINGPLUG_*`` variable declared with a flag in ``core.config``
+    Besides these, each ``RINGPLUG_*`` variable declared with a flag in ``ringplug.config``
     (``--timeout``, ``--timeline``) is a setting of its own (:func:`with_flagged_variables`).
     """
 
@@ -914,6 +914,6 @@ class RunSettings:
     def rank_variables(self) -> dict[str, str]:
         """The ``RINGPLUG_*`` values for the ranks that the settings ask for.
 
-        The names and units are those :mod:`ringplug.core.config` reads.
+        The names and units are those :mod:`ringplug.config` reads.
         """
         return rank_variables(self)

@@ -31,11 +31,12 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from ...config import Settings
 from ...forensics import flight
 from ...forensics.flight import FlightRecorder
 from ...forensics.stacks import own_stacks, report_lines
+from ...wire import GPU, UNNAMED, Kind, Message, Response, Signature, cacheable_name
 from .. import activity, log
-from ..config import Settings
 from ..dtypes import ITEMSIZE
 from ..errors import (
     CommunicatorFailed,
@@ -50,7 +51,6 @@ from ..kinds.kind import SameEverywhere, check_joined, kind_of
 from ..timeline import Timeline
 from ..transport.host import Transport
 from ..transport.waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay, peer_failed_error
-from ..wire import GPU, UNNAMED, Kind, Message, Response, Signature, cacheable_name
 from . import carried
 from .batches import batches
 from .exchange import Exchange

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringplug._ground import config, wire
+from ringplug import config, wire
 from ringplug.run.hosts.spec import (
     Host,
     HostSpecError,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import BinaryIO
 
-from ringplug._ground import wire
+from ringplug import wire
 from ringplug.run.hosts.ssh import HostProblem, LaunchDiagnosis
 from ringplug.run.launch.hints import hint_for
 from ringplug.run.launch.mpi import LaunchPlan

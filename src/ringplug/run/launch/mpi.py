@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringplug._ground import config
+from ringplug import config
 from ringplug.run.hosts.spec import (
     Host,
     format_host_list,

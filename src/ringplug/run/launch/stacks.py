@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from ringplug._ground import config
+from ringplug import config
 from ringplug.forensics.stacks import (
     ProcessStacks,
     body_lines,

@@ -10,13 +10,13 @@ that carry the ranks' output. Nothing is written to disk, so ranks on other host
 exactly as local ones do, without a shared filesystem.
 
 An event line reads ``ringrun-event:<token> {json}``. The token is random per job (ringrun
-hands it to the ranks in ``RINGPLUG_RUN_EVENTS``, ``ringplug.core.wire``), so a program that
+hands it to the ranks in ``RINGPLUG_RUN_EVENTS``, ``ringplug.wire``), so a program that
 prints something similar is never mistaken for the wrapper; the launcher may put its rank
 prefix (``[3] ``) in front. ringrun removes event lines from the output it passes on.
 
 The wrapper imports this inside every rank, before the user's program, and must stay light:
-no mpi4py. The event names come from the core's wire vocabulary (``ringplug.core.wire``),
-loaded alone (``ringplug._ground``): the rest of the core and numpy stay out.
+no mpi4py. The event names come from the wire vocabulary (``ringplug.wire``), which
+imports only the standard library: the core and numpy stay out.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-from ringplug._ground import wire  # the event names, spelled once for ranks and ringrun
+from ringplug import wire  # the event names, spelled once for ranks and ringrun
 from ringplug.forensics.stacks import ProcessStacks
 
 

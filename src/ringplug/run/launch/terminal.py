@@ -27,7 +27,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ringplug._ground import wire
+from ringplug import wire
 from ringplug.run.launch.processes import write_all
 
 TERMINAL_VARIABLE = wire.TERMINAL_VARIABLE  # which streams are a terminal, and its size

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from ringplug._ground import config, wire
+from ringplug import config, wire
 from ringplug.forensics.stacks import HEARTBEAT_SECONDS, STACKS_DIR_VARIABLE, outside
 from ringplug.run.launch.processes import (
     die_with_parent,

@@ -5,8 +5,8 @@ rank's `Message` of a negotiation cycle and the `Response` that says what runs, 
 unnamed and numbered requests, and where a request's buffers live (`HOST`, `GPU`); and what
 ringrun and its ranks exchange that is no setting: the rank events' names, and the variables
 ringrun (or its per-rank wrapper) sets for the ranks (`RINGPLUG_RESTART`, ...). The settings a
-user gives (`RINGPLUG_TIMEOUT`, ...) are declared in `config.py`. Standard library only, and
-nothing of the rest of the core: ringrun loads it alone (`ringplug._ground`).
+user gives (`RINGPLUG_TIMEOUT`, ...) are declared in `ringplug.config`. Standard library
+only: the core and ringrun both import it, and ringrun's side loads no numpy.
 """
 
 from __future__ import annotations
