@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from ... import wire
 from ...config import Settings
 from ...forensics import flight
 from ...forensics.flight import FlightRecorder
@@ -847,7 +848,12 @@ class Engine(ExpressCycles):
         host = socket.gethostname()
         written = time.time()
         sent = log.event(
-            "flight", rank=self.rank, host=host, reason=reason, written=written, records=records
+            wire.FLIGHT,
+            rank=self.rank,
+            host=host,
+            reason=reason,
+            written=written,
+            records=records,
         )
         if not sent and records:
             path = flight.write_own(self.rank, host, reason, records)
@@ -855,7 +861,7 @@ class Engine(ExpressCycles):
         if stacks:
             report = own_stacks()
             if not log.event(
-                "stacks", rank=self.rank, host=host, reason=reason, report=report.to_dict()
+                wire.STACKS, rank=self.rank, host=host, reason=reason, report=report.to_dict()
             ):
                 log.say(
                     self.rank,
