@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-# The same names as ringplug.run.hosts.LAUNCHER_HOSTFILE_VARIABLES (not imported: the
+# The same names as ringplug.run.hosts.spec.LAUNCHER_HOSTFILE_VARIABLES (not imported: the
 # helpers stay light).
 LAUNCHER_HOSTFILE_VARIABLES = (
     "OMPI_MCA_orte_default_hostfile",

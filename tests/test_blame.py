@@ -81,7 +81,7 @@ def test_a_killed_rank_is_blamed_before_a_peer_that_raised_an_error_of_its_own()
 
 
 def statuses():
-    from ringplug.run.status import RankFault, RankStatus
+    from ringplug.run.launch.status import RankFault, RankStatus
 
     raised = RankFault(2, (), "uncaught ConnectionResetError on rank 2", timestamp=100.2)
     died = RankStatus(2, "h", 12, 1, None, timestamp=100.3)
@@ -90,7 +90,7 @@ def statuses():
 
 @pytest.mark.parametrize("killed_first", [True, False])
 def test_root_cause_a_rank_killed_from_outside_comes_before_a_fault_naming_nobody(killed_first):
-    from ringplug.run.launcher import find_root_cause
+    from ringplug.run.launch.job import find_root_cause
 
     RankStatus, raised, died = statuses()
     killed = RankStatus(1, "h", 11, None, "SIGKILL", timestamp=100.0)
@@ -102,7 +102,7 @@ def test_root_cause_a_rank_killed_from_outside_comes_before_a_fault_naming_nobod
 
 
 def test_root_cause_a_rank_stopped_in_the_teardown_or_killed_long_after_is_not_blamed():
-    from ringplug.run.launcher import find_root_cause
+    from ringplug.run.launch.job import find_root_cause
 
     RankStatus, raised, died = statuses()
     for late in (

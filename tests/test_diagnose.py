@@ -13,8 +13,8 @@ import pytest
 
 from launch import run_ringrun
 from ringplug import diagnose
+from ringplug.config import diagnose_setting
 from ringplug.core import activity
-from ringplug.core.config import diagnose_setting
 from ringplug.core.timeline import Timeline
 from ringplug.diagnose import RankSummary, summarize, verdict
 
@@ -269,7 +269,9 @@ def test_the_diagnose_variables_are_read_and_bad_values_refused(monkeypatch):
         diagnose_setting()
     monkeypatch.setenv("RINGPLUG_DIAGNOSE", "1")
     monkeypatch.setenv("RINGPLUG_DIAGNOSE_EVERY", "0")
-    with pytest.raises(ValueError, match="positive number of steps"):
+    with pytest.raises(
+        ValueError, match="RINGPLUG_DIAGNOSE_EVERY=.0. must be a whole number of at least 1"
+    ):
         diagnose_setting()
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from launch import RINGRUN, discovery_script, processes_matching, run_ringrun, unique_marker
-from ringplug.run import elastic
-from ringplug.run.elastic import ElasticError, ElasticPlan, discover, run_elastic
-from ringplug.run.hosts import Host
-from ringplug.run.launcher import JobResult
-from ringplug.run.ssh import HostProblem
-from ringplug.run.status import RankStarted
+from ringplug.run.hosts.spec import Host
+from ringplug.run.hosts.ssh import HostProblem
+from ringplug.run.launch import elastic
+from ringplug.run.launch.elastic import ElasticError, ElasticPlan, discover, run_elastic
+from ringplug.run.launch.job import JobResult
+from ringplug.run.launch.status import RankStarted
 
 WORKER = str(Path(__file__).parent / "workers" / "elastic.py")
 
@@ -258,7 +258,7 @@ def test_a_host_lost_mid_job_stays_out_even_when_the_discovery_script_still_name
 
 def test_a_host_whose_ssh_connection_closed_after_its_ranks_started_is_lost_not_unstartable():
     from ringplug.run.cli import lost_hosts
-    from ringplug.run.mpi import JobSpec
+    from ringplug.run.launch.mpi import JobSpec
 
     closed = HostProblem("b", "connection closed", "the ssh server closed the connection", "-")
     spec = JobSpec(np=4, command=["python"], hosts=[Host("a", 2), Host("b", 2)])

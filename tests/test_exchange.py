@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ringplug.core.engine.exchange import decode, encode, form_length, messages, same_form
-from ringplug.core.wire import Kind, Message, Signature
+from ringplug.wire import Kind, Message, Signature
 
 MESSAGES = [
     Message(1),

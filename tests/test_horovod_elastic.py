@@ -15,7 +15,7 @@ from launch import discovery_script, processes_matching, run_ringrun, unique_mar
 
 torch = pytest.importorskip("torch")
 hvd = pytest.importorskip("ringplug.horovod.torch")
-from ringplug.horovod import elastic as _elastic  # noqa: E402
+from ringplug import elastic as _elastic  # noqa: E402
 
 WORKER = str(Path(__file__).parent / "workers" / "hvd_elastic.py")
 

@@ -25,7 +25,7 @@ if keras.backend.backend() != "tensorflow":
 
 import ringplug.horovod.keras as hvd  # noqa: E402
 import ringplug.horovod.tensorflow as hvd_tf  # noqa: E402
-from ringplug.horovod import elastic as _elastic  # noqa: E402
+from ringplug import elastic as _elastic  # noqa: E402
 
 WORKER = str(Path(__file__).parent / "workers" / "hvd_elastic_keras.py")
 

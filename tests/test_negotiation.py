@@ -5,7 +5,7 @@ from __future__ import annotations
 from ringplug.core.dtypes import DType
 from ringplug.core.engine.negotiation import Cache, decide
 from ringplug.core.ops import ReduceOp
-from ringplug.core.wire import Kind, Message, Signature, numbered
+from ringplug.wire import Kind, Message, Signature, numbered
 
 W = Signature(Kind.ALLREDUCE, DType.FLOAT32, ReduceOp.AVERAGE, -1, (4, 3))
 B = Signature(Kind.ALLREDUCE, DType.FLOAT32, ReduceOp.AVERAGE, -1, (3,))

@@ -29,7 +29,7 @@ REQUIRED = os.environ.get("RINGPLUG_TEST_OPENMPI") == "require"
 
 def _open_mpi_launchers() -> list:
     """pytest params: (label, mpiexec, variables for ringrun) for each real Open MPI here."""
-    from ringplug.run.mpi import OPEN_MPI, identify_launcher
+    from ringplug.run.launch.mpi import OPEN_MPI, identify_launcher
 
     found = []
     beside = Path(sys.executable).parent / "mpiexec"
@@ -51,7 +51,7 @@ def _system_open_mpi() -> str | None:
     """An Open MPI ``mpirun`` on ``PATH`` outside this venv (e.g. Debian's openmpi-bin)."""
     import shutil
 
-    from ringplug.run.mpi import OPEN_MPI, identify_launcher
+    from ringplug.run.launch.mpi import OPEN_MPI, identify_launcher
 
     venv = Path(sys.prefix).resolve()
     for directory in os.environ.get("PATH", "").split(os.pathsep):

@@ -17,7 +17,7 @@ import pytest
 from launch import run_ringrun
 from ringplug.core import activity
 from ringplug.core.engine.exchange import decode, encode
-from ringplug.core.wire import Message
+from ringplug.wire import Message
 
 WORKER = str(Path(__file__).parent / "workers" / "positions.py")
 HELD = "at epoch 1, batch 3 (step 9)"  # where the worker holds rank 1 (6 batches an epoch)

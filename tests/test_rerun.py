@@ -1,5 +1,5 @@
 """The self-launch's ranks: how they run the script and the command line the launching
-process gives them (`ringplug.run.rerun`); ringrun's hints."""
+process gives them (`ringplug.run.launch.rerun`); ringrun's hints."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from ringplug.run.hints import CLASS_PATH_AS_NAME, RING_NOT_REGISTERED, hint_for
-from ringplug.run.rerun import _hydra_arguments, rank_command, split_command
+from ringplug.run.launch.hints import CLASS_PATH_AS_NAME, RING_NOT_REGISTERED, hint_for
+from ringplug.run.launch.rerun import _hydra_arguments, rank_command, split_command
 
 SCRIPT = """\
 import json, os, sys
 from lightning_utilities.core.rank_zero import rank_zero_only
-from ringplug.run import rerun
+from ringplug.run.launch import rerun
 before = rank_zero_only.rank
 rerun.end_replay(1)
 print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0],
@@ -27,7 +27,7 @@ print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0],
 
 def rerun(*args: str, cwd: Path) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "ringplug.run.rerun", *args],
+        [sys.executable, "-m", "ringplug.run.launch.rerun", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -86,7 +86,10 @@ def test_the_ranks_command_line_keeps_the_interpreters_options_and_the_program(
     if expected is None:
         assert (command, cwd) == (orig_argv, None)
     else:
-        assert (command, cwd) == ([*expected[0], "-m", "ringplug.run.rerun", *expected[1]], None)
+        assert (command, cwd) == (
+            [*expected[0], "-m", "ringplug.run.launch.rerun", *expected[1]],
+            None,
+        )
 
 
 def test_hydra_arguments_keep_config_options_and_drop_multirun():

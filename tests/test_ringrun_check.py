@@ -6,7 +6,7 @@ import os
 import sys
 
 from launch import run_ringrun, write_executable
-from ringplug.run.check import CheckContext, system_mpi_installations, venv_mpi_libraries
+from ringplug.run.checks.check import CheckContext, system_mpi_installations, venv_mpi_libraries
 
 
 def test_report_names_python_ringplug_mpi_and_frameworks():
@@ -25,7 +25,7 @@ def test_report_names_python_ringplug_mpi_and_frameworks():
 
 def test_frameworks_are_not_imported_to_report_them():
     code = (
-        "import sys; from ringplug.run.check import frameworks_section, CheckContext; "
+        "import sys; from ringplug.run.checks.check import frameworks_section, CheckContext; "
         "frameworks_section(CheckContext()); print('torch' in sys.modules)"
     )
     import subprocess

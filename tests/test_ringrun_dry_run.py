@@ -35,7 +35,7 @@ def test_hydra_line_runs_each_rank_in_the_wrapper_with_rank_prefixes():
     assert words[-8:] == [
         sys.executable,
         "-m",
-        "ringplug.run.wrapper",
+        "ringplug.run.launch.wrapper",
         "--",
         "python",
         "train.py",
@@ -164,7 +164,7 @@ def test_open_mpi_line_translates_hosts_interfaces_ssh_port_binding_and_variable
 def test_verbose_prints_the_line_it_runs():
     result = run_ringrun("-np", "1", "--verbose", sys.executable, "-c", "pass", timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "ringplug.run.wrapper" in result.stderr
+    assert "ringplug.run.launch.wrapper" in result.stderr
     assert "-prepend-rank" in result.stderr
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
 import shlex
 import socket
 import subprocess
@@ -16,20 +17,32 @@ from pathlib import Path
 import pytest
 
 from launch import fake_open_mpi, processes_matching, run_ringrun, unique_marker
-from ringplug.run.cli import build_parser, main
+from ringplug import config
+from ringplug.config import read_settings
+from ringplug.run.checks.preflight import _Probe
+from ringplug.run.cli import (
+    _check_context,
+    build_parser,
+    job_from_settings,
+    main,
+    settings_from_args,
+    ssh_from_settings,
+    start_watch,
+)
 from ringplug.run.configfile import load_config_file
 from ringplug.run.horovodrun import UNSUPPORTED
-from ringplug.run.hosts import Host, rank_hosts
-from ringplug.run.launcher import START_TIMEOUT_EXIT_CODE, StartWatch, run_job
-from ringplug.run.mpi import LaunchPlan
-from ringplug.run.settings import LOG_LEVELS, RunSettings
-from ringplug.run.status import RankStarted, RankStatus, event_line, parse_event
+from ringplug.run.hosts.spec import Host, rank_hosts
+from ringplug.run.hosts.ssh import DEFAULT_CONNECT_TIMEOUT_S
+from ringplug.run.launch.job import START_TIMEOUT_EXIT_CODE, StartWatch, run_job
+from ringplug.run.launch.mpi import LaunchPlan
+from ringplug.run.launch.status import RankStarted, RankStatus, event_line, parse_event
+from ringplug.run.settings import LOG_LEVELS, RunSettings, SettingsError
 
 JOB_TIMEOUT_S = 30
 # A job stopped by --start-timeout must end well within this (the ranks never would).
 STOPPED_JOB_TIMEOUT_S = 20
 
-WRAPPER_TAIL = [sys.executable, "-m", "ringplug.run.wrapper", "--"]
+WRAPPER_TAIL = [sys.executable, "-m", "ringplug.run.launch.wrapper", "--"]
 
 
 def dry_run(*args: str, extra_env: dict[str, str] | None = None, cwd: Path | None = None):
@@ -186,7 +199,7 @@ def test_mpi_args_reach_the_launcher_and_show_in_verbose_output():
 
 # ----------------------------------------------------------------------------- tuning flags
 READ_SETTINGS = """
-from ringplug.core.config import read_settings
+from ringplug.config import read_settings
 s = read_settings()
 print(os.environ.get('RINGPLUG_LOG_LEVEL'), s.log_level, s.fusion_threshold, s.cycle_time,
       s.stall_check_seconds, s.stall_shutdown_seconds)
@@ -573,3 +586,96 @@ def test_start_timeout_does_not_stop_ranks_that_started_and_run_past_it():
     result = run_ringrun("-np", "2", "--start-timeout", "3", *program, timeout=JOB_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == ["[0] ran 0", "[1] ran 1"]
+
+
+# ------------------------------------------------- settings declared in ringplug.config, flags
+FLAGGED = [variable for variable in config.VARIABLES if variable.flag is not None]
+
+
+def _example(variable: config.Variable, folder: Path) -> str:
+    """A value of ``variable`` other than its default, as a user would write it."""
+    if variable.form == config.PATH:
+        return str(folder / "trace.json")
+    if variable.form in (config.SECONDS, config.MILLISECONDS):
+        return f"{(variable.default or 1) / 2 + 0.25:g}"
+    raise AssertionError(f"no example value for {variable.name}: add one here")
+
+
+def test_the_settings_with_a_flag_include_timeout_and_timeline():
+    assert {variable.flag for variable in FLAGGED} >= {"--timeout", "--timeline"}
+
+
+@pytest.mark.parametrize("variable", FLAGGED, ids=lambda v: v.flag)
+def test_every_flag_of_a_declared_setting_reaches_the_ranks_config(variable, tmp_path):
+    # flag -> RINGPLUG_* -> the ranks' config, and the config file's key the same way
+    text = _example(variable, tmp_path)
+    settings = settings_from_args(build_parser().parse_args([variable.flag, text, "-np", "1"]))
+    environ = settings.rank_variables()
+    assert set(environ) == {variable.name}
+    expected = variable.parse(text)
+    assert variable.read(environ) == expected != variable.default
+    if variable.field is not None:
+        assert getattr(read_settings(environ), variable.field) == variable.field_value(expected)
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(f"{variable.key}: {text}\n")
+    from_file = load_config_file(config_file)
+    from_file.validate()
+    assert from_file.rank_variables() == environ
+
+
+@pytest.mark.parametrize("variable", FLAGGED, ids=lambda v: v.flag)
+def test_every_flag_of_a_declared_setting_has_its_help_from_the_declaration(variable):
+    help_text = " ".join(build_parser().format_help().split())
+    assert variable.name in help_text
+    if variable.default is not None:
+        assert f"default {variable.default_text}" in help_text
+
+
+def test_timeout_reaches_every_rank_and_a_bad_one_is_refused_before_any_starts():
+    marker = unique_marker("timeout")
+    code = "from ringplug.config import read_settings\nprint(read_settings().timeout)\n"
+    result = run_ringrun(
+        "-np", "2", "--timeout", "42.5", *rank_program(code, marker), timeout=JOB_TIMEOUT_S
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0] 42.5", "[1] 42.5"]
+    refused = run_ringrun("-np", "2", "--timeout", "0", "python", "-c", "pass", timeout=30)
+    assert refused.returncode == 2
+    assert "--timeout (timeout): RINGPLUG_TIMEOUT='0' must be a positive number" in refused.stderr
+
+
+def test_timeout_is_on_the_dry_run_line():
+    words, _ = dry_run("-np", "2", "--timeout", "90", "python", "x.py")
+    assert genv(words)["RINGPLUG_TIMEOUT"] == "90"
+
+
+def test_the_horovodrun_tuning_flags_are_checked_by_the_ranks_bounds():
+    # the cycle time's limit is declared once (ringplug.config), not again for the flag
+    limit = config.CYCLE_TIME.most
+    with pytest.raises(SettingsError, match=f"RINGPLUG_CYCLE_TIME='{limit + 1:g}' must be at most"):
+        RunSettings(cycle_time_ms=limit + 1).validate()
+    RunSettings(cycle_time_ms=limit).validate()
+    with pytest.raises(SettingsError, match="RINGPLUG_STALL_SHUTDOWN_SECONDS='inf'"):
+        RunSettings(stall_check_shutdown_time_seconds=math.inf).validate()
+
+
+def test_a_start_timeout_of_zero_is_no_limit_everywhere():
+    settings = settings_from_args(build_parser().parse_args(["--start-timeout", "0", "-np", "2"]))
+    assert settings.start_timeout == 0 and settings.effective_start_timeout is None
+    assert settings.host_timeout_s == math.inf  # the preflight and --check: no limit either
+    assert _check_context(settings, []).host_timeout_s == math.inf
+    assert ssh_from_settings(settings).connect_timeout_s == DEFAULT_CONNECT_TIMEOUT_S
+    spec = job_from_settings(settings, ["python", "x.py"])
+    assert start_watch(spec, settings) is None
+    # and a limit given is kept, ssh's connect timeout within it
+    short = settings_from_args(build_parser().parse_args(["--start-timeout", "3", "-np", "2"]))
+    assert short.host_timeout_s == 3 and ssh_from_settings(short).connect_timeout_s == 3
+
+
+def test_the_preflight_waits_without_a_deadline_when_there_is_no_limit():
+    # math.inf is a deadline the waits accept (no OverflowError), and an answer still ends it
+    probe = _Probe.__new__(_Probe)
+    probe.messages = queue.Queue()
+    probe.messages.put({"kind": "hello"})
+    probe.process, probe.readers = None, []
+    assert probe.expect("hello", time.monotonic() + math.inf) == {"kind": "hello"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringplug.run.hosts import (
+from ringplug.run.hosts.spec import (
     Host,
     HostSpecError,
     format_host_list,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launch import fake_open_mpi, run_ringrun
-from ringplug.run.hosts import LAUNCHER_HOSTFILE_VARIABLES, Host, launcher_hostfile
+from ringplug.run.hosts.spec import LAUNCHER_HOSTFILE_VARIABLES, Host, launcher_hostfile
 
 WORKERS = ["pi-worker-0.pi.default.svc", "pi-worker-1.pi.default.svc"]
 
@@ -157,7 +157,7 @@ def test_no_variable_or_an_empty_one_means_no_hostfile():
 
 
 def test_operator_hostfile_formats_both_parse(tmp_path):
-    from ringplug.run.hosts import parse_hostfile
+    from ringplug.run.hosts.spec import parse_hostfile
 
     open_mpi = operator_hostfile(tmp_path, [f"{name} slots=2" for name in WORKERS])
     assert parse_hostfile(open_mpi) == [Host(name, 2) for name in WORKERS]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launch import python_without_mpi, run_ringrun
-from ringplug.run.mpi import JobSpec, LauncherError, build_plan, find_launcher_path
+from ringplug.run.launch.mpi import JobSpec, LauncherError, build_plan, find_launcher_path
 
 
 def test_no_launcher_is_found_in_an_empty_environment(tmp_path):
@@ -37,7 +37,7 @@ def test_several_ranks_without_a_launcher_fail_with_what_to_install(tmp_path):
 
 def test_remote_hosts_without_a_launcher_fail_even_for_one_rank():
     with pytest.raises(LauncherError, match="no MPI launcher"):
-        from ringplug.run.hosts import Host
+        from ringplug.run.hosts.spec import Host
 
         build_plan(JobSpec(np=1, command=["true"], hosts=[Host("a", 1)]), launcher=None)
 
@@ -73,4 +73,4 @@ def test_dry_run_without_a_launcher_shows_the_direct_command(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("PYTHONUNBUFFERED=1 ")
-    assert "-m ringplug.run.wrapper -- train.py" in result.stdout
+    assert "-m ringplug.run.launch.wrapper -- train.py" in result.stdout

@@ -16,9 +16,13 @@ from pathlib import Path
 import pytest
 
 from launch import run_ringrun
-from ringplug.run.check import CheckContext, build_report, format_report
-from ringplug.run.hosts import Host
-from ringplug.run.mpi import (
+from ringplug.run.checks.check import CheckContext, build_report, format_report
+from ringplug.run.checks.preflight import local_host_names, run_preflight
+from ringplug.run.hosts.netinfo import Interface, candidate_interfaces, local_interfaces
+from ringplug.run.hosts.probe import LINE_PREFIX
+from ringplug.run.hosts.spec import Host
+from ringplug.run.hosts.ssh import LaunchDiagnosis, SshOptions, diagnose
+from ringplug.run.launch.mpi import (
     HYDRA,
     OPEN_MPI,
     JobSpec,
@@ -27,11 +31,7 @@ from ringplug.run.mpi import (
     build_plan,
     rank_segments,
 )
-from ringplug.run.netinfo import Interface, candidate_interfaces, local_interfaces
-from ringplug.run.preflight import local_host_names, run_preflight
-from ringplug.run.probe import LINE_PREFIX
 from ringplug.run.settings import RunSettings, SettingsError
-from ringplug.run.ssh import LaunchDiagnosis, SshOptions, diagnose
 
 PYTHON = "/venv/bin/python"
 
@@ -53,7 +53,7 @@ PYTHON = "/venv/bin/python"
         (["root@n2: Permission denied (publickey)."], 255, "ssh login refused"),
         ([f"bash: line 1: {PYTHON}: No such file or directory"], 127, "wrong Python"),
         ([f"env: '{PYTHON}': No such file or directory"], 127, "wrong Python"),
-        ([f"{PYTHON}: No module named ringplug.run.probe"], 1, "wrong Python"),
+        ([f"{PYTHON}: No module named ringplug.run.hosts.probe"], 1, "wrong Python"),
         (["something nobody expected"], 3, "ssh failed"),
     ],
 )  # fmt: skip
@@ -117,7 +117,7 @@ def test_candidates_skip_down_and_link_local_addresses_and_put_physical_links_fi
 
 def test_the_probe_answers_with_facts_and_finds_its_own_token():
     probe = subprocess.Popen(
-        [sys.executable, "-m", "ringplug.run.probe", "--need", sys.executable],
+        [sys.executable, "-m", "ringplug.run.hosts.probe", "--need", sys.executable],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -204,7 +204,7 @@ def test_hosts_with_different_interface_names_become_one_mpmd_part_each():
     assert "-env NCCL_SOCKET_IFNAME =enp6s0 -env UCX_NET_DEVICES enp6s0" in first
     assert second.startswith("-n 1 -env FI_TCP_IFACE eth1 -env GLOO_SOCKET_IFNAME eth1,ib0")
     assert "-env NCCL_SOCKET_IFNAME =eth1,ib0 -env UCX_NET_DEVICES eth1,ib0" in second
-    assert second.endswith(f"{PYTHON} -m ringplug.run.wrapper -- python t.py")
+    assert second.endswith(f"{PYTHON} -m ringplug.run.launch.wrapper -- python t.py")
 
 
 def test_hosts_with_the_same_names_get_them_once_for_the_whole_job():

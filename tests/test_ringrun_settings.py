@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ringplug.run import setting as declared
+from ringplug.run import settings as declared
 from ringplug.run.cli import build_parser, settings_from_args
-from ringplug.run.setting import NUMBER, SettingsError, setting, within
-from ringplug.run.settings import RunSettings
+from ringplug.run.settings import NUMBER, RunSettings, SettingsError, setting, within
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "ringrun.md"
 

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from launch import RINGRUN
-from ringplug.run.status import EVENTS_VARIABLE, RankOutput, parse_event
-from ringplug.run.terminal import TERMINAL_VARIABLE, TerminalSink, TerminalSpec
+from ringplug.run.launch.status import RankOutput, parse_event
+from ringplug.run.launch.terminal import TERMINAL_VARIABLE, TerminalSink, TerminalSpec
+from ringplug.wire import EVENTS_VARIABLE
 
 COLUMNS, LINES = 97, 31
 
@@ -251,7 +252,7 @@ def test_wrapper_sends_rank_zero_terminal_bytes_as_output_events(tmp_path: Path)
         TERMINAL_VARIABLE: TerminalSpec(("stdout",), 61, 17).to_variable(),
     }
     result = subprocess.run(
-        [sys.executable, "-m", "ringplug.run.wrapper", "--", sys.executable, "-c", program],
+        [sys.executable, "-m", "ringplug.run.launch.wrapper", "--", sys.executable, "-c", program],
         capture_output=True,
         timeout=60,
         env=env,

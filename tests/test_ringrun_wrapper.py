@@ -7,20 +7,20 @@ import sys
 
 import pytest
 
-from ringplug.run.processes import framework_rank_variables, rank_from_environment
-from ringplug.run.status import RankStarted, RankStatus, event_line, parse_event
-from ringplug.run.wrapper import rank_directory_name
+from ringplug.run.launch.processes import framework_rank_variables, rank_from_environment
+from ringplug.run.launch.status import RankStarted, RankStatus, event_line, parse_event
+from ringplug.run.launch.wrapper import rank_directory_name
 
 TOKEN = "0123456789abcdef"
 
-WRAPPER = [sys.executable, "-m", "ringplug.run.wrapper", "--"]
+WRAPPER = [sys.executable, "-m", "ringplug.run.launch.wrapper", "--"]
 
 
 def run_wrapper(*command: str, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
     import os
 
     return subprocess.run(
-        [sys.executable, "-m", "ringplug.run.wrapper", *args, "--", *command],
+        [sys.executable, "-m", "ringplug.run.launch.wrapper", *args, "--", *command],
         capture_output=True,
         text=True,
         timeout=30,
@@ -44,7 +44,7 @@ def modules_imported_by_the_wrapper() -> str:
         timeout=30,
         check=True,
     )
-    assert "ringplug.run.status" in result.stderr  # the log covers the wrapper's imports
+    assert "ringplug.run.launch.status" in result.stderr  # the log covers the wrapper's imports
     return result.stderr
 
 
@@ -179,7 +179,7 @@ def test_rank_directories_sort_numerically():
 
 
 def test_the_rank_that_ended_first_is_named_even_when_a_consequence_is_reported_first():
-    from ringplug.run.launcher import root_cause
+    from ringplug.run.launch.job import root_cause
 
     killed = RankStatus(2, "node-b", 41, None, "SIGKILL", timestamp=1000.0)
     crashed = RankStatus(0, "node-a", 40, None, "SIGSEGV", timestamp=1000.4)  # its peer died

@@ -58,7 +58,7 @@ STRAGGLER_RATIO = 1.3
 STRAGGLER_SHARE = 0.10
 # Whether a reduction's wait is about its bytes (see `bandwidth_matters`). A small allreduce
 # costs at least a round trip: 46-52 us for 4 KiB on 2 ranks of the 2-core CI machine (see
-# `core.config`); across hosts it costs more, so taking the least keeps bandwidth in the
+# `ringplug.config`); across hosts it costs more, so taking the least keeps bandwidth in the
 # verdict for as many bytes as possible. Without a ceiling measured by `ringrun --check
 # --bench`, the link is taken to be a slow one, 1 Gb/s Ethernet (about 0.1 GB/s of bus
 # bandwidth): bytes a link that slow moves in a small share of the wait move as fast on any.

@@ -82,8 +82,8 @@ def environment() -> None:
         f"GPU {torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} visible"
     )
     assert ringplug.size() == 1
-    from ringplug.run.check import CheckContext
-    from ringplug.run.check_gpu import gpu_section
+    from ringplug.run.checks.check import CheckContext
+    from ringplug.run.checks.gpu import gpu_section
 
     for name, value in gpu_section(CheckContext()).rows:
         print(f"  --check: {name}: {value}")

@@ -17,7 +17,7 @@ from importlib import metadata
 import numpy as np
 
 import ringplug
-from ringplug.core.config import parse_bytes
+from ringplug.config import parse_bytes
 
 
 @dataclass

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from .. import config, wire
+
 _HANDLER_NAME = "ringplug"
 
 
@@ -41,7 +43,7 @@ def configure(rank: int, level: str | None) -> None:
         logging.Formatter("ringplug[%(ringplug_rank)d] %(levelname)s %(name)s: %(message)s")
     )
     logger.addHandler(handler)
-    explicit = os.environ.get("RINGPLUG_LOG_LEVEL")
+    explicit = config.LOG_LEVEL.given()
     if rank == 0 or explicit:
         logger.setLevel((level or "WARNING").upper())
     else:
@@ -49,23 +51,17 @@ def configure(rank: int, level: str | None) -> None:
     logger.propagate = False
 
 
-# ringrun's rank events (ringplug.run.status, which the core cannot import: it sits above
-# it). tests/test_faults.py checks that both spell them alike.
-EVENTS_VARIABLE = "RINGPLUG_RUN_EVENTS"
-EVENT_MARK = "ringrun-event:"
-FAULT = "fault"
-
-
 # Called with the fatal message before `end_job` ends the rank (the engine's flight record).
 before_end: list[Callable[[str], None]] = []
 
 
 def _event_line(kind: str, fields: dict[str, Any]) -> str:
-    """The event line ringrun reads (see `ringplug.run.status`), or "" when not under it."""
-    token = os.environ.get(EVENTS_VARIABLE)
+    """The event line ringrun reads (see `ringplug.run.launch.status`), or "" when not under it."""
+    token = os.environ.get(wire.EVENTS_VARIABLE)
     if not token:
         return ""
-    return f"{EVENT_MARK}{token} {json.dumps({'event': kind, **fields}, separators=(',', ':'))}\n"
+    body = json.dumps({"event": kind, **fields}, separators=(",", ":"))
+    return f"{wire.EVENT_MARK}{token} {body}\n"
 
 
 def event(kind: str, **fields: Any) -> bool:
@@ -121,7 +117,7 @@ def end_job(
     stream = sys.__stderr__ or sys.stderr
     lines = f"ringplug[{rank}] FATAL: {message}\n"
     lines += _event_line(
-        FAULT,
+        wire.FAULT,
         {
             "rank": rank,
             "culprits": sorted(set(culprits)),

@@ -19,9 +19,10 @@ import traceback as traceback_module
 from types import TracebackType
 from typing import NoReturn
 
+from .. import wire
+from ..config import Settings, read_settings
 from ..forensics import stacks
 from . import log
-from .config import Settings, read_settings
 from .engine.engine import Engine
 from .errors import NotInitializedError, PeerEngineFailedError, PeerLeftError, RingplugError
 
@@ -341,7 +342,7 @@ def _report_caught_failure(engine: Engine, code: int) -> None:
     )
     log.say(engine.rank, [f"ERROR: {message}"])
     log.event(
-        log.FAULT,
+        wire.FAULT,
         rank=engine.rank,
         culprits=sorted(set(culprits)),
         message=message,

@@ -21,8 +21,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from .. import core
 from ..core.ops import ReduceOp
 from ..core.runtime import launcher_world_size, refuse_torchrun_world, threads_per_rank
-from ..run import rerun
-from ..run.processes import framework_rank_variables
+from ..run.launch import rerun
+from ..run.launch.processes import framework_rank_variables
 from ..torch import allgather, allreduce
 from ..torch import backend as torch_backend
 from .devices import launched_devices
@@ -116,7 +116,7 @@ class RingParallel:
     def _speak_as_rank(self) -> None:
         """Lightning's ``rank_zero_only`` lets this rank through if it is rank 0 (not while
         the ranks of a self-launch replay what their launching process printed already:
-        `ringplug.run.rerun`)."""
+        `ringplug.run.launch.rerun`)."""
         if not rerun.replaying():
             rank_zero_only.rank = self.global_rank
 

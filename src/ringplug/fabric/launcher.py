@@ -5,9 +5,9 @@ Lightning's own launchers would start N processes that are each an MPI world of 
 models training apart, silently). Instead, this process re-runs its own command line under
 `ringrun -np N` (one MPI world), supervises it, and exits with the job's status; the ranks,
 started by the launcher, take the external path and train. What they run, and where, is
-`ringplug.run.rerun.rank_command`: the script through `ringplug.run.rerun` (which keeps what
-this process printed for rank 0 before ``fit`` from being printed again), and a Hydra app in
-this run's output folder.
+`ringplug.run.launch.rerun.rank_command`: the script through `ringplug.run.launch.rerun`
+(which keeps what this process printed for rank 0 before ``fit`` from being printed again),
+and a Hydra app in this run's output folder.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 from lightning.fabric.strategies.launchers.launcher import _Launcher
 
-from ..run.processes import parent_death_signal
-from ..run.rerun import rank_command
+from ..run.launch.processes import parent_death_signal
+from ..run.launch.rerun import rank_command
 
 # Variables an MPI singleton in this process may have set; the job's ranks get fresh ones.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_LOCAL", "HYDRA_", "OMPI_")

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ringplug import config
+
 from .stacks import Frame, is_user_frame
 
 _OWN = str(Path(__file__).resolve().parents[1])  # ringplug's own frames are not call sites
@@ -217,7 +219,7 @@ def write_own(
     rank: int, host: str, reason: str, records: list[dict[str, Any]], folder: str | None = None
 ) -> Path:
     """Write one rank's record to a file of its own (without ringrun); return its path."""
-    directory = Path(folder or os.environ.get("RINGPLUG_FLIGHT_DIR") or _temporary())
+    directory = Path(folder or config.FLIGHT_DIR.read() or _temporary())
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"ringplug-flight.rank-{rank}.{os.getpid()}.json"
     own = {"host": host, "reason": reason, "written": time.time(), "records": records}

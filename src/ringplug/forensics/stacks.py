@@ -37,8 +37,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-STACKS_DIR_VARIABLE = "RINGPLUG_STACKS_DIR"
-"""The folder where ringrun's wrapper wants its rank's stack files and heartbeat."""
+from ringplug import wire
+
+STACKS_DIR_VARIABLE = wire.STACKS_DIR_VARIABLE  # where the wrapper wants stacks and heartbeat
 
 # A real-time signal: no library ringplug sits on uses it (Lightning's SLURM requeue takes
 # SIGUSR1, MPICH and Open MPI forward SIGUSR1/SIGUSR2 to the ranks).

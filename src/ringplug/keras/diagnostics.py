@@ -10,7 +10,7 @@ import keras
 import numpy as np
 
 from .. import core, diagnose
-from ..core.config import diagnose_setting
+from ..config import diagnose_setting
 from ..diagnose import Diagnosis, StepClock
 
 

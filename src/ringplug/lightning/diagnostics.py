@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import core
-from ..core.config import diagnose_setting
+from ..config import diagnose_setting
 from ..diagnose import Diagnosis, StepClock
 
 # On unless turned off: measured with `ringplug-bench lightning` (docs/benchmarks.md), the

@@ -25,13 +25,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ringplug import config, wire
 from ringplug.forensics.flight import main as explain_flight
-from ringplug.run import elastic
-from ringplug.run.check import CheckContext, run_check
+from ringplug.run.checks.check import CheckContext, run_check
+from ringplug.run.checks.preflight import Preflight, run_preflight
 from ringplug.run.configfile import load_config_file
-from ringplug.run.elastic import ElasticError
 from ringplug.run.horovodrun import TIMELINE_CYCLES_NOTE, add_horovodrun_flags, refusal
-from ringplug.run.hosts import (
+from ringplug.run.hosts.spec import (
     Host,
     HostSpecError,
     format_host_list,
@@ -42,8 +42,11 @@ from ringplug.run.hosts import (
     rank_hosts,
     total_slots,
 )
-from ringplug.run.launcher import START_FAILED_EXIT_CODE, JobResult, StartWatch, run_job
-from ringplug.run.mpi import (
+from ringplug.run.hosts.ssh import DEFAULT_CONNECT_TIMEOUT_S, HostProblem, SshOptions
+from ringplug.run.launch import elastic
+from ringplug.run.launch.elastic import ElasticError
+from ringplug.run.launch.job import START_FAILED_EXIT_CODE, JobResult, StartWatch, run_job
+from ringplug.run.launch.mpi import (
     FORWARDED_VARIABLES,
     JobSpec,
     LauncherError,
@@ -52,13 +55,10 @@ from ringplug.run.mpi import (
     find_launcher,
     remote_executables,
 )
-from ringplug.run.preflight import Preflight, run_preflight
-from ringplug.run.setting import add_flags, from_flags
-from ringplug.run.settings import DEFAULT_START_TIMEOUT_S, RunSettings, SettingsError
-from ringplug.run.ssh import DEFAULT_CONNECT_TIMEOUT_S, HostProblem, SshOptions
-from ringplug.run.stacks import request_stacks
-from ringplug.run.status import EVENTS_VARIABLE, RankStatus
-from ringplug.run.terminal import TERMINAL_VARIABLE, describe_terminal
+from ringplug.run.launch.stacks import request_stacks
+from ringplug.run.launch.status import RankStatus
+from ringplug.run.launch.terminal import TERMINAL_VARIABLE, describe_terminal
+from ringplug.run.settings import RunSettings, SettingsError, add_flags, from_flags
 
 logger = logging.getLogger(__name__)
 
@@ -187,13 +187,15 @@ def _say_hosts_origin(hosts: Sequence[Host], origin: str | None) -> None:
 
 
 def ssh_from_settings(settings: RunSettings) -> SshOptions:
-    """ssh options from the settings; ssh's connect timeout stays within the start timeout."""
-    limit = settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S
+    """ssh options from the settings; ssh's connect timeout stays within the start timeout
+    (ssh's own default with no start limit)."""
+    limit = settings.host_timeout_s
+    connect = DEFAULT_CONNECT_TIMEOUT_S if math.isinf(limit) else math.ceil(limit)
     return SshOptions(
         port=settings.ssh_port,
         identity_file=_absolute(settings.ssh_identity_file),
         config_file=_absolute(settings.ssh_config_file),
-        connect_timeout_s=max(1, min(DEFAULT_CONNECT_TIMEOUT_S, math.ceil(limit))),
+        connect_timeout_s=max(1, min(DEFAULT_CONNECT_TIMEOUT_S, connect)),
     )
 
 
@@ -280,7 +282,7 @@ def start_watch(spec: JobSpec, settings: RunSettings) -> StartWatch | None:
 
 def _configure_logging(verbose: bool) -> None:
     """ringrun's own messages go to stderr, prefixed so they stand out from rank output."""
-    level = os.environ.get("RINGPLUG_LOG_LEVEL", "INFO" if verbose else "WARNING").upper()
+    level = (config.LOG_LEVEL.given() or ("INFO" if verbose else "WARNING")).upper()
     logging.basicConfig(format="ringrun: %(message)s", level=level, stream=sys.stderr)
 
 
@@ -310,7 +312,7 @@ def _preflight(
         spec.hosts,
         spec.ssh,
         sys.executable,
-        timeout_s=settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S,
+        timeout_s=settings.host_timeout_s,
         needed_files=remote_executables(launcher),
         requested_interfaces=spec.network_interfaces,
     )
@@ -385,7 +387,7 @@ def _start(spec: JobSpec, settings: RunSettings, dry_run: bool) -> JobResult:
         print(build_plan(spec, launcher).shell_line(), flush=True)
         return JobResult(exit_code=0)
     token = secrets.token_hex(8)
-    environ = {**os.environ, EVENTS_VARIABLE: token}
+    environ = {**os.environ, wire.EVENTS_VARIABLE: token}
     # In a terminal, rank 0's program gets one too (its progress bars draw live); a value
     # inherited from an enclosing job must not leak into a job whose output is a pipe.
     environ.pop(TERMINAL_VARIABLE, None)
@@ -438,7 +440,7 @@ def _start(spec: JobSpec, settings: RunSettings, dry_run: bool) -> JobResult:
 
 
 def _launch_elastic(settings: RunSettings, command: list[str], hosts: list[Host]) -> int:
-    """Run the job, restarting it after a failure with the hosts left (`ringplug.run.elastic`)."""
+    """Run the job, restarting it after a failure with the hosts left (`launch.elastic`)."""
     plan = elastic.plan_from_settings(settings)
     if plan.discovery_script is None and not hosts and plan.max_np is None:
         raise UsageError("say how many ranks to run with -np N (or give hosts with -H)")
@@ -661,8 +663,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             _say_hosts_origin(hosts, origin)
             code = run_check(_check_context(settings, hosts))
-            if args.bench:  # the measured ceiling: a short job of ringplug.run.ceiling
-                ceiling = [sys.executable, "-m", "ringplug.run.ceiling"]
+            if args.bench:  # the measured ceiling: a short job of ringplug.run.checks.ceiling
+                ceiling = [sys.executable, "-m", "ringplug.run.checks.ceiling"]
                 spec = job_from_settings(settings, ceiling, hosts)
                 code = max(code, _launch(spec, settings, args.dry_run))
             return code
@@ -686,7 +688,7 @@ def _check_context(settings: RunSettings, hosts: list[Host]) -> CheckContext:
         hosts=hosts,
         ssh=ssh_from_settings(settings),
         network_interfaces=list(settings.network_interfaces),
-        host_timeout_s=settings.effective_start_timeout or DEFAULT_START_TIMEOUT_S,
+        host_timeout_s=settings.host_timeout_s,
     )
 
 

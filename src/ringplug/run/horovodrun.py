@@ -15,9 +15,8 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ringplug.run.elastic import BLACKLIST_COOLDOWN_S
-from ringplug.run.setting import add_flags
-from ringplug.run.settings import RunSettings
+from ringplug.run.launch.elastic import BLACKLIST_COOLDOWN_S
+from ringplug.run.settings import RunSettings, add_flags
 
 REFUSED_DEST = "horovodrun_refused"
 """Namespace attribute listing the unsupported horovodrun flags given, in order."""

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..core import collectives as core
 from ..core import runtime
 from ..core.errors import RingplugError
-from ..run.netinfo import local_interfaces
+from ..run.hosts.netinfo import local_interfaces
 
 # How long a rank tries to reach the store rank 0 serves before it gives up on it: the
 # address travelled over MPI, so the server is listening already; only a network that does

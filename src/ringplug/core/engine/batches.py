@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from ...wire import Response
 from ..dtypes import ITEMSIZE
 from ..kinds.kind import kind_of
-from ..wire import Response
 
 
 def batches(responses: list[Response], threshold: int) -> Iterator[list[Response] | Response]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ..kinds.kind import kind_of
 
 if TYPE_CHECKING:
-    from ..wire import Message
+    from ...wire import Message
     from .handles import Request
     from .negotiation import Cache
 

@@ -31,11 +31,13 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from ... import wire
+from ...config import Settings
 from ...forensics import flight
 from ...forensics.flight import FlightRecorder
 from ...forensics.stacks import own_stacks, report_lines
+from ...wire import GPU, UNNAMED, Kind, Message, Response, Signature, cacheable_name
 from .. import activity, log
-from ..config import Settings
 from ..dtypes import ITEMSIZE
 from ..errors import (
     CommunicatorFailed,
@@ -50,7 +52,6 @@ from ..kinds.kind import SameEverywhere, check_joined, kind_of
 from ..timeline import Timeline
 from ..transport.host import Transport
 from ..transport.waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay, peer_failed_error
-from ..wire import GPU, UNNAMED, Kind, Message, Response, Signature, cacheable_name
 from . import carried
 from .batches import batches
 from .exchange import Exchange
@@ -847,7 +848,12 @@ class Engine(ExpressCycles):
         host = socket.gethostname()
         written = time.time()
         sent = log.event(
-            "flight", rank=self.rank, host=host, reason=reason, written=written, records=records
+            wire.FLIGHT,
+            rank=self.rank,
+            host=host,
+            reason=reason,
+            written=written,
+            records=records,
         )
         if not sent and records:
             path = flight.write_own(self.rank, host, reason, records)
@@ -855,7 +861,7 @@ class Engine(ExpressCycles):
         if stacks:
             report = own_stacks()
             if not log.event(
-                "stacks", rank=self.rank, host=host, reason=reason, report=report.to_dict()
+                wire.STACKS, rank=self.rank, host=host, reason=reason, report=report.to_dict()
             ):
                 log.say(
                     self.rank,

@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...wire import GPU, UNNAMED, Response, Signature, numbered
 from .. import activity
 from ..errors import CommunicatorFailed
 from ..kinds.kind import kind_of
-from ..wire import GPU, UNNAMED, Response, Signature, numbered
 from .exchange import compact, decode, messages, same_form
 from .handles import Request, wake_waiters
 from .negotiation import Plan

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..wire import Signature
+from ...wire import Signature
 
 
 class Driver(Protocol):

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from ...wire import Kind, Message, Response, Signature, numbered
 from ..kinds.kind import kind_of
-from ..wire import Kind, Message, Response, Signature, numbered
 
 __all__ = ["Cache", "Plan", "decide"]
 

@@ -14,8 +14,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from ...config import Settings
 from .. import activity, log
-from ..config import Settings
 from ..errors import BarrierTimeoutError, StallError
 from .negotiation import Plan
 

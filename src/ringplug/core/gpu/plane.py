@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Settings
+from ...config import Settings
 from ..dtypes import DType
 from ..errors import CommunicatorFailed, NcclError
 from ..ops import ReduceOp

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from ...wire import Kind, Response, Signature
 from .. import runtime
 from ..dtypes import DType, classify
 from ..engine.handles import Handle, Request
-from ..wire import Kind, Response, Signature
 from .base import (
     ArrayLike,
     as_array,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...wire import Kind, Response, Signature
 from ..engine.handles import Handle, Request
-from ..wire import Kind, Response, Signature
 from .base import (
     blocking,
     name_request,

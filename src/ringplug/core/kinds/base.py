@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
+from ...wire import Kind, Signature, cacheable_name
 from .. import runtime
 from ..dtypes import DType, storage_view
 from ..engine.handles import Handle, Request
 from ..errors import RingplugError
 from ..gpu.device import DeviceBuffer, nccl_type
 from ..ops import ReduceOp
-from ..wire import Kind, Signature, cacheable_name
 from .kind import kind_of
 
 if TYPE_CHECKING:

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from ...wire import Kind, Response, Signature
 from ..dtypes import DType, classify, storage_view
 from ..engine.handles import Handle, Request
 from ..gpu.device import DeviceBuffer
-from ..wire import Kind, Response, Signature
 from .base import (
     ArrayLike,
     Finish,

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ...wire import GPU, HOST, Response, Signature
 from ..dtypes import DType
 from ..errors import PeerFailedError, RingplugError
 from ..ops import ReduceOp
-from ..wire import GPU, HOST, Response, Signature
 
 if TYPE_CHECKING:
-    from ..config import Settings
+    from ...config import Settings
     from ..engine.handles import Request
     from ..gpu.plane import GpuPlane
     from ..timeline import Timeline

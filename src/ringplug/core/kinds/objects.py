@@ -6,9 +6,9 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+from ...wire import Kind, Response, Signature
 from .. import runtime
 from ..engine.handles import Handle, Request
-from ..wire import Kind, Response, Signature
 from .base import (
     name_request,
     submit_and_wait,

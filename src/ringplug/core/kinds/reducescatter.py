@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
+from ...wire import Kind, Response, Signature
 from ..dtypes import DType, classify
 from ..engine.handles import Handle, Request
 from ..gpu.device import DeviceBuffer
 from ..ops import Average, ReduceOp, as_op
 from ..transport import reduce
-from ..wire import Kind, Response, Signature
 from .base import (
     ArrayLike,
     Finish,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import Settings
+from ...config import Settings
 from ..dtypes import DType
 from ..ops import ReduceOp
 from . import reduce, ring

@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ...config import Settings
 from .. import log
-from ..config import Settings
 from ..errors import PeerEngineFailedError, PeerFailedError
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...wire import Kind, Response, Signature
+from ....wire import Kind, Response, Signature
 from ..kind import CollectiveKind, EngineView, register, shape_text
 from . import eager
 from .fusion import Fusion

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ....wire import HOST, Signature
 from ...dtypes import DType
 from ...ops import ReduceOp
 from ...transport import reduce
-from ...wire import HOST, Signature
 
 if TYPE_CHECKING:
     from ...engine.handles import Request

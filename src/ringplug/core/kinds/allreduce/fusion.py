@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...config import Settings
+from ....config import Settings
+from ....wire import GPU, Response
 from ...dtypes import BY_CODE, DType
 from ...errors import CommunicatorFailed
 from ...ops import BY_CODE as OP_BY_CODE
 from ...ops import ReduceOp
 from ...transport import reduce, ring
-from ...wire import GPU, Response
 from ..kind import EngineView, identity
 from . import eager
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from ....wire import GPU, HOST, UNNAMED, Kind, Signature, cacheable_name
 from ... import runtime
 from ...dtypes import FLOATING, DType, classify, storage_view
 from ...engine.handles import Handle, Request
 from ...gpu.device import DeviceBuffer
 from ...ops import Average, ReduceOp, as_op
 from ...transport import reduce, ring
-from ...wire import GPU, HOST, UNNAMED, Kind, Signature, cacheable_name
 from ..base import (
     ArrayLike,
     Finish,

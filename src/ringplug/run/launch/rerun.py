@@ -1,4 +1,4 @@
-"""How the ranks of a self-launch run the user's script: ``python -m ringplug.run.rerun
+"""How the ranks of a self-launch run the user's script: ``python -m ringplug.run.launch.rerun
 (SCRIPT | -m MODULE | -c CODE) [args...]``, as ``python SCRIPT args...`` would.
 
 `Trainer(strategy="ring", devices=N)` (or Fabric's) started from a plain ``python train.py``
@@ -54,7 +54,7 @@ def _set_rank_zero_only(rank: int) -> None:
 
 def rank_command() -> tuple[list[str], str | None]:
     """What the ranks of this process's self-launch run, and the folder they start in (None:
-    this one): the interpreter and its options, then ``-m ringplug.run.rerun`` and the
+    this one): the interpreter and its options, then ``-m ringplug.run.launch.rerun`` and the
     program with its arguments, as `split_command` finds them. A command line it cannot
     split runs as it is.
 
@@ -72,7 +72,7 @@ def rank_command() -> tuple[list[str], str | None]:
     hydra = hydra_run(program)
     if hydra is not None:
         program, cwd = hydra
-    return [*interpreter, "-m", "ringplug.run.rerun", *program], cwd
+    return [*interpreter, "-m", "ringplug.run.launch.rerun", *program], cwd
 
 
 def split_command() -> tuple[list[str], list[str]] | None:
@@ -154,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     global _replaying
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        sys.exit("usage: python -m ringplug.run.rerun (SCRIPT | -m MODULE | -c CODE) [args...]")
+        sys.exit(
+            "usage: python -m ringplug.run.launch.rerun (SCRIPT | -m MODULE | -c CODE) [args...]"
+        )
     _replaying = True
     _set_rank_zero_only(REPLAY_RANK)
     if args[0] == "-m" and len(args) > 1:
@@ -174,6 +176,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 if __name__ == "__main__":
     # Run as the module of its own name, whose `replaying` the strategies read (run as
     # __main__, this file would be a second module with a state of its own).
-    from ringplug.run import rerun
+    from ringplug.run.launch import rerun
 
     rerun.main()

@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from .. import core, diagnose
-from .netinfo import candidate_interfaces, local_interfaces
+from ringplug import core, diagnose
+from ringplug.run.hosts.netinfo import candidate_interfaces, local_interfaces
 
 # (bytes, timed iterations): few iterations for large sizes keep the sweep to seconds.
 SWEEP = ((64 << 10, 40), (1 << 20, 20), (8 << 20, 8), (32 << 20, 5))

@@ -5,7 +5,7 @@ New facts (timeline, GPUs, NCCL) are new functions appended to :data:`SECTIONS`.
 may name problems (what would stop a job, each with its fix); they end the report as a
 verdict, and make ``ringrun --check`` exit with 1.
 
-With hosts (``ringrun --check -H a,b``), the preflight of :mod:`ringplug.run.preflight`
+With hosts (``ringrun --check -H a,b``), the preflight of :mod:`ringplug.run.checks.preflight`
 runs once for the whole report, and the "Hosts" and "Network" sections show what it found.
 """
 
@@ -18,12 +18,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ringplug.run.check_gpu import gpu_section
-from ringplug.run.hosts import total_slots
-from ringplug.run.mpi import JobSpec, LauncherError, build_plan, find_launcher
-from ringplug.run.preflight import HostReport
-from ringplug.run.probe import probe_mpi_library
-from ringplug.run.report import CheckContext, Section
+from ringplug.run.checks.gpu import gpu_section
+from ringplug.run.checks.preflight import HostReport
+from ringplug.run.checks.report import CheckContext, Section
+from ringplug.run.hosts.probe import probe_mpi_library
+from ringplug.run.hosts.spec import total_slots
+from ringplug.run.launch.mpi import JobSpec, LauncherError, build_plan, find_launcher
 
 FRAMEWORKS = ("torch", "lightning", "pytorch-lightning", "tensorflow", "keras")
 

@@ -4,7 +4,7 @@ When ``ringrun``'s stdout (or stderr) is a terminal, it tells the ranks so in
 :data:`TERMINAL_VARIABLE`, with the terminal's size. Rank 0's wrapper then gives its program
 a pseudo-terminal of that size on that stream, as ``srun --pty`` does for task zero: the
 program sees a terminal (Python flushes by line, rich draws its live display, tqdm sizes its
-bar) and what it writes travels to ringrun as :class:`~ringplug.run.status.RankOutput`
+bar) and what it writes travels to ringrun as :class:`~ringplug.run.launch.status.RankOutput`
 events, whole lines the launcher cannot split or tag. ringrun writes those bytes to its
 terminal as they are, without a rank prefix, as in a plain run. The other ranks' lines keep
 their launcher prefix (``[1] ...``); one that arrives while rank 0 has an unfinished line (a
@@ -27,10 +27,10 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ringplug.run.processes import write_all
+from ringplug import wire
+from ringplug.run.launch.processes import write_all
 
-TERMINAL_VARIABLE = "RINGPLUG_RUN_TERMINAL"
-"""Environment variable that tells rank 0's wrapper which streams are a terminal, and its size."""
+TERMINAL_VARIABLE = wire.TERMINAL_VARIABLE  # which streams are a terminal, and its size
 
 STREAMS = ("stdout", "stderr")
 

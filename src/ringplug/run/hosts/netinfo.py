@@ -1,6 +1,6 @@
 """This machine's network interfaces and their IPv4 addresses, as MPI and NCCL would see them.
 
-Standard library only (it runs inside ``python -m ringplug.run.probe`` on every host of a
+Standard library only (it runs inside ``python -m ringplug.run.hosts.probe`` on every host of a
 job). Addresses come from the kernel (``SIOCGIFCONF``), so aliases (``eth0:1``) are listed
 too; facts the kernel keeps in sysfs (link speed, whether a device is virtual, InfiniBand
 ports) are read from there where it exists.

@@ -2,8 +2,11 @@
 
 The collective kinds (`Kind`), a request's `Signature` (what every rank must agree on), one
 rank's `Message` of a negotiation cycle and the `Response` that says what runs, the names of
-unnamed and numbered requests, and where a request's buffers live (`HOST`, `GPU`). Nothing
-here imports the rest of the core.
+unnamed and numbered requests, and where a request's buffers live (`HOST`, `GPU`); and what
+ringrun and its ranks exchange that is no setting: the rank events' names, and the variables
+ringrun (or its per-rank wrapper) sets for the ranks (`RINGPLUG_RESTART`, ...). The settings a
+user gives (`RINGPLUG_TIMEOUT`, ...) are declared in `ringplug.config`. Standard library
+only: the core and ringrun both import it, and ringrun's side loads no numpy.
 """
 
 from __future__ import annotations
@@ -121,3 +124,44 @@ def cacheable_name(name: str) -> bool:
     numbered ones ("torch.default#12", used once). Decided from the name alone, so that a
     joined rank, which sees only the names, learns the same slots as the others."""
     return not name.startswith(UNNAMED) and "#" not in name
+
+
+# ------------------------------------------------------------------------ rank events
+EVENTS_VARIABLE = "RINGPLUG_RUN_EVENTS"
+"""The job's event token; a rank or wrapper writes event lines only when it is set."""
+
+EVENT_MARK = "ringrun-event:"
+"""An event line reads ``ringrun-event:<token> {json}`` on the rank's stderr."""
+
+STARTED = "started"  # the wrapper started the rank's program
+EXITED = "exited"  # how the rank's program ended
+FAULT = "fault"  # a rank ended by ringplug, naming the ranks that caused it (core.log.end_job)
+OUTPUT = "output"  # rank 0's terminal output, as raw bytes
+STACKS = "stacks"  # a rank's Python stacks (core.log.event and the wrapper)
+FLIGHT = "flight"  # a rank's last collectives (core.log.event)
+
+# ------------------------------------------------------ variables ringrun sets for the ranks
+TERMINAL_VARIABLE = "RINGPLUG_RUN_TERMINAL"
+"""Rank 0's terminal (its size and kind) when ringrun runs in one."""
+
+RESTART_VARIABLE = "RINGPLUG_RESTART"
+"""Which start of an elastic job this is: 0 on the first start, 1 on the first restart."""
+
+JOB_ID_VARIABLE = "RINGPLUG_JOB_ID"
+"""The same in every start of one elastic ringrun job."""
+
+STACKS_DIR_VARIABLE = "RINGPLUG_STACKS_DIR"
+"""The folder where the wrapper asks its rank to write its stacks."""
+
+INTERNAL_PREFIXES = ("RINGPLUG_RUN_", "PMI_", "PMIX_", "OMPI_COMM_WORLD_")
+"""Variables ringrun and the MPI launcher set for every rank: a user's value would break the
+job (ranks that do not know who they are, or whose reports ringrun cannot read)."""
+
+# What ringrun sets that a program may read (docs/configuration.md's second table).
+SET_BY_RINGRUN = (
+    (
+        RESTART_VARIABLE,
+        "which start of an elastic job this is: 0 on the first start, 1 on the first restart, ...",
+    ),
+    (JOB_ID_VARIABLE, "the same in every start of one elastic job"),
+)

@@ -1,4 +1,4 @@
-"""The host side of ringrun's preflight: ``python -m ringplug.run.probe``, one per host.
+"""The host side of ringrun's preflight: ``python -m ringplug.run.hosts.probe``, one per host.
 
 ringrun starts one probe on every host of a job (over ssh, or directly on its own machine)
 and talks to it in JSON lines on stdin/stdout, each prefixed with :data:`LINE_PREFIX` so
@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ringplug.run.netinfo import local_interfaces, rdma_devices
+from ringplug.run.hosts.netinfo import local_interfaces, rdma_devices
 
 LINE_PREFIX = "ringplug-probe "
 """Every line the probe prints for ringrun starts with this."""
@@ -192,9 +192,9 @@ def _say(message: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m ringplug.run.probe``."""
+    """Entry point of ``python -m ringplug.run.hosts.probe``."""
     parser = argparse.ArgumentParser(
-        prog="python -m ringplug.run.probe",
+        prog="python -m ringplug.run.hosts.probe",
         description="Report this host's facts and test connections for ringrun's preflight.",
     )
     parser.add_argument(

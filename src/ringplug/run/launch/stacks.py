@@ -24,6 +24,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from ringplug import config
 from ringplug.forensics.stacks import (
     ProcessStacks,
     body_lines,
@@ -241,7 +242,7 @@ class FlightFile:
     """The job's flight records, one file, rewritten as each rank's arrives."""
 
     def __init__(self, path: Path | None = None) -> None:
-        folder = os.environ.get("RINGPLUG_FLIGHT_DIR") or tempfile.gettempdir()
+        folder = config.FLIGHT_DIR.read() or tempfile.gettempdir()
         self.path = path or Path(folder) / f"ringrun-flight.{os.getpid()}.json"
         self.ranks: dict[str, dict[str, Any]] = {}
 

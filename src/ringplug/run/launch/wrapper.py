@@ -1,11 +1,11 @@
 """Per-rank supervisor that ``ringrun`` puts between the MPI launcher and the user's program.
 
-Run as ``python -m ringplug.run.wrapper [--output-dir DIR] -- command [args...]``. It starts
+Run as ``python -m ringplug.run.launch.wrapper [--output-dir DIR] -- command [args...]``. It starts
 the command as a child that inherits everything the launcher set up (environment, PMI file
 descriptors), makes sure the child dies with it, forwards SIGTERM/SIGINT, optionally tees the
 child's output into per-rank files, and, when ``ringrun`` set ``RINGPLUG_RUN_EVENTS``, tells
 it through its stderr (which the launcher carries back from every host) that the program
-started and, if the program fails, how it ended (see :mod:`ringplug.run.status`).
+started and, if the program fails, how it ended (see :mod:`ringplug.run.launch.status`).
 
 Standard library only: importing mpi4py or ``ringplug.core`` here would initialise MPI in the
 wrapper, which is not a rank.
@@ -28,8 +28,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from ringplug import config, wire
 from ringplug.forensics.stacks import HEARTBEAT_SECONDS, STACKS_DIR_VARIABLE, outside
-from ringplug.run.processes import (
+from ringplug.run.launch.processes import (
     die_with_parent,
     framework_rank_variables,
     parent_death_signal,
@@ -38,9 +39,8 @@ from ringplug.run.processes import (
     size_from_environment,
     write_all,
 )
-from ringplug.run.stacks import REQUESTED
-from ringplug.run.status import (
-    EVENTS_VARIABLE,
+from ringplug.run.launch.stacks import REQUESTED
+from ringplug.run.launch.status import (
     RankOutput,
     RankStacks,
     RankStarted,
@@ -48,7 +48,7 @@ from ringplug.run.status import (
     event_line,
     signal_name,
 )
-from ringplug.run.terminal import TerminalSpec, open_pseudo_terminal, read_chunk
+from ringplug.run.launch.terminal import TerminalSpec, open_pseudo_terminal, read_chunk
 
 # How long output pipes may stay open after the child exited (a grandchild may hold them).
 _DRAIN_TIMEOUT_S = 5.0
@@ -151,7 +151,7 @@ class RankWrapper:
         self._pending_signal: int | None = None
         self._stdout = _Terminal(sys.stdout.fileno())
         self._stderr = _Terminal(sys.stderr.fileno())
-        self._events_token = self.environ.get(EVENTS_VARIABLE) or None
+        self._events_token = self.environ.get(wire.EVENTS_VARIABLE) or None
         # Rank 0 writes to a pseudo-terminal where ringrun's own output is a terminal; its
         # bytes then travel as events, so that needs the events token.
         spec = TerminalSpec.from_environment(self.environ) if self._events_token else None
@@ -370,19 +370,18 @@ class _StackWatch:
 
 
 def _stall_check_seconds(environ: Mapping[str, str]) -> float:
-    """The ranks' RINGPLUG_STALL_CHECK_SECONDS (they validate it; here a bad value is the
+    """The ranks' RINGPLUG_STALL_CHECK_SECONDS (they refuse a bad value; here it is the
     default)."""
     try:
-        value = float(environ.get("RINGPLUG_STALL_CHECK_SECONDS") or 60.0)
+        return float(config.STALL_CHECK_SECONDS.read(environ))
     except ValueError:
-        return 60.0
-    return value if value > 0 else 60.0
+        return float(config.STALL_CHECK_SECONDS.default)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m ringplug.run.wrapper``."""
+    """Entry point of ``python -m ringplug.run.launch.wrapper``."""
     parser = argparse.ArgumentParser(
-        prog="python -m ringplug.run.wrapper",
+        prog="python -m ringplug.run.launch.wrapper",
         description="Supervise one rank's command for ringrun.",
     )
     parser.add_argument("--output-dir", help="copy stdout/stderr into DIR/rank.<rank>/")

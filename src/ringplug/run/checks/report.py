@@ -1,7 +1,7 @@
 """What ``ringrun --check`` reads and writes: the context its sections look at, and a section.
 
-Its own module, so that the sections (:mod:`ringplug.run.check`,
-:mod:`ringplug.run.check_gpu`) import it rather than each other.
+Its own module, so that the sections (:mod:`ringplug.run.checks.check`,
+:mod:`ringplug.run.checks.gpu`) import it rather than each other.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ringplug.run.hosts import Host
-from ringplug.run.mpi import LauncherError, MpiLauncher, find_launcher, remote_executables
-from ringplug.run.preflight import Preflight, run_preflight
+from ringplug.run.checks.preflight import Preflight, run_preflight
+from ringplug.run.hosts.spec import Host
+from ringplug.run.hosts.ssh import HostProblem, SshOptions
+from ringplug.run.launch.mpi import LauncherError, MpiLauncher, find_launcher, remote_executables
 from ringplug.run.settings import DEFAULT_START_TIMEOUT_S
-from ringplug.run.ssh import HostProblem, SshOptions
 
 
 def _run_ldconfig() -> str:

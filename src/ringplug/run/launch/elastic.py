@@ -28,25 +28,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringplug.run.hosts import Host, HostSpecError, format_host_list, parse_host_entry, total_slots
-from ringplug.run.launcher import JobResult
+from ringplug import config, wire
+from ringplug.run.hosts.spec import (
+    Host,
+    HostSpecError,
+    format_host_list,
+    parse_host_entry,
+    total_slots,
+)
+from ringplug.run.launch.job import JobResult
 from ringplug.run.settings import RunSettings
 
-RESTART_VARIABLE = "RINGPLUG_RESTART"
-"""Which start of the job a rank is in: 0 for the first, 1 for the first restart, ..."""
-
-JOB_ID_VARIABLE = "RINGPLUG_JOB_ID"
-"""The same in every start of one elastic job (``hvd.elastic`` keys its commits by it); a
-value already in ringrun's environment (set by a batch script) is kept."""
-
-COMMIT_DIR_VARIABLE = "RINGPLUG_ELASTIC_DIR"
-"""Where ``hvd.elastic`` keeps a job's commits when set (a shared filesystem, say)."""
+# RESTART_VARIABLE: which start of the job a rank is in. JOB_ID_VARIABLE: the same in every
+# start of one elastic job (``hvd.elastic`` keys its commits by it); a value already in
+# ringrun's environment (set by a batch script) is kept.
+RESTART_VARIABLE = wire.RESTART_VARIABLE
+JOB_ID_VARIABLE = wire.JOB_ID_VARIABLE
+COMMIT_DIR_VARIABLE = config.ELASTIC_DIR.name
 
 
 def default_commit_directory(job_id: str) -> Path:
     """Where ``hvd.elastic`` keeps the commits of job `job_id` without `COMMIT_DIR_VARIABLE`
     (on each writer's host; ringrun removes this host's when the job ends well). The same
-    name as ``ringplug.horovod.elastic.CommitStore`` uses."""
+    name as ``ringplug.elastic.CommitStore`` uses."""
     return Path(tempfile.gettempdir()) / f"ringplug-elastic-{job_id}"
 
 

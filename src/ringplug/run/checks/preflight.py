@@ -1,17 +1,17 @@
 """ringrun's multi-host preflight: reach every host, learn its facts, find the shared network.
 
 Before a job on several hosts (and for ``ringrun --check -H ...``), ringrun starts
-``python -m ringplug.run.probe`` on every host through ssh, with the same interpreter path
+``python -m ringplug.run.hosts.probe`` on every host through ssh, with the same interpreter path
 and ssh options the MPI launcher will use, and on its own machine directly. That answers,
 per host and before any rank exists:
 
 - can this machine log in there without a password prompt, and if not, why (the reasons
-  of :mod:`ringplug.run.ssh`);
+  of :mod:`ringplug.run.hosts.ssh`);
 - does the job's Python exist there, with ringplug, and which versions of Python, ringplug,
   MPI and the frameworks it has;
 - which of its addresses the other hosts can actually open TCP connections to. Every probe
   tries every other probe's addresses, and an address counts only when the probe of the
-  expected host answers (see :mod:`ringplug.run.probe`), so ``lo``, a ``docker0`` that
+  expected host answers (see :mod:`ringplug.run.hosts.probe`), so ``lo``, a ``docker0`` that
   exists with the same address on every host, and networks only some hosts are on are
   left out. What is left, per host, is what MPI and NCCL are told to use.
 """
@@ -32,11 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringplug.run.hosts import Host, is_this_machine
-from ringplug.run.mpi import NetworkChoice
-from ringplug.run.netinfo import Interface, candidate_interfaces, local_addresses
-from ringplug.run.probe import LINE_PREFIX, MAX_PARALLEL_CONNECTS
-from ringplug.run.ssh import HostProblem, SshOptions, diagnose
+from ringplug.run.hosts.netinfo import Interface, candidate_interfaces, local_addresses
+from ringplug.run.hosts.probe import LINE_PREFIX, MAX_PARALLEL_CONNECTS
+from ringplug.run.hosts.spec import Host, is_this_machine
+from ringplug.run.hosts.ssh import HostProblem, SshOptions, diagnose
+from ringplug.run.launch.mpi import NetworkChoice
 
 CONNECT_TIMEOUT_S = 3.0
 """How long one probe waits for a TCP connection to another host's address."""
@@ -69,7 +69,7 @@ class HostReport:
             ringrun's machine when it runs no ranks.
         in_job: whether ranks run there.
         local: whether it is the machine ringrun runs on (reached without ssh).
-        facts: what its probe reported (see :func:`ringplug.run.probe.host_facts`), or
+        facts: what its probe reported (see :func:`ringplug.run.hosts.probe.host_facts`), or
             ``None`` when the probe did not answer.
         problem: why the probe did not answer, when it did not.
         seconds: how long the probe took to answer.
@@ -225,7 +225,7 @@ def _is_address(name: str) -> bool:
 
 
 class _Probe:
-    """One running ``python -m ringplug.run.probe`` and the lines it printed."""
+    """One running ``python -m ringplug.run.hosts.probe`` and the lines it printed."""
 
     def __init__(self, report: HostReport, argv: list[str], env: Mapping[str, str]) -> None:
         self.report = report
@@ -316,8 +316,8 @@ class _Probe:
 def _probe_command(
     python: str, needed_files: Sequence[str], mpi_library: bool, environ: Mapping[str, str]
 ) -> list[str]:
-    """``env VAR=... python -m ringplug.run.probe ...``: what runs on each host."""
-    arguments = [python, "-m", "ringplug.run.probe"]
+    """``env VAR=... python -m ringplug.run.hosts.probe ...``: what runs on each host."""
+    arguments = [python, "-m", "ringplug.run.hosts.probe"]
     for path in needed_files:
         arguments += ["--need", path]
     if mpi_library:
@@ -342,7 +342,7 @@ def run_preflight(
         hosts: the job's hosts.
         ssh: options for ssh, as the launcher will get them.
         python: the interpreter the ranks run with, at the same path on every host.
-        timeout_s: how long every host gets to answer over ssh.
+        timeout_s: how long every host gets to answer over ssh (``math.inf``: no limit).
         needed_files: other executables the job runs on every host (hydra's proxy).
         requested_interfaces: interface names the user gave; then no connection round
             runs, and each host gets those of the names it has.

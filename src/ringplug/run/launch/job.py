@@ -2,7 +2,7 @@
 
 The launcher runs in its own session so ringrun can signal its whole process group. Its
 stdout and stderr come back to ringrun through pipes: ringrun passes the output on, takes
-out the rank events the wrappers write (see :mod:`ringplug.run.status`), and reads ssh's
+out the rank events the wrappers write (see :mod:`ringplug.run.launch.status`), and reads ssh's
 complaints about hosts. The launcher carries all of it from every host, so a rank on another
 machine reports like a local one, with no shared filesystem.
 
@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import BinaryIO
 
-from ringplug.run.hints import hint_for
-from ringplug.run.mpi import LaunchPlan
-from ringplug.run.processes import parent_death_signal, pump_lines, write_all
-from ringplug.run.ssh import HostProblem, LaunchDiagnosis
-from ringplug.run.stacks import FlightFile, StackDesk
-from ringplug.run.status import (
-    EVENT_MARK,
+from ringplug import wire
+from ringplug.run.hosts.ssh import HostProblem, LaunchDiagnosis
+from ringplug.run.launch.hints import hint_for
+from ringplug.run.launch.mpi import LaunchPlan
+from ringplug.run.launch.processes import parent_death_signal, pump_lines, write_all
+from ringplug.run.launch.stacks import FlightFile, StackDesk
+from ringplug.run.launch.status import (
     Event,
     RankFault,
     RankFlight,
@@ -50,7 +50,7 @@ from ringplug.run.status import (
     RankStatus,
     parse_event,
 )
-from ringplug.run.terminal import TerminalSink, TerminalSpec, terminal_sinks
+from ringplug.run.launch.terminal import TerminalSink, TerminalSpec, terminal_sinks
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class JobResult:
         root: the rank that most likely caused the failure, and the evidence.
         unreported: ranks that started but never reported how they ended (killed together
             with their wrapper).
-        hints: what to do about errors the ranks printed (`ringplug.run.hints`).
+        hints: what to do about errors the ranks printed (`ringplug.run.launch.hints`).
     """
 
     exit_code: int
@@ -288,7 +288,7 @@ class _Relay(threading.Thread):
 
     def _line(self, line: bytes) -> None:
         text = line.decode(errors="replace")
-        if self.token is not None and EVENT_MARK in text:
+        if self.token is not None and wire.EVENT_MARK in text:
             event = parse_event(text, self.token)
             if isinstance(event, RankOutput):
                 self._write_raw(event.data)

@@ -10,12 +10,13 @@ that carry the ranks' output. Nothing is written to disk, so ranks on other host
 exactly as local ones do, without a shared filesystem.
 
 An event line reads ``ringrun-event:<token> {json}``. The token is random per job (ringrun
-hands it to the ranks in :data:`EVENTS_VARIABLE`), so a program that prints something
-similar is never mistaken for the wrapper; the launcher may put its rank prefix (``[3] ``)
-in front. ringrun removes event lines from the output it passes on.
+hands it to the ranks in ``RINGPLUG_RUN_EVENTS``, ``ringplug.wire``), so a program that
+prints something similar is never mistaken for the wrapper; the launcher may put its rank
+prefix (``[3] ``) in front. ringrun removes event lines from the output it passes on.
 
-Standard library only: the wrapper imports this inside every rank, before the user's
-program, and must stay light (no mpi4py, no ``ringplug.core``).
+The wrapper imports this inside every rank, before the user's program, and must stay light:
+no mpi4py. The event names come from the wire vocabulary (``ringplug.wire``), which
+imports only the standard library: the core and numpy stay out.
 """
 
 from __future__ import annotations
@@ -27,19 +28,8 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
+from ringplug import wire  # the event names, spelled once for ranks and ringrun
 from ringplug.forensics.stacks import ProcessStacks
-
-EVENTS_VARIABLE = "RINGPLUG_RUN_EVENTS"
-"""Environment variable with the job's event token; the wrapper reports only when it is set."""
-
-EVENT_MARK = "ringrun-event:"
-
-STARTED = "started"
-EXITED = "exited"
-FAULT = "fault"  # written by ringplug.core.log.end_job, which spells it alike
-OUTPUT = "output"
-STACKS = "stacks"  # a rank's stacks (core/log.py `event` and the wrapper send them)
-FLIGHT = "flight"  # a rank's last collectives (core/log.py `event`)
 
 
 @dataclass(frozen=True)
@@ -90,7 +80,7 @@ class RankStatus:
     def to_event(self) -> dict[str, Any]:
         """The ``exited`` event that carries this status."""
         return {
-            "event": EXITED,
+            "event": wire.EXITED,
             "rank": self.rank,
             "host": self.host,
             "pid": self.pid,
@@ -135,7 +125,7 @@ class RankStarted:
 
     def to_event(self) -> dict[str, Any]:
         """The ``started`` event that carries this fact."""
-        return {"event": STARTED, "rank": self.rank, "host": self.host, "pid": self.pid}
+        return {"event": wire.STARTED, "rank": self.rank, "host": self.host, "pid": self.pid}
 
     @classmethod
     def from_event(cls, event: dict[str, Any]) -> RankStarted:
@@ -191,7 +181,7 @@ class RankOutput:
     When ringrun's output is a terminal, rank 0's program writes to a pseudo-terminal and
     its wrapper sends what it reads there as these events, so that carriage returns and
     cursor moves (progress bars) reach ringrun's terminal as written, neither split nor
-    prefixed by the launcher (see :mod:`ringplug.run.terminal`).
+    prefixed by the launcher (see :mod:`ringplug.run.launch.terminal`).
 
     Args:
         rank: the rank that wrote them.
@@ -203,7 +193,11 @@ class RankOutput:
 
     def to_event(self) -> dict[str, Any]:
         """The ``output`` event that carries these bytes (base64: any bytes, one line)."""
-        return {"event": OUTPUT, "rank": self.rank, "data": base64.b64encode(self.data).decode()}
+        return {
+            "event": wire.OUTPUT,
+            "rank": self.rank,
+            "data": base64.b64encode(self.data).decode(),
+        }
 
     @classmethod
     def from_event(cls, event: dict[str, Any]) -> RankOutput:
@@ -237,7 +231,7 @@ class RankStacks:
 
     def to_event(self) -> dict[str, Any]:
         return {
-            "event": STACKS,
+            "event": wire.STACKS,
             "rank": self.rank,
             "host": self.host,
             "reason": self.reason,
@@ -300,7 +294,7 @@ def signal_name(number: int) -> str:
 
 def event_line(token: str, event: dict[str, Any]) -> bytes:
     """The line the wrapper writes for ``event``, newline included."""
-    return f"{EVENT_MARK}{token} {json.dumps(event, separators=(',', ':'))}\n".encode()
+    return f"{wire.EVENT_MARK}{token} {json.dumps(event, separators=(',', ':'))}\n".encode()
 
 
 def parse_event(line: str, token: str) -> Event | None:
@@ -309,7 +303,7 @@ def parse_event(line: str, token: str) -> Event | None:
     The line may carry a launcher's rank prefix before the mark. A line with the mark and
     token but an unreadable event is also ``None``; ringrun passes it on like output.
     """
-    mark = f"{EVENT_MARK}{token} "
+    mark = f"{wire.EVENT_MARK}{token} "
     start = line.find(mark)
     if start < 0:
         return None
@@ -317,17 +311,17 @@ def parse_event(line: str, token: str) -> Event | None:
         event = json.loads(line[start + len(mark) :])
         if not isinstance(event, dict):
             return None
-        if event.get("event") == STARTED:
+        if event.get("event") == wire.STARTED:
             return RankStarted.from_event(event)
-        if event.get("event") == EXITED:
+        if event.get("event") == wire.EXITED:
             return RankStatus.from_event(event)
-        if event.get("event") == FAULT:
+        if event.get("event") == wire.FAULT:
             return RankFault.from_event(event)
-        if event.get("event") == OUTPUT:
+        if event.get("event") == wire.OUTPUT:
             return RankOutput.from_event(event)
-        if event.get("event") == STACKS:
+        if event.get("event") == wire.STACKS:
             return RankStacks.from_event(event)
-        if event.get("event") == FLIGHT:
+        if event.get("event") == wire.FLIGHT:
             return RankFlight.from_event(event)
     except ValueError:
         return None

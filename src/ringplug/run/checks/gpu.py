@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from ringplug.run.report import CheckContext, Section
+from ringplug.run.checks.report import CheckContext, Section
 
 
 def _gpu_names(environ: dict[str, str]) -> list[str]:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringplug.run.hosts import (
+from ringplug import config
+from ringplug.run.hosts.spec import (
     Host,
     format_host_list,
     in_batch_allocation,
@@ -27,12 +28,11 @@ from ringplug.run.hosts import (
     rank_hosts,
     total_slots,
 )
-from ringplug.run.ssh import SshOptions
+from ringplug.run.hosts.ssh import SshOptions
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER_VARIABLE = "RINGPLUG_MPIEXEC"
-"""Environment variable that names the launcher to use, overriding the search."""
+LAUNCHER_VARIABLE = config.MPIEXEC.name  # names the launcher to use, overriding the search
 
 HYDRA = "hydra"
 OPEN_MPI = "openmpi"
@@ -333,7 +333,7 @@ def rank_segments(
 ) -> list[tuple[int, dict[str, str]]]:
     """The job as runs of consecutive ranks that get the same variables: (count, variables).
 
-    Ranks fill the hosts in ``-H`` order (see :func:`ringplug.run.hosts.rank_hosts`), so
+    Ranks fill the hosts in ``-H`` order (see :func:`ringplug.run.hosts.spec.rank_hosts`), so
     when the hosts need different values (interfaces named differently), each run of ranks
     on one host becomes one part of an MPMD command line (``-n 2 -env ... : -n 2 ...``);
     when every host gets the same values, the whole job is one part.
@@ -381,7 +381,7 @@ def forwarded_names(spec: JobSpec, environ: Mapping[str, str]) -> list[str]:
 
 def wrapper_argv(spec: JobSpec, python: str) -> list[str]:
     """The per-rank command: the wrapper around the user's command."""
-    argv = [python, "-m", "ringplug.run.wrapper"]
+    argv = [python, "-m", "ringplug.run.launch.wrapper"]
     if spec.output_dir is not None:
         argv += ["--output-dir", spec.output_dir]
     return [*argv, "--", *spec.command]

@@ -184,7 +184,7 @@ def diagnose(
     python: str,
     needed: Iterable[str] = (),
 ) -> HostProblem:
-    """Explain why ``ssh HOST python -m ringplug.run.probe`` failed.
+    """Explain why ``ssh HOST python -m ringplug.run.hosts.probe`` failed.
 
     Args:
         host: the host as the user named it.
@@ -227,8 +227,8 @@ def diagnose(
         host,
         "ssh failed",
         f'ssh exited with code {returncode} ("{last}")',
-        f"run `ssh -o BatchMode=yes {host} {python} -m ringplug.run.probe </dev/null` by hand "
-        "to see the whole message",
+        f"run `ssh -o BatchMode=yes {host} {python} -m ringplug.run.hosts.probe </dev/null` by "
+        "hand to see the whole message",
     )
 
 

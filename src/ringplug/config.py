@@ -1,0 +1,550 @@
+"""Every ``RINGPLUG_*`` setting, declared once: name, type, bounds, default, meaning, flag.
+
+Each :class:`Variable` below is one setting. From the declarations come the ranks' config
+(:class:`Settings`, read by :func:`read_settings` at ``ringplug.init()``), ringrun's flags
+for them (``ringplug.run.settings`` adds a flag for each variable that names one, its help
+and default from here), the validation on both sides (:meth:`Variable.parse`, which ringrun
+runs on every value it would give the ranks) and the table of docs/configuration.md
+(``python tools/settings_table.py`` writes it; tests/test_config.py checks that the page
+and the declarations agree). A new setting is one :class:`Variable` here (and a
+:class:`Settings` field, when the engine reads it), plus its tests.
+
+The variables ringrun and the ranks exchange that are no settings (the event token, the
+restart count) are in :mod:`ringplug.wire`. Standard library only: ringrun and the core
+both import this (``ringplug`` itself loads nothing), and ringrun's side loads no numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import wire
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a byte count such as "65536", "64K", "16M", "1G" or "16MiB"."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = value[-1:] if value[-1:] in _UNITS else ""
+    number = value[: len(value) - len(unit)] if unit else value
+    try:
+        result = int(float(number) * _UNITS[unit])
+    except (ValueError, OverflowError):  # not a number, nan or inf
+        raise ValueError(
+            f"Cannot read {text!r} as a byte count; write e.g. 65536, 64K or 16M."
+        ) from None
+    if result < 0:
+        raise ValueError(f"Byte count {text!r} must not be negative.")
+    return result
+
+
+def _bytes_text(count: int) -> str:
+    for unit in ("G", "M", "K"):
+        if count and count % _UNITS[unit] == 0:
+            return f"{count // _UNITS[unit]}{unit}"
+    return str(count)
+
+
+# Python logging's names (what the handler accepts).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
+
+_SWITCH_WORDS = {
+    "1": True,
+    "true": True,
+    "on": True,
+    "yes": True,
+    "0": False,
+    "false": False,
+    "off": False,
+    "no": False,
+}
+
+# What a variable's text is (Variable.form).
+SECONDS = "seconds"
+MILLISECONDS = "milliseconds"
+BYTES = "bytes"
+COUNT = "count"
+LEVEL = "level"
+SWITCH = "switch"
+PATH = "path"
+PROGRAM = "program"
+
+RANKS = "the ranks"
+RINGRUN = "ringrun"
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One ``RINGPLUG_*`` setting, declared whole.
+
+    Args:
+        name: the environment variable, ``RINGPLUG_TIMEOUT``.
+        form: what its text is: :data:`SECONDS`, :data:`MILLISECONDS`, :data:`BYTES`,
+            :data:`COUNT`, :data:`LEVEL`, :data:`SWITCH`, :data:`PATH` or :data:`PROGRAM`.
+        default: its value when unset, in its own unit (``None``: unset means "not given").
+        doc: what it means, one sentence for the docs' table and ringrun's help.
+        field: the :class:`Settings` field the ranks' engine reads it into, if any.
+        least: the smallest value it takes (``None``: positive for times, 0 otherwise).
+        most: the largest value it takes. Defaults to no bound.
+        zero: what 0 means, when 0 is allowed for a time (``"never"``). Defaults to ``None``
+            (0 is refused).
+        infinite: what ``inf`` means, when a time takes it. Defaults to ``None`` (refused).
+        flag: ringrun's flag that sets it (``--timeout``). Defaults to none.
+        horovodrun: horovodrun's spelling of that flag, if it has one.
+        readers: who reads it: :data:`RANKS`, :data:`RINGRUN` or both.
+        default_doc: the default as the docs say it, when not the value itself.
+        metavar: the flag value's name in ringrun's help.
+        scale: the factor from its unit to the :class:`Settings` field's (ms -> s: 1e-3).
+    """
+
+    name: str
+    form: str
+    default: Any
+    doc: str
+    field: str | None = None
+    least: float | None = None
+    most: float | None = None
+    zero: str | None = None
+    infinite: str | None = None
+    flag: str | None = None
+    horovodrun: str | None = None
+    readers: tuple[str, ...] = (RANKS,)
+    default_doc: str | None = None
+    metavar: str | None = None
+    scale: float = 1.0
+
+    @property
+    def key(self) -> str:
+        """The config-file key of its ringrun flag: ``timeout`` for ``RINGPLUG_TIMEOUT``."""
+        return self.name.removeprefix("RINGPLUG_").lower()
+
+    def given(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """Its text in ``environ`` (default ``os.environ``), ``None`` when unset or empty."""
+        value = (os.environ if environ is None else environ).get(self.name)
+        return value if value not in (None, "") else None
+
+    def read(self, environ: Mapping[str, str] | None = None) -> Any:
+        """Its value in ``environ`` (default ``os.environ``), else its default.
+
+        Raises:
+            ValueError: the text is not a value it takes; the message names the variable
+                and says what to write.
+        """
+        text = self.given(environ)
+        return self.default if text is None else self.parse(text)
+
+    def parse(self, text: str) -> Any:
+        """The value of ``text``, checked against the bounds (see :meth:`read`)."""
+        if self.form in (SECONDS, MILLISECONDS):
+            return self._time(text)
+        if self.form == BYTES:
+            return self._bytes(text)
+        if self.form == COUNT:
+            return self._count(text)
+        if self.form == LEVEL:
+            level = text.strip().upper()
+            if level not in LOG_LEVELS:
+                raise ValueError(
+                    f"{self.name}={level!r} is not a log level; use one of {', '.join(LOG_LEVELS)}."
+                )
+            return level
+        if self.form == SWITCH:
+            if text.lower() not in _SWITCH_WORDS:
+                raise ValueError(f"{self.name}={text!r}: use 1 (on) or 0 (off).")
+            return _SWITCH_WORDS[text.lower()]
+        return text  # a path or a program
+
+    def _time(self, raw: str) -> float:
+        unit = self.form
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{self.name}={raw!r} is not a number of {unit}.") from None
+        if math.isnan(value) or (math.isinf(value) and self.infinite is None):
+            never = f" (or inf: {self.infinite})" if self.infinite else ""
+            raise ValueError(f"{self.name}={raw!r} must be a finite number of {unit}{never}.")
+        if value < 0 or (value == 0 and self.zero is None):
+            kind = f"a non-negative (0: {self.zero})" if self.zero else "a positive"
+            raise ValueError(f"{self.name}={raw!r} must be {kind} number of {unit}.")
+        if self.most is not None and value > self.most:
+            raise ValueError(f"{self.name}={raw!r} must be at most {self.most:g} {unit}.")
+        return value
+
+    def _bytes(self, raw: str) -> int:
+        try:
+            count = parse_bytes(raw)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
+        if self.least is not None and count < self.least:
+            raise ValueError(
+                f"{self.name} must be at least {self.least:g} bytes, got {count} ({raw!r})."
+            )
+        return count
+
+    def _count(self, raw: str) -> int:
+        least = int(self.least or 0)
+        text = raw.strip()
+        if not text.isdigit() or int(text) < least or (self.most and int(text) > self.most):
+            upto = f"from {least} to {int(self.most)}" if self.most else f"of at least {least}"
+            raise ValueError(f"{self.name}={raw!r} must be a whole number {upto}.")
+        return int(text)
+
+    def field_value(self, value: Any) -> Any:
+        """``value`` in the unit of its :class:`Settings` field."""
+        if value is None or self.scale == 1.0:
+            return value
+        return value * self.scale
+
+    @property
+    def default_text(self) -> str:
+        """The default as ringrun's help and the docs write it."""
+        if self.default_doc is not None:
+            return self.default_doc
+        if self.default is None:
+            return "unset"
+        if self.form == BYTES:
+            return _bytes_text(self.default)
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
+        return str(self.default)
+
+
+# ------------------------------------------------------------------------- the declarations
+TIMEOUT = Variable(
+    "RINGPLUG_TIMEOUT",
+    SECONDS,
+    600.0,
+    "seconds any wait for peers (negotiation, ring, MPI's collectives, a missing collective) "
+    "may last before the job ends, naming the ranks that stopped taking part; finite",
+    field="timeout",
+    flag="--timeout",
+    metavar="SECONDS",
+)
+"""Ten minutes, as torch's NCCL watchdog: long enough for a slow checkpoint on one rank,
+never half an hour of silence."""
+
+BARRIER_TIMEOUT = Variable(
+    "RINGPLUG_BARRIER_TIMEOUT",
+    SECONDS,
+    7200.0,
+    "the longest a barrier with a timeout of its own waits (torch's `monitored_barrier`; "
+    "Lightning's around `prepare_data` and Fabric's `rank_zero_first` ask for 10,000 days), "
+    "then `BarrierTimeoutError` names the ranks that never arrived",
+    field="barrier_timeout",
+)
+"""Two hours: a download of a large data set, never a job silent for days; shorter
+timeouts are kept."""
+
+EAGER_THRESHOLD = Variable(
+    "RINGPLUG_EAGER_THRESHOLD",
+    BYTES,
+    64 << 10,
+    "most bytes of small allreduces carried inside one negotiation message (0: none)",
+    field="eager_threshold",
+)
+"""Allreduces of forms agreed before travel inside the negotiation message, and each rank
+reduces them itself. Measured on the 2-core CI machine, 2 ranks: up to 64 KiB it saves MPI's
+Allreduce after the negotiation (a 4 KiB synchronous allreduce, medians of 3 runs: 46
+against 52 us); from 256 KiB the copies cost more than that Allreduce (1M: 609 against
+269 us)."""
+
+FUSION_THRESHOLD = Variable(
+    "RINGPLUG_FUSION_THRESHOLD",
+    BYTES,
+    64 << 20,
+    "most bytes of allreduces fused into one collective",
+    field="fusion_threshold",
+)
+"""Allreduces of one dtype and op that are ready together are packed into one buffer of at
+most this many bytes and reduced in one pass."""
+
+CYCLE_TIME = Variable(
+    "RINGPLUG_CYCLE_TIME",
+    MILLISECONDS,
+    0.0,
+    "milliseconds the engine waits after a submission for more to fuse with",
+    field="cycle_time",
+    zero="run each cycle with what has arrived",
+    most=1000,
+    scale=1e-3,
+)
+"""The engine's `cycle_time` is in seconds. A cycle time is a pause before every cycle:
+more than a second is a mistake."""
+
+RING_THRESHOLD = Variable(
+    "RINGPLUG_RING_THRESHOLD",
+    BYTES,
+    1 << 20,
+    "from this size on, allreduce uses ringplug's ring instead of MPI's own Allreduce",
+    field="ring_threshold",
+)
+"""Measured on the 2-core CI machine, 2 ranks, both paths and MPI's Allreduce interleaved in
+one run (5 runs, medians of the speed against MPI's Allreduce): at 1 MiB the ring reached
+0.88-0.97x, MPI's Iallreduce 0.72-0.87x; at 2 MiB 0.96-1.12x against 0.73-0.99x; at 512 KiB
+the ring lost (0.75-0.78x against 0.78-0.85x). On 3 and 4 ranks (more ranks than cores) the
+ring was the faster of the two from 256 KiB to 4 MiB. From 32 MiB MPICH falls to half the
+ring's bandwidth (it page-faults a fresh temporary every call)."""
+
+RING_SEGMENT = Variable(
+    "RINGPLUG_RING_SEGMENT",
+    BYTES,
+    512 << 10,
+    "bytes per ring pipeline segment (fits the L2 cache)",
+    field="ring_segment",
+    least=64,
+)
+"""Small enough that received data is still in the L2 cache when it is reduced (256 KiB to
+2 MiB measured alike at 64 MiB; 512 KiB best)."""
+
+STALL_CHECK_SECONDS = Variable(
+    "RINGPLUG_STALL_CHECK_SECONDS",
+    SECONDS,
+    60.0,
+    "rank 0 warns about collectives some ranks submitted and others did not, and a rank "
+    "waiting that long names the ranks that stopped taking part (`inf`: never)",
+    field="stall_check_seconds",
+    infinite="never",
+)
+
+STALL_SHUTDOWN_SECONDS = Variable(
+    "RINGPLUG_STALL_SHUTDOWN_SECONDS",
+    SECONDS,
+    0.0,
+    "after this long every rank raises `StallError` instead of waiting (and a wait for a "
+    "frozen peer ends the job, if sooner than `RINGPLUG_TIMEOUT`)",
+    field="stall_shutdown_seconds",
+    zero="never",
+    default_doc="`0` (off)",
+)
+
+TIMELINE = Variable(
+    "RINGPLUG_TIMELINE",
+    PATH,
+    None,
+    "path of a Chrome trace of the engine (negotiation, fusion, collectives), written by "
+    "rank 0; open it in Perfetto or chrome://tracing",
+    field="timeline",
+    flag="--timeline",
+    horovodrun="--timeline-filename",
+    metavar="PATH",
+)
+
+FLIGHT_RECORD = Variable(
+    "RINGPLUG_FLIGHT_RECORD",
+    COUNT,
+    128,
+    "how many of its last collectives each rank keeps for stall reports and "
+    "`ringrun --explain` (0: none)",
+    field="flight_record",
+    most=1 << 20,
+)
+
+FLIGHT_DIR = Variable(
+    "RINGPLUG_FLIGHT_DIR",
+    PATH,
+    None,
+    "where flight records are written (ringrun's one file per job, or each rank's own "
+    "without ringrun)",
+    readers=(RANKS, RINGRUN),
+    default_doc="the temporary folder",
+)
+
+DIAGNOSE = Variable(
+    "RINGPLUG_DIAGNOSE",
+    SWITCH,
+    None,
+    "`0` turns the step-time breakdown and its verdict off (`1` on; Keras: `RingDiagnose`)",
+    default_doc="`1` under `RingStrategy`",
+)
+
+DIAGNOSE_EVERY = Variable(
+    "RINGPLUG_DIAGNOSE_EVERY",
+    COUNT,
+    None,
+    "also report the breakdown every N training steps",
+    least=1,
+)
+
+LOG_LEVEL = Variable(
+    "RINGPLUG_LOG_LEVEL",
+    LEVEL,
+    "WARNING",
+    "log level; ranks other than 0 log errors only unless this is set",
+    field="log_level",
+    readers=(RANKS, RINGRUN),
+)
+
+NCCL_LIB = Variable(
+    "RINGPLUG_NCCL_LIB",
+    PATH,
+    None,
+    "the NCCL library (or its folder) to use, instead of searching",
+)
+
+CUDART_LIB = Variable(
+    "RINGPLUG_CUDART_LIB",
+    PATH,
+    None,
+    "the CUDA runtime library for TensorFlow/JAX GPU tensors",
+)
+
+ELASTIC_DIR = Variable(
+    "RINGPLUG_ELASTIC_DIR",
+    PATH,
+    None,
+    "where Horovod-style elastic commits are written ([When a node dies](elastic.md))",
+    default_doc="the host's temporary folder",
+)
+
+MPIEXEC = Variable(
+    "RINGPLUG_MPIEXEC",
+    PROGRAM,
+    None,
+    "the MPI launcher ringrun runs (a path or a command name), before the virtualenv's "
+    "`mpiexec` and `PATH` ([Which launcher ringrun uses](ringrun.md#which-launcher-ringrun-uses))",
+    readers=(RINGRUN,),
+)
+
+VARIABLES: tuple[Variable, ...] = tuple(
+    value for value in list(globals().values()) if isinstance(value, Variable)
+)
+"""Every setting, in the order declared."""
+
+BY_NAME: dict[str, Variable] = {variable.name: variable for variable in VARIABLES}
+
+
+def check(name: str, text: str) -> None:
+    """Refuse ``text`` as the value of variable ``name`` as the ranks would (nothing for a
+    name that is no declared setting).
+
+    Raises:
+        ValueError: what :meth:`Variable.parse` says.
+    """
+    if name in BY_NAME:
+        BY_NAME[name].parse(text)
+
+
+# --------------------------------------------------------------------------- the ranks' config
+@dataclass(frozen=True)
+class Settings:
+    """The ranks' knobs, read from the ``RINGPLUG_*`` variables declared above (their meaning,
+    bounds and defaults are there); constructor arguments elsewhere win over these."""
+
+    timeout: float = TIMEOUT.default
+    ring_threshold: int = RING_THRESHOLD.default
+    ring_segment: int = RING_SEGMENT.default
+    eager_threshold: int = EAGER_THRESHOLD.default
+    fusion_threshold: int = FUSION_THRESHOLD.default
+    cycle_time: float = CYCLE_TIME.field_value(CYCLE_TIME.default)  # seconds
+    barrier_timeout: float = BARRIER_TIMEOUT.default
+    stall_check_seconds: float = STALL_CHECK_SECONDS.default
+    stall_shutdown_seconds: float = STALL_SHUTDOWN_SECONDS.default
+    timeline: str | None = TIMELINE.default
+    flight_record: int = FLIGHT_RECORD.default
+    log_level: str = LOG_LEVEL.default
+
+
+def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read the environment (default ``os.environ``) into a `Settings` (at ``ringplug.init()``)."""
+    return Settings(
+        **{
+            variable.field: variable.field_value(variable.read(environ))
+            for variable in VARIABLES
+            if variable.field is not None
+        }
+    )
+
+
+def diagnose_setting() -> tuple[bool | None, int | None]:
+    """``RINGPLUG_DIAGNOSE`` (1/0 turns the step-time breakdown on/off; unset: ``None``,
+    the adapter's default) and ``RINGPLUG_DIAGNOSE_EVERY`` (a verdict every N steps too)."""
+    return DIAGNOSE.read(), DIAGNOSE_EVERY.read()
+
+
+def elastic_setting() -> tuple[int, str | None, str | None]:
+    """What a rank of an elastic job needs to resume: ``RINGPLUG_RESTART`` (which start of
+    the job this is, 0 for the first), ``RINGPLUG_JOB_ID`` (the same in every start of one
+    ``ringrun`` job; None outside one) and ``RINGPLUG_ELASTIC_DIR`` (where commits are kept,
+    e.g. a shared filesystem; None for the default under the temporary directory)."""
+    raw = os.environ.get(wire.RESTART_VARIABLE) or None
+    if raw is not None and not raw.isdigit():
+        raise ValueError(
+            f"{wire.RESTART_VARIABLE}={raw!r} must be a whole number (ringrun sets it)."
+        )
+    return (
+        (int(raw) if raw is not None else 0),
+        os.environ.get(wire.JOB_ID_VARIABLE) or None,
+        ELASTIC_DIR.read(),
+    )
+
+
+# ------------------------------------------------------------------------- the docs' tables
+GENERATED_BEGIN = "<!-- generated by tools/settings_table.py from src/ringplug/config.py -->"
+GENERATED_END = "<!-- end of generated tables -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _default_cell(variable: Variable) -> str:
+    if variable.default is None and variable.default_doc is None:
+        return "unset"
+    if variable.default_doc is not None:
+        return variable.default_doc
+    return f"`{variable.default_text}`"
+
+
+def markdown() -> str:
+    """docs/configuration.md's tables of the settings and of what ringrun sets."""
+    lines = [
+        GENERATED_BEGIN,
+        "",
+        "| variable | default | ringrun flag | meaning |",
+        "|---|---|---|---|",
+    ]
+    for variable in VARIABLES:
+        if RANKS not in variable.readers:
+            continue
+        flag = f"`{variable.flag}`" if variable.flag else ""
+        lines.append(
+            f"| `{variable.name}` | {_cell(_default_cell(variable))} | {flag} | "
+            f"{_cell(variable.doc)} |"
+        )
+    lines += [
+        "",
+        "Rank 0's values are used on every rank.",
+        "",
+        "## What ringrun reads and sets",
+        "",
+        "| variable | who | meaning |",
+        "|---|---|---|",
+    ]
+    for variable in VARIABLES:
+        if variable.readers == (RINGRUN,):
+            lines.append(f"| `{variable.name}` | you, for ringrun | {_cell(variable.doc)} |")
+    for name, doc in wire.SET_BY_RINGRUN:
+        lines.append(f"| `{name}` | ringrun, for the ranks | {_cell(doc)} |")
+    lines += ["", GENERATED_END]
+    return "\n".join(lines) + "\n"
+
+
+def generated_part(page: str) -> str:
+    """The generated tables of a docs page's text ("" when it has none)."""
+    start, end = page.find(GENERATED_BEGIN), page.find(GENERATED_END)
+    if start < 0 or end < start:
+        return ""
+    return page[start : end + len(GENERATED_END)] + "\n"
+
+
+def rewrite(page: str) -> str:
+    """``page`` with its generated tables replaced by the declarations' own."""
+    old = generated_part(page)
+    if not old:
+        raise ValueError(f"the page has no {GENERATED_BEGIN!r} ... {GENERATED_END!r} part")
+    return page.replace(old, markdown())
