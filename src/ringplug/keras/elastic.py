@@ -5,7 +5,7 @@ commit. Horovod's ``hvd.elastic`` for Keras (`ringplug.horovod.keras.elastic`) i
 
 How a job resumes: the newest commit is restored, the reset callbacks run when the number
 of ranks changed, and every rank gets rank 0's state (`State` in
-`ringplug.horovod.elastic`, shared with torch).
+`ringplug.elastic`, shared with torch).
 
 Backends: the state and the callbacks use only Keras 3's own API (``get_weights``,
 ``optimizer.variables``, ``Variable.assign``, ``model.stop_training``), so they run on the
@@ -42,7 +42,8 @@ from typing import Any
 
 import keras
 
-from ..horovod.elastic import HostsUpdatedInterrupt, ObjectState, State, check_commit_fits, run_fn
+from ..elastic import HostsUpdatedInterrupt, ObjectState, State, check_commit_fits
+from ..elastic import run as run_fn
 from ._broadcast import broadcast_variables
 
 __all__ = [

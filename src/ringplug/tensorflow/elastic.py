@@ -31,7 +31,8 @@ from typing import Any
 import tensorflow as tf
 
 from ..core.errors import RingplugError
-from ..horovod.elastic import HostsUpdatedInterrupt, ObjectState, State, check_commit_fits, run_fn
+from ..elastic import HostsUpdatedInterrupt, ObjectState, State, check_commit_fits
+from ..elastic import run as run_fn
 from .collectives import _backend_variable as backend_variable
 from .collectives import broadcast_variables
 
