@@ -149,7 +149,7 @@ def add_horovodrun_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "horovodrun compatibility",
         "horovodrun's flags, for scripts that switch to ringrun. Other horovodrun flags "
-        "(--gloo, --jsrun, elastic, autotune, hierarchical, --cache-capacity, "
+        "(--gloo, --jsrun, autotune, hierarchical, --cache-capacity, "
         "--num-nccl-streams, --thread-affinity, --gpu-*/--cpu-operations) stop ringrun with "
         "a note on what to do instead.",
     )
