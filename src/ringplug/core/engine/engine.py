@@ -8,8 +8,9 @@ Callers (the user's thread, autograd hooks, a Keras step) submit requests and ge
 2. negotiate (`exchange`): send every other rank one message with what is ready here (a
    bit vector for requests agreed before, name and signature for new ones) and receive
    theirs; `negotiation.decide` turns the messages into the same plan on every rank;
-3. run the plan: allreduces in fused batches (`fusion`), every other collective through
-   its kind's object (`kind.kind_of`, the modules of `kinds`);
+3. run the plan: every collective through its kind's object (`kinds.kind.kind_of`):
+   consecutive requests of a kind that fuses (allreduce) in one batch (`batches`), every
+   other one alone;
 4. complete the handles, record the timeline, and check for stalls (`stalls`).
 
 Who runs a cycle: a caller that waits for its collective runs it itself when the engine

@@ -162,7 +162,7 @@ _KINDS: dict[int, CollectiveKind] = {}
 
 
 def register(kind: int, collective: CollectiveKind) -> CollectiveKind:
-    """Make `collective` the object of `kind` (a `negotiation.Kind`)."""
+    """Make `collective` the object of `kind` (a `wire.Kind`)."""
     _KINDS[int(kind)] = collective
     return collective
 
