@@ -7,6 +7,7 @@ the same files mirrored); the workers pick theirs from ``TEST_LIGHTNING_PACKAGE`
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ from launch import processes_matching, run_ringrun, unique_marker
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.multirank
 
-WORKER = str(Path(__file__).parent / "workers" / "lightning_fit.py")
+IN_TURN = str(Path(__file__).parent / "workers" / "in_turn.py")
 STEPS = 6
 
 
@@ -29,17 +30,91 @@ def in_package(package: str) -> dict[str, str]:
     return {"TEST_LIGHTNING_PACKAGE": package}
 
 
-def fit(scenario: str, tmp_path: Path, ranks: int = 2, package: str = "lightning") -> list[dict]:
-    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, scenario, str(tmp_path),
-                         extra_env=in_package(package), timeout=240)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    return [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
+# Each Lightning package's 2-rank scenarios share one job (workers/in_turn.py runs the
+# workers one after the other in the same ranks): Lightning is imported once per rank, not
+# once per scenario. Each test reads its own scenario's reports, so a failure still names
+# the scenario; a failed job fails each of its tests with the job's output.
+# What each package fits (lightning_fit.py): "compiled" goes last, so that what
+# torch.compile leaves set up in the process touches no fit after it.
+FITS = {
+    "lightning": ["buffers", "plain", "accumulate", "by-name", "clip", "batchnorm", "compiled"],
+    "pytorch_lightning": ["plain", "by-name"],
+}
+# The other workers in the job, for the packages they are tested in, each with the fixture
+# that reads it: it runs only where a test that asks for that fixture was collected.
+PARTS = {"lifecycle": ["lightning"], "extras": ["lightning"],
+         "cli_reports": ["lightning", "pytorch_lightning"]}  # fmt: skip
 
 
-def test_buffers_are_rank_zeros_on_every_rank_after_fit(tmp_path):
+def cli_config(package: str, outdir: Path) -> Path:
+    """A LightningCLI YAML choosing RingStrategy by class path with arguments; the workers'
+    Report callback writes into `outdir`."""
+    integration = "ringplug.lightning" if package == "lightning" else "ringplug.pytorch_lightning"
+    config = outdir / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n  max_steps: 3\n  logger: false\n  enable_checkpointing: false\n"
+        "  enable_progress_bar: false\n  enable_model_summary: false\n"
+        "  strategy:\n"
+        f"    class_path: {integration}.RingStrategy\n"
+        "    init_args:\n      compression: fp16\n      bucket_bytes: 1048576\n"
+        "  callbacks:\n"
+        "    - class_path: __main__.Report\n"
+        f"      init_args:\n        outdir: {outdir}\n"
+    )  # fmt: skip
+    return config
+
+
+@pytest.fixture(scope="module")
+def job(request, tmp_path_factory):
+    """``job(package)``: the folder of that package's shared job, once it has passed, with a
+    subfolder per worker (fit, lifecycle, extras, cli)."""
+    used = {name for item in request.session.items
+            if getattr(item, "module", None) is request.module
+            for name in getattr(item, "fixturenames", ())}  # fmt: skip
+    jobs: dict[str, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def folder(package: str) -> Path:
+        if package not in jobs:
+            outdir = tmp_path_factory.mktemp(f"job-{package}")
+            for part in ("fit", "lifecycle", "extras", "cli"):
+                (outdir / part).mkdir()
+            runs = [["lightning_fit.py", ",".join(FITS[package]), str(outdir / "fit")]]
+            for fixture, script in (("lifecycle", "lightning_lifecycle.py"),
+                                    ("extras", "lightning_extras.py")):  # fmt: skip
+                if fixture in used and package in PARTS[fixture]:
+                    runs.append([script, str(outdir / fixture)])
+            if ("cli_reports" in used and package in PARTS["cli_reports"]
+                    and importlib.util.find_spec("jsonargparse")):  # fmt: skip
+                config = cli_config(package, outdir / "cli")
+                runs.append(["lightning_cli.py", "fit", "--config", str(config)])
+            arguments = [arg for run in runs for arg in ("+", *run)][1:]
+            result = run_ringrun("-np", "2", sys.executable, IN_TURN, *arguments,
+                                 extra_env=in_package(package), timeout=480)  # fmt: skip
+            jobs[package] = (result, outdir)
+        result, outdir = jobs[package]
+        assert result.returncode == 0, result.stdout + result.stderr
+        return outdir
+
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fit(job):
+    """``fit(scenario, package)``: each rank's report of that scenario."""
+
+    def reports(scenario: str, package: str = "lightning") -> list[dict]:
+        assert scenario in FITS[package], f"add {scenario!r} to FITS[{package!r}]"
+        outdir = job(package) / "fit"
+        return [json.loads((outdir / f"{scenario}-{r}.json").read_text()) for r in range(2)]
+
+    return reports
+
+
+def test_buffers_are_rank_zeros_on_every_rank_after_fit(fit):
     # Plain BatchNorm: each rank's batch moves its own running statistics; as DDP does,
     # RingStrategy hands rank 0's to every rank, so all evaluate and save one model.
-    reports = fit("buffers", tmp_path)
+    reports = fit("buffers")
     assert all(report["buffers_identical"] for report in reports)
     assert all(report["ranks_identical"] for report in reports)
 
@@ -53,9 +128,8 @@ def test_buffers_are_rank_zeros_on_every_rank_after_fit(tmp_path):
         ("pytorch_lightning", "by-name"),
     ],
 )
-def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(tmp_path, package,
-                                                                      scenario):  # fmt: skip
-    for report in fit(scenario, tmp_path, package=package):
+def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(fit, package, scenario):
+    for report in fit(scenario, package):
         assert report["strategy"] == "RingStrategy"
         assert report["strategy_of_this_lightning"]  # a Strategy of the Trainer's package
         assert not report["other_lightning_imported"]
@@ -72,11 +146,10 @@ def test_fit_on_two_ranks_matches_one_process_on_the_union_of_batches(tmp_path, 
         assert report["compiled"] == (scenario == "compiled")
 
 
-def test_accumulated_batches_send_gradients_once_per_optimizer_step(tmp_path):
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "accumulate").mkdir()
-    plain = fit("plain", tmp_path / "plain")
-    accumulated = fit("accumulate", tmp_path / "accumulate")
+def test_accumulated_batches_send_gradients_once_per_optimizer_step(fit):
+    # Both fits ran in one process; each report counts the collectives of its own fit.
+    plain = fit("plain")
+    accumulated = fit("accumulate")
     for report in accumulated:
         assert report["matches_one_process"], report["max_difference"]
         assert report["ranks_identical"]
@@ -129,11 +202,8 @@ def test_importing_ringplug_alone_does_not_import_lightning():
 
 
 @pytest.fixture(scope="module")
-def lifecycle(tmp_path_factory) -> list[dict]:
-    outdir = tmp_path_factory.mktemp("lifecycle")
-    worker = str(Path(__file__).parent / "workers" / "lightning_lifecycle.py")
-    result = run_ringrun("-np", "2", sys.executable, worker, str(outdir), timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+def lifecycle(job) -> list[dict]:
+    outdir = job("lightning") / "lifecycle"
     return [json.loads((outdir / f"lifecycle-{r}.json").read_text()) for r in range(2)]
 
 
@@ -190,12 +260,14 @@ def test_devices_that_contradict_the_launcher_are_an_error_naming_both():
     assert "the MPI launcher started 2" in result.stdout + result.stderr
 
 
-def test_manual_optimization_two_optimizers_loader_workers_and_torchmetrics(tmp_path):
-    worker = str(Path(__file__).parent / "workers" / "lightning_extras.py")
-    result = run_ringrun("-np", "2", sys.executable, worker, str(tmp_path), timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    for rank in range(2):
-        report = json.loads((tmp_path / f"extras-{rank}.json").read_text())
+@pytest.fixture(scope="module")
+def extras(job) -> list[dict]:
+    outdir = job("lightning") / "extras"
+    return [json.loads((outdir / f"extras-{r}.json").read_text()) for r in range(2)]
+
+
+def test_manual_optimization_two_optimizers_loader_workers_and_torchmetrics(extras):
+    for report in extras:
         assert report["trained"] and report["ranks_identical"]
         # torchmetrics summed each rank's half of the ids through the torch.distributed group.
         assert report["ids_total"] == report["expected_total"]
@@ -204,27 +276,22 @@ def test_manual_optimization_two_optimizers_loader_workers_and_torchmetrics(tmp_
 CLI = str(Path(__file__).parent / "workers" / "lightning_cli.py")
 
 
+@pytest.fixture(scope="module")
+def cli_reports(job):
+    """``cli_reports(package)``: each rank's report of lightning_cli.py fit --config."""
+
+    def reports(package: str) -> list[dict]:
+        pytest.importorskip("jsonargparse")
+        outdir = job(package) / "cli"
+        return [json.loads((outdir / f"cli-{r}.json").read_text()) for r in range(2)]
+
+    return reports
+
+
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
-def test_lightning_cli_yaml_selects_ring_strategy_with_its_arguments(tmp_path, package):
-    pytest.importorskip("jsonargparse")
+def test_lightning_cli_yaml_selects_ring_strategy_with_its_arguments(cli_reports, package):
     integration = "ringplug.lightning" if package == "lightning" else "ringplug.pytorch_lightning"
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        "trainer:\n"
-        "  accelerator: cpu\n  max_steps: 3\n  logger: false\n  enable_checkpointing: false\n"
-        "  enable_progress_bar: false\n  enable_model_summary: false\n"
-        "  strategy:\n"
-        f"    class_path: {integration}.RingStrategy\n"
-        "    init_args:\n      compression: fp16\n      bucket_bytes: 1048576\n"
-        "  callbacks:\n"
-        "    - class_path: __main__.Report\n"
-        f"      init_args:\n        outdir: {tmp_path}\n"
-    )  # fmt: skip
-    result = run_ringrun("-np", "2", sys.executable, CLI, "fit", "--config", str(config),
-                         extra_env=in_package(package), timeout=240)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    for rank in range(2):
-        report = json.loads((tmp_path / f"cli-{rank}.json").read_text())
+    for report in cli_reports(package):
         assert report["strategy"] == f"{integration}.strategy.RingStrategy"
         assert report["compression"] == "Compression.fp16"
         assert report["bucket_bytes"] == 1048576

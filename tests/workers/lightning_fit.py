@@ -1,6 +1,8 @@
 """Multi-rank worker: Lightning fit with RingStrategy equals one process on the union.
 
-``python lightning_fit.py SCENARIO OUTDIR``, in the Lightning `lightning_namespace` picks.
+``python lightning_fit.py SCENARIO[,SCENARIO...] OUTDIR``, in the Lightning
+`lightning_namespace` picks: the scenarios fit one after the other in the same ranks (one
+job pays Lightning's imports once), each writing OUTDIR/SCENARIO-RANK.json.
 Each rank also trains a plain torch reference on the full global batches, locally, and
 compares. Scenarios: plain, by-name (``strategy="ring"``), accumulate (2 micro-batches per
 step), clip (gradient clipping by norm), batchnorm (``sync_batchnorm=True``: the reference
@@ -145,4 +147,5 @@ def main(scenario: str, outdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    for name in sys.argv[1].split(","):
+        main(name, Path(sys.argv[2]))
