@@ -8,6 +8,7 @@ with small ring segments so that the segment loop runs), so each path is checked
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,19 +34,31 @@ PATHS = {
 }
 
 
-def run_worker(tmp_path: Path, ranks: int, env: dict[str, str]) -> list[dict]:
-    result = run_ringrun(
-        "-np", str(ranks), sys.executable, str(WORKERS / "collectives.py"), str(tmp_path),
-        extra_env=env, timeout=240,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    return [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in range(ranks)]
+@pytest.fixture(scope="module")
+def run_worker(tmp_path_factory):
+    """``run_worker(ranks, path)``: each rank's report of the job on that data path, run
+    once for every test that reads it (the sweep and the path each ask for it)."""
+    jobs: dict[tuple[int, str], tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def reports(ranks: int, path: str) -> list[dict]:
+        if (ranks, path) not in jobs:
+            outdir = tmp_path_factory.mktemp(f"collectives-{path}-{ranks}")
+            result = run_ringrun(
+                "-np", str(ranks), sys.executable, str(WORKERS / "collectives.py"), str(outdir),
+                extra_env=PATHS[path], timeout=240,
+            )  # fmt: skip
+            jobs[ranks, path] = (result, outdir)
+        result, outdir = jobs[ranks, path]
+        assert result.returncode == 0, result.stdout + result.stderr
+        return [json.loads((outdir / f"report-{r}.json").read_text()) for r in range(ranks)]
+
+    return reports
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_every_collective_matches_numpy_on_every_rank(tmp_path, ranks, path):
-    reports = run_worker(tmp_path, ranks, PATHS[path])
+def test_every_collective_matches_numpy_on_every_rank(run_worker, ranks, path):
+    reports = run_worker(ranks, path)
     expected = set(expected_case_names(ranks))
     for report in reports:
         assert report["size"] == ranks
@@ -55,6 +68,6 @@ def test_every_collective_matches_numpy_on_every_rank(tmp_path, ranks, path):
 
 
 @pytest.mark.parametrize(("path", "expected"), [("default", "ring"), ("mpi-allreduce", "mpi")])
-def test_the_threshold_picks_the_data_path(tmp_path, path, expected):
-    (report, _) = run_worker(tmp_path, 2, PATHS[path])
+def test_the_threshold_picks_the_data_path(run_worker, path, expected):
+    (report, _) = run_worker(2, path)
     assert report["path_12M"] == expected
