@@ -22,29 +22,47 @@ pytestmark = pytest.mark.multirank
 WORKER = str(Path(__file__).parent / "workers" / "torch_groups.py")
 
 
-def run(scenario: str, start: str, ranks: int, outdir: Path, **env: str) -> list[dict]:
-    result = run_ringrun(
-        "-np",
-        str(ranks),
-        sys.executable,
-        WORKER,
-        scenario,
-        start,
-        str(outdir),
-        extra_env=env,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    reports = [json.loads((outdir / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
+# The scenarios that share a job of N ranks, one after the other (torch is imported once per
+# rank); the one left waiting in a monitored barrier goes last.
+SHARED = ["calls:backend", "calls:strategy", "monitored-missing:strategy"]
+
+
+def checked(outdir: Path, scenario: str, start: str, ranks: int) -> list[dict]:
+    """Each rank's report of `scenario` under `start`, with every one of its checks passed."""
+    reports = [json.loads((outdir / f"{scenario}-{start}-{r}.json").read_text())
+               for r in range(ranks)]  # fmt: skip
     for report in reports:
         assert [name for name, ok in report["checks"].items() if not ok] == [], report
     return reports
 
 
+def job(outdir: Path, ranks: int, *runs: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return run_ringrun("-np", str(ranks), sys.executable, WORKER, str(outdir), *runs,
+                       extra_env=env, timeout=240)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """``run(scenario, start, ranks)``: each rank's checked report, from the shared job of
+    that many ranks (a failed job fails every test with its output)."""
+    jobs: dict[int, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def reports(scenario: str, start: str, ranks: int) -> list[dict]:
+        assert f"{scenario}:{start}" in SHARED
+        if ranks not in jobs:
+            outdir = tmp_path_factory.mktemp(f"groups-{ranks}")
+            jobs[ranks] = (job(outdir, ranks, *SHARED), outdir)
+        result, outdir = jobs[ranks]
+        assert result.returncode == 0, result.stdout + result.stderr
+        return checked(outdir, scenario, start, ranks)
+
+    return reports
+
+
 @pytest.mark.parametrize("start", ["backend", "strategy"])
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_groups_stores_and_barriers_work_on_every_rank(tmp_path, ranks, start):
-    reports = run("calls", start, ranks, tmp_path)
+def test_groups_stores_and_barriers_work_on_every_rank(run, ranks, start):
+    reports = run("calls", start, ranks)
     members = reports[0]["checks"]
     assert "world-gloo/served-by-ringplug" in members
     assert "subgroup-gloo/all_reduce" in members and "store/wait-has-a-deadline" in members
@@ -54,16 +72,16 @@ def test_groups_stores_and_barriers_work_on_every_rank(tmp_path, ranks, start):
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_a_monitored_barrier_names_the_rank_that_did_not_arrive_and_the_job_goes_on(
-    tmp_path, ranks
-):
-    reports = run("monitored-missing", "strategy", ranks, tmp_path)
+def test_a_monitored_barrier_names_the_rank_that_did_not_arrive_and_the_job_goes_on(run, ranks):
+    reports = run("monitored-missing", "strategy", ranks)
     assert reports[0]["checks"]["monitored/raised"]  # rank 0 waited for rank 1
     assert reports[1]["checks"]["monitored/raised"]  # rank 1 came after rank 0 gave up
 
 
 def test_a_subgroup_collective_a_member_never_joins_fails_by_the_deadline(tmp_path):
-    reports = run("subgroup-missing", "backend", 3, tmp_path, RINGPLUG_TIMEOUT="10")
+    result = job(tmp_path, 3, "subgroup-missing:backend", RINGPLUG_TIMEOUT="10")
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = checked(tmp_path, "subgroup-missing", "backend", 3)
     assert reports[0]["checks"]["subgroup/raised"], reports[0]["details"]
 
 

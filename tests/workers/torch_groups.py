@@ -1,7 +1,9 @@
 """Multi-rank worker: torch.distributed groups, stores and monitored barriers on ringplug.
 
-``python torch_groups.py SCENARIO START OUTDIR``; each rank writes
-OUTDIR/<scenario>-<rank>.json with a boolean per check and the details of the failed ones.
+``python torch_groups.py OUTDIR SCENARIO:START...``: the scenarios one after the other in
+the same ranks, each in a torch.distributed of its own (started, used, destroyed); each rank
+writes OUTDIR/<scenario>-<start>-<rank>.json with a boolean per check and the details of the
+failed ones.
 
 START is how torch.distributed began, as users meet it:
 - ``backend``: the user's own ``dist.init_process_group("ringplug")`` under ringrun;
@@ -210,10 +212,11 @@ def main(scenario: str, start: str, outdir: Path) -> None:
     SCENARIOS[scenario](rank, size, checks, details)
     dist.barrier()
     dist.destroy_process_group()
-    (outdir / f"{scenario}-{rank}.json").write_text(
+    (outdir / f"{scenario}-{start}-{rank}.json").write_text(
         json.dumps({"checks": checks, "details": details})
     )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    for run in sys.argv[2:]:
+        main(*run.split(":"), Path(sys.argv[1]))
