@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ pytest.importorskip("lightning")
 pytestmark = pytest.mark.multirank
 
 WORKER = str(Path(__file__).parent / "workers" / "lightning_uneven.py")
+IN_TURN = str(Path(__file__).parent / "workers" / "in_turn.py")
 EPOCHS = 2
 
 
@@ -25,6 +27,66 @@ def job(tmp_path: Path, *args: str, ranks: int, package: str = "lightning"):
     output = result.stdout + result.stderr
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
     return result.returncode, output, reports
+
+
+# The runs that pass share a job per number of ranks and Lightning package: the worker runs
+# once per entry, one after the other in the same ranks (workers/in_turn.py), so Lightning is
+# imported once per rank. The SIGTERM'd fit goes last: it ends with SIGTERMException.
+SHARED = {
+    (2, "lightning"): [("iterable", "drop", "6,4"), ("map", "drop", "6,4"),
+                       ("map", "join", "6,4"), ("eval", "-", "-"), ("sigterm", "-", "-")],
+    (3, "lightning"): [("iterable", "drop", "6,4,5"), ("iterable", "join", "6,4,5"),
+                       ("eval", "-", "-")],
+    (2, "pytorch_lightning"): [("map", "join", "6,4")],
+}  # fmt: skip
+RANK_LINE = re.compile(r"\[(\d+)\] ")
+BEGINS = re.compile(r"\[(\d+)\] in_turn: (\d+) \S+ begins$")
+
+
+def output_of(stream: str, index: int) -> str:
+    """The lines of run `index` of an in_turn job in one stream of its output: each rank's
+    lines from its marker of that run to its next, and ringrun's own lines."""
+    current: dict[str, int] = {}
+    kept = []
+    for line in stream.splitlines():
+        marker = BEGINS.match(line)
+        if marker:
+            current[marker.group(1)] = int(marker.group(2))
+            continue
+        rank = RANK_LINE.match(line)
+        if rank is None or current.get(rank.group(1)) == index:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """``shared(source, mode, counts, ranks, package)``: the run's exit status (the shared
+    job's), its output and its reports, as `job` gives them."""
+    jobs: dict[tuple[int, str], tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def run(*args: str, ranks: int, package: str = "lightning"):
+        key = (ranks, package)
+        if key not in jobs:
+            outdir = tmp_path_factory.mktemp(f"uneven-{ranks}-{package}")
+            arguments = []
+            for index, run_args in enumerate(SHARED[key]):
+                (outdir / str(index)).mkdir()
+                arguments += ["+", "lightning_uneven.py", *run_args, str(outdir / str(index))]
+            result = run_ringrun("-np", str(ranks), sys.executable, IN_TURN, *arguments[1:],
+                                 extra_env={"TEST_LIGHTNING_PACKAGE": package},
+                                 timeout=480)  # fmt: skip
+            jobs[key] = (result, outdir)
+        result, outdir = jobs[key]
+        index = SHARED[key].index(args)
+        if result.returncode != 0:
+            return result.returncode, result.stdout + result.stderr, []
+        output = output_of(result.stdout, index) + "\n" + output_of(result.stderr, index)
+        folder = outdir / str(index)
+        reports = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+        return result.returncode, output, reports
+
+    return run
 
 
 def assert_trained_as_the_mode_defines(reports: list[dict], ranks: int, steps: int) -> None:
@@ -38,9 +100,9 @@ def assert_trained_as_the_mode_defines(reports: list[dict], ranks: int, steps: i
 
 
 @pytest.mark.parametrize("counts", ["6,4", "6,4,5"])
-def test_iterable_data_drop_ends_every_epoch_together_at_the_shortest_rank(tmp_path, counts):
+def test_iterable_data_drop_ends_every_epoch_together_at_the_shortest_rank(shared, counts):
     ranks = len(counts.split(","))
-    rc, output, reports = job(tmp_path, "iterable", "drop", counts, ranks=ranks)
+    rc, output, reports = shared("iterable", "drop", counts, ranks=ranks)
     assert rc == 0, output
     assert_trained_as_the_mode_defines(reports, ranks, steps=4)
     dropping = "rank 0 dropped what" if ranks == 2 else "ranks 0, 2 dropped what"
@@ -49,8 +111,8 @@ def test_iterable_data_drop_ends_every_epoch_together_at_the_shortest_rank(tmp_p
         assert output.count(line) == 1, output
 
 
-def test_sized_per_rank_data_drop_warns_with_the_counts(tmp_path):
-    rc, output, reports = job(tmp_path, "map", "drop", "6,4", ranks=2)
+def test_sized_per_rank_data_drop_warns_with_the_counts(shared):
+    rc, output, reports = shared("map", "drop", "6,4", ranks=2)
     assert rc == 0, output
     assert_trained_as_the_mode_defines(reports, 2, steps=4)
     for epoch in range(EPOCHS):
@@ -64,10 +126,10 @@ def test_sized_per_rank_data_drop_warns_with_the_counts(tmp_path):
     [("iterable", "6,4,5", "lightning"), ("map", "6,4", "lightning"),
      ("map", "6,4", "pytorch_lightning")],
 )  # fmt: skip
-def test_join_trains_on_every_batch_with_zeros_from_ranks_out_of_data(tmp_path, source, counts,
+def test_join_trains_on_every_batch_with_zeros_from_ranks_out_of_data(shared, source, counts,
                                                                       package):  # fmt: skip
     ranks = len(counts.split(","))
-    rc, output, reports = job(tmp_path, source, "join", counts, ranks=ranks, package=package)
+    rc, output, reports = shared(source, "join", counts, ranks=ranks, package=package)
     assert rc == 0, output
     assert_trained_as_the_mode_defines(reports, ranks, steps=6)
     assert "RingStrategy(uneven=" not in output  # nothing dropped, nothing to warn about
@@ -91,8 +153,8 @@ def test_error_mode_fails_on_every_rank_naming_the_ranks_and_counts(tmp_path, so
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_evaluation_counts_every_sample_once_when_ranks_get_different_counts(tmp_path, ranks):
-    rc, output, reports = job(tmp_path, "eval", "-", "-", ranks=ranks)
+def test_evaluation_counts_every_sample_once_when_ranks_get_different_counts(shared, ranks):
+    rc, output, reports = shared("eval", "-", "-", ranks=ranks)
     assert rc == 0, output
     samples = reports[0]["samples"]
     assert sum(r["val_samples_here"] for r in reports) == samples  # no padded repeats
@@ -104,9 +166,9 @@ def test_evaluation_counts_every_sample_once_when_ranks_get_different_counts(tmp
         assert report["predicted_sorted"]  # predict too: every sample exactly once
 
 
-def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_batch(tmp_path):
+def test_a_sigterm_on_any_rank_stops_every_rank_at_the_same_batch(shared):
     # Lightning broadcasts rank 0's flag only; the batch agreement carries every rank's.
-    rc, output, reports = job(tmp_path, "sigterm", "-", "-", ranks=2)
+    rc, output, reports = shared("sigterm", "-", "-", ranks=2)
     assert rc == 0, output  # SIGTERMException is a SystemExit: a clean stop
     assert [r["exception"] for r in reports] == ["SIGTERMException"] * 2, output
     # Set on rank 1 after its third step. The agreements run a batch ahead of training, so
