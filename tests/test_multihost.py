@@ -14,6 +14,7 @@ Without root, ``ip`` or sshd the tests skip with the reason; with
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -127,28 +128,42 @@ def test_local_and_cross_ranks_follow_the_hosts(bed, tmp_path):
     assert all(f["everyone"] == [0, 1, 2] and f["rejoined_sum"] == 3 for f in facts)
 
 
-def test_every_collective_is_correct_between_two_hosts(bed, tmp_path):
+@pytest.fixture(scope="module")
+def two_hosts(bed, tmp_path_factory):
+    """The job on hosts a and b (one rank each) that runs the collectives sweep, then a
+    Lightning fit, in the same ranks (workers/in_turn.py): ringrun's result and the folders
+    the two wrote their reports into."""
+    outdir = tmp_path_factory.mktemp("two-hosts")
+    (outdir / "collectives").mkdir()
+    (outdir / "fit").mkdir()
+    runs = ["collectives.py", str(outdir / "collectives")]
+    if importlib.util.find_spec("lightning"):
+        runs += ["+", "lightning_fit.py", "plain", str(outdir / "fit")]
+    result = ringrun(bed, "-H", hosts(bed, "a:1", "b:1"), *OVER_TCP, sys.executable,
+                     str(WORKERS / "in_turn.py"), *runs, timeout=2 * JOB_TIMEOUT_S)  # fmt: skip
+    return result, outdir
+
+
+def test_every_collective_is_correct_between_two_hosts(two_hosts):
     sys.path.insert(0, str(WORKERS))
     from collectives import expected_case_names
 
-    result = ringrun(bed, "-H", hosts(bed, "a:1", "b:1"), *OVER_TCP, sys.executable,
-                     str(WORKERS / "collectives.py"), str(tmp_path))  # fmt: skip
+    result, outdir = two_hosts
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(2):
-        report = json.loads((tmp_path / f"report-{rank}.json").read_text())
+        report = json.loads((outdir / "collectives" / f"report-{rank}.json").read_text())
         assert report["size"] == 2
         assert set(report["cases"]) == set(expected_case_names(2))
         failed = {name: case for name, case in report["cases"].items() if not case["ok"]}
         assert not failed, f"rank {rank} failed: {json.dumps(failed)[:4000]}"
 
 
-def test_lightning_fit_ends_with_identical_parameters_on_both_hosts(bed, tmp_path):
+def test_lightning_fit_ends_with_identical_parameters_on_both_hosts(two_hosts):
     pytest.importorskip("lightning")
-    result = ringrun(bed, "-H", hosts(bed, "a:1", "b:1"), *OVER_TCP, sys.executable,
-                     str(WORKERS / "lightning_fit.py"), "plain", str(tmp_path))  # fmt: skip
+    result, outdir = two_hosts
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(2):
-        report = json.loads((tmp_path / f"plain-{rank}.json").read_text())
+        report = json.loads((outdir / "fit" / f"plain-{rank}.json").read_text())
         assert report["strategy"] == "RingStrategy"
         assert report["ranks_identical"]  # the parameters, gathered from both hosts
         assert report["matches_one_process"], report["max_difference"]
