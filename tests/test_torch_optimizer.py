@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,24 +14,55 @@ from launch import run_ringrun
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.multirank
 
-WORKER = str(Path(__file__).parent / "workers" / "torch_optimizer.py")
+WORKERS = Path(__file__).parent / "workers"
 STEPS = 5
 
 
-def run(scenario: str, tmp_path: Path, ranks: int) -> list[dict]:
-    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, scenario, str(tmp_path),
-                         timeout=180)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    return [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
+SCENARIOS = ["plain", "accumulate", "clip", "fp16", "predivide", "unused"]
+JOIN_COUNTS = {2: "6,4", 3: "4,6,5"}  # each rank's number of batches in the join test
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """``job(ranks)``: the folder of the job of that many ranks, once it has passed. It runs
+    every optimizer scenario, then the join worker with JOIN_COUNTS[ranks], in the same
+    ranks (workers/in_turn.py: torch is imported once per rank); each writes into a
+    subfolder of its own. A failed job fails each of its tests with the job's output."""
+    jobs: dict[int, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def folder(ranks: int) -> Path:
+        if ranks not in jobs:
+            outdir = tmp_path_factory.mktemp(f"optimizer-{ranks}")
+            (outdir / "optimizer").mkdir()
+            (outdir / "join").mkdir()
+            result = run_ringrun(
+                "-np", str(ranks), sys.executable, str(WORKERS / "in_turn.py"),
+                "torch_optimizer.py", ",".join(SCENARIOS), str(outdir / "optimizer"),
+                "+", "torch_join.py", JOIN_COUNTS[ranks], str(outdir / "join"), timeout=300,
+            )  # fmt: skip
+            jobs[ranks] = (result, outdir)
+        result, outdir = jobs[ranks]
+        assert result.returncode == 0, result.stdout + result.stderr
+        return outdir
+
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run(job):
+    """``run(scenario, ranks)``: each rank's report of that optimizer scenario."""
+
+    def reports(scenario: str, ranks: int) -> list[dict]:
+        outdir = job(ranks) / "optimizer"
+        return [json.loads((outdir / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
+
+    return reports
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-@pytest.mark.parametrize(
-    "scenario",
-    ["plain", "accumulate", "clip", "fp16", "predivide", "unused"],
-)
-def test_ranks_train_like_one_process_on_the_union_of_their_batches(tmp_path, scenario, ranks):
-    for report in run(scenario, tmp_path, ranks):
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_ranks_train_like_one_process_on_the_union_of_their_batches(run, scenario, ranks):
+    for report in run(scenario, ranks):
         assert report["matches_one_process"], report["max_difference"]
         assert report["ranks_identical"]
         # One bucket, one collective per optimizer step: accumulation sends nothing on the
@@ -83,16 +115,13 @@ def test_a_world_of_one_reduces_nothing():
     assert model.weight.grad.tolist() == [[1.0] * 3] * 2
 
 
-@pytest.mark.parametrize("counts", ["6,4", "4,6,5"])
-def test_join_lets_ranks_with_more_batches_finish_with_zeros_from_the_others(tmp_path, counts):
-    worker = str(Path(__file__).parent / "workers" / "torch_join.py")
+@pytest.mark.parametrize("counts", [JOIN_COUNTS[2], JOIN_COUNTS[3]])
+def test_join_lets_ranks_with_more_batches_finish_with_zeros_from_the_others(job, counts):
     ranks = len(counts.split(","))
-    result = run_ringrun("-np", str(ranks), sys.executable, worker, counts, str(tmp_path),
-                         timeout=120)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    outdir = job(ranks) / "join"
     longest = max(range(ranks), key=lambda r: int(counts.split(",")[r]))
     for rank in range(ranks):
-        report = json.loads((tmp_path / f"{rank}.json").read_text())
+        report = json.loads((outdir / f"{rank}.json").read_text())
         assert report["last"] == longest  # the same on every rank
         assert report["max_difference"] < 1e-5, report
         assert report["ranks_identical"]

@@ -1,7 +1,9 @@
 """Multi-rank worker: DistributedOptimizer trains like one process on the union of batches.
 
-``python torch_optimizer.py SCENARIO OUTDIR``. Every rank also trains a plain reference
-model on the whole global batch (1 process x batch 2B), locally, and compares.
+``python torch_optimizer.py SCENARIO[,SCENARIO...] OUTDIR``: the scenarios one after the
+other in the same ranks, each writing OUTDIR/SCENARIO-RANK.json. Every rank also trains a
+plain reference model on the whole global batch (1 process x batch 2B), locally, and
+compares.
 """
 
 from __future__ import annotations
@@ -94,4 +96,5 @@ def main(scenario: str, outdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    for name in sys.argv[1].split(","):
+        main(name, Path(sys.argv[2]))
