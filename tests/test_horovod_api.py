@@ -5,6 +5,7 @@ MNIST-style torch training and a Keras training with Horovod's callbacks."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,23 +19,48 @@ pytestmark = pytest.mark.multirank
 WORKERS = Path(__file__).parent / "workers"
 
 
-def run(script: str, tmp_path: Path, prefix: str, ranks: int = 2, env: dict | None = None) -> list:
-    result = run_ringrun(
-        "-np",
-        str(ranks),
-        sys.executable,
-        str(WORKERS / script),
-        str(tmp_path),
-        extra_env={"RINGPLUG_TIMEOUT": "60", **(env or {})},
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return [json.loads((tmp_path / f"{prefix}-{r}.json").read_text()) for r in range(ranks)]
+# The scripts that share one job of N ranks, in turn (workers/in_turn.py): each framework
+# is imported once per rank instead of once per script. Each writes PREFIX-RANK.json.
+PREFIXES = {"hvd_collectives.py": "hvd", "hvd_semantics.py": "semantics",
+            "hvd_mnist.py": "mnist", "hvd_keras.py": "keras", "hvd_tf.py": "tf",
+            "hvd_tf1_hook.py": "hook"}  # fmt: skip
+# hvd_semantics.py joins and re-initialises: after the collectives. The TF1 session script
+# turns eager execution off for the rest of the process: last.
+JOBS = {
+    ("torch", 2): ["hvd_collectives.py", "hvd_semantics.py", "hvd_mnist.py"],
+    ("torch", 3): ["hvd_collectives.py", "hvd_semantics.py"],
+    ("tensorflow", 2): ["hvd_keras.py", "hvd_tf.py", "hvd_tf1_hook.py"],
+}
+ENV = {"torch": {}, "tensorflow": {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """``run(script, ranks)``: each rank's report of `script`, from the job of its framework
+    and that many ranks (a failed job fails each of its tests with the job's output)."""
+    jobs: dict[tuple[str, int], tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def reports(script: str, ranks: int = 2) -> list:
+        key = next(key for key, scripts in JOBS.items() if key[1] == ranks and script in scripts)
+        if key not in jobs:
+            outdir = tmp_path_factory.mktemp(f"hvd-{key[0]}-{ranks}")
+            in_turn = [a for s in JOBS[key] for a in ("+", s, str(outdir))][1:]
+            result = run_ringrun(
+                "-np", str(ranks), sys.executable, str(WORKERS / "in_turn.py"), *in_turn,
+                extra_env={"RINGPLUG_TIMEOUT": "60", **ENV[key[0]]}, timeout=420,
+            )  # fmt: skip
+            jobs[key] = (result, outdir)
+        result, outdir = jobs[key]
+        assert result.returncode == 0, result.stdout + result.stderr
+        prefix = PREFIXES[script]
+        return [json.loads((outdir / f"{prefix}-{r}.json").read_text()) for r in range(ranks)]
+
+    return reports
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_every_hvd_collective_matches_numpy_on_every_rank(tmp_path, ranks):
-    reports = run("hvd_collectives.py", tmp_path, "hvd", ranks)
+def test_every_hvd_collective_matches_numpy_on_every_rank(run, ranks):
+    reports = run("hvd_collectives.py", ranks)
     for checks in reports:
         # 7 dtypes x 5 shapes x 9 collectives and ops, plus the rest: none may go missing.
         assert len(checks) >= 338
@@ -43,30 +69,25 @@ def test_every_hvd_collective_matches_numpy_on_every_rank(tmp_path, ranks):
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_horovod_semantics_where_they_differ_from_ringplug_torch(tmp_path, ranks):
+def test_horovod_semantics_where_they_differ_from_ringplug_torch(run, ranks):
     # Integer Average/scaling, alltoall forms and gradients, allgather's averaged gradient,
     # grouped collectives with autograd, join refusing allgather/broadcast, unnamed calls
     # in step after a mismatch, a join and a re-init, optimizer state and names, sparse.
-    reports = run("hvd_semantics.py", tmp_path, "semantics", ranks)
+    reports = run("hvd_semantics.py", ranks)
     for rank, checks in enumerate(reports):
         assert len(checks) >= (49 if rank else 47)
         assert [name for name, ok in checks.items() if not ok] == []
 
 
-def test_an_mnist_style_hvd_torch_script_trains_and_keeps_ranks_identical(tmp_path):
-    for report in run("hvd_mnist.py", tmp_path, "mnist"):
+def test_an_mnist_style_hvd_torch_script_trains_and_keeps_ranks_identical(run):
+    for report in run("hvd_mnist.py"):
         assert report["ranks_identical"]  # broadcast + DistributedOptimizer (passes_per_step=2)
         assert report["accuracy"] > 0.9
 
 
-def test_a_horovod_keras_script_with_its_callbacks_runs_on_keras_3(tmp_path):
+def test_a_horovod_keras_script_with_its_callbacks_runs_on_keras_3(run):
     pytest.importorskip("tensorflow")
-    reports = run(
-        "hvd_keras.py",
-        tmp_path,
-        "keras",
-        env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"},
-    )
+    reports = run("hvd_keras.py")
     for report in reports:
         assert report["ranks_identical"]
         assert report["loss"][-1] < report["loss"][0]
@@ -81,13 +102,13 @@ def test_a_horovod_keras_script_with_its_callbacks_runs_on_keras_3(tmp_path):
         assert report["config_round_trip"] and report["sparse_as_dense_identical"]
 
 
-def test_horovod_tensorflow_eagerly_in_tf_function_and_in_a_graph_session(tmp_path):
+def test_horovod_tensorflow_eagerly_in_tf_function_and_in_a_graph_session(run):
     # Values and gradients of the collectives in all three modes, DistributedGradientTape
     # (IndexedSlices too), the partial tape and optimizer, local variables kept out of the
     # broadcast, load_model, 24 ops in one run; a mismatch is FailedPreconditionError
     # eagerly, in tf.function and in a session alike, with one message on every rank.
     pytest.importorskip("tensorflow")
-    reports = run("hvd_tf.py", tmp_path, "tf", env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    reports = run("hvd_tf.py")
     for checks in reports:
         assert len(checks) >= 32
         assert [name for name, ok in checks.items() if not ok] == []
@@ -101,8 +122,8 @@ def test_unsupported_horovod_features_say_so():
         hvd.init(comm=[0, 1])
 
 
-def test_broadcast_global_variables_hook_gives_tf1_sessions_roots_values(tmp_path):
+def test_broadcast_global_variables_hook_gives_tf1_sessions_roots_values(run):
     pytest.importorskip("tensorflow")
-    reports = run("hvd_tf1_hook.py", tmp_path, "hook")
+    reports = run("hvd_tf1_hook.py")
     # Each rank initialised its variable to rank+1 times [1, 2, 3]: all now hold rank 0's.
     assert [r["weights"] for r in reports] == [[1.0, 2.0, 3.0]] * 2
