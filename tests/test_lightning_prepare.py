@@ -9,6 +9,7 @@ job naming it.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ pytest.importorskip("lightning")
 pytestmark = pytest.mark.multirank
 
 WORKER = str(Path(__file__).parent / "workers" / "lightning_prepare.py")
+IN_TURN = str(Path(__file__).parent / "workers" / "in_turn.py")
 
 
 def job(scenario: str, tmp_path: Path, ranks: int = 2, timeout: float = 180, **env: str):
@@ -44,14 +46,42 @@ def reports(scenario: str, tmp_path: Path, ranks: int) -> list[dict]:
     return [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
 
 
+# The runs that pass share a job per number of ranks: the worker runs once per scenario, one
+# after the other in the same ranks (workers/in_turn.py), each in a folder of its own, so
+# Lightning is imported once per rank.
+SHARED = {2: ["per-node", "module"], 3: ["once", "fabric"]}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """``shared(scenario, ranks)``: the folder of that scenario's run in the shared job,
+    once the job has passed (a failed job fails each of its tests with the job's output)."""
+    jobs: dict[int, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def folder(scenario: str, ranks: int) -> Path:
+        if ranks not in jobs:
+            outdir = tmp_path_factory.mktemp(f"prepare-{ranks}")
+            arguments = []
+            for name in SHARED[ranks]:
+                (outdir / name).mkdir()
+                arguments += ["+", "lightning_prepare.py", name, str(outdir / name)]
+            result = run_ringrun("-np", str(ranks), sys.executable, IN_TURN, *arguments[1:],
+                                 timeout=300)  # fmt: skip
+            jobs[ranks] = (result, outdir)
+        result, outdir = jobs[ranks]
+        assert result.returncode == 0, result.stdout + result.stderr
+        return outdir / scenario
+
+    return folder
+
+
 # 2 and 3 ranks among them; on one host, per node is once.
 @pytest.mark.parametrize(("scenario", "ranks"), [("per-node", 2), ("once", 3), ("module", 2)])
-def test_prepare_data_runs_once_per_node_and_every_rank_fits(tmp_path, scenario, ranks):
-    result = job(scenario, tmp_path, ranks)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_prepare_data_runs_once_per_node_and_every_rank_fits(shared, scenario, ranks):
+    outdir = shared(scenario, ranks)
     # One host: local rank 0 is global rank 0, with either prepare_data_per_node.
-    assert prepared(tmp_path) == ["0 0"]
-    trained = reports(scenario, tmp_path, ranks)
+    assert prepared(outdir) == ["0 0"]
+    trained = reports(scenario, outdir, ranks)
     assert [r["rank"] for r in trained] == list(range(ranks))
     assert len({r["weights"] for r in trained}) == 1  # every rank ends with rank 0's model
 
@@ -87,9 +117,7 @@ def test_a_prepare_data_that_never_returns_ends_the_job_by_the_barrier_timeout(t
     assert "ringrun: rank 0 stopped taking part in the job (named by rank 1)" in output, output
 
 
-def test_fabric_rank_zero_first_lets_rank_zero_through_first(tmp_path):
+def test_fabric_rank_zero_first_lets_rank_zero_through_first(shared):
     ranks = 3
-    result = job("fabric", tmp_path, ranks)
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = prepared(tmp_path)
+    lines = prepared(shared("fabric", ranks))
     assert lines[0] == "0 0" and sorted(lines) == sorted(f"{r} {r}" for r in range(ranks))
