@@ -4,7 +4,9 @@ hooks, and the exact normalization for token-budget batches."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,16 +21,36 @@ WORKER = str(Path(__file__).parent / "workers" / "data_sampler.py")
 COUNT = 101
 
 
-def run(scenario: str, tmp_path: Path, ranks: int = 2) -> list[dict]:
-    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, scenario, str(tmp_path),
-                         extra_env={"RINGPLUG_TIMEOUT": "60"}, timeout=240)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    return [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
+# What each job of N ranks runs, one scenario after the other in the same ranks (torch and
+# Lightning are imported once per rank); a scenario whose framework is missing is left out.
+JOBS = {2: ["loader", "normalize", "lightning-outside", "lightning-hook"], 3: ["loader"]}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """``run(scenario, ranks)``: each rank's report of that scenario, from the job of that
+    many ranks (a failed job fails each of its tests with the job's output)."""
+    jobs: dict[int, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def reports(scenario: str, ranks: int = 2) -> list[dict]:
+        if ranks not in jobs:
+            outdir = tmp_path_factory.mktemp(f"sampler-{ranks}")
+            lightning = importlib.util.find_spec("lightning") is not None
+            scenarios = [s for s in JOBS[ranks] if lightning or not s.startswith("lightning")]
+            result = run_ringrun("-np", str(ranks), sys.executable, WORKER, ",".join(scenarios),
+                                 str(outdir), extra_env={"RINGPLUG_TIMEOUT": "60"},
+                                 timeout=300)  # fmt: skip
+            jobs[ranks] = (result, outdir)
+        result, outdir = jobs[ranks]
+        assert result.returncode == 0, result.stdout + result.stderr
+        return [json.loads((outdir / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
+
+    return reports
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_workers_deliver_aligned_samples_and_every_rank_the_same_batch_count(tmp_path, ranks):
-    reports = run("loader", tmp_path, ranks)
+def test_workers_deliver_aligned_samples_and_every_rank_the_same_batch_count(run, ranks):
+    reports = run("loader", ranks)
     for epoch in range(2):
         walks = [report["epochs"][epoch] for report in reports]
         assert all(walk["aligned"] for walk in walks)  # every target still matches its input
@@ -41,9 +63,9 @@ def test_workers_deliver_aligned_samples_and_every_rank_the_same_batch_count(tmp
 
 
 @pytest.mark.parametrize("where", ["outside", "hook"])
-def test_lightning_keeps_the_sampler_wherever_the_loader_was_made(tmp_path, where):
+def test_lightning_keeps_the_sampler_wherever_the_loader_was_made(run, where):
     pytest.importorskip("lightning")
-    reports = run(f"lightning-{where}", tmp_path)
+    reports = run(f"lightning-{where}")
     assert [r["kept"] for r in reports] == ["DistributedBucketSampler"] * 2
     assert reports[0]["batches"] == reports[1]["batches"] > 0
     first, second = reports[0]["ids"], reports[1]["ids"]
@@ -52,8 +74,8 @@ def test_lightning_keeps_the_sampler_wherever_the_loader_was_made(tmp_path, wher
     assert len(set(first) & set(second)) <= len(first) + len(second) - COUNT
 
 
-def test_global_mean_scale_makes_uneven_batches_train_like_one_process(tmp_path):
-    reports = run("normalize", tmp_path)
+def test_global_mean_scale_makes_uneven_batches_train_like_one_process(run):
+    reports = run("normalize")
     for report in reports:
         assert report["matches_one_process"], report["max_difference"]
     # The ranks really held different sample counts in some steps.

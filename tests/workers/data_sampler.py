@@ -2,7 +2,8 @@
 Lightning (DataLoader made outside and inside the hook), and the exact loss normalization
 for token-budget batches.
 
-``python data_sampler.py SCENARIO OUTDIR`` writes OUTDIR/<scenario>-<rank>.json.
+``python data_sampler.py SCENARIO[,SCENARIO...] OUTDIR`` runs the scenarios one after the
+other in the same ranks, each writing OUTDIR/<scenario>-<rank>.json.
 """
 
 from __future__ import annotations
@@ -151,4 +152,5 @@ def main(scenario: str, outdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    for name in sys.argv[1].split(","):
+        main(name, Path(sys.argv[2]))
