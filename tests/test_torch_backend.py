@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -17,19 +18,51 @@ pytestmark = pytest.mark.multirank
 WORKER = str(Path(__file__).parent / "workers" / "torch_backend.py")
 
 
-def run(scenario: str, ranks: int, outdir: Path, **kwargs) -> list[dict]:
-    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, scenario, str(outdir),
-                         timeout=180, **kwargs)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+def checked(outdir: Path, scenario: str, ranks: int) -> list[dict]:
+    """Each rank's report of `scenario`, with every one of its checks passed."""
     reports = [json.loads((outdir / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
     for report in reports:
         assert [name for name, ok in report["checks"].items() if not ok] == [], report
     return reports
 
 
+def run(scenario: str, ranks: int, outdir: Path, **kwargs) -> list[dict]:
+    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, scenario, str(outdir),
+                         timeout=180, **kwargs)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return checked(outdir, scenario, ranks)
+
+
+# The 2-rank scenarios that share one job, one after the other (torch is imported once per
+# rank); "ddp" keeps jobs of its own: its timeline must hold DDP's allreduces alone.
+SHARED = ["calls", "torchmetrics", "lightning-ddp"]
+# What a shared scenario needs beyond torch: without it the job leaves the scenario out.
+OPTIONAL = {"torchmetrics": "torchmetrics", "lightning-ddp": "lightning"}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """``shared(scenario)``: each rank's checked report from the shared 2-rank job (a failed
+    job fails each of its tests with the job's output)."""
+    jobs: dict[str, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def reports(scenario: str) -> list[dict]:
+        if not jobs:
+            outdir = tmp_path_factory.mktemp("backend-shared")
+            scenarios = [s for s in SHARED if importlib.util.find_spec(OPTIONAL.get(s, "torch"))]
+            result = run_ringrun("-np", "2", sys.executable, WORKER, ",".join(scenarios),
+                                 str(outdir), timeout=300)  # fmt: skip
+            jobs["job"] = (result, outdir)
+        result, outdir = jobs["job"]
+        assert result.returncode == 0, result.stdout + result.stderr
+        return checked(outdir, scenario, 2)
+
+    return reports
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_every_torch_distributed_call_gives_the_reference_on_every_rank(tmp_path, ranks):
-    reports = run("calls", ranks, tmp_path)
+def test_every_torch_distributed_call_gives_the_reference_on_every_rank(shared, tmp_path, ranks):
+    reports = shared("calls") if ranks == 2 else run("calls", ranks, tmp_path)
     assert len(reports[0]["checks"]) == 62 + 2 * ranks  # broadcast and reduce from each root
     assert all(r["checks"].keys() == reports[0]["checks"].keys() for r in reports)
 
@@ -47,15 +80,15 @@ def test_ddp_on_the_backend_equals_one_process_with_the_whole_batch(tmp_path, ra
     assert all(e["args"]["call"].startswith("torch.default#") for e in calls)
 
 
-def test_torchmetrics_syncs_over_the_backend(tmp_path):
+def test_torchmetrics_syncs_over_the_backend(shared):
     pytest.importorskip("torchmetrics")
-    reports = run("torchmetrics", 2, tmp_path)
+    reports = shared("torchmetrics")
     assert set(reports[0]["checks"]) == {"torchmetrics/mean", "torchmetrics/accuracy"}
 
 
-def test_lightning_ddp_strategy_on_the_backend_equals_one_process(tmp_path):
+def test_lightning_ddp_strategy_on_the_backend_equals_one_process(shared):
     pytest.importorskip("lightning")
-    reports = run("lightning-ddp", 2, tmp_path)
+    reports = shared("lightning-ddp")
     assert set(reports[0]["checks"]) == {
         "lightning-ddp/backend", "lightning-ddp/equals-one-process",
         "lightning-ddp/ranks-bitwise-identical",

@@ -1,7 +1,9 @@
 """Multi-rank worker: torch.distributed on the ``ringplug`` backend, against references.
 
-``python torch_backend.py SCENARIO OUTDIR``; each rank writes OUTDIR/<scenario>-<rank>.json
-with a boolean per check (and the details of failures under "details").
+``python torch_backend.py SCENARIO[,SCENARIO...] OUTDIR``: the scenarios one after the other
+in the same ranks, each in a torch.distributed of its own; each rank writes
+OUTDIR/<scenario>-<rank>.json with a boolean per check (and the details of failures under
+"details").
 
 Scenarios:
 - ``calls``: every torch.distributed call torch programs make, each compared with what it
@@ -355,4 +357,5 @@ def main(scenario: str, outdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    for name in sys.argv[1].split(","):
+        main(name, Path(sys.argv[2]))
