@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -299,41 +300,69 @@ def test_lightning_cli_yaml_selects_ring_strategy_with_its_arguments(cli_reports
         assert report["ranks_identical"]
 
 
-def printed_strategy(*arguments: str) -> dict:
-    """The strategy's part of ``lightning_cli.py fit ARGUMENTS --print_config``."""
+# What the command-line tests give `lightning_cli.py fit ... --print_config`: one process runs
+# them in turn (workers/in_turn.py; Lightning imported once), the refused one last.
+PRINTS = {
+    "class-path": ["--trainer.strategy.class_path=ringplug.lightning.RingStrategy"],
+    "every-argument": ["--trainer.strategy=ringplug.lightning.RingStrategy",
+                       "--trainer.strategy.timeline=/tmp/trace.json"],
+    "gzip": ["--trainer.strategy=ringplug.lightning.RingStrategy",
+             "--trainer.strategy.compression=gzip"],
+}  # fmt: skip
+
+
+def in_turn_part(stream: str, index: int) -> str | None:
+    """What run `index` of an in_turn process wrote on `stream`: the text from its marker to
+    the next run's (or the end); None if the run did not begin."""
+    begins = [re.search(rf"^in_turn: {i} \S+ begins$", stream, re.M) for i in (index, index + 1)]
+    if begins[0] is None:
+        return None
+    return stream[begins[0].end() : begins[1].start() if begins[1] else len(stream)]
+
+
+@pytest.fixture(scope="module")
+def printed() -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """The process that ran each of PRINTS in turn, and the names in the order they ran."""
     pytest.importorskip("jsonargparse")
+    names = list(PRINTS)
+    arguments = [a for name in names for a in ("+", CLI, "fit", *PRINTS[name], "--print_config")]
+    result = subprocess.run([sys.executable, IN_TURN, *arguments[1:]], capture_output=True,
+                            text=True, timeout=180, check=False)  # fmt: skip
+    return result, names
+
+
+def printed_strategy(printed, name: str) -> dict:
+    """The strategy's part of ``lightning_cli.py fit PRINTS[name] --print_config``."""
     yaml = pytest.importorskip("yaml")
-    result = subprocess.run([sys.executable, CLI, "fit", *arguments, "--print_config"],
-                            capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return yaml.safe_load(result.stdout)["trainer"]["strategy"]
+    result, names = printed
+    index = names.index(name)
+    # It exited with 0 if the next one began.
+    assert in_turn_part(result.stdout, index + 1) is not None, result.stdout + result.stderr
+    return yaml.safe_load(in_turn_part(result.stdout, index))["trainer"]["strategy"]
 
 
-def test_lightning_cli_takes_ring_strategy_by_class_path_on_the_command_line():
+def test_lightning_cli_takes_ring_strategy_by_class_path_on_the_command_line(printed):
     # `--trainer.strategy=ringplug.lightning.RingStrategy` alone is a strategy *name* to
     # LightningCLI (the Trainer takes str or Strategy); docs/lightning.md gives this form.
-    strategy = printed_strategy("--trainer.strategy.class_path=ringplug.lightning.RingStrategy")
+    strategy = printed_strategy(printed, "class-path")
     assert strategy["class_path"] == "ringplug.lightning.RingStrategy"
 
 
-def test_lightning_cli_print_config_shows_every_ring_strategy_argument():
-    strategy = printed_strategy("--trainer.strategy=ringplug.lightning.RingStrategy",
-                                "--trainer.strategy.timeline=/tmp/trace.json")  # fmt: skip
+def test_lightning_cli_print_config_shows_every_ring_strategy_argument(printed):
+    strategy = printed_strategy(printed, "every-argument")
     assert strategy["class_path"] == "ringplug.lightning.RingStrategy"
     assert strategy["init_args"]["timeline"] == "/tmp/trace.json"
     assert {"compression", "gradient_predivide_factor", "bucket_bytes", "timeline",
             "cluster_environment"} <= set(strategy["init_args"])  # fmt: skip
 
 
-def test_lightning_cli_rejects_an_unknown_compression_naming_the_choices():
-    pytest.importorskip("jsonargparse")
-    result = subprocess.run(
-        [sys.executable, CLI, "fit", "--trainer.strategy=ringplug.lightning.RingStrategy",
-         "--trainer.strategy.compression=gzip", "--print_config"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+def test_lightning_cli_rejects_an_unknown_compression_naming_the_choices(printed):
+    result, names = printed
+    assert names[-1] == "gzip"  # the last: the process ends with its exit status
+    stderr = in_turn_part(result.stderr, names.index("gzip"))
     assert result.returncode != 0
-    assert "gzip" in result.stderr and "fp16" in result.stderr
+    assert stderr is not None, result.stdout + result.stderr
+    assert "gzip" in stderr and "fp16" in stderr
 
 
 def test_unsupported_accelerators_are_refused_with_what_to_use_instead():
