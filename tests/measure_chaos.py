@@ -100,9 +100,21 @@ def run_chaos(chaos: Chaos, folder: Path, marker: str = "measure-chaos") -> tupl
     worker = WORKERS / ("lightning_elastic.py" if chaos.kind == "lightning" else "hvd_elastic.py")
     args = ["kill", str(folder), "0"] if chaos.kind == "lightning" else [str(folder)]
     three_then_two = discovery_script(folder, "localhost:3", "localhost:2")
-    command = [*RINGRUN, "-np", str(RANKS), "--max-restarts", "2", "--min-np", str(RANKS_AFTER),
-               "--host-discovery-script", str(three_then_two),
-               sys.executable, str(worker), *args, marker]  # fmt: skip
+    command = [
+        *RINGRUN,
+        "-np",
+        str(RANKS),
+        "--max-restarts",
+        "2",
+        "--min-np",
+        str(RANKS_AFTER),
+        "--host-discovery-script",
+        str(three_then_two),
+        sys.executable,
+        str(worker),
+        *args,
+        marker,
+    ]
     env = {name: value for name, value in os.environ.items() if name != "RINGPLUG_MPIEXEC"}
     env.update(
         ELASTIC_KILL_RANK=str(chaos.rank),
@@ -111,8 +123,15 @@ def run_chaos(chaos: Chaos, folder: Path, marker: str = "measure-chaos") -> tupl
         TMPDIR=str(folder),  # hvd.elastic's commits, which ringrun removes at the end
     )
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                              check=False, stdin=subprocess.DEVNULL, env=env)  # fmt: skip
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
     except subprocess.TimeoutExpired as expired:
         output = f"{expired.stdout or ''}{expired.stderr or ''}"
         return Verdict([f"ringrun did not end within {RUN_TIMEOUT_S} s"]), str(output)
@@ -334,8 +353,10 @@ def main() -> int:
                 shutil.rmtree(folder, ignore_errors=True)
     every = [span for kind in KINDS for span in spans[kind]]
     each = ", ".join(f"{kind} {_median(spans[kind])}" for kind in KINDS if spans[kind])
-    print(f"{passed}/{args.runs} passed (seed {seed}); kill -> first step after the restart: "
-          f"median {_median(every)} over {len(every)} runs ({each})")  # fmt: skip
+    print(
+        f"{passed}/{args.runs} passed (seed {seed}); kill -> first step after the restart: "
+        f"median {_median(every)} over {len(every)} runs ({each})"
+    )
     return 0 if passed == args.runs else 1
 
 

@@ -17,8 +17,16 @@ import time
 from pathlib import Path
 
 WORKER = str(Path(__file__).parent / "workers" / "faults.py")
-SCENARIOS = ["stop-negotiation", "stop-ring", "stop-mpi", "stop-user", "gil", "kill",
-             "exit-3", "exit-0-early"]  # fmt: skip
+SCENARIOS = [
+    "stop-negotiation",
+    "stop-ring",
+    "stop-mpi",
+    "stop-user",
+    "gil",
+    "kill",
+    "exit-3",
+    "exit-0-early",
+]
 
 
 def main() -> None:
@@ -39,19 +47,34 @@ def main() -> None:
     print("|---|---|---|---|")
     for scenario in args.scenarios:
         result = subprocess.run(
-            [sys.executable, "-m", "ringplug.run.cli", "-np", str(args.ranks), sys.executable,
-             WORKER, scenario, "measure"],
-            capture_output=True, text=True, timeout=float(args.timeout) + 120, check=False,
+            [
+                sys.executable,
+                "-m",
+                "ringplug.run.cli",
+                "-np",
+                str(args.ranks),
+                sys.executable,
+                WORKER,
+                scenario,
+                "measure",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=float(args.timeout) + 120,
+            check=False,
             env={**os.environ, **env},
-        )  # fmt: skip
+        )
         end = time.time()
         output = result.stdout + result.stderr
-        fault = next((float(line.split()[2]) for line in output.splitlines()
-                      if " FAULT " in f" {line} "), None)  # fmt: skip
+        fault = next(
+            (float(line.split()[2]) for line in output.splitlines() if " FAULT " in f" {line} "),
+            None,
+        )
         lines = [line for line in result.stderr.splitlines() if line.startswith("ringrun:")]
         took = f"{end - fault:.1f} s" if fault is not None else "?"
-        print(f"| {scenario} | {result.returncode} | {took} | {' / '.join(lines)[:400]} |",
-              flush=True)  # fmt: skip
+        print(
+            f"| {scenario} | {result.returncode} | {took} | {' / '.join(lines)[:400]} |", flush=True
+        )
 
 
 if __name__ == "__main__":

@@ -51,10 +51,17 @@ def resnet18_sized() -> torch.nn.Module:
 
 def mnist_net() -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 10, 5), torch.nn.MaxPool2d(2), torch.nn.ReLU(),
-        torch.nn.Conv2d(10, 20, 5), torch.nn.MaxPool2d(2), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.Linear(320, 50), torch.nn.ReLU(), torch.nn.Linear(50, 10),
-    )  # fmt: skip
+        torch.nn.Conv2d(1, 10, 5),
+        torch.nn.MaxPool2d(2),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(10, 20, 5),
+        torch.nn.MaxPool2d(2),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(320, 50),
+        torch.nn.ReLU(),
+        torch.nn.Linear(50, 10),
+    )
 
 
 def median_ms(state: hvd.elastic.TorchState, commits: int) -> float:

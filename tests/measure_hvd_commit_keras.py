@@ -29,21 +29,32 @@ import ringplug.horovod.keras as hvd  # noqa: E402
 
 def mnist_example() -> tuple[keras.Model, tuple[int, ...]]:
     layers = keras.layers
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        layers.Conv2D(32, 3, activation="relu"), layers.Conv2D(64, 3, activation="relu"),
-        layers.MaxPooling2D(2), layers.Flatten(), layers.Dense(128, activation="relu"),
-        layers.Dense(10, activation="softmax"),
-    ])  # fmt: skip
+    model = keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            layers.Conv2D(32, 3, activation="relu"),
+            layers.Conv2D(64, 3, activation="relu"),
+            layers.MaxPooling2D(2),
+            layers.Flatten(),
+            layers.Dense(128, activation="relu"),
+            layers.Dense(10, activation="softmax"),
+        ]
+    )
     return model, (28, 28, 1)
 
 
 def resnet18_sized() -> tuple[keras.Model, tuple[int, ...]]:
     layers = keras.layers
-    model = keras.Sequential([
-        keras.Input((2048,)), layers.Dense(2048), layers.Dense(2048), layers.Dense(1000),
-        layers.Dense(1000), layers.Dense(250),
-    ])  # fmt: skip
+    model = keras.Sequential(
+        [
+            keras.Input((2048,)),
+            layers.Dense(2048),
+            layers.Dense(2048),
+            layers.Dense(1000),
+            layers.Dense(1000),
+            layers.Dense(250),
+        ]
+    )
     return model, (2048,)
 
 

@@ -71,9 +71,12 @@ def launchers() -> list[tuple[str, list[str], dict[str, str]]]:
     prefix = [mpiexec, "-disable-auto-cleanup"]
     return [
         ("MPICH, -disable-auto-cleanup", prefix, {}),
-        ("MPICH, -disable-auto-cleanup, MPIR_CVAR_ENABLE_FT=1", prefix,
-         {"MPIR_CVAR_ENABLE_FT": "1"}),
-    ]  # fmt: skip
+        (
+            "MPICH, -disable-auto-cleanup, MPIR_CVAR_ENABLE_FT=1",
+            prefix,
+            {"MPIR_CVAR_ENABLE_FT": "1"},
+        ),
+    ]
 
 
 def main() -> None:
@@ -89,14 +92,20 @@ def main() -> None:
                 marker = Path(folder) / f"killed.{run}"
                 result = subprocess.run(
                     [*prefix, "-n", "3", sys.executable, str(program), str(marker)],
-                    capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL,
-                    env={**os.environ, **extra}, check=False,
-                )  # fmt: skip
+                    capture_output=True,
+                    text=True,
+                    timeout=90,
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, **extra},
+                    check=False,
+                )
                 lines = [line for line in result.stdout.splitlines() if line.startswith("rank")]
                 if not lines:
                     said = [line for line in result.stderr.splitlines() if line.strip()]
-                    lines = [f"no survivor went on (exit {result.returncode}): " + (
-                        said[0][:120] if said else "nothing said")]  # fmt: skip
+                    lines = [
+                        f"no survivor went on (exit {result.returncode}): "
+                        + (said[0][:120] if said else "nothing said")
+                    ]
                 for line in lines:
                     print(f"  run {run + 1}: {line}")
 

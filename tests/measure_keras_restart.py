@@ -42,12 +42,33 @@ def one_run(backend: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="ringplug-keras-restart-") as name:
         folder = Path(name)
         three_then_two = discovery_script(folder, "localhost:3", "localhost:2")
-        command = [*RINGRUN, "-np", "3", "--max-restarts", "2", "--min-np", "2",
-                   "--host-discovery-script", str(three_then_two),
-                   sys.executable, WORKER, "kill", str(folder), "0", "measure-keras"]  # fmt: skip
+        command = [
+            *RINGRUN,
+            "-np",
+            "3",
+            "--max-restarts",
+            "2",
+            "--min-np",
+            "2",
+            "--host-discovery-script",
+            str(three_then_two),
+            sys.executable,
+            WORKER,
+            "kill",
+            str(folder),
+            "0",
+            "measure-keras",
+        ]
         env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False,
-                              stdin=subprocess.DEVNULL, env=env)  # fmt: skip
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
         if done.returncode != 0:
             raise SystemExit(f"the job failed ({done.returncode}):\n{done.stderr[-3000:]}")
         times = json.loads((folder / "times.1.json").read_text())

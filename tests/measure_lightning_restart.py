@@ -40,11 +40,32 @@ def one_run() -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="ringplug-restart-") as name:
         folder = Path(name)
         three_then_two = discovery_script(folder, "localhost:3", "localhost:2")
-        command = [*RINGRUN, "-np", "3", "--max-restarts", "2", "--min-np", "2",
-                   "--host-discovery-script", str(three_then_two),
-                   sys.executable, WORKER, "kill", str(folder), "0", "measure-restart"]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False,
-                              stdin=subprocess.DEVNULL, env=os.environ.copy())  # fmt: skip
+        command = [
+            *RINGRUN,
+            "-np",
+            "3",
+            "--max-restarts",
+            "2",
+            "--min-np",
+            "2",
+            "--host-discovery-script",
+            str(three_then_two),
+            sys.executable,
+            WORKER,
+            "kill",
+            str(folder),
+            "0",
+            "measure-restart",
+        ]
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            env=os.environ.copy(),
+        )
         if done.returncode != 0:
             raise SystemExit(f"the job failed ({done.returncode}):\n{done.stderr[-3000:]}")
         times = json.loads((folder / "times.1.json").read_text())

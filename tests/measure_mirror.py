@@ -57,19 +57,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     repeats = parser.parse_args().repeats
     sources = {path: path.read_bytes() for path, _, _ in FILES}
-    bytecode = {p: marshal.dumps(compile(s, str(p), "exec", dont_inherit=True))
-                for p, s in sources.items()}  # fmt: skip
+    bytecode = {
+        p: marshal.dumps(compile(s, str(p), "exec", dont_inherit=True)) for p, s in sources.items()
+    }
     lines = sum(s.count(b"\n") for s in sources.values())
     print(f"{len(FILES)} files, {lines} lines; median of {repeats}, ms")
     clear_mirror_caches()
     sys.dont_write_bytecode = True
     rows = [
-        ("plain import, compiled from source",
-         lambda: [compile(s, str(p), "exec", dont_inherit=True) for p, s in sources.items()]),
+        (
+            "plain import, compiled from source",
+            lambda: [compile(s, str(p), "exec", dont_inherit=True) for p, s in sources.items()],
+        ),
         ("mirror, rewritten and compiled (no cache)", mirror_all),
-        ("plain import, from bytecode",
-         lambda: [(p.read_bytes(), marshal.loads(bytecode[p])) for p in sources]),
-    ]  # fmt: skip
+        (
+            "plain import, from bytecode",
+            lambda: [(p.read_bytes(), marshal.loads(bytecode[p])) for p in sources],
+        ),
+    ]
     for label, work in rows:
         print(f"{label:45} {median_ms(work, repeats):8.2f}")
     sys.dont_write_bytecode = False

@@ -207,8 +207,21 @@ class NetBed:
                 _run("ip", "-n", namespace, "addr", "add", "192.168.122.1/24", "dev", "virbr0")
                 _run("ip", "-n", namespace, "link", "set", "virbr0", "up")
             port = f"port{index}"
-            _run("ip", "-n", switch, "link", "add", port, "type", "veth", "peer", "name",
-                 host.link, "netns", namespace)  # fmt: skip
+            _run(
+                "ip",
+                "-n",
+                switch,
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                host.link,
+                "netns",
+                namespace,
+            )
             _run("ip", "-n", switch, "link", "set", port, "master", "br0")
             _run("ip", "-n", switch, "link", "set", port, "up")
             _run("ip", "-n", namespace, "addr", "add", f"{host.address}/24", "dev", host.link)
@@ -248,14 +261,30 @@ class NetBed:
             # A host without the job's virtualenv: its directory is empty there.
             script += f"mount -t tmpfs tmpfs {sys.prefix} || exit 1; "
         script += f'exec {SSHD} -D -e -f "$2" -o PidFile="$3"'
-        unshare = ["unshare", "--uts"] + (["--mount", "--propagation", "private"]
-                                          if host.hide_python else [])  # fmt: skip
+        unshare = ["unshare", "--uts"] + (
+            ["--mount", "--propagation", "private"] if host.hide_python else []
+        )
         log = (self.directory / f"sshd-{host.key}.log").open("wb")
         process = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespace(host.key), *unshare, "--", "sh", "-c", script,
-             "sh", host.hostname, str(self.directory / "sshd_config"), str(pid_file)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.namespace(host.key),
+                *unshare,
+                "--",
+                "sh",
+                "-c",
+                script,
+                "sh",
+                host.hostname,
+                str(self.directory / "sshd_config"),
+                str(pid_file),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
         log.close()
         self.sshd[host.key] = process
         deadline = time.monotonic() + _SSHD_START_TIMEOUT_S
@@ -270,8 +299,20 @@ class NetBed:
     def command(self, key: str, argv: Sequence[str]) -> list[str]:
         """``argv`` as a process on host ``key``: in its network, with its hostname."""
         host = self.host(key)
-        return ["ip", "netns", "exec", self.namespace(key), "unshare", "--uts", "--", "sh", "-c",
-                'hostname "$0" && exec "$@"', host.hostname, *argv]  # fmt: skip
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.namespace(key),
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            host.hostname,
+            *argv,
+        ]
 
     def kill_host(self, key: str) -> list[int]:
         """Take host ``key`` away as a crash would: SIGKILL its sshd and every process it

@@ -25,8 +25,11 @@ def test_async_collectives_return_handles_that_give_the_result():
     results = [ringplug.synchronize(handle) for handle in handles]
     assert all(ringplug.poll(handle) for handle in handles)
     assert [r.tolist() for r in results] == [
-        [0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [[0.0, 1.0], [2.0, 3.0]],
-    ]  # fmt: skip
+        [0.0, 1.0, 2.0, 3.0],
+        [0.0, 1.0, 2.0, 3.0],
+        [0.0, 1.0, 2.0, 3.0],
+        [[0.0, 1.0], [2.0, 3.0]],
+    ]
 
 
 def test_grouped_allreduce_returns_new_arrays_in_their_shapes():

@@ -24,11 +24,26 @@ SIZES = [4096, 8192, 16384]
 def bench_run(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("bench")
     result = run_ringrun(
-        "-np", "2", BENCH, "allreduce", "--min-size", "4K", "--max-size", "16K",
-        "--budget", "0.005", "--min-iters", "3", "--warmup", "1",
-        "--json", str(outdir / "allreduce.json"), "--plot", str(outdir / "allreduce.png"),
+        "-np",
+        "2",
+        BENCH,
+        "allreduce",
+        "--min-size",
+        "4K",
+        "--max-size",
+        "16K",
+        "--budget",
+        "0.005",
+        "--min-iters",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+        str(outdir / "allreduce.json"),
+        "--plot",
+        str(outdir / "allreduce.png"),
         timeout=180,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result, json.loads((outdir / "allreduce.json").read_text()), outdir
 
@@ -81,16 +96,35 @@ def test_plot_is_a_png(bench_run):
 
 def test_fusion_bench_reports_every_implementation_on_resnet50_gradients(tmp_path):
     result = run_ringrun(
-        "-np", "2", BENCH, "fusion", "--iters", "2", "--warmup", "1",
-        "--impls", "ringplug,ringplug-views,single,copy,gloo,small",
-        "--json", str(tmp_path / "fusion.json"), timeout=240,
-    )  # fmt: skip
+        "-np",
+        "2",
+        BENCH,
+        "fusion",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--impls",
+        "ringplug,ringplug-views,single,copy,gloo,small",
+        "--json",
+        str(tmp_path / "fusion.json"),
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads((tmp_path / "fusion.json").read_text())
     rows = {row["impl"]: row for row in document["results"]}
-    assert set(rows) == {"ringplug", "ringplug-views", "single", "copy", "gloo", "small-1",
-                         "small-1000", "small-1000-grouped", "small-1000-grouped-in-place",
-                         "single-4M"}  # fmt: skip
+    assert set(rows) == {
+        "ringplug",
+        "ringplug-views",
+        "single",
+        "copy",
+        "gloo",
+        "small-1",
+        "small-1000",
+        "small-1000-grouped",
+        "small-1000-grouped-in-place",
+        "single-4M",
+    }
     assert document["env"]["tensors"] == 161 and document["env"]["parameters"] == 25_557_032
     assert rows["ringplug"]["tensors"] == 161 and rows["single"]["tensors"] == 1
     assert rows["ringplug"]["bytes"] == rows["single"]["bytes"] == 25_557_032 * 4
@@ -100,8 +134,13 @@ def test_fusion_bench_reports_every_implementation_on_resnet50_gradients(tmp_pat
 def run_bench(tmp_path: Path, name: str, *args: str) -> tuple[str, list[dict]]:
     """`ringplug-bench NAME ARGS --json ...` as a plain command: its stdout and JSON rows."""
     out = tmp_path / f"{name}.json"
-    result = subprocess.run([BENCH, name, *args, "--json", str(out)], capture_output=True,
-                            text=True, timeout=600, check=False)  # fmt: skip
+    result = subprocess.run(
+        [BENCH, name, *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(out.read_text())
     assert document["bench"] == name
@@ -110,20 +149,28 @@ def run_bench(tmp_path: Path, name: str, *args: str) -> tuple[str, list[dict]]:
 
 @pytest.mark.parametrize(
     ("name", "competitor", "summary", "options"),
-    [("lightning", ["ring", "ddp", "none"], "median RingStrategy / DDP throughput",
-      ["--tiny-steps", "8"]),
-     ("keras", ["ringplug", "mwms", "plain"], "median ringplug / MWMS throughput", [])],
-)  # fmt: skip
-def test_training_benches_run_both_sides_in_alternating_pairs(tmp_path, name, competitor,
-                                                              summary, options):  # fmt: skip
+    [
+        (
+            "lightning",
+            ["ring", "ddp", "none"],
+            "median RingStrategy / DDP throughput",
+            ["--tiny-steps", "8"],
+        ),
+        ("keras", ["ringplug", "mwms", "plain"], "median ringplug / MWMS throughput", []),
+    ],
+)
+def test_training_benches_run_both_sides_in_alternating_pairs(
+    tmp_path, name, competitor, summary, options
+):
     pytest.importorskip(name)
     if name == "keras":
         pytest.importorskip("tensorflow")
     ours, theirs, alone = competitor
     # One pair of each comparison (each job a fresh Lightning or Keras process: 10 s each
     # here); that the order flips from pair to pair is tests/test_bench_schedule.py's.
-    stdout, rows = run_bench(tmp_path, name, "--pairs", "1", "--steps", "6", "--hidden", "32",
-                             *options)  # fmt: skip
+    stdout, rows = run_bench(
+        tmp_path, name, "--pairs", "1", "--steps", "6", "--hidden", "32", *options
+    )
     first = [ours, theirs, f"{ours}-1", alone]
     ranks = [2, 2, 1, 1]
     if name == "lightning":  # and the tiny model's per-step comparison
@@ -138,8 +185,9 @@ def test_training_benches_run_both_sides_in_alternating_pairs(tmp_path, name, co
 
 def test_sampler_bench_compares_padding_and_epoch_time(tmp_path):
     pytest.importorskip("PIL")
-    _, results = run_bench(tmp_path, "sampler", "--samples", "2000", "--timed-samples", "128",
-                           "--repeats", "1")  # fmt: skip
+    _, results = run_bench(
+        tmp_path, "sampler", "--samples", "2000", "--timed-samples", "128", "--repeats", "1"
+    )
     rows = {row["impl"]: row for row in results}
     assert set(rows) == {"bucket", "random"}
     # Buckets of similar widths pad far less than random batches of the same size.

@@ -53,8 +53,13 @@ def test_training_jobs_run_in_pairs_whose_order_flips_and_ratios_keep_their_side
 
     def job(impl: str, ranks: int) -> dict:
         jobs.append((impl, ranks))
-        return {"samples_per_s": speed[impl] * ranks, "seconds": 1.0, "steps_timed": 4,
-                "ranks": ranks, "parameters": 10}  # fmt: skip
+        return {
+            "samples_per_s": speed[impl] * ranks,
+            "seconds": 1.0,
+            "steps_timed": 4,
+            "ranks": ranks,
+            "parameters": 10,
+        }
 
     comparisons = [("2 ranks", "ours", "theirs", 2), ("1 rank", "ours", "alone", 1)]
     records, ratios = alternating_pairs(3, comparisons, job, lambda impl, r: f"{impl}@{r}")

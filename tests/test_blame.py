@@ -19,17 +19,22 @@ FAST = {"RINGPLUG_TIMEOUT": "10", "RINGPLUG_STALL_CHECK_SECONDS": "5"}
 
 def run_scenario(scenario: str, ranks: int):
     marker = unique_marker(scenario)
-    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, scenario, marker,
-                         extra_env=FAST, timeout=90)  # fmt: skip
+    result = run_ringrun(
+        "-np", str(ranks), sys.executable, WORKER, scenario, marker, extra_env=FAST, timeout=90
+    )
     assert processes_matching(marker) == [], "ranks were left running"
     return result, result.stdout + result.stderr
 
 
 def verdict(stderr: str) -> str:
     """ringrun's first line about how the job ended."""
-    lines = [line for line in stderr.splitlines()
-             if line.startswith("ringrun: ") and "flight records" not in line
-             and not line.startswith("ringrun: where rank")]  # fmt: skip
+    lines = [
+        line
+        for line in stderr.splitlines()
+        if line.startswith("ringrun: ")
+        and "flight records" not in line
+        and not line.startswith("ringrun: where rank")
+    ]
     assert lines, stderr
     return lines[0]
 

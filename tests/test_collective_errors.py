@@ -44,16 +44,30 @@ def test_mismatch_above_the_eager_size_is_caught_before_any_data_moves(seen):
 @pytest.mark.parametrize(
     ("scenario", "fragments"),
     [
-        ("dtype", ["rank 0 submitted allreduce with shape (8,) float32",
-                   "ranks 1, 2 submitted allreduce with shape (8,) float64"]),
+        (
+            "dtype",
+            [
+                "rank 0 submitted allreduce with shape (8,) float32",
+                "ranks 1, 2 submitted allreduce with shape (8,) float64",
+            ],
+        ),
         ("op", ["op=sum", "ranks 1, 2 submitted", "op=max"]),
-        ("root", ["rank 0 submitted broadcast", "root_rank=0", "ranks 1, 2 submitted",
-                  "root_rank=1"]),
+        (
+            "root",
+            ["rank 0 submitted broadcast", "root_rank=0", "ranks 1, 2 submitted", "root_rank=1"],
+        ),
         ("kind", ["rank 0 submitted allreduce", "ranks 1, 2 submitted broadcast"]),
-        ("allgather-trailing", ["rows of shape (3,)", "rows of shape (4,)",
-                                "rows of shape (5,)", "first dimension differ"]),
+        (
+            "allgather-trailing",
+            [
+                "rows of shape (3,)",
+                "rows of shape (4,)",
+                "rows of shape (5,)",
+                "first dimension differ",
+            ],
+        ),
     ],
-)  # fmt: skip
+)
 def test_mismatches_raise_the_same_mismatch_error_everywhere(seen, scenario, fragments):
     messages = {rank_view[scenario]["message"] for rank_view in seen}
     types = {rank_view[scenario]["type"] for rank_view in seen}

@@ -29,7 +29,7 @@ PATHS = {
         "RINGPLUG_EAGER_THRESHOLD": "0",
         "RINGPLUG_RING_THRESHOLD": "0",
         "RINGPLUG_RING_SEGMENT": "4K",
-    },  # fmt: skip
+    },
     "mpi-allreduce": {"RINGPLUG_EAGER_THRESHOLD": "0", "RINGPLUG_RING_THRESHOLD": "1G"},
 }
 
@@ -44,9 +44,14 @@ def run_worker(tmp_path_factory):
         if (ranks, path) not in jobs:
             outdir = tmp_path_factory.mktemp(f"collectives-{path}-{ranks}")
             result = run_ringrun(
-                "-np", str(ranks), sys.executable, str(WORKERS / "collectives.py"), str(outdir),
-                extra_env=PATHS[path], timeout=240,
-            )  # fmt: skip
+                "-np",
+                str(ranks),
+                sys.executable,
+                str(WORKERS / "collectives.py"),
+                str(outdir),
+                extra_env=PATHS[path],
+                timeout=240,
+            )
             jobs[ranks, path] = (result, outdir)
         result, outdir = jobs[ranks, path]
         assert result.returncode == 0, result.stdout + result.stderr

@@ -19,9 +19,16 @@ from ringplug.core.ops import ReduceOp, as_op
 
 @pytest.mark.parametrize(
     ("text", "count"),
-    [("65536", 65536), ("64K", 65536), ("16M", 16 << 20), ("1G", 1 << 30), ("16MiB", 16 << 20),
-     ("0", 0), ("1.5K", 1536)],
-)  # fmt: skip
+    [
+        ("65536", 65536),
+        ("64K", 65536),
+        ("16M", 16 << 20),
+        ("1G", 1 << 30),
+        ("16MiB", 16 << 20),
+        ("0", 0),
+        ("1.5K", 1536),
+    ],
+)
 def test_byte_counts_take_binary_units(text, count):
     assert parse_bytes(text) == count
 
@@ -32,11 +39,19 @@ def test_a_byte_count_that_is_not_one_says_how_to_write_it():
 
 
 def test_unset_variables_give_the_defaults(monkeypatch):
-    for name in ("RINGPLUG_TIMEOUT", "RINGPLUG_RING_THRESHOLD", "RINGPLUG_RING_SEGMENT",
-                 "RINGPLUG_LOG_LEVEL", "RINGPLUG_FUSION_THRESHOLD", "RINGPLUG_CYCLE_TIME",
-                 "RINGPLUG_STALL_CHECK_SECONDS", "RINGPLUG_STALL_SHUTDOWN_SECONDS",
-                 "RINGPLUG_TIMELINE", "RINGPLUG_EAGER_THRESHOLD",
-                 "RINGPLUG_BARRIER_TIMEOUT"):  # fmt: skip
+    for name in (
+        "RINGPLUG_TIMEOUT",
+        "RINGPLUG_RING_THRESHOLD",
+        "RINGPLUG_RING_SEGMENT",
+        "RINGPLUG_LOG_LEVEL",
+        "RINGPLUG_FUSION_THRESHOLD",
+        "RINGPLUG_CYCLE_TIME",
+        "RINGPLUG_STALL_CHECK_SECONDS",
+        "RINGPLUG_STALL_SHUTDOWN_SECONDS",
+        "RINGPLUG_TIMELINE",
+        "RINGPLUG_EAGER_THRESHOLD",
+        "RINGPLUG_BARRIER_TIMEOUT",
+    ):
         monkeypatch.delenv(name, raising=False)
     assert read_settings() == Settings()
     assert Settings().timeout == 600  # ten minutes, as torch's NCCL watchdog
@@ -66,9 +81,15 @@ def test_a_bad_timeout_names_the_variable(monkeypatch, value):
 
 @pytest.mark.parametrize(
     ("name", "op"),
-    [("sum", ReduceOp.SUM), ("mean", ReduceOp.AVERAGE), ("avg", ReduceOp.AVERAGE),
-     ("MAX", ReduceOp.MAX), ("min", ReduceOp.MIN), ("prod", ReduceOp.PRODUCT)],
-)  # fmt: skip
+    [
+        ("sum", ReduceOp.SUM),
+        ("mean", ReduceOp.AVERAGE),
+        ("avg", ReduceOp.AVERAGE),
+        ("MAX", ReduceOp.MAX),
+        ("min", ReduceOp.MIN),
+        ("prod", ReduceOp.PRODUCT),
+    ],
+)
 def test_ops_can_be_named_as_strings(name, op):
     assert as_op(name) is op
 

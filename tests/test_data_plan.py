@@ -13,26 +13,40 @@ from hypothesis import strategies as st
 
 from ringplug.data import plan_batches
 
-cases = st.fixed_dictionaries({
-    "lengths": st.lists(st.integers(1, 500), min_size=0, max_size=300),
-    "ranks": st.integers(1, 5),
-    "by_tokens": st.booleans(),
-    "batch_size": st.integers(1, 17),
-    "budget_factor": st.integers(1, 8),
-    "shuffle": st.booleans(),
-    "seed": st.integers(0, 2**16),
-    "epoch": st.integers(0, 50),
-    "drop_last": st.booleans(),
-})  # fmt: skip
+cases = st.fixed_dictionaries(
+    {
+        "lengths": st.lists(st.integers(1, 500), min_size=0, max_size=300),
+        "ranks": st.integers(1, 5),
+        "by_tokens": st.booleans(),
+        "batch_size": st.integers(1, 17),
+        "budget_factor": st.integers(1, 8),
+        "shuffle": st.booleans(),
+        "seed": st.integers(0, 2**16),
+        "epoch": st.integers(0, 50),
+        "drop_last": st.booleans(),
+    }
+)
 
 
 def plans(case: dict) -> list:
-    limits = ({"max_tokens": 500 * case["budget_factor"]} if case["by_tokens"]
-              else {"batch_size": case["batch_size"]})  # fmt: skip
-    return [plan_batches(case["lengths"], num_replicas=case["ranks"], rank=r,
-                         shuffle=case["shuffle"], seed=case["seed"], epoch=case["epoch"],
-                         drop_last=case["drop_last"], **limits)
-            for r in range(case["ranks"])]  # fmt: skip
+    limits = (
+        {"max_tokens": 500 * case["budget_factor"]}
+        if case["by_tokens"]
+        else {"batch_size": case["batch_size"]}
+    )
+    return [
+        plan_batches(
+            case["lengths"],
+            num_replicas=case["ranks"],
+            rank=r,
+            shuffle=case["shuffle"],
+            seed=case["seed"],
+            epoch=case["epoch"],
+            drop_last=case["drop_last"],
+            **limits,
+        )
+        for r in range(case["ranks"])
+    ]
 
 
 @settings(max_examples=300, deadline=None)
@@ -88,8 +102,9 @@ def test_epochs_reorder_and_buckets_cut_padding():
     assert first.batches != second.batches
 
     def padding(batches: list[list[int]]) -> int:
-        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b)
-                   for b in batches)  # fmt: skip
+        return sum(
+            max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches
+        )
 
     order = rng.permutation(len(lengths)).tolist()
     random_batches = [order[i : i + 16] for i in range(0, len(order), 16)]
@@ -99,10 +114,14 @@ def test_epochs_reorder_and_buckets_cut_padding():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({}, "exactly one"), ({"batch_size": 2, "max_tokens": 9}, "exactly one"),
-     ({"batch_size": 0}, "at least 1"), ({"max_tokens": 3}, "more than max_tokens=3"),
-     ({"batch_size": 2, "rank": 2}, "rank 2")],
-)  # fmt: skip
+    [
+        ({}, "exactly one"),
+        ({"batch_size": 2, "max_tokens": 9}, "exactly one"),
+        ({"batch_size": 0}, "at least 1"),
+        ({"max_tokens": 3}, "more than max_tokens=3"),
+        ({"batch_size": 2, "rank": 2}, "rank 2"),
+    ],
+)
 def test_bad_arguments_say_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_batches([1, 5, 2], num_replicas=kwargs.pop("num_replicas", 2), **kwargs)

@@ -39,13 +39,34 @@ KINDS = ["bucket-batch_size", "bucket-max_tokens", "elastic"]
 
 def sampler(kind: str, replicas: int, rank: int, shuffle: bool = True, **extra):
     if kind == "bucket-batch_size":
-        return DistributedBucketSampler(LENGTHS, batch_size=7, num_replicas=replicas,
-                                        rank=rank, shuffle=shuffle, seed=11, **extra)  # fmt: skip
+        return DistributedBucketSampler(
+            LENGTHS,
+            batch_size=7,
+            num_replicas=replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=11,
+            **extra,
+        )
     if kind == "bucket-max_tokens":
-        return DistributedBucketSampler(LENGTHS, max_tokens=BUDGET, num_replicas=replicas,
-                                        rank=rank, shuffle=shuffle, seed=11, **extra)  # fmt: skip
-    return ElasticSampler(range(COUNT), shuffle=shuffle, seed=11, num_replicas=replicas,
-                          rank=rank, batch_size=BATCH, **extra)  # fmt: skip
+        return DistributedBucketSampler(
+            LENGTHS,
+            max_tokens=BUDGET,
+            num_replicas=replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=11,
+            **extra,
+        )
+    return ElasticSampler(
+        range(COUNT),
+        shuffle=shuffle,
+        seed=11,
+        num_replicas=replicas,
+        rank=rank,
+        batch_size=BATCH,
+        **extra,
+    )
 
 
 def batches_of(walk: list) -> list[list[int]]:
@@ -82,8 +103,9 @@ STOPS: dict[str, Callable[[int], int]] = {
 }
 
 
-def train_epoch(kind: str, worlds: tuple[int, ...], stops: tuple[str, ...], shuffle: bool,
-                epoch: int = 3) -> list[list[list[list[int]]]]:  # fmt: skip
+def train_epoch(
+    kind: str, worlds: tuple[int, ...], stops: tuple[str, ...], shuffle: bool, epoch: int = 3
+) -> list[list[list[list[int]]]]:
     """Epoch `epoch` in jobs of `worlds` ranks: each job but the last trains its ranks' first
     batches (`stops`, one a job but the last), then rank 0's state goes through a checkpoint
     to the next job, whose ranks load it; the last job trains to the end of the epoch.
@@ -159,10 +181,10 @@ def test_a_resumed_epoch_trains_every_sample_once(kind, worlds, stop, shuffle):
 @pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "in-order"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
-    "stops", [("half", "half"), ("none", "half"), ("one", "all-but-one"), ("half", "all"),
-              ("all", "none")],
+    "stops",
+    [("half", "half"), ("none", "half"), ("one", "all-but-one"), ("half", "all"), ("all", "none")],
     ids="-then-".join,
-)  # fmt: skip
+)
 def test_resumes_chain_within_an_epoch_from_3_to_2_to_1_ranks(kind, stops, shuffle):
     jobs = train_epoch(kind, (3, 2, 1), stops, shuffle)
     assert_each_sample_trained_once(jobs, (3, 2, 1))
@@ -249,9 +271,11 @@ def test_the_resumed_epoch_takes_the_states_seed(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_state_of_another_dataset_length_is_refused_saying_what_to_do(kind):
     state = sampler_at(kind, 2, 0, 0).state_dict(batches_done=1)
-    shorter = (DistributedBucketSampler(LENGTHS[:-1], batch_size=7, num_replicas=2, rank=0)
-               if kind.startswith("bucket") else
-               ElasticSampler(range(COUNT - 1), num_replicas=2, rank=0))  # fmt: skip
+    shorter = (
+        DistributedBucketSampler(LENGTHS[:-1], batch_size=7, num_replicas=2, rank=0)
+        if kind.startswith("bucket")
+        else ElasticSampler(range(COUNT - 1), num_replicas=2, rank=0)
+    )
     with pytest.raises(ValueError, match=rf"dataset of {COUNT} samples.*has {COUNT - 1}.*same"):
         shorter.load_state_dict(state)
 
@@ -259,12 +283,14 @@ def test_a_state_of_another_dataset_length_is_refused_saying_what_to_do(kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     ("change", "message"),
-    [({"version": 2}, "version 2; this ringplug reads version 1"),
-     ({"version": None}, "version None"),
-     ({"done": "not base64!"}, "not base64"),
-     ({"done": "AAAA"}, "damaged"),
-     ({"done_samples": 0}, "damaged")],
-)  # fmt: skip
+    [
+        ({"version": 2}, "version 2; this ringplug reads version 1"),
+        ({"version": None}, "version None"),
+        ({"done": "not base64!"}, "not base64"),
+        ({"done": "AAAA"}, "damaged"),
+        ({"done_samples": 0}, "damaged"),
+    ],
+)
 def test_an_unknown_version_or_damaged_state_is_refused(kind, change, message):
     state = {**sampler_at(kind, 2, 0, 0).state_dict(batches_done=2), **change}
     with pytest.raises(ValueError, match=message):
@@ -299,15 +325,18 @@ def test_a_batch_count_the_epoch_cannot_have_is_refused(kind):
 def test_resumed_batches_still_bucket_by_length():
     stopped = DistributedBucketSampler(LENGTHS * 8, batch_size=16, num_replicas=3, rank=0)
     state = stopped.state_dict(batches_done=10)
-    resumed = [DistributedBucketSampler(LENGTHS * 8, batch_size=16, num_replicas=2, rank=r)
-               for r in range(2)]  # fmt: skip
+    resumed = [
+        DistributedBucketSampler(LENGTHS * 8, batch_size=16, num_replicas=2, rank=r)
+        for r in range(2)
+    ]
     for each in resumed:
         each.load_state_dict(state)
     lengths = LENGTHS * 8
 
     def padding(batches: list[list[int]]) -> int:
-        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b)
-                   for b in batches)  # fmt: skip
+        return sum(
+            max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches
+        )
 
     batches = [b for each in resumed for b in each]
     rest = [i for b in batches for i in b]
@@ -321,8 +350,9 @@ def test_unshuffled_elastic_sampler_deals_as_torchs_distributed_sampler():
         for replicas in (2, 3, 4):
             options = {"shuffle": False, "num_replicas": replicas, "drop_last": drop_last}
             ours = [list(ElasticSampler(range(COUNT), rank=r, **options)) for r in range(replicas)]
-            torchs = [list(DistributedSampler(range(COUNT), rank=r, **options))
-                      for r in range(replicas)]  # fmt: skip
+            torchs = [
+                list(DistributedSampler(range(COUNT), rank=r, **options)) for r in range(replicas)
+            ]
             assert ours == torchs
 
 
@@ -380,8 +410,10 @@ def test_reset_plans_the_rest_of_the_epoch_again():
 
 
 def test_elastic_sampler_is_exported_without_importing_torch_at_import_ringplug_data():
-    code = ("import sys, ringplug.data; assert 'torch' not in sys.modules; "
-            "from ringplug.data import ElasticSampler; assert 'torch' in sys.modules")  # fmt: skip
+    code = (
+        "import sys, ringplug.data; assert 'torch' not in sys.modules; "
+        "from ringplug.data import ElasticSampler; assert 'torch' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -391,8 +423,9 @@ def test_elastic_sampler_is_exported_without_importing_torch_at_import_ringplug_
 @pytest.mark.parametrize("limits", [{"batch_size": 6}, {"max_tokens": BUDGET}])
 def test_a_plan_of_a_subset_holds_the_subset_and_equal_counts(limits):
     subset = np.random.default_rng(3).choice(COUNT, 100, replace=False)
-    plans = [plan_batches(LENGTHS, num_replicas=3, rank=r, indices=subset, **limits)
-             for r in range(3)]  # fmt: skip
+    plans = [
+        plan_batches(LENGTHS, num_replicas=3, rank=r, indices=subset, **limits) for r in range(3)
+    ]
     ids = Counter(i for p in plans for b in p.batches for i in b)
     assert set(ids) == set(subset.tolist())
     assert sum(ids.values()) - len(subset) == plans[0].repeated_samples
@@ -413,9 +446,9 @@ def test_trained_samples_are_the_ranks_first_batches_together(limits):
 
 
 @pytest.mark.parametrize(
-    ("indices", "message"), [([0, COUNT], "sample ids in 0"), ([-1], "sample ids in 0"),
-                             ([4, 4], "more than once")],
-)  # fmt: skip
+    ("indices", "message"),
+    [([0, COUNT], "sample ids in 0"), ([-1], "sample ids in 0"), ([4, 4], "more than once")],
+)
 def test_bad_subsets_are_refused(indices, message):
     with pytest.raises(ValueError, match=message):
         plan_batches(LENGTHS, batch_size=4, indices=indices)
@@ -429,12 +462,21 @@ def test_real_ranks_resume_an_epoch_with_fewer_ranks_through_loader_workers(tmp_
     worker = str(Path(__file__).parent / "workers" / "data_resume.py")
     jobs = []
     for ranks, stop in ((3, 4), (2, -1)):
-        result = run_ringrun("-np", str(ranks), sys.executable, worker, kind, str(stop),
-                             str(tmp_path), extra_env={"RINGPLUG_TIMEOUT": "60"},
-                             timeout=240)  # fmt: skip
+        result = run_ringrun(
+            "-np",
+            str(ranks),
+            sys.executable,
+            worker,
+            kind,
+            str(stop),
+            str(tmp_path),
+            extra_env={"RINGPLUG_TIMEOUT": "60"},
+            timeout=240,
+        )
         assert result.returncode == 0, result.stdout + result.stderr
-        reports = [json.loads((tmp_path / f"{kind}-{ranks}-{r}.json").read_text())
-                   for r in range(ranks)]  # fmt: skip
+        reports = [
+            json.loads((tmp_path / f"{kind}-{ranks}-{r}.json").read_text()) for r in range(ranks)
+        ]
         assert len({report["len"] for report in reports}) == 1  # equal counts: no hang
         assert {report["batches"] for report in reports} == {4 if stop > 0 else reports[0]["len"]}
         jobs.append([report["ids"] for report in reports])

@@ -37,9 +37,16 @@ def run(tmp_path_factory):
             outdir = tmp_path_factory.mktemp(f"sampler-{ranks}")
             lightning = importlib.util.find_spec("lightning") is not None
             scenarios = [s for s in JOBS[ranks] if lightning or not s.startswith("lightning")]
-            result = run_ringrun("-np", str(ranks), sys.executable, WORKER, ",".join(scenarios),
-                                 str(outdir), extra_env={"RINGPLUG_TIMEOUT": "60"},
-                                 timeout=300)  # fmt: skip
+            result = run_ringrun(
+                "-np",
+                str(ranks),
+                sys.executable,
+                WORKER,
+                ",".join(scenarios),
+                str(outdir),
+                extra_env={"RINGPLUG_TIMEOUT": "60"},
+                timeout=300,
+            )
             jobs[ranks] = (result, outdir)
         result, outdir = jobs[ranks]
         assert result.returncode == 0, result.stdout + result.stderr

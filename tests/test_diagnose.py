@@ -20,21 +20,44 @@ from ringplug.diagnose import RankSummary, summarize, verdict
 
 WORKERS = Path(__file__).parent / "workers"
 SCENARIOS = ["data", "straggler", "communication", "compute"]
-EXPECTED = {"data": ("data-bound", 1), "straggler": ("straggler", 1),
-            "communication": ("communication-bound", None),
-            "compute": ("compute-bound", None)}  # fmt: skip
+EXPECTED = {
+    "data": ("data-bound", 1),
+    "straggler": ("straggler", 1),
+    "communication": ("communication-bound", None),
+    "compute": ("compute-bound", None),
+}
 
 
-def ms(rank: int, step: float, data: float = 0.0, compute: float = 0.0,
-       communication: float = 0.0, optimizer: float = 0.0, nbytes: float = 0.0,
-       window: float = 0.0, collectives: float = 0.0,
-       reductions: float = 0.0) -> RankSummary:  # fmt: skip
+def ms(
+    rank: int,
+    step: float,
+    data: float = 0.0,
+    compute: float = 0.0,
+    communication: float = 0.0,
+    optimizer: float = 0.0,
+    nbytes: float = 0.0,
+    window: float = 0.0,
+    collectives: float = 0.0,
+    reductions: float = 0.0,
+) -> RankSummary:
     """A rank's medians, given in milliseconds (and counts per step)."""
     other = step - data - compute - communication - optimizer
-    return RankSummary(rank, "host", 20, step / 1e3, data / 1e3, compute / 1e3,
-                       communication / 1e3, optimizer / 1e3, other / 1e3, nbytes,
-                       window / 1e3, (step - communication) / 1e3, collectives,
-                       reductions)  # fmt: skip
+    return RankSummary(
+        rank,
+        "host",
+        20,
+        step / 1e3,
+        data / 1e3,
+        compute / 1e3,
+        communication / 1e3,
+        optimizer / 1e3,
+        other / 1e3,
+        nbytes,
+        window / 1e3,
+        (step - communication) / 1e3,
+        collectives,
+        reductions,
+    )
 
 
 # ---------------------------------------------------------------------- the rules
@@ -47,8 +70,11 @@ def test_a_rank_waiting_for_its_own_data_is_named_data_bound():
 
 
 def test_a_rank_computing_far_longer_than_the_others_is_the_straggler():
-    ranks = [ms(0, 50, compute=10, communication=38), ms(1, 50, compute=45, communication=3),
-             ms(2, 50, compute=11, communication=37)]  # fmt: skip
+    ranks = [
+        ms(0, 50, compute=10, communication=38),
+        ms(1, 50, compute=45, communication=3),
+        ms(2, 50, compute=11, communication=37),
+    ]
     found = verdict(ranks)
     assert (found.kind, found.rank) == ("straggler", 1)
     assert "rank 1 computes 4.3x as long as the median of the others" in found.text
@@ -61,8 +87,10 @@ def test_a_mild_straggler_is_quoted_in_percent():
 
 def test_every_rank_waiting_for_the_reduction_is_communication_bound_with_its_bandwidth():
     mib = 32 * 2**20
-    ranks = [ms(0, 100, compute=20, communication=60, nbytes=mib, window=65),
-             ms(1, 100, compute=21, communication=58, nbytes=mib, window=64)]  # fmt: skip
+    ranks = [
+        ms(0, 100, compute=20, communication=60, nbytes=mib, window=65),
+        ms(1, 100, compute=21, communication=58, nbytes=mib, window=64),
+    ]
     found = verdict(ranks, ceiling_busbw=4e9)
     assert found.kind == "communication-bound"
     assert "every rank waits 58% or more" in found.text
@@ -82,8 +110,10 @@ def test_large_gradients_far_below_a_fast_measured_link_stay_communication_bound
     # 32 MiB at a measured 20 GB/s would take 1.7 ms of the 60 ms wait: the link is going
     # far slower than it can, but an allreduce this large is about bytes, not round trips.
     mib = 32 * 2**20
-    ranks = [ms(r, 100, compute=30, communication=60, nbytes=mib, window=60, collectives=2,
-                reductions=2) for r in range(2)]  # fmt: skip
+    ranks = [
+        ms(r, 100, compute=30, communication=60, nbytes=mib, window=60, collectives=2, reductions=2)
+        for r in range(2)
+    ]
     found = verdict(ranks, ceiling_busbw=20e9)
     assert found.kind == "communication-bound"
     assert "the link can do more" in found.text
@@ -94,12 +124,44 @@ def test_a_two_parameter_model_waiting_on_round_trips_is_latency_bound():
     # The medians of a real 3-rank Lightning fit of Linear(1, 1) on 2 cores: 8 bytes of
     # gradients, yet 43% or more of every step in the reduction. Bandwidth has nothing to
     # do with it, so neither do fp16 or a faster interconnect.
-    ranks = [ms(0, 14.7, data=0.3, compute=2.9, communication=6.3, optimizer=0.4, nbytes=8,
-                window=6.5, collectives=2, reductions=1),
-             ms(1, 14.0, data=0.3, compute=1.6, communication=7.2, optimizer=0.4, nbytes=8,
-                window=7.4, collectives=2, reductions=1),
-             ms(2, 12.5, data=0.3, compute=1.8, communication=6.4, optimizer=0.4, nbytes=8,
-                window=6.6, collectives=2, reductions=1)]  # fmt: skip
+    ranks = [
+        ms(
+            0,
+            14.7,
+            data=0.3,
+            compute=2.9,
+            communication=6.3,
+            optimizer=0.4,
+            nbytes=8,
+            window=6.5,
+            collectives=2,
+            reductions=1,
+        ),
+        ms(
+            1,
+            14.0,
+            data=0.3,
+            compute=1.6,
+            communication=7.2,
+            optimizer=0.4,
+            nbytes=8,
+            window=7.4,
+            collectives=2,
+            reductions=1,
+        ),
+        ms(
+            2,
+            12.5,
+            data=0.3,
+            compute=1.8,
+            communication=6.4,
+            optimizer=0.4,
+            nbytes=8,
+            window=6.6,
+            collectives=2,
+            reductions=1,
+        ),
+    ]
     found = verdict(ranks)
     assert (found.kind, found.rank) == ("latency-bound", None)
     assert "communication-bound" not in found.text and "GB/s bus bandwidth" not in found.text
@@ -114,8 +176,19 @@ def test_a_two_parameter_model_waiting_on_round_trips_is_latency_bound():
 
 
 def test_many_small_allreduces_are_told_to_fuse():
-    ranks = [ms(r, 10, compute=5, communication=4, nbytes=4000, window=4.5, collectives=30,
-                reductions=30) for r in range(2)]  # fmt: skip
+    ranks = [
+        ms(
+            r,
+            10,
+            compute=5,
+            communication=4,
+            nbytes=4000,
+            window=4.5,
+            collectives=30,
+            reductions=30,
+        )
+        for r in range(2)
+    ]
     found = verdict(ranks)
     assert found.kind == "latency-bound"
     assert "30 gradient allreduces per step, 0.13 ms each" in found.text
@@ -137,26 +210,52 @@ def test_many_small_allreduces_are_told_to_fuse():
     ],
 )
 def test_bandwidth_is_named_once_the_bytes_outlast_a_round_trip(nbytes, ceiling, kind):
-    ranks = [ms(r, 100, compute=30, communication=60, nbytes=nbytes, window=60, collectives=1,
-                reductions=1) for r in range(2)]  # fmt: skip
+    ranks = [
+        ms(
+            r,
+            100,
+            compute=30,
+            communication=60,
+            nbytes=nbytes,
+            window=60,
+            collectives=1,
+            reductions=1,
+        )
+        for r in range(2)
+    ]
     assert verdict(ranks, ceiling_busbw=ceiling).kind == kind
 
 
-@pytest.mark.parametrize(("nbytes", "kind"), [(20_000, "latency-bound"),
-                                              (40_000, "communication-bound")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("nbytes", "kind"), [(20_000, "latency-bound"), (40_000, "communication-bound")]
+)
 def test_bytes_that_fill_a_quarter_of_a_short_wait_are_named(nbytes, kind):
     # 10 allreduces' round trips (0.5 ms) are more than either payload needs at 0.1 GB/s,
     # but 40 KB take 0.4 ms of the 1.2 ms wait, and 20 KB only 0.2 ms.
-    ranks = [ms(r, 4, compute=2, communication=1.2, nbytes=nbytes, window=1.2, collectives=10,
-                reductions=10) for r in range(2)]  # fmt: skip
+    ranks = [
+        ms(
+            r,
+            4,
+            compute=2,
+            communication=1.2,
+            nbytes=nbytes,
+            window=1.2,
+            collectives=10,
+            reductions=10,
+        )
+        for r in range(2)
+    ]
     assert verdict(ranks).kind == kind
 
 
 def test_a_rank_late_with_other_work_is_named_though_it_computes_no_longer():
     # Rank 2 computes 20% longer (no straggler), but spends 11 ms more on the rest of its
     # step; ranks 0 and 1 wait for it in the reduction.
-    ranks = [ms(0, 30, compute=5, communication=14), ms(1, 30, compute=5, communication=14),
-             ms(2, 30, compute=6, communication=2)]  # fmt: skip
+    ranks = [
+        ms(0, 30, compute=5, communication=14),
+        ms(1, 30, compute=5, communication=14),
+        ms(2, 30, compute=6, communication=2),
+    ]
     found = verdict(ranks)
     assert (found.kind, found.rank) == ("late rank", 2)
     assert "rank 2 reaches the gradient reduction last, 12.0 ms after the others" in found.text
@@ -178,9 +277,11 @@ def test_a_rank_computing_a_little_longer_is_late_before_it_is_a_straggler():
 
 def test_a_late_rank_costing_more_than_the_reduction_is_named_first():
     # Every rank waits at least 30% (rank 2 too), but ranks 0 and 1 wait 40 ms more for it.
-    ranks = [ms(0, 100, compute=20, communication=70, nbytes=8),
-             ms(1, 100, compute=20, communication=70, nbytes=8),
-             ms(2, 100, compute=20, communication=30, nbytes=8)]  # fmt: skip
+    ranks = [
+        ms(0, 100, compute=20, communication=70, nbytes=8),
+        ms(1, 100, compute=20, communication=70, nbytes=8),
+        ms(2, 100, compute=20, communication=30, nbytes=8),
+    ]
     assert (verdict(ranks).kind, verdict(ranks).rank) == ("late rank", 2)
     # With the lateness smaller than what every rank waits, the reduction comes first.
     ranks[2] = ms(2, 100, compute=20, communication=55, nbytes=8)
@@ -194,8 +295,10 @@ def test_waiting_behind_a_straggler_is_not_called_communication_bound():
 
 
 def test_busy_ranks_with_small_waits_are_compute_bound():
-    ranks = [ms(0, 50, compute=40, communication=5, optimizer=2),
-             ms(1, 50, compute=42, communication=4, optimizer=2)]  # fmt: skip
+    ranks = [
+        ms(0, 50, compute=40, communication=5, optimizer=2),
+        ms(1, 50, compute=42, communication=4, optimizer=2),
+    ]
     found = verdict(ranks)
     assert found.kind == "compute-bound"
     assert "nothing to fix in distribution" in found.text
@@ -205,8 +308,10 @@ def test_medians_leave_out_the_first_step_and_split_each_step_into_phases():
     # (start, data_start, data, arrived, backward_end, reduce_start, reduced, end, nbytes,
     #  collectives, reductions)
     warmup = (0.0, 0.0, 0.5, 1.0, 2.0, 1.5, 3.0, 4.0, 100, 9, 9)
-    rows = [warmup] + [(t, t, 0.001, t + 0.002, t + 0.010, t + 0.006, t + 0.013, t + 0.015, 100,
-                        3, 2) for t in (10.0, 20.0, 30.0)]  # fmt: skip
+    rows = [warmup] + [
+        (t, t, 0.001, t + 0.002, t + 0.010, t + 0.006, t + 0.013, t + 0.015, 100, 3, 2)
+        for t in (10.0, 20.0, 30.0)
+    ]
     summary = summarize(rows, rank=3, host="h")
     assert summary.steps == 3
     assert summary.step == pytest.approx(0.015)
@@ -251,8 +356,17 @@ def test_the_table_has_a_row_per_rank_and_the_verdict_line():
     found = diagnose.Diagnosis(ranks, verdict(ranks), None, final=True)
     lines = found.table().splitlines()
     assert lines[0].startswith("ringplug step-time breakdown (end of fit, medians over 20")
-    assert lines[1].split() == ["rank", "host", "step", "data", "compute", "comm", "optim",
-                                "other", "MiB/step"]  # fmt: skip
+    assert lines[1].split() == [
+        "rank",
+        "host",
+        "step",
+        "data",
+        "compute",
+        "comm",
+        "optim",
+        "other",
+        "MiB/step",
+    ]
     assert lines[3].split()[:4] == ["1", "host", "50.00", "40.00"]
     assert lines[-1].startswith("verdict: data-bound: rank 1")
     metrics = found.metrics()
@@ -279,8 +393,10 @@ def test_a_missing_rank_is_described_by_its_phase_or_the_collective_it_waits_in(
     activities = [("", 0.0), (activity.WAITING_FOR_DATA, 12.4), (activity.COMPUTING, 3.0)]
     partial = {"grads": [0], "other": [2]}
     text = activity.describe([1, 2], activities, partial)
-    assert text == ("rank 1 was waiting for data for 12 s; rank 2 waits in a different "
-                    "collective ('other'; last phase: in forward/backward)")  # fmt: skip
+    assert text == (
+        "rank 1 was waiting for data for 12 s; rank 2 waits in a different "
+        "collective ('other'; last phase: in forward/backward)"
+    )
     assert activity.describe([0], activities, {"other": [2]}) == ""  # rank 0 named no phase
 
 
@@ -299,8 +415,9 @@ def test_timeline_tracks_give_each_rank_its_own_process(tmp_path):
 
 # ---------------------------------------------------------------------- 2 real ranks
 def _reports(outdir: Path) -> dict[str, list[dict]]:
-    return {s: [json.loads((outdir / f"{s}-{r}.json").read_text()) for r in range(2)]
-            for s in SCENARIOS}  # fmt: skip
+    return {
+        s: [json.loads((outdir / f"{s}-{r}.json").read_text()) for r in range(2)] for s in SCENARIOS
+    }
 
 
 # The planted communication bottleneck is a 32 MiB gradient per step; reduced in 8 KiB ring
@@ -314,10 +431,16 @@ SLOW_LINK = {"RINGPLUG_RING_SEGMENT": "8K"}
 def lightning_run(tmp_path_factory) -> dict:
     pytest.importorskip("lightning")
     outdir = tmp_path_factory.mktemp("diagnose-lightning")
-    result = run_ringrun("-np", "2", sys.executable, str(WORKERS / "diagnose_lightning.py"),
-                         str(outdir), *SCENARIOS,
-                         extra_env={"RINGPLUG_TIMEOUT": "60", **SLOW_LINK},
-                         timeout=240)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        str(WORKERS / "diagnose_lightning.py"),
+        str(outdir),
+        *SCENARIOS,
+        extra_env={"RINGPLUG_TIMEOUT": "60", **SLOW_LINK},
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return {"reports": _reports(outdir), "outdir": outdir, "stdout": result.stdout}
 
@@ -327,11 +450,21 @@ def keras_run(request, tmp_path_factory) -> dict:
     pytest.importorskip("keras")
     pytest.importorskip(request.param)
     outdir = tmp_path_factory.mktemp(f"diagnose-keras-{request.param}")
-    result = run_ringrun("-np", "2", sys.executable, str(WORKERS / "diagnose_keras.py"),
-                         str(outdir), *SCENARIOS,
-                         extra_env={"KERAS_BACKEND": request.param, "TF_CPP_MIN_LOG_LEVEL": "3",
-                                    "RINGPLUG_TIMEOUT": "60", **SLOW_LINK},
-                         timeout=300)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        str(WORKERS / "diagnose_keras.py"),
+        str(outdir),
+        *SCENARIOS,
+        extra_env={
+            "KERAS_BACKEND": request.param,
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "RINGPLUG_TIMEOUT": "60",
+            **SLOW_LINK,
+        },
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return {"reports": _reports(outdir), "outdir": outdir, "stdout": result.stdout}
 
@@ -357,8 +490,11 @@ def test_keras_verdict_names_the_planted_bottleneck(keras_run, scenario):
 
 @pytest.mark.multirank
 def test_rank_zero_prints_the_table_once_per_fit(lightning_run):
-    printed = [line for line in lightning_run["stdout"].splitlines()
-               if "ringplug step-time breakdown" in line]  # fmt: skip
+    printed = [
+        line
+        for line in lightning_run["stdout"].splitlines()
+        if "ringplug step-time breakdown" in line
+    ]
     assert len(printed) == len(SCENARIOS)
     assert all(line.startswith("[0]") for line in printed)
 
@@ -393,9 +529,16 @@ def test_keras_epoch_logs_reach_the_csv_logger(keras_run):
 @pytest.mark.multirank
 def test_a_two_parameter_model_on_3_ranks_is_not_called_communication_bound(tmp_path):
     pytest.importorskip("lightning")
-    result = run_ringrun("-np", "3", sys.executable, str(WORKERS / "diagnose_lightning.py"),
-                         str(tmp_path), "tiny", extra_env={"RINGPLUG_TIMEOUT": "60"},
-                         timeout=240)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "3",
+        sys.executable,
+        str(WORKERS / "diagnose_lightning.py"),
+        str(tmp_path),
+        "tiny",
+        extra_env={"RINGPLUG_TIMEOUT": "60"},
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     reports = [json.loads((tmp_path / f"tiny-{r}.json").read_text()) for r in range(3)]
     table = reports[0]["table"]
@@ -412,13 +555,20 @@ def test_a_two_parameter_model_on_3_ranks_is_not_called_communication_bound(tmp_
 
 @pytest.mark.multirank
 def test_stall_warnings_say_what_the_missing_rank_was_doing():
-    result = run_ringrun("-np", "2", sys.executable, str(WORKERS / "diagnose_stall.py"),
-                         extra_env={"RINGPLUG_STALL_CHECK_SECONDS": "0.5",
-                                    "RINGPLUG_TIMEOUT": "60"}, timeout=90)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        str(WORKERS / "diagnose_stall.py"),
+        extra_env={"RINGPLUG_STALL_CHECK_SECONDS": "0.5", "RINGPLUG_TIMEOUT": "60"},
+        timeout=90,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    warnings = {line.split("Stalled collectives: ")[1].split(" is ready")[0]: line
-                for line in result.stderr.splitlines() + result.stdout.splitlines()
-                if "Stalled collectives: " in line}  # fmt: skip
+    warnings = {
+        line.split("Stalled collectives: ")[1].split(" is ready")[0]: line
+        for line in result.stderr.splitlines() + result.stdout.splitlines()
+        if "Stalled collectives: " in line
+    }
     assert "rank 1 was waiting for data for" in warnings["'stall.data.1'"]
     assert "rank 1 was in forward/backward for" in warnings["'stall.compute'"]
     assert "rank 1 waits in a different collective ('stall.other'" in warnings["'stall.different'"]
@@ -446,11 +596,15 @@ def test_bench_without_check_is_refused_with_the_right_usage():
 
 @pytest.mark.multirank
 def test_check_bench_sweeps_allreduce_on_the_jobs_ranks_and_remembers_the_peak(tmp_path):
-    result = run_ringrun("--check", "--bench", "-np", "2",
-                         extra_env={"XDG_CACHE_HOME": str(tmp_path)}, timeout=120)  # fmt: skip
+    result = run_ringrun(
+        "--check", "--bench", "-np", "2", extra_env={"XDG_CACHE_HOME": str(tmp_path)}, timeout=120
+    )
     assert "ringplug allreduce sweep: 2 ranks" in result.stdout, result.stdout + result.stderr
-    rows = [line.split() for line in result.stdout.splitlines() if " MiB " in line
-            and "peak" not in line and "sweep" not in line]  # fmt: skip
+    rows = [
+        line.split()
+        for line in result.stdout.splitlines()
+        if " MiB " in line and "peak" not in line and "sweep" not in line
+    ]
     assert [row[1] for row in rows] == ["0.06", "1.00", "8.00", "32.00"]
     (entry,) = json.loads((tmp_path / "ringplug" / "ceiling.json").read_text())
     assert entry["ranks"] == 2 and len(entry["hosts"]) == 1

@@ -144,8 +144,13 @@ def test_the_site_builds_without_a_warning(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
     warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
     assert result.returncode == 0, "mkdocs build --strict failed:\n" + (
         "\n".join(warnings) or result.stderr

@@ -10,10 +10,18 @@ from ringplug.core.dtypes import DType, bfloat16_to_float32, classify, float32_t
 
 @pytest.mark.parametrize(
     ("dtype", "code"),
-    [(np.float16, DType.FLOAT16), (np.float32, DType.FLOAT32), (np.float64, DType.FLOAT64),
-     (np.int8, DType.INT8), (np.int16, DType.INT16), (np.int32, DType.INT32),
-     (np.int64, DType.INT64), (np.uint8, DType.UINT8), (np.bool_, DType.BOOL)],
-)  # fmt: skip
+    [
+        (np.float16, DType.FLOAT16),
+        (np.float32, DType.FLOAT32),
+        (np.float64, DType.FLOAT64),
+        (np.int8, DType.INT8),
+        (np.int16, DType.INT16),
+        (np.int32, DType.INT32),
+        (np.int64, DType.INT64),
+        (np.uint8, DType.UINT8),
+        (np.bool_, DType.BOOL),
+    ],
+)
 def test_numpy_types_map_to_their_wire_codes(dtype, code):
     assert classify(np.zeros(2, dtype)) is code
 
@@ -44,11 +52,13 @@ def test_bfloat16_words_widen_to_the_float32_with_the_same_top_half():
 def test_float32_rounds_to_the_nearest_bfloat16_with_ties_to_even():
     one_ulp = 2.0**-7  # bfloat16 spacing just above 1.0
     values = np.array(
-        [1.0 + one_ulp / 2,  # halfway between 1.0 (even) and 1+ulp: rounds down to even
-         1.0 + 3 * one_ulp / 2,  # halfway between 1+ulp (odd) and 1+2ulp (even): rounds up
-         1.0 + one_ulp * 0.51],  # above halfway: rounds up
+        [
+            1.0 + one_ulp / 2,  # halfway between 1.0 (even) and 1+ulp: rounds down to even
+            1.0 + 3 * one_ulp / 2,  # halfway between 1+ulp (odd) and 1+2ulp (even): rounds up
+            1.0 + one_ulp * 0.51,
+        ],  # above halfway: rounds up
         np.float32,
-    )  # fmt: skip
+    )
     words = float32_to_bfloat16(values, np.empty(3, np.uint16))
     assert bfloat16_to_float32(words).tolist() == [1.0, 1.0 + 2 * one_ulp, 1.0 + one_ulp]
 

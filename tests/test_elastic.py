@@ -31,8 +31,16 @@ WORKER = str(Path(__file__).parent / "workers" / "elastic.py")
 
 def run_elastic_job(folder: Path, scenario: str, *flags: str):
     marker = unique_marker(scenario)
-    result = run_ringrun(*flags, sys.executable, WORKER, str(folder), scenario, marker,
-                         extra_env={"RINGPLUG_TIMEOUT": "10"}, timeout=120)  # fmt: skip
+    result = run_ringrun(
+        *flags,
+        sys.executable,
+        WORKER,
+        str(folder),
+        scenario,
+        marker,
+        extra_env={"RINGPLUG_TIMEOUT": "10"},
+        timeout=120,
+    )
     assert processes_matching(marker) == [], "ranks were left running"
     return result, result.stdout + result.stderr
 
@@ -56,18 +64,33 @@ def restart_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("ringrun: restart ")]
 
 
-def preempt(worker: str, folder: Path, ranks: int, name: str, env: dict | None = None,
-            wait_s: float = 180) -> tuple[int, str]:  # fmt: skip
+def preempt(
+    worker: str, folder: Path, ranks: int, name: str, env: dict | None = None, wait_s: float = 180
+) -> tuple[int, str]:
     """Start `worker`'s ``sigterm`` scenario on `ranks` ranks under an elastic ringrun,
     SIGTERM ringrun once every rank has written ``folder/running.<rank>`` (within `wait_s`),
     and return ringrun's exit code and output; no rank may be left, nothing restarted."""
     marker = unique_marker(name)
     process = subprocess.Popen(
-        [*RINGRUN, "-np", str(ranks), "--max-restarts", "2", sys.executable, worker, "sigterm",
-         str(folder), "0", marker],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        [
+            *RINGRUN,
+            "-np",
+            str(ranks),
+            "--max-restarts",
+            "2",
+            sys.executable,
+            worker,
+            "sigterm",
+            str(folder),
+            "0",
+            marker,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
         env=env if env is not None else os.environ.copy(),
-    )  # fmt: skip
+    )
     try:
         for _ in range(int(wait_s * 10)):  # bounded: until every rank waits for the signal
             if len(list(folder.glob("running.*"))) == ranks or process.poll() is not None:
@@ -90,9 +113,17 @@ def preempt(worker: str, folder: Path, ranks: int, name: str, env: dict | None =
 def test_a_killed_rank_restarts_the_job_on_the_slots_the_discovery_script_names(tmp_path):
     script = discovery_script(tmp_path, "localhost:3", "localhost:2")
     result, output = run_elastic_job(
-        tmp_path, "kill", "-np", "3", "--max-restarts", "2", "--min-np", "2",
-        "--host-discovery-script", str(script),
-    )  # fmt: skip
+        tmp_path,
+        "kill",
+        "-np",
+        "3",
+        "--max-restarts",
+        "2",
+        "--min-np",
+        "2",
+        "--host-discovery-script",
+        str(script),
+    )
     assert result.returncode == 0, output
     (line,) = restart_lines(result.stderr)
     assert line.startswith("ringrun: restart 1 of 2 after rank 2 on host")
@@ -106,9 +137,17 @@ def test_a_killed_rank_restarts_the_job_on_the_slots_the_discovery_script_names(
 def test_a_failure_during_the_restart_is_restarted_too_while_restarts_are_left(tmp_path):
     script = discovery_script(tmp_path, "localhost:3", "localhost:2")
     result, output = run_elastic_job(
-        tmp_path, "kill-twice", "-np", "3", "--max-restarts", "2", "--min-np", "2",
-        "--host-discovery-script", str(script),
-    )  # fmt: skip
+        tmp_path,
+        "kill-twice",
+        "-np",
+        "3",
+        "--max-restarts",
+        "2",
+        "--min-np",
+        "2",
+        "--host-discovery-script",
+        str(script),
+    )
     assert result.returncode == 0, output
     first, second = restart_lines(result.stderr)
     assert first.startswith("ringrun: restart 1 of 2 after rank 2 ")
@@ -131,9 +170,17 @@ def test_restarts_are_bounded_and_the_job_ends_with_the_last_starts_code(tmp_pat
 def test_too_few_slots_for_min_np_ends_the_job_with_a_clear_error(tmp_path):
     script = discovery_script(tmp_path, "localhost:3", "localhost:1")
     result, output = run_elastic_job(
-        tmp_path, "kill", "-np", "3", "--min-np", "2", "--elastic-timeout", "0",
-        "--host-discovery-script", str(script),
-    )  # fmt: skip
+        tmp_path,
+        "kill",
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "--elastic-timeout",
+        "0",
+        "--host-discovery-script",
+        str(script),
+    )
     assert result.returncode == elastic.NOT_ENOUGH_SLOTS_EXIT_CODE, output
     assert (
         "ringrun: error: too few slots for --min-np 2: localhost:1 (1 slot) after waiting 0 s"
@@ -146,10 +193,22 @@ def test_too_few_slots_for_min_np_ends_the_job_with_a_clear_error(tmp_path):
 def test_sigterm_to_ringrun_reaches_every_rank_which_saves_and_nothing_restarts(tmp_path):
     marker = unique_marker("preempt")
     process = subprocess.Popen(
-        [*RINGRUN, "-np", "2", "--max-restarts", "3", sys.executable, WORKER, str(tmp_path),
-         "preempt", marker],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            *RINGRUN,
+            "-np",
+            "2",
+            "--max-restarts",
+            "3",
+            sys.executable,
+            WORKER,
+            str(tmp_path),
+            "preempt",
+            marker,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(600):  # bounded: until both ranks run
             if len(list(tmp_path.glob("running.*"))) == 2 or process.poll() is not None:
@@ -241,10 +300,13 @@ def test_a_host_lost_mid_job_stays_out_even_when_the_discovery_script_still_name
     script = discovery_script(tmp_path, "a:2\\nb:2")
     lost = HostProblem("b", "connection closed", "the ssh server closed the connection", "-")
     job = FakeJob(
-        JobResult(exit_code=255, started=started((0, "a"), (1, "a"), (2, "b"), (3, "b")),
-                  host_problems=[lost]),
+        JobResult(
+            exit_code=255,
+            started=started((0, "a"), (1, "a"), (2, "b"), (3, "b")),
+            host_problems=[lost],
+        ),
         JobResult(exit_code=0),
-    )  # fmt: skip
+    )
     said: list[str] = []
     code = run_elastic(plan(discovery_script=str(script)), [], job, lambda r: "b lost", said.append)
     assert code == 0

@@ -16,8 +16,16 @@ WORKER = str(Path(__file__).parent / "workers" / "engine.py")
 
 
 def run(scenario: str, tmp_path: Path, ranks: int = 3, **env: str):
-    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, scenario, str(tmp_path),
-                         extra_env=env, timeout=90)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        str(ranks),
+        sys.executable,
+        WORKER,
+        scenario,
+        str(tmp_path),
+        extra_env=env,
+        timeout=90,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     reports = [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(ranks)]
     return reports, result
@@ -76,8 +84,9 @@ def test_joined_ranks_contribute_identities_and_everyone_learns_the_last_rank(tm
 
 
 def test_a_stall_is_reported_by_rank_0_and_then_raised_on_every_rank(tmp_path):
-    reports, result = run("stall", tmp_path, RINGPLUG_STALL_CHECK_SECONDS="0.5",
-                          RINGPLUG_STALL_SHUTDOWN_SECONDS="1.5")  # fmt: skip
+    reports, result = run(
+        "stall", tmp_path, RINGPLUG_STALL_CHECK_SECONDS="0.5", RINGPLUG_STALL_SHUTDOWN_SECONDS="1.5"
+    )
     assert "[0] ringplug[0] WARNING" in result.stdout + result.stderr
     for report in reports:
         assert report["type"] == "StallError"
@@ -149,8 +158,11 @@ def test_small_allreduces_named_before_travel_in_the_negotiation_message(tmp_pat
         # Those calls ran without a request (`Engine.call_now`), unless they need one: a
         # prescale factor, or a dtype given to reinterpret the buffer. (An idle engine
         # thread that sees a peer's message first may answer it itself: a call may not.)
-        usual = {key: case["now"] for key, case in report["cases"].items()
-                 if key.endswith("/0.25") or "/bfloat16/" in key}  # fmt: skip
+        usual = {
+            key: case["now"]
+            for key, case in report["cases"].items()
+            if key.endswith("/0.25") or "/bfloat16/" in key
+        }
         assert usual and set(usual.values()) == {0}
         now = [case["now"] for key, case in report["cases"].items() if key not in usual]
         assert max(now) <= 2 and sum(now) >= len(now)

@@ -21,12 +21,25 @@ EXAMPLES = Path(__file__).parent.parent / "examples" / "ocr"
 def test_the_lightning_ocr_example_trains_reports_cer_and_writes_a_timeline(tmp_path):
     timeline = tmp_path / "timeline.json"
     result = run_ringrun(
-        "-np", "2", sys.executable, str(EXAMPLES / "train_lightning.py"), "--lines", "256",
-        "--val-lines", "64", "--epochs", "2", "--timeline", str(timeline), timeout=300,
-    )  # fmt: skip
+        "-np",
+        "2",
+        sys.executable,
+        str(EXAMPLES / "train_lightning.py"),
+        "--lines",
+        "256",
+        "--val-lines",
+        "64",
+        "--epochs",
+        "2",
+        "--timeline",
+        str(timeline),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    rates = [float(r) for r in re.findall(r"\[0\] epoch \d+: character error rate ([\d.]+)",
-                                          result.stdout)]  # fmt: skip
+    rates = [
+        float(r)
+        for r in re.findall(r"\[0\] epoch \d+: character error rate ([\d.]+)", result.stdout)
+    ]
     assert len(rates) == 2 and all(0 <= r <= 1.5 for r in rates)
     assert "[1] epoch" not in result.stdout  # rank 0 reports
     assert re.search(r"final character error rate [\d.]+ after 2 epochs on 2 ranks", result.stdout)
@@ -41,9 +54,18 @@ def test_the_keras_ocr_example_trains_and_reports_cer(tmp_path):
     pytest.importorskip("keras")
     pytest.importorskip("tensorflow")
     result = run_ringrun(
-        "-np", "2", sys.executable, str(EXAMPLES / "train_keras.py"), "--lines", "256",
-        "--val-lines", "64", "--epochs", "2", timeout=300,
-    )  # fmt: skip
+        "-np",
+        "2",
+        sys.executable,
+        str(EXAMPLES / "train_keras.py"),
+        "--lines",
+        "256",
+        "--val-lines",
+        "64",
+        "--epochs",
+        "2",
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert len(re.findall(r"\[0\] epoch \d+: character error rate [\d.]+", result.stdout)) == 2
     assert re.search(r"final character error rate [\d.]+ after 2 epochs on 2 ranks", result.stdout)

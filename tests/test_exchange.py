@@ -43,8 +43,9 @@ def test_eager_data_starts_16_byte_aligned_after_the_form(cached, numbered):
 
 def test_a_peer_with_the_same_requests_has_the_same_form_whatever_its_data_and_phase():
     own = Message(5, cached=0b101, numbered=[(2, 9)], eager=b"\x01" * 16)
-    peer = Message(5, cached=0b101, numbered=[(2, 9)], eager=b"\x07" * 16,
-                   activity=("waiting for data", 3.0))  # fmt: skip
+    peer = Message(
+        5, cached=0b101, numbered=[(2, 9)], eager=b"\x07" * 16, activity=("waiting for data", 3.0)
+    )
     wire = encode(own)
     received = [wire, bytearray(encode(peer))]
     length = same_form(wire, received)

@@ -16,8 +16,10 @@ from launch import run_ringrun
 pytest.importorskip("lightning")
 
 WORKER = str(Path(__file__).parent / "workers" / "fabric_fit.py")
-INTEGRATION = {"lightning.fabric": "ringplug.fabric",
-               "lightning_fabric": "ringplug.lightning_fabric"}  # fmt: skip
+INTEGRATION = {
+    "lightning.fabric": "ringplug.fabric",
+    "lightning_fabric": "ringplug.lightning_fabric",
+}
 
 
 def reports_of(outdir: Path, ranks: int) -> list[dict]:
@@ -36,12 +38,25 @@ def test_ranks_train_like_one_process_and_collectives_return_every_ranks_values(
     tmp_path, package, strategy, launch, ranks
 ):
     if launch == "ringrun":
-        result = run_ringrun("-np", str(ranks), sys.executable, WORKER, package, strategy,
-                             "auto", str(tmp_path), timeout=300)  # fmt: skip
+        result = run_ringrun(
+            "-np",
+            str(ranks),
+            sys.executable,
+            WORKER,
+            package,
+            strategy,
+            "auto",
+            str(tmp_path),
+            timeout=300,
+        )
     else:
-        result = subprocess.run([sys.executable, WORKER, package, strategy, str(ranks),
-                                 str(tmp_path)], capture_output=True, text=True, timeout=300,
-                                check=False)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, WORKER, package, strategy, str(ranks), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     if launch == "devices":
@@ -88,8 +103,9 @@ def test_import_ringplug_registers_strategy_ring_with_either_fabric(package):
         "strategy = type(fabric.strategy)\n"
         f"print(strategy.__module__, strategy.__name__, {other!r} in sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stderr
     integration = INTEGRATION[package]
     expected = f"{integration}.strategy RingFabricStrategy False"
@@ -99,13 +115,26 @@ def test_import_ringplug_registers_strategy_ring_with_either_fabric(package):
 @pytest.mark.parametrize("torchelastic", [True, False], ids=["torchrun", "pytorchjob"])
 def test_under_torch_launchers_fabric_ring_stops_at_once_saying_what_to_run(torchelastic):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    env.update({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": "29500"})  # fmt: skip
+    env.update(
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
     if torchelastic:
         env["TORCHELASTIC_RUN_ID"] = "job-1"
     code = "import ringplug\nfrom lightning.fabric import Fabric\nFabric(strategy='ring')\n"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, env=env, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
     assert result.returncode != 0
     by = "torchrun" if torchelastic else "torch's launcher"
     assert f"was started by {by} as rank 1 of 4" in result.stderr, result.stderr

@@ -27,9 +27,15 @@ JOB_BOUND_S = 20
 def run_scenario(scenario: str, ranks: int = 2, env: dict[str, str] | None = None):
     marker = unique_marker(scenario)
     result = run_ringrun(
-        "-np", str(ranks), sys.executable, WORKER, scenario, marker,
-        extra_env=env, timeout=JOB_BOUND_S,
-    )  # fmt: skip
+        "-np",
+        str(ranks),
+        sys.executable,
+        WORKER,
+        scenario,
+        marker,
+        extra_env=env,
+        timeout=JOB_BOUND_S,
+    )
     return result, marker
 
 
@@ -78,8 +84,11 @@ def test_an_exception_under_plain_mpiexec_aborts_instead_of_hanging():
     marker = unique_marker("plain-mpiexec")
     result = subprocess.run(
         [MPIEXEC, "-n", "2", sys.executable, WORKER, "exception", marker],
-        capture_output=True, text=True, timeout=JOB_BOUND_S, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=JOB_BOUND_S,
+        check=False,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert (

@@ -35,9 +35,16 @@ FAST = {
 def run_scenario(scenario: str, ranks: int, *extra: str, env: dict[str, str] | None = None):
     marker = unique_marker(scenario)
     result = run_ringrun(
-        "-np", str(ranks), sys.executable, WORKER, scenario, marker, *extra,
-        extra_env={**FAST, **(env or {})}, timeout=JOB_BOUND_S,
-    )  # fmt: skip
+        "-np",
+        str(ranks),
+        sys.executable,
+        WORKER,
+        scenario,
+        marker,
+        *extra,
+        extra_env={**FAST, **(env or {})},
+        timeout=JOB_BOUND_S,
+    )
     assert processes_matching(marker) == [], "ranks were left running"
     return result, result.stdout + result.stderr
 
@@ -55,8 +62,9 @@ FROZEN = [
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(("scenario", "ranks", "where"), FROZEN,
-                         ids=[f"{s}-{n}" for s, n, _ in FROZEN])  # fmt: skip
+@pytest.mark.parametrize(
+    ("scenario", "ranks", "where"), FROZEN, ids=[f"{s}-{n}" for s, n, _ in FROZEN]
+)
 def test_a_frozen_rank_is_reported_then_ends_the_job_and_is_named(scenario, ranks, where):
     result, output = run_scenario(scenario, ranks)
     assert result.returncode == 1, output
@@ -107,12 +115,18 @@ def test_an_exception_on_the_engine_thread_fails_that_collective_everywhere_and_
     assert f"rank 1: mid allreduce raised {injected}" in output
     for rank in range(ranks):
         if rank != 1:
-            assert (f"rank {rank}: allgather raised PeerFailedError: rank 1 failed allgather "
-                    f"'gathered': {memory}") in output  # fmt: skip
-            assert (f"rank {rank}: read-only allreduce raised PeerFailedError: rank 1 failed "
-                    f"allreduce 'ro': {read_only}") in output  # fmt: skip
-            assert (f"rank {rank}: mid allreduce raised PeerFailedError: rank 1 failed "
-                    f"allreduce 'mid': {injected}") in output  # fmt: skip
+            assert (
+                f"rank {rank}: allgather raised PeerFailedError: rank 1 failed allgather "
+                f"'gathered': {memory}"
+            ) in output
+            assert (
+                f"rank {rank}: read-only allreduce raised PeerFailedError: rank 1 failed "
+                f"allreduce 'ro': {read_only}"
+            ) in output
+            assert (
+                f"rank {rank}: mid allreduce raised PeerFailedError: rank 1 failed "
+                f"allreduce 'mid': {injected}"
+            ) in output
         assert f"rank {rank}: mid ran without a request: True" in output
         assert f"rank {rank}: later collectives are correct" in output
 
@@ -216,17 +230,29 @@ def test_secrets_reach_the_ranks_but_no_command_line(source, tmp_path):
         given = ["--config-file", str(config)]
     marker = unique_marker("secret")
     result = run_ringrun(
-        *given, "--verbose", "-np", "2", sys.executable, WORKER, "secret", marker, digest,
-        extra_env=FAST, timeout=JOB_BOUND_S,
-    )  # fmt: skip
+        *given,
+        "--verbose",
+        "-np",
+        "2",
+        sys.executable,
+        WORKER,
+        "secret",
+        marker,
+        digest,
+        extra_env=FAST,
+        timeout=JOB_BOUND_S,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     for rank in range(2):
         assert f"rank {rank}: secret arrived=True" in output
     # Only on ringrun's own, where the test typed it (`-x NAME` with the value in the
     # environment keeps it off that one too); never on the launcher's, a wrapper's or a rank's.
-    on = [line.split("command line of: ")[1] for line in output.splitlines()
-          if "secret on the command line of" in line]  # fmt: skip
+    on = [
+        line.split("command line of: ")[1]
+        for line in output.splitlines()
+        if "secret on the command line of" in line
+    ]
     assert all("ringplug.run.cli" in where for where in on), on
     if source == "config-file":
         assert on == []
@@ -323,8 +349,14 @@ def test_core_and_ringrun_take_the_rank_events_from_one_vocabulary():
 def test_a_fault_line_from_the_core_is_read_by_ringrun():
     code = "from ringplug.core import log; log.end_job(2, 'rank 2 gave up on rank 0', culprits=[0])"
     env = {**os.environ, "RINGPLUG_RUN_EVENTS": "tok"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=env, timeout=30, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+        check=False,
+    )
     from ringplug.run.launch.status import RankFault, parse_event
 
     assert result.returncode == 1

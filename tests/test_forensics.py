@@ -34,8 +34,9 @@ def start_waiting_child(tmp_path, install: bool = True) -> subprocess.Popen[str]
         wait_here()
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert child.stdout is not None and child.stdout.readline() == "ready\n"
     return child
 
@@ -170,14 +171,25 @@ def test_a_batch_longer_than_the_ring_records_its_last_collectives_numbered_in_s
     recorder.add_latest([Request("after")])
     records = recorder.records(lambda signature: signature)
     assert [(r["seq"], r["name"]) for r in records] == [
-        (8, "b7"), (9, "b8"), (10, "b9"), (11, "after"),
-    ]  # fmt: skip
+        (8, "b7"),
+        (9, "b8"),
+        (10, "b9"),
+        (11, "after"),
+    ]
     assert [r["state"] for r in records] == ["pending", "pending", "done", "pending"]
 
 
 def entry(seq: int, name: str, state: str = "done", site: str = "t.py:1 in f") -> dict:
-    return {"seq": seq, "name": name, "kind": "allreduce", "bytes": 4, "site": site,
-            "submitted": 0.0, "state": state, "error": None}  # fmt: skip
+    return {
+        "seq": seq,
+        "name": name,
+        "kind": "allreduce",
+        "bytes": 4,
+        "site": site,
+        "submitted": 0.0,
+        "state": state,
+        "error": None,
+    }
 
 
 def test_explain_names_the_collective_where_the_ranks_parted():

@@ -27,12 +27,22 @@ def test_auto_on_four_gpu_hosts_gives_eight_ranks_one_gpu_each():
     every_gpu = [torch.device("cuda", i) for i in range(4)]
     # ringrun -np 8 -H a:4,b:4: local ranks 0..3 on each host.
     for local_rank in range(4):
-        devices = launched_devices(every_gpu, visible_gpus=4, local_rank=local_rank,
-                                   local_size=4, world_size=8, num_nodes=1)  # fmt: skip
+        devices = launched_devices(
+            every_gpu,
+            visible_gpus=4,
+            local_rank=local_rank,
+            local_size=4,
+            world_size=8,
+            num_nodes=1,
+        )
         assert devices[local_rank] == torch.device("cuda", local_rank)
     # Two ranks on a 4-GPU host use cuda:0 and cuda:1: the host's devices are those two.
-    assert launched_devices(every_gpu, visible_gpus=4, local_rank=1, local_size=2,
-                            world_size=2, num_nodes=1) == every_gpu[:2]  # fmt: skip
+    assert (
+        launched_devices(
+            every_gpu, visible_gpus=4, local_rank=1, local_size=2, world_size=2, num_nodes=1
+        )
+        == every_gpu[:2]
+    )
 
 
 def test_explicit_devices_that_match_the_launcher_are_kept():
@@ -41,15 +51,25 @@ def test_explicit_devices_that_match_the_launcher_are_kept():
     from ringplug.fabric.devices import launched_devices
 
     two = [torch.device("cuda", 2), torch.device("cuda", 3)]
-    assert launched_devices(two, visible_gpus=4, local_rank=1, local_size=2, world_size=4,
-                            num_nodes=2) == two  # fmt: skip
+    assert (
+        launched_devices(two, visible_gpus=4, local_rank=1, local_size=2, world_size=4, num_nodes=2)
+        == two
+    )
     # One rank per host may name its one GPU.
-    assert launched_devices([torch.device("cuda", 3)], visible_gpus=4, local_rank=0,
-                            local_size=1, world_size=2, num_nodes=1)  # fmt: skip
+    assert launched_devices(
+        [torch.device("cuda", 3)],
+        visible_gpus=4,
+        local_rank=0,
+        local_size=1,
+        world_size=2,
+        num_nodes=1,
+    )
     # On CPUs, devices=1 (Lightning's "auto" there) is one process per rank, as before.
     cpu = [torch.device("cpu")]
-    assert launched_devices(cpu, visible_gpus=0, local_rank=2, local_size=3, world_size=3,
-                            num_nodes=1) == cpu  # fmt: skip
+    assert (
+        launched_devices(cpu, visible_gpus=0, local_rank=2, local_size=3, world_size=3, num_nodes=1)
+        == cpu
+    )
 
 
 @pytest.mark.parametrize(
@@ -70,9 +90,14 @@ def test_devices_that_contradict_the_launcher_say_what_to_change(
     from ringplug.fabric.devices import launched_devices
 
     with pytest.raises(ValueError, match=message) as caught:
-        launched_devices([torch.device("cuda", i) for i in devices], visible_gpus=visible,
-                         local_rank=local_rank, local_size=local_size, world_size=world,
-                         num_nodes=nodes)  # fmt: skip
+        launched_devices(
+            [torch.device("cuda", i) for i in devices],
+            visible_gpus=visible,
+            local_rank=local_rank,
+            local_size=local_size,
+            world_size=world,
+            num_nodes=nodes,
+        )
     assert "ringrun" in str(caught.value) or "defaults" in str(caught.value)
 
 
@@ -104,8 +129,15 @@ def test_tensorflow_gpu_numbers_map_to_cuda_devices_after_the_pin(monkeypatch):
 @pytest.mark.multirank
 def test_lightning_and_torch_take_the_local_ranks_gpu_on_three_ranks(tmp_path):
     pytest.importorskip("lightning")
-    result = run_ringrun("-np", "3", sys.executable, str(WORKERS / "gpu_defaults.py"),
-                         "lightning", str(tmp_path), timeout=240)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "3",
+        sys.executable,
+        str(WORKERS / "gpu_defaults.py"),
+        "lightning",
+        str(tmp_path),
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(3):
         report = json.loads((tmp_path / f"lightning-{rank}.json").read_text())
@@ -133,10 +165,16 @@ def test_lightning_and_torch_take_the_local_ranks_gpu_on_three_ranks(tmp_path):
 def test_keras_init_pins_tensorflow_and_jax_to_the_local_ranks_gpu(tmp_path):
     pytest.importorskip("tensorflow")
     pytest.importorskip("jax")
-    result = run_ringrun("-np", "2", sys.executable, str(WORKERS / "gpu_defaults.py"), "keras",
-                         str(tmp_path), extra_env={"KERAS_BACKEND": "tensorflow",
-                                                   "TF_CPP_MIN_LOG_LEVEL": "3"},
-                         timeout=240)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        str(WORKERS / "gpu_defaults.py"),
+        "keras",
+        str(tmp_path),
+        extra_env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"},
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(2):
         report = json.loads((tmp_path / f"keras-{rank}.json").read_text())
@@ -155,8 +193,14 @@ def test_keras_distribution_and_ringplugs_optimizer_are_refused_together():
     pytest.importorskip("jax")
     pytest.importorskip("keras")
     env = {**os.environ, "KERAS_BACKEND": "jax"}
-    result = subprocess.run([sys.executable, str(WORKERS / "keras_distribution.py")], env=env,
-                            capture_output=True, text=True, timeout=180, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(WORKERS / "keras_distribution.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["plain_fit"] == ""  # without a distribution, fit trains
@@ -177,18 +221,31 @@ def test_the_gpu_checks_fits_pass_on_cpus(arguments, needs):
     # tests/gpu/check_gpu.sh runs these on the GPU; --device cpu runs the same fits here.
     pytest.importorskip(needs)
     pytest.importorskip("keras" if arguments[0] == "keras" else "lightning")
-    result = subprocess.run([sys.executable, str(CHECK_FITS), *arguments, "--device", "cpu"],
-                            capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(CHECK_FITS), *arguments, "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.split(" ")[0] in
-             ("PASS", "FAIL", "SKIP")]  # fmt: skip
+    lines = [
+        line
+        for line in result.stdout.splitlines()
+        if line.split(" ")[0] in ("PASS", "FAIL", "SKIP")
+    ]
     assert len(lines) == 2 and not any(line.startswith("FAIL") for line in lines), lines
     assert any(line.startswith("PASS") and "fit" in line for line in lines), lines
 
 
 def test_the_gpu_checks_fits_refuse_unknown_arguments_with_the_choices():
-    result = subprocess.run([sys.executable, str(CHECK_FITS), "keras", "--backend", "mxnet"],
-                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(CHECK_FITS), "keras", "--backend", "mxnet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     assert "jax" in result.stderr and "mxnet" in result.stderr
 

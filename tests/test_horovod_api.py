@@ -21,9 +21,14 @@ WORKERS = Path(__file__).parent / "workers"
 
 # The scripts that share one job of N ranks, in turn (workers/in_turn.py): each framework
 # is imported once per rank instead of once per script. Each writes PREFIX-RANK.json.
-PREFIXES = {"hvd_collectives.py": "hvd", "hvd_semantics.py": "semantics",
-            "hvd_mnist.py": "mnist", "hvd_keras.py": "keras", "hvd_tf.py": "tf",
-            "hvd_tf1_hook.py": "hook"}  # fmt: skip
+PREFIXES = {
+    "hvd_collectives.py": "hvd",
+    "hvd_semantics.py": "semantics",
+    "hvd_mnist.py": "mnist",
+    "hvd_keras.py": "keras",
+    "hvd_tf.py": "tf",
+    "hvd_tf1_hook.py": "hook",
+}
 # hvd_semantics.py joins and re-initialises: after the collectives. The TensorFlow scripts
 # keep a job each: what hvd_keras.py leaves in a process (its automatic collective names
 # differ between the ranks) makes the next script's ranks call collectives of other names.
@@ -50,9 +55,14 @@ def run(tmp_path_factory):
             outdir = tmp_path_factory.mktemp(f"hvd-{key[0]}-{ranks}")
             in_turn = [a for s in JOBS[key] for a in ("+", s, str(outdir))][1:]
             result = run_ringrun(
-                "-np", str(ranks), sys.executable, str(WORKERS / "in_turn.py"), *in_turn,
-                extra_env={"RINGPLUG_TIMEOUT": "60", **ENV[key[0]]}, timeout=420,
-            )  # fmt: skip
+                "-np",
+                str(ranks),
+                sys.executable,
+                str(WORKERS / "in_turn.py"),
+                *in_turn,
+                extra_env={"RINGPLUG_TIMEOUT": "60", **ENV[key[0]]},
+                timeout=420,
+            )
             jobs[key] = (result, outdir)
         result, outdir = jobs[key]
         assert result.returncode == 0, result.stdout + result.stderr
@@ -99,8 +109,11 @@ def test_a_horovod_keras_script_with_its_callbacks_runs_on_keras_3(run):
         steps = len(rates) // 4
         # Horovod's warmup over 2 epochs: lr/size * (1 + (epoch + (batch+1)/steps)(size-1)/2),
         # then the schedule from epoch 2: lr * 0.1 ** (epoch - 2), set at each epoch's start.
-        warmup = [lr / size * (1 + (e + (b + 1) / steps) * (size - 1) / 2)
-                  for e in range(2) for b in range(steps)]  # fmt: skip
+        warmup = [
+            lr / size * (1 + (e + (b + 1) / steps) * (size - 1) / 2)
+            for e in range(2)
+            for b in range(steps)
+        ]
         assert rates == pytest.approx(warmup + [lr] * steps + [lr * 0.1] * steps)
         assert report["logged_lr"] == pytest.approx([lr * 3 / 4, lr, lr, lr * 0.1])
         assert report["config_round_trip"] and report["sparse_as_dense_identical"]

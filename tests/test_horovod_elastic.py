@@ -153,19 +153,30 @@ def ledger(folder: Path, restart: int, rank: int) -> list[dict]:
 def test_a_killed_rank_costs_only_the_batches_since_the_last_commit(tmp_path):
     marker = unique_marker("hvd-elastic")
     result = run_ringrun(
-        "-np", "3", "--min-np", "2", "--max-restarts", "2",
-        "--host-discovery-script", str(discovery_script(tmp_path, "localhost:3", "localhost:2")),
-        sys.executable, WORKER, str(tmp_path), marker,
-        extra_env={"RINGPLUG_TIMEOUT": "30", "TMPDIR": str(tmp_path)}, timeout=180,
-    )  # fmt: skip
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "--max-restarts",
+        "2",
+        "--host-discovery-script",
+        str(discovery_script(tmp_path, "localhost:3", "localhost:2")),
+        sys.executable,
+        WORKER,
+        str(tmp_path),
+        marker,
+        extra_env={"RINGPLUG_TIMEOUT": "30", "TMPDIR": str(tmp_path)},
+        timeout=180,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert processes_matching(marker) == []
     assert "restart 1 of 2 after rank 2" in result.stderr
     assert "resumed from commit 5 (made by 3 ranks; 2 now)" in output
     # The second start: 2 ranks, began where commit 5 was (epoch 0, batch 14), same job.
-    starts = [json.loads((tmp_path / f"start.{s}.{r}").read_text()) for s, r in
-              [(0, 0), (1, 0), (1, 1)]]  # fmt: skip
+    starts = [
+        json.loads((tmp_path / f"start.{s}.{r}").read_text()) for s, r in [(0, 0), (1, 0), (1, 1)]
+    ]
     assert starts[1] == starts[2]
     assert starts[1]["job"] == starts[0]["job"] is not None
     assert (starts[1]["epoch"], starts[1]["batch"], starts[1]["commits"]) == (0, 14, 5)
@@ -182,8 +193,13 @@ def test_a_killed_rank_costs_only_the_batches_since_the_last_commit(tmp_path):
             if line["commit"] <= 5 and line["epoch"] == epoch
             for i in line["ids"]
         ]
-        trained += [i for r in range(2) for line in ledger(tmp_path, 1, r)
-                    if line["epoch"] == epoch for i in line["ids"]]  # fmt: skip
+        trained += [
+            i
+            for r in range(2)
+            for line in ledger(tmp_path, 1, r)
+            if line["epoch"] == epoch
+            for i in line["ids"]
+        ]
         assert set(trained) == set(range(240)), f"epoch {epoch} skipped samples"
         # The 1 uncommitted batch is trained again; repeats beyond it only pad the last round.
         assert len(trained) - 240 < 2 * 4, f"epoch {epoch} trained samples twice"

@@ -143,9 +143,11 @@ class CountedState(hvd.elastic.KerasState):
 def test_callbacks_commit_every_n_batches_and_at_each_epochs_end():
     model = compiled_model()
     state = CountedState(model, epoch=0, batch=0, seen=[])
-    callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
-                 hvd.elastic.UpdateBatchStateCallback(state),
-                 hvd.elastic.CommitStateCallback(state, batches_per_commit=3)]  # fmt: skip
+    callbacks = [
+        hvd.elastic.UpdateEpochStateCallback(state),
+        hvd.elastic.UpdateBatchStateCallback(state),
+        hvd.elastic.CommitStateCallback(state, batches_per_commit=3),
+    ]
     train(model, steps=4, callbacks=callbacks)  # 2 epochs of 2 batches
     # Horovod's counting: the count goes on across the epoch's end.
     assert state.seen == [(1, 0), (1, 0), (2, 0)]
@@ -162,8 +164,11 @@ def test_a_fit_resumed_mid_epoch_trains_the_rest_of_that_epoch_then_whole_ones()
         def on_train_batch_end(self, batch, logs=None):
             batches.append((state.epoch, state.batch))
 
-    callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
-                 hvd.elastic.UpdateBatchStateCallback(state), Record()]  # fmt: skip
+    callbacks = [
+        hvd.elastic.UpdateEpochStateCallback(state),
+        hvd.elastic.UpdateBatchStateCallback(state),
+        Record(),
+    ]
     ones = (np.ones((8, 3), "float32"), np.ones((8, 2), "float32"))
     dataset = tf.data.Dataset.from_tensor_slices(ones).repeat().batch(2)
     history = model.fit(dataset, steps_per_epoch=5, epochs=2, callbacks=callbacks, verbose=0)
@@ -172,8 +177,14 @@ def test_a_fit_resumed_mid_epoch_trains_the_rest_of_that_epoch_then_whole_ones()
     assert (state.epoch, state.batch) == (6, 0) and len(history.history["loss"]) == 2
     assert not model.stop_training
     # fit(initial_epoch=state.epoch) counts on from the commit as well.
-    model.fit(dataset, steps_per_epoch=5, initial_epoch=state.epoch, epochs=7,
-              callbacks=callbacks, verbose=0)  # fmt: skip
+    model.fit(
+        dataset,
+        steps_per_epoch=5,
+        initial_epoch=state.epoch,
+        epochs=7,
+        callbacks=callbacks,
+        verbose=0,
+    )
     assert state.epoch == 7
 
 
@@ -223,8 +234,15 @@ def test_tensorflow_state_refuses_tf1_sessions():
 
 
 def test_every_module_has_horovods_elastic_names():
-    names = {"KerasState", "TensorFlowKerasState", "ObjectState", "run", "CommitStateCallback",
-             "UpdateBatchStateCallback", "UpdateEpochStateCallback"}  # fmt: skip
+    names = {
+        "KerasState",
+        "TensorFlowKerasState",
+        "ObjectState",
+        "run",
+        "CommitStateCallback",
+        "UpdateBatchStateCallback",
+        "UpdateEpochStateCallback",
+    }
     assert names <= set(dir(hvd.elastic))
     assert {"TensorFlowKerasState", "TensorFlowState", "ObjectState", "run"} <= set(
         dir(hvd_tf.elastic)
@@ -244,13 +262,27 @@ def run_killed_job(tmp_path: Path, style: str) -> tuple[list[dict], str]:
     restarted ranks (checked equal), and ringrun's output."""
     marker = unique_marker(f"hvd-elastic-{style}")
     result = run_ringrun(
-        "-np", "3", "--min-np", "2", "--max-restarts", "2",
-        "--host-discovery-script", str(discovery_script(tmp_path, "localhost:3", "localhost:2")),
-        sys.executable, WORKER, style, str(tmp_path), marker,
-        extra_env={"RINGPLUG_TIMEOUT": "30", "TMPDIR": str(tmp_path),
-                   "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"},
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "--max-restarts",
+        "2",
+        "--host-discovery-script",
+        str(discovery_script(tmp_path, "localhost:3", "localhost:2")),
+        sys.executable,
+        WORKER,
+        style,
+        str(tmp_path),
+        marker,
+        extra_env={
+            "RINGPLUG_TIMEOUT": "30",
+            "TMPDIR": str(tmp_path),
+            "KERAS_BACKEND": "tensorflow",
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+        },
         timeout=420,
-    )  # fmt: skip
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert processes_matching(marker) == []
@@ -278,8 +310,7 @@ def test_a_keras_fit_with_horovods_callbacks_resumes_from_its_last_commit(tmp_pa
     # at batches 0, 3 of epoch 1; rank 2 died after batch 4.
     assert "resumed from commit 5 (made by 3 ranks; 2 now)" in output
     committed = lines(tmp_path / "commits.0.0")
-    assert [(c["epoch"], c["batch"]) for c in committed] == [(0, 2), (0, 5), (1, 0), (1, 0),
-                                                              (1, 3)]  # fmt: skip
+    assert [(c["epoch"], c["batch"]) for c in committed] == [(0, 2), (0, 5), (1, 0), (1, 0), (1, 3)]
     start = starts[0]
     assert (start["epoch"], start["batch"], start["commits"]) == (1, 3, 5)
     assert start["weights"] == committed[-1]["weights"]  # weights of the commit, synced

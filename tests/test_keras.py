@@ -15,9 +15,19 @@ pytest.importorskip("keras")
 pytestmark = pytest.mark.multirank
 
 WORKER = str(Path(__file__).parent / "workers" / "keras_fit.py")
-SCENARIOS = ["plain", "clipnorm", "accumulate", "mixed", "warmup", "warmup_resume",
-             "early_stopping", "save_load", "late_build", "undistributed",
-             "statistics"]  # fmt: skip
+SCENARIOS = [
+    "plain",
+    "clipnorm",
+    "accumulate",
+    "mixed",
+    "warmup",
+    "warmup_resume",
+    "early_stopping",
+    "save_load",
+    "late_build",
+    "undistributed",
+    "statistics",
+]
 BACKENDS = {
     "tensorflow": [*SCENARIOS, "steps_per_execution", "xla", "bucketed"],
     "torch": SCENARIOS,  # Keras's torch backend has no steps_per_execution
@@ -31,12 +41,20 @@ def run(request, tmp_path_factory) -> dict:
     pytest.importorskip(backend)
     outdir = tmp_path_factory.mktemp(f"keras-{backend}")
     result = run_ringrun(
-        "-np", "2", sys.executable, WORKER, str(outdir), *BACKENDS[backend],
-        extra_env={"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3",
-                   # a rank left waiting in a reduction fails the test instead of hanging it
-                   "RINGPLUG_TIMEOUT": "60"},
+        "-np",
+        "2",
+        sys.executable,
+        WORKER,
+        str(outdir),
+        *BACKENDS[backend],
+        extra_env={
+            "KERAS_BACKEND": backend,
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            # a rank left waiting in a reduction fails the test instead of hanging it
+            "RINGPLUG_TIMEOUT": "60",
+        },
         timeout=300,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     reports = [json.loads((outdir / f"keras-{r}.json").read_text()) for r in range(2)]
     assert [r["backend"] for r in reports] == [backend, backend]
@@ -91,11 +109,17 @@ def test_warmup_follows_the_linear_scaling_formula_with_momentum_correction(run)
         steps, size, target = warmup["steps_per_epoch"], 2, 0.2
         # fit(initial_epoch=1, epochs=3) with warmup_epochs=2: epoch 1 still warms up, on
         # Horovod's curve: at batch b of epoch e, target/N * (1 + (e + (b+1)/steps)(N-1)/W).
-        expected = [target / size * (1 + (1 + (b + 1) / steps) * (size - 1) / 2)
-                    for b in range(steps)] + [target] * steps  # fmt: skip
+        expected = [
+            target / size * (1 + (1 + (b + 1) / steps) * (size - 1) / 2) for b in range(steps)
+        ] + [target] * steps
         assert warmup["lrs"] == pytest.approx(expected, rel=1e-6)
-        rows = zip(warmup["lrs_before"], warmup["lrs"], warmup["slots_before"],
-                   warmup["slots_after"], strict=True)  # fmt: skip
+        rows = zip(
+            warmup["lrs_before"],
+            warmup["lrs"],
+            warmup["slots_before"],
+            warmup["slots_after"],
+            strict=True,
+        )
         for before_lr, lr, before, after in rows:
             # The momentum slots were rescaled by new LR / old LR whenever the LR changed.
             assert after == pytest.approx(before * lr / before_lr, rel=1e-5)
@@ -109,8 +133,11 @@ def test_warmup_resumed_mid_way_goes_on_to_the_original_target_on_every_rank(run
         steps, size, target, warmup = resumed["steps_per_epoch"], 2, 0.3, 3
         # Epochs 1 and 2 of a 3-epoch warmup towards 0.3 (not towards the saved, part-warmed
         # LR, nor rank 1's own 0.7), then the end of the warmup.
-        expected = [target / size * (1 + (e + (b + 1) / steps) * (size - 1) / warmup)
-                    for e in (1, 2) for b in range(steps)]  # fmt: skip
+        expected = [
+            target / size * (1 + (e + (b + 1) / steps) * (size - 1) / warmup)
+            for e in (1, 2)
+            for b in range(steps)
+        ]
         assert resumed["lrs"] == pytest.approx(expected, rel=1e-6)
         assert resumed["lrs"][-1] == pytest.approx(target, rel=1e-6)
         assert resumed["ranks_identical"]
@@ -134,8 +161,10 @@ def test_a_saved_model_loads_with_the_plain_optimizer(run):
 
 def test_an_undistributed_optimizer_is_warned_about(run):
     for report in run["reports"]:
-        assert any("not a ringplug.keras.DistributedOptimizer" in w
-                   for w in report["undistributed"]["warnings"])  # fmt: skip
+        assert any(
+            "not a ringplug.keras.DistributedOptimizer" in w
+            for w in report["undistributed"]["warnings"]
+        )
 
 
 def test_bucketed_tf_data_keeps_samples_aligned_and_batch_counts_equal(run):

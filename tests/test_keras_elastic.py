@@ -50,10 +50,23 @@ def test_a_fit_that_loses_a_rank_resumes_mid_epoch_on_the_ranks_left(tmp_path, b
     script = discovery_script(tmp_path, "localhost:3", "localhost:2")
     marker = unique_marker("keras-kill")
     result = run_ringrun(
-        "-np", "3", "--max-restarts", "2", "--min-np", "2", "--host-discovery-script",
-        str(script), sys.executable, WORKER, "kill", str(tmp_path), "0", marker,
-        extra_env=environment(backend), timeout=300,
-    )  # fmt: skip
+        "-np",
+        "3",
+        "--max-restarts",
+        "2",
+        "--min-np",
+        "2",
+        "--host-discovery-script",
+        str(script),
+        sys.executable,
+        WORKER,
+        "kill",
+        str(tmp_path),
+        "0",
+        marker,
+        extra_env=environment(backend),
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert processes_matching(marker) == [], "ranks were left running"
     assert result.returncode == 0, output
@@ -126,8 +139,18 @@ def test_sigterm_saves_a_backup_where_every_rank_stopped_and_a_new_fit_resumes_t
     assert f"SIGTERM stopped training at step {stopped}" in output
 
     marker = unique_marker("keras-sigterm-again")
-    result = run_ringrun("-np", "2", sys.executable, WORKER, "sigterm", str(tmp_path), "1",
-                         marker, extra_env=environment("tensorflow"), timeout=180)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        WORKER,
+        "sigterm",
+        str(tmp_path),
+        "1",
+        marker,
+        extra_env=environment("tensorflow"),
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     again = [ledger(tmp_path, 1, rank) for rank in range(2)]
     assert [walk[0]["step"] for walk in again] == [stopped + 1] * 2
@@ -165,8 +188,9 @@ def numbered(count: int, seed: int = 3):
 
     signature = (tf.TensorSpec((None, 2), tf.float32), tf.TensorSpec((None, 1), tf.float32))
     lengths = [1 + i % 5 for i in range(count)]
-    dataset = rk.bucketed_dataset(load, lengths, signature, batch_size=4, collate=collate,
-                                  seed=seed)  # fmt: skip
+    dataset = rk.bucketed_dataset(
+        load, lengths, signature, batch_size=4, collate=collate, seed=seed
+    )
     return dataset, yielded, lengths
 
 
@@ -204,8 +228,9 @@ def test_a_resumed_fit_trains_only_the_rest_of_the_epoch_in_its_order(tmp_path):
     stopped_fit(tmp_path, stop=9)
     dataset, yielded, lengths = numbered(24)
     model = model_of()
-    history = model.fit(dataset, epochs=3, verbose=0,
-                        callbacks=[rk.BackupAndRestore(str(tmp_path), save_freq=2)])  # fmt: skip
+    history = model.fit(
+        dataset, epochs=3, verbose=0, callbacks=[rk.BackupAndRestore(str(tmp_path), save_freq=2)]
+    )
     assert len(history.history["loss"]) == 2  # epochs 1 (resumed) and 2
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 8 + 4 + 6
     plan = [plan_batches(lengths, batch_size=4, seed=3, epoch=e).batches for e in (1, 2)]
@@ -230,8 +255,7 @@ def test_the_keras_callback_beside_ring_broadcast_becomes_ringplugs(tmp_path):
     dataset, _, _ = numbered(24)
     model = model_of()
     with pytest.raises(KeyboardInterrupt):
-        model.fit(dataset, epochs=2, verbose=0,
-                  callbacks=[rk.RingBroadcast(0), stock, StopAt(5)])  # fmt: skip
+        model.fit(dataset, epochs=2, verbose=0, callbacks=[rk.RingBroadcast(0), stock, StopAt(5)])
     assert type(stock) is rk.BackupAndRestore
     metadata = json.loads((folder / "training_metadata.json").read_text())
     assert metadata["epoch"] == 0 and metadata["ringplug"]["batches_done"] == 4
@@ -257,8 +281,7 @@ def test_damaged_metadata_is_an_error_that_names_the_file_and_what_to_do(tmp_pat
     (tmp_path / "training_metadata.json").write_text('{"epoch": 0, "batch"')  # cut short
     dataset, _, _ = numbered(24)
     with pytest.raises(ValueError, match="cannot be restored") as caught:
-        model_of().fit(dataset, epochs=1, verbose=0,
-                       callbacks=[rk.BackupAndRestore(str(tmp_path))])  # fmt: skip
+        model_of().fit(dataset, epochs=1, verbose=0, callbacks=[rk.BackupAndRestore(str(tmp_path))])
     message = str(caught.value)
     assert "training_metadata.json is not JSON" in message
     assert "delete the folder to start training afresh" in message

@@ -22,8 +22,9 @@ def elements(dataset) -> list[int]:
 @pytest.mark.parametrize("count", [11, 12, 1])
 def test_shard_gives_every_rank_as_many_disjoint_samples(count):
     size = 3
-    shards = [elements(rk.shard(tf.data.Dataset.range(count), rank=r, size=size))
-              for r in range(size)]  # fmt: skip
+    shards = [
+        elements(rk.shard(tf.data.Dataset.range(count), rank=r, size=size)) for r in range(size)
+    ]
     assert [len(s) for s in shards] == [count // size] * size
     flat = [v for s in shards for v in s]
     assert len(set(flat)) == len(flat) and set(flat) <= set(range(count))
@@ -75,7 +76,8 @@ def test_warmup_schedule_climbs_from_one_nth_and_survives_serialization():
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(schedule))
     assert isinstance(restored, rk.WarmupSchedule)
     assert [float(restored(s)) for s in (0, 5, 30)] == pytest.approx(
-        [float(schedule(s)) for s in (0, 5, 30)])  # fmt: skip
+        [float(schedule(s)) for s in (0, 5, 30)]
+    )
 
 
 def test_ring_warmup_explains_what_to_do_with_a_schedule():
@@ -93,8 +95,9 @@ def test_distributed_optimizer_refuses_bad_settings():
     with pytest.raises(ValueError, match="Average or Sum"):
         rk.DistributedOptimizer(keras.optimizers.SGD(), op="max")
     with pytest.raises(ValueError, match="gradient_accumulation_steps=3"):
-        rk.DistributedOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=3),
-                                backward_passes_per_step=2)  # fmt: skip
+        rk.DistributedOptimizer(
+            keras.optimizers.SGD(gradient_accumulation_steps=3), backward_passes_per_step=2
+        )
 
 
 def test_world_of_one_helpers():

@@ -43,8 +43,11 @@ def test_ranks_started_by_ringrun_know_their_place(tmp_path):
 def test_ranks_started_by_plain_mpiexec_know_their_place(tmp_path):
     result = subprocess.run(
         [MPIEXEC, "-n", "2", sys.executable, str(WORKERS / "topology.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     expect_one_host(read_topologies(tmp_path, 2), 2)
 
@@ -52,8 +55,11 @@ def test_ranks_started_by_plain_mpiexec_know_their_place(tmp_path):
 def test_a_plain_python_process_is_a_world_of_one(tmp_path):
     result = subprocess.run(
         [sys.executable, str(WORKERS / "topology.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     expect_one_host(read_topologies(tmp_path, 1), 1)
 
@@ -62,9 +68,13 @@ def run_python(code: str, timeout: float = 60, **env: str) -> subprocess.Complet
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "SLURM_"))}
     environment.update(env)
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-        env=environment, check=False,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment,
+        check=False,
+    )
 
 
 def test_without_any_mpi_library_a_script_still_runs_as_one_process():
@@ -88,8 +98,9 @@ def test_a_launched_rank_without_mpi_says_what_to_install():
 
 def test_srun_without_the_mpi_plugin_is_caught_instead_of_training_alone():
     # srun started 2 tasks but each sees an MPI world of 1: N copies would train apart.
-    result = run_python("import ringplug; ringplug.init()", SLURM_STEP_NUM_TASKS="2",
-                        SLURM_PROCID="0")  # fmt: skip
+    result = run_python(
+        "import ringplug; ringplug.init()", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0"
+    )
     assert result.returncode != 0
     assert "srun started 2 ranks, but MPI sees a world of 1" in result.stderr
     assert "--mpi=pmi2" in result.stderr

@@ -31,10 +31,23 @@ def test_a_fit_that_loses_a_rank_resumes_mid_epoch_on_the_ranks_left(tmp_path):
     script = discovery_script(tmp_path, "localhost:3", "localhost:2")
     marker = unique_marker("lightning-kill")
     result = run_ringrun(
-        "-np", "3", "--max-restarts", "2", "--min-np", "2", "--host-discovery-script",
-        str(script), sys.executable, WORKER, "kill", str(tmp_path), "0", marker,
-        extra_env={"RINGPLUG_TIMEOUT": "20"}, timeout=180,
-    )  # fmt: skip
+        "-np",
+        "3",
+        "--max-restarts",
+        "2",
+        "--min-np",
+        "2",
+        "--host-discovery-script",
+        str(script),
+        sys.executable,
+        WORKER,
+        "kill",
+        str(tmp_path),
+        "0",
+        marker,
+        extra_env={"RINGPLUG_TIMEOUT": "20"},
+        timeout=180,
+    )
     output = result.stdout + result.stderr
     assert processes_matching(marker) == [], "ranks were left running"
     assert result.returncode == 0, output
@@ -116,13 +129,16 @@ def test_sigterm_saves_last_ckpt_where_every_rank_stopped_and_a_new_fit_resumes_
     assert checkpoint["global_step"] == stopped
     place = checkpoint["callbacks"]["RingResume"]["train_sampler"]
     assert (place["sampler"], place["epoch"], place["batches"]) == (
-        "DistributedBucketSampler", 0, stopped,
-    )  # fmt: skip
+        "DistributedBucketSampler",
+        0,
+        stopped,
+    )
     assert f"SIGTERM stopped training at step {stopped}; saved" in output
 
     marker = unique_marker("lightning-sigterm-again")
-    result = run_ringrun("-np", "2", sys.executable, WORKER, "sigterm", str(tmp_path), "1",
-                         marker, timeout=120)  # fmt: skip
+    result = run_ringrun(
+        "-np", "2", sys.executable, WORKER, "sigterm", str(tmp_path), "1", marker, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     again = [ledger(tmp_path, 1, rank) for rank in range(2)]
     assert [(walk[0]["step"], walk[0]["batch_idx"]) for walk in again] == [

@@ -65,8 +65,9 @@ def shared(tmp_path_factory):
             for name in SHARED[ranks]:
                 (outdir / name).mkdir()
                 arguments += ["+", "lightning_prepare.py", name, str(outdir / name)]
-            result = run_ringrun("-np", str(ranks), sys.executable, IN_TURN, *arguments[1:],
-                                 timeout=300)  # fmt: skip
+            result = run_ringrun(
+                "-np", str(ranks), sys.executable, IN_TURN, *arguments[1:], timeout=300
+            )
             jobs[ranks] = (result, outdir)
         result, outdir = jobs[ranks]
         assert result.returncode == 0, result.stdout + result.stderr

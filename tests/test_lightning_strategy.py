@@ -43,8 +43,11 @@ FITS = {
 }
 # The other workers in the job, for the packages they are tested in, each with the fixture
 # that reads it: it runs only where a test that asks for that fixture was collected.
-PARTS = {"lifecycle": ["lightning"], "extras": ["lightning"],
-         "cli_reports": ["lightning", "pytorch_lightning"]}  # fmt: skip
+PARTS = {
+    "lifecycle": ["lightning"],
+    "extras": ["lightning"],
+    "cli_reports": ["lightning", "pytorch_lightning"],
+}
 
 
 def cli_config(package: str, outdir: Path) -> Path:
@@ -62,7 +65,7 @@ def cli_config(package: str, outdir: Path) -> Path:
         "  callbacks:\n"
         "    - class_path: __main__.Report\n"
         f"      init_args:\n        outdir: {outdir}\n"
-    )  # fmt: skip
+    )
     return config
 
 
@@ -70,9 +73,12 @@ def cli_config(package: str, outdir: Path) -> Path:
 def job(request, tmp_path_factory):
     """``job(package)``: the folder of that package's shared job, once it has passed, with a
     subfolder per worker (fit, lifecycle, extras, cli)."""
-    used = {name for item in request.session.items
-            if getattr(item, "module", None) is request.module
-            for name in getattr(item, "fixturenames", ())}  # fmt: skip
+    used = {
+        name
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        for name in getattr(item, "fixturenames", ())
+    }
     jobs: dict[str, tuple[subprocess.CompletedProcess[str], Path]] = {}
 
     def folder(package: str) -> Path:
@@ -81,17 +87,29 @@ def job(request, tmp_path_factory):
             for part in ("fit", "lifecycle", "extras", "cli"):
                 (outdir / part).mkdir()
             runs = [["lightning_fit.py", ",".join(FITS[package]), str(outdir / "fit")]]
-            for fixture, script in (("lifecycle", "lightning_lifecycle.py"),
-                                    ("extras", "lightning_extras.py")):  # fmt: skip
+            for fixture, script in (
+                ("lifecycle", "lightning_lifecycle.py"),
+                ("extras", "lightning_extras.py"),
+            ):
                 if fixture in used and package in PARTS[fixture]:
                     runs.append([script, str(outdir / fixture)])
-            if ("cli_reports" in used and package in PARTS["cli_reports"]
-                    and importlib.util.find_spec("jsonargparse")):  # fmt: skip
+            if (
+                "cli_reports" in used
+                and package in PARTS["cli_reports"]
+                and importlib.util.find_spec("jsonargparse")
+            ):
                 config = cli_config(package, outdir / "cli")
                 runs.append(["lightning_cli.py", "fit", "--config", str(config)])
             arguments = [arg for run in runs for arg in ("+", *run)][1:]
-            result = run_ringrun("-np", "2", sys.executable, IN_TURN, *arguments,
-                                 extra_env=in_package(package), timeout=480)  # fmt: skip
+            result = run_ringrun(
+                "-np",
+                "2",
+                sys.executable,
+                IN_TURN,
+                *arguments,
+                extra_env=in_package(package),
+                timeout=480,
+            )
             jobs[package] = (result, outdir)
         result, outdir = jobs[package]
         assert result.returncode == 0, result.stdout + result.stderr
@@ -163,13 +181,18 @@ def test_accumulated_batches_send_gradients_once_per_optimizer_step(fit):
 def test_strategy_ring_works_after_importing_ringplug_in_either_order(package, ringplug_first):
     imports = ["import ringplug", f"import {package} as L"]
     other = "pytorch_lightning" if package == "lightning" else "lightning"
-    code = "\n".join([*(imports if ringplug_first else imports[::-1]), "import sys",
-                      "trainer = L.Trainer(strategy='ring', accelerator='cpu', logger=False)",
-                      "strategy = type(trainer.strategy)",
-                      f"print(strategy.__module__, strategy.__name__, {other!r} in sys.modules)",
-                      ])  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, check=False)  # fmt: skip
+    code = "\n".join(
+        [
+            *(imports if ringplug_first else imports[::-1]),
+            "import sys",
+            "trainer = L.Trainer(strategy='ring', accelerator='cpu', logger=False)",
+            "strategy = type(trainer.strategy)",
+            f"print(strategy.__module__, strategy.__name__, {other!r} in sys.modules)",
+        ]
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stderr
     integration = "ringplug.lightning" if package == "lightning" else "ringplug.pytorch_lightning"
     # The Trainer's own package's strategy, and no import of the other Lightning.
@@ -189,16 +212,18 @@ def test_pytorch_lightning_strategy_is_built_on_pytorch_lightning_classes_alone(
         "      sorted(m for m in ('lightning', 'ringplug.lightning', 'ringplug.fabric')\n"
         "             if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "True True True True []"
 
 
 def test_importing_ringplug_alone_does_not_import_lightning():
     code = "import sys, ringplug\nprint('lightning' in sys.modules, 'torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     assert result.stdout.strip() == "False False"
 
 
@@ -237,8 +262,9 @@ SELF_LAUNCH = str(Path(__file__).parent / "workers" / "lightning_selflaunch.py")
 
 
 def test_python_train_py_with_devices_runs_that_many_ranks_of_one_world():
-    result = subprocess.run([sys.executable, SELF_LAUNCH, "2"], capture_output=True, text=True,
-                            timeout=240, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, SELF_LAUNCH, "2"], capture_output=True, text=True, timeout=240, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = sorted(line for line in result.stdout.splitlines() if "fitted" in line)
     assert lines == ["[0] fitted rank=0 size=2 world=2", "[1] fitted rank=1 size=2 world=2"]
@@ -246,8 +272,13 @@ def test_python_train_py_with_devices_runs_that_many_ranks_of_one_world():
 
 def test_a_self_launched_job_exits_with_the_failing_ranks_status():
     marker = unique_marker("self-launch-fail")
-    result = subprocess.run([sys.executable, SELF_LAUNCH, "2", "fail", marker],
-                            capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, SELF_LAUNCH, "2", "fail", marker],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert result.returncode != 0
     assert "rank 1 fails during training" in result.stdout + result.stderr
     assert "ringrun: rank 1 " in result.stderr
@@ -304,11 +335,15 @@ def test_lightning_cli_yaml_selects_ring_strategy_with_its_arguments(cli_reports
 # them in turn (workers/in_turn.py; Lightning imported once), the refused one last.
 PRINTS = {
     "class-path": ["--trainer.strategy.class_path=ringplug.lightning.RingStrategy"],
-    "every-argument": ["--trainer.strategy=ringplug.lightning.RingStrategy",
-                       "--trainer.strategy.timeline=/tmp/trace.json"],
-    "gzip": ["--trainer.strategy=ringplug.lightning.RingStrategy",
-             "--trainer.strategy.compression=gzip"],
-}  # fmt: skip
+    "every-argument": [
+        "--trainer.strategy=ringplug.lightning.RingStrategy",
+        "--trainer.strategy.timeline=/tmp/trace.json",
+    ],
+    "gzip": [
+        "--trainer.strategy=ringplug.lightning.RingStrategy",
+        "--trainer.strategy.compression=gzip",
+    ],
+}
 
 
 def in_turn_part(stream: str, index: int) -> str | None:
@@ -326,8 +361,13 @@ def printed() -> tuple[subprocess.CompletedProcess[str], list[str]]:
     pytest.importorskip("jsonargparse")
     names = list(PRINTS)
     arguments = [a for name in names for a in ("+", CLI, "fit", *PRINTS[name], "--print_config")]
-    result = subprocess.run([sys.executable, IN_TURN, *arguments[1:]], capture_output=True,
-                            text=True, timeout=180, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, IN_TURN, *arguments[1:]],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     return result, names
 
 
@@ -352,8 +392,13 @@ def test_lightning_cli_print_config_shows_every_ring_strategy_argument(printed):
     strategy = printed_strategy(printed, "every-argument")
     assert strategy["class_path"] == "ringplug.lightning.RingStrategy"
     assert strategy["init_args"]["timeline"] == "/tmp/trace.json"
-    assert {"compression", "gradient_predivide_factor", "bucket_bytes", "timeline",
-            "cluster_environment"} <= set(strategy["init_args"])  # fmt: skip
+    assert {
+        "compression",
+        "gradient_predivide_factor",
+        "bucket_bytes",
+        "timeline",
+        "cluster_environment",
+    } <= set(strategy["init_args"])
 
 
 def test_lightning_cli_rejects_an_unknown_compression_naming_the_choices(printed):
@@ -386,7 +431,8 @@ def test_each_rank_trains_on_the_gpu_of_its_local_rank(monkeypatch):
     strategy = RingStrategy(parallel_devices=gpus, cluster_environment=LightningEnvironment())
     assert strategy.root_device == torch.device("cuda", 2)
     # A launcher that gives each rank one GPU (CUDA_VISIBLE_DEVICES per rank): device 0.
-    strategy = RingStrategy(parallel_devices=[torch.device("cuda", 0)],
-                            cluster_environment=LightningEnvironment())  # fmt: skip
+    strategy = RingStrategy(
+        parallel_devices=[torch.device("cuda", 0)], cluster_environment=LightningEnvironment()
+    )
     assert strategy.root_device == torch.device("cuda", 0)
     assert RingStrategy(parallel_devices=[torch.device("cpu")]).root_device.type == "cpu"

@@ -22,8 +22,16 @@ EPOCHS = 2
 
 def job(tmp_path: Path, *args: str, ranks: int, package: str = "lightning"):
     """Run the worker on `ranks` ranks with `package`'s Lightning (see lightning_namespace)."""
-    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, *args, str(tmp_path),
-                         extra_env={"TEST_LIGHTNING_PACKAGE": package}, timeout=240)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        str(ranks),
+        sys.executable,
+        WORKER,
+        *args,
+        str(tmp_path),
+        extra_env={"TEST_LIGHTNING_PACKAGE": package},
+        timeout=240,
+    )
     output = result.stdout + result.stderr
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
     return result.returncode, output, reports
@@ -33,12 +41,20 @@ def job(tmp_path: Path, *args: str, ranks: int, package: str = "lightning"):
 # once per entry, one after the other in the same ranks (workers/in_turn.py), so Lightning is
 # imported once per rank. The SIGTERM'd fit goes last: it ends with SIGTERMException.
 SHARED = {
-    (2, "lightning"): [("iterable", "drop", "6,4"), ("map", "drop", "6,4"),
-                       ("map", "join", "6,4"), ("eval", "-", "-"), ("sigterm", "-", "-")],
-    (3, "lightning"): [("iterable", "drop", "6,4,5"), ("iterable", "join", "6,4,5"),
-                       ("eval", "-", "-")],
+    (2, "lightning"): [
+        ("iterable", "drop", "6,4"),
+        ("map", "drop", "6,4"),
+        ("map", "join", "6,4"),
+        ("eval", "-", "-"),
+        ("sigterm", "-", "-"),
+    ],
+    (3, "lightning"): [
+        ("iterable", "drop", "6,4,5"),
+        ("iterable", "join", "6,4,5"),
+        ("eval", "-", "-"),
+    ],
     (2, "pytorch_lightning"): [("map", "join", "6,4")],
-}  # fmt: skip
+}
 RANK_LINE = re.compile(r"\[(\d+)\] ")
 BEGINS = re.compile(r"\[(\d+)\] in_turn: (\d+) \S+ begins$")
 
@@ -73,9 +89,15 @@ def shared(tmp_path_factory):
             for index, run_args in enumerate(SHARED[key]):
                 (outdir / str(index)).mkdir()
                 arguments += ["+", "lightning_uneven.py", *run_args, str(outdir / str(index))]
-            result = run_ringrun("-np", str(ranks), sys.executable, IN_TURN, *arguments[1:],
-                                 extra_env={"TEST_LIGHTNING_PACKAGE": package},
-                                 timeout=480)  # fmt: skip
+            result = run_ringrun(
+                "-np",
+                str(ranks),
+                sys.executable,
+                IN_TURN,
+                *arguments[1:],
+                extra_env={"TEST_LIGHTNING_PACKAGE": package},
+                timeout=480,
+            )
             jobs[key] = (result, outdir)
         result, outdir = jobs[key]
         index = SHARED[key].index(args)
@@ -116,18 +138,24 @@ def test_sized_per_rank_data_drop_warns_with_the_counts(shared):
     assert rc == 0, output
     assert_trained_as_the_mode_defines(reports, 2, steps=4)
     for epoch in range(EPOCHS):
-        line = (f"the ranks have 6, 4 training batches; in epoch {epoch} every rank runs 4 and "
-                "rank 0 drops 2")  # fmt: skip
+        line = (
+            f"the ranks have 6, 4 training batches; in epoch {epoch} every rank runs 4 and "
+            "rank 0 drops 2"
+        )
         assert output.count(line) == 1, output
 
 
 @pytest.mark.parametrize(
     ("source", "counts", "package"),
-    [("iterable", "6,4,5", "lightning"), ("map", "6,4", "lightning"),
-     ("map", "6,4", "pytorch_lightning")],
-)  # fmt: skip
-def test_join_trains_on_every_batch_with_zeros_from_ranks_out_of_data(shared, source, counts,
-                                                                      package):  # fmt: skip
+    [
+        ("iterable", "6,4,5", "lightning"),
+        ("map", "6,4", "lightning"),
+        ("map", "6,4", "pytorch_lightning"),
+    ],
+)
+def test_join_trains_on_every_batch_with_zeros_from_ranks_out_of_data(
+    shared, source, counts, package
+):
     ranks = len(counts.split(","))
     rc, output, reports = shared(source, "join", counts, ranks=ranks, package=package)
     assert rc == 0, output
@@ -138,12 +166,18 @@ def test_join_trains_on_every_batch_with_zeros_from_ranks_out_of_data(shared, so
 @pytest.mark.parametrize(
     ("source", "message"),
     [
-        ("iterable", "RingStrategy(uneven='error'): rank 1 ran out of training data in epoch 0 "
-                     "after 4 batches while rank 0 had more"),
-        ("map", "RingStrategy(uneven='error'): the ranks have different numbers of training "
-                "batches (rank 0: 6, rank 1: 4)"),
+        (
+            "iterable",
+            "RingStrategy(uneven='error'): rank 1 ran out of training data in epoch 0 "
+            "after 4 batches while rank 0 had more",
+        ),
+        (
+            "map",
+            "RingStrategy(uneven='error'): the ranks have different numbers of training "
+            "batches (rank 0: 6, rank 1: 4)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_error_mode_fails_on_every_rank_naming_the_ranks_and_counts(tmp_path, source, message):
     rc, output, reports = job(tmp_path, source, "error", "6,4", ranks=2)
     assert rc != 0
@@ -180,9 +214,13 @@ def test_under_torchrun_ring_strategy_stops_at_once_saying_what_to_run(tmp_path)
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip("torchrun is not installed beside this interpreter")
-    result = subprocess.run([str(torchrun), "--nproc-per-node", "2", WORKER, "map", "drop",
-                             "6,4", str(tmp_path)], capture_output=True, text=True,
-                            timeout=180, check=False)  # fmt: skip
+    result = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", WORKER, "map", "drop", "6,4", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert torchrun_workers_refused(output, 2), output  # each worker, or stopped by torchrun

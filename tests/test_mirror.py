@@ -31,30 +31,35 @@ def write(root: Path, files: dict[str, str]) -> None:
 def packages(tmp_path, monkeypatch):
     """Two "frameworks" with the same classes in distinct copies, an integration written
     against the first, and its mirror package; everything is unloaded afterwards."""
-    write(tmp_path, {
-        "bundle/__init__.py": "",
-        "bundle/core/__init__.py": "",
-        "bundle/core/base.py": "class Base:\n    where = 'bundle.core'\n",
-        "standalone_fw/__init__.py": "",
-        "standalone_fw/base.py": "class Base:\n    where = 'standalone_fw'\n",
-        "src_integration/__init__.py": '"""The integration."""\nfrom .strategy import Strategy\n',
-        "src_integration/helper.py": "def double(x):\n    return 2 * x\n",
-        "src_integration/strategy.py": (
-            "from __future__ import annotations\n"
-            "from bundle.core.base import Base\n"
-            "from . import helper\n"
-            "class Strategy(Base):\n"
-            "    def run(self):\n"
-            "        from bundle.core import base  # imports inside functions are renamed too\n"
-            "        return helper.double(1), base.Base.where\n"
-            "    def fail(self):\n"
-            "        raise ValueError('from the original file')\n"
-        ),
-        "mirror_integration/__init__.py": (
-            '"""The mirror."""\nfrom ringplug._mirror import mirror\n'
-            f"mirror(globals(), 'src_integration', {RENAMES!r})\n"
-        ),
-    })  # fmt: skip
+    write(
+        tmp_path,
+        {
+            "bundle/__init__.py": "",
+            "bundle/core/__init__.py": "",
+            "bundle/core/base.py": "class Base:\n    where = 'bundle.core'\n",
+            "standalone_fw/__init__.py": "",
+            "standalone_fw/base.py": "class Base:\n    where = 'standalone_fw'\n",
+            "src_integration/__init__.py": (
+                '"""The integration."""\nfrom .strategy import Strategy\n'
+            ),
+            "src_integration/helper.py": "def double(x):\n    return 2 * x\n",
+            "src_integration/strategy.py": (
+                "from __future__ import annotations\n"
+                "from bundle.core.base import Base\n"
+                "from . import helper\n"
+                "class Strategy(Base):\n"
+                "    def run(self):\n"
+                "        from bundle.core import base  # imports inside functions are renamed too\n"
+                "        return helper.double(1), base.Base.where\n"
+                "    def fail(self):\n"
+                "        raise ValueError('from the original file')\n"
+            ),
+            "mirror_integration/__init__.py": (
+                '"""The mirror."""\nfrom ringplug._mirror import mirror\n'
+                f"mirror(globals(), 'src_integration', {RENAMES!r})\n"
+            ),
+        },
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     before = set(sys.modules)
     finders = list(sys.meta_path)
@@ -116,8 +121,9 @@ def test_rewritten_code_is_cached_and_a_changed_source_is_compiled_again(package
         ("import bundle as fw\n", "`bundle` has no standalone counterpart"),
     ],
 )
-def test_imports_the_mirror_cannot_rename_are_refused_naming_file_and_line(packages, statement,
-                                                                           message):  # fmt: skip
+def test_imports_the_mirror_cannot_rename_are_refused_naming_file_and_line(
+    packages, statement, message
+):
     helper = packages / "src_integration" / "helper.py"
     helper.write_text("X = 1\n" + statement)
     with pytest.raises(_mirror.MirrorError, match=message) as caught:

@@ -83,8 +83,14 @@ def ringrun(
     bed: NetBed, *args: str, timeout: float = JOB_TIMEOUT_S, ssh_config: Path | None = None
 ):
     env = {key: value for key, value in os.environ.items() if key != "RINGPLUG_MPIEXEC"}
-    return subprocess.run(ringrun_argv(bed, args, ssh_config), capture_output=True, text=True,
-                          timeout=timeout, env=env, check=False)  # fmt: skip
+    return subprocess.run(
+        ringrun_argv(bed, args, ssh_config),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
 
 
 def rank_program(body: str, marker: str) -> list[str]:
@@ -118,12 +124,14 @@ def test_ranks_fill_hosts_in_order_and_each_host_gets_its_own_interface_names(be
 
 def test_local_and_cross_ranks_follow_the_hosts(bed, tmp_path):
     script = str(WORKERS / "topology.py")
-    result = ringrun(bed, "-H", hosts(bed, "a:2", "b:1"), *OVER_TCP, sys.executable, script,
-                     str(tmp_path))  # fmt: skip
+    result = ringrun(
+        bed, "-H", hosts(bed, "a:2", "b:1"), *OVER_TCP, sys.executable, script, str(tmp_path)
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     facts = [json.loads((tmp_path / f"topology-{rank}.json").read_text()) for rank in range(3)]
-    placement = [(f["local_rank"], f["local_size"], f["cross_rank"], f["cross_size"])
-                 for f in facts]  # fmt: skip
+    placement = [
+        (f["local_rank"], f["local_size"], f["cross_rank"], f["cross_size"]) for f in facts
+    ]
     assert placement == [(0, 2, 0, 2), (1, 2, 0, 1), (0, 1, 1, 2)]
     assert all(f["everyone"] == [0, 1, 2] and f["rejoined_sum"] == 3 for f in facts)
 
@@ -139,8 +147,16 @@ def two_hosts(bed, tmp_path_factory):
     runs = ["collectives.py", str(outdir / "collectives")]
     if importlib.util.find_spec("lightning"):
         runs += ["+", "lightning_fit.py", "plain", str(outdir / "fit")]
-    result = ringrun(bed, "-H", hosts(bed, "a:1", "b:1"), *OVER_TCP, sys.executable,
-                     str(WORKERS / "in_turn.py"), *runs, timeout=2 * JOB_TIMEOUT_S)  # fmt: skip
+    result = ringrun(
+        bed,
+        "-H",
+        hosts(bed, "a:1", "b:1"),
+        *OVER_TCP,
+        sys.executable,
+        str(WORKERS / "in_turn.py"),
+        *runs,
+        timeout=2 * JOB_TIMEOUT_S,
+    )
     return result, outdir
 
 
@@ -191,18 +207,36 @@ def test_dry_run_shows_the_probed_interfaces_per_host_and_leaves_out_the_decoys(
 def test_network_interface_names_that_differ_per_host_go_each_to_its_host(bed):
     marker = unique_marker("named")
     program = rank_program("print(rank, os.environ.get('NCCL_SOCKET_IFNAME'))", marker)
-    result = ringrun(bed, "-H", hosts(bed, "a:1", "b:1"), "--network-interface", "enp6s0",
-                     "--network-interface", "eth1", *program)  # fmt: skip
+    result = ringrun(
+        bed,
+        "-H",
+        hosts(bed, "a:1", "b:1"),
+        "--network-interface",
+        "enp6s0",
+        "--network-interface",
+        "eth1",
+        *program,
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == ["[0] 0 =enp6s0", "[1] 1 =eth1"]
 
 
 def test_a_named_interface_a_host_does_not_have_stops_the_job_before_it_starts(bed):
-    result = ringrun(bed, "-H", hosts(bed, "a:1", "b:1"), "--network-interface", "enp6s0",
-                     "python", "-c", "pass", timeout=FAILED_JOB_TIMEOUT_S)  # fmt: skip
+    result = ringrun(
+        bed,
+        "-H",
+        hosts(bed, "a:1", "b:1"),
+        "--network-interface",
+        "enp6s0",
+        "python",
+        "-c",
+        "pass",
+        timeout=FAILED_JOB_TIMEOUT_S,
+    )
     assert result.returncode == 255
-    assert re.search(r"host 10\.203\.0\.2 \(rank 1\): interface missing: .*eth1 10\.203\.0\.2/24",
-                     result.stderr), result.stderr  # fmt: skip
+    assert re.search(
+        r"host 10\.203\.0\.2 \(rank 1\): interface missing: .*eth1 10\.203\.0\.2/24", result.stderr
+    ), result.stderr
     assert "--network-interface" in result.stderr
 
 
@@ -229,8 +263,15 @@ def test_a_host_that_cannot_start_ranks_is_named_with_the_reason(bed, preflight,
 
 
 def test_a_host_without_the_jobs_python_is_named(bed):
-    result = ringrun(bed, "-H", hosts(bed, "a:1", "nopython:1"), "python", "-c", "pass",
-                     timeout=FAILED_JOB_TIMEOUT_S)  # fmt: skip
+    result = ringrun(
+        bed,
+        "-H",
+        hosts(bed, "a:1", "nopython:1"),
+        "python",
+        "-c",
+        "pass",
+        timeout=FAILED_JOB_TIMEOUT_S,
+    )
     assert result.returncode == 255
     assert f"host {bed.address('nopython')} (rank 1): wrong Python: " in result.stderr
     assert sys.executable in result.stderr
@@ -239,16 +280,25 @@ def test_a_host_without_the_jobs_python_is_named(bed):
 def test_without_preflight_a_host_without_python_is_still_pointed_at(bed):
     # The launcher's remote shell names the missing file but not the host; ringrun names the
     # hosts whose ranks never started and passes the launcher's line on.
-    result = ringrun(bed, "-H", hosts(bed, "a:1", "nopython:1"), "--no-preflight", "python",
-                     "-c", "pass", timeout=FAILED_JOB_TIMEOUT_S)  # fmt: skip
+    result = ringrun(
+        bed,
+        "-H",
+        hosts(bed, "a:1", "nopython:1"),
+        "--no-preflight",
+        "python",
+        "-c",
+        "pass",
+        timeout=FAILED_JOB_TIMEOUT_S,
+    )
     assert result.returncode == 255
     lines = ringrun_lines(result.stderr)
     assert any(
         line.startswith("ringrun: no rank started on host") and bed.address("nopython") in line
         for line in lines
     ), result.stderr
-    assert any("the launcher said:" in line and "No such file or directory" in line
-               for line in lines)  # fmt: skip
+    assert any(
+        "the launcher said:" in line and "No such file or directory" in line for line in lines
+    )
 
 
 def test_a_remote_rank_that_never_starts_is_named_when_the_start_timeout_ends(bed, tmp_path):
@@ -262,8 +312,17 @@ def test_a_remote_rank_that_never_starts_is_named_when_the_start_timeout_ends(be
     )
     marker = unique_marker("neverstarts")
     program = rank_program("print('started', rank)", marker)
-    result = ringrun(bed, "-H", hosts(bed, "a:1", "b:1"), "--start-timeout", "5", "-x",
-                     f"PYTHONPATH={site}", *program, timeout=FAILED_JOB_TIMEOUT_S)  # fmt: skip
+    result = ringrun(
+        bed,
+        "-H",
+        hosts(bed, "a:1", "b:1"),
+        "--start-timeout",
+        "5",
+        "-x",
+        f"PYTHONPATH={site}",
+        *program,
+        timeout=FAILED_JOB_TIMEOUT_S,
+    )
     assert result.returncode == 124, result.stderr
     lines = ringrun_lines(result.stderr)
     assert lines[0] == (
@@ -291,8 +350,9 @@ def test_a_rank_killed_on_one_host_stops_every_rank_on_every_host_within_ten_sec
     )
     env = {key: value for key, value in os.environ.items() if key != "RINGPLUG_MPIEXEC"}
     argv = ringrun_argv(bed, ["-H", hosts(bed, "a:1", "b:2"), *OVER_TCP, *program])
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=env)  # fmt: skip
+    process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while len(list(tmp_path.glob("ready.?"))) < 3:
@@ -318,7 +378,9 @@ def test_a_rank_killed_on_one_host_stops_every_rank_on_every_host_within_ten_sec
     assert process.returncode == 128 + signal.SIGKILL
     assert re.search(
         rf"ringrun: rank 2 on host bed-b \(-H 10\.203\.0\.2, pid {pid}\) was killed by signal "
-        r"SIGKILL", stderr), stderr  # fmt: skip
+        r"SIGKILL",
+        stderr,
+    ), stderr
 
 
 # --------------------------------------------------------------------- the preflight report
@@ -331,10 +393,10 @@ def test_check_reports_every_host_and_the_interfaces_between_them(bed):
     assert re.search(r"10\.203\.0\.2 \(bed-b\) +ssh ok \(\d+\.\d s\), Python 3\.", hosts_block)
     assert hosts_block.count("MPICH Version: 5.") == 2
     network = report[report.index("\nNetwork\n") :]
-    assert re.search(r"\(bed-a\) +enp6s0 10\.203\.0\.1/24 \(reached from every other host\)",
-                     network)  # fmt: skip
-    assert re.search(r"\(bed-b\) +eth1 10\.203\.0\.2/24 \(reached from every other host\)",
-                     network)  # fmt: skip
+    assert re.search(
+        r"\(bed-a\) +enp6s0 10\.203\.0\.1/24 \(reached from every other host\)", network
+    )
+    assert re.search(r"\(bed-b\) +eth1 10\.203\.0\.2/24 \(reached from every other host\)", network)
     assert "left out docker0 172.17.0.1/16: 10.203.0.2 has this address too" in network
     assert "left out virbr0 192.168.122.1/24: not reached from 10.203.0.2" in network
     assert "launch line" in network and "-env NCCL_SOCKET_IFNAME =eth1" in network
@@ -343,8 +405,9 @@ def test_check_reports_every_host_and_the_interfaces_between_them(bed):
 
 def test_check_names_each_broken_host_with_its_fix(bed):
     broken = hosts(bed, "a", "nossh", "nopython", UNREACHABLE)
-    result = ringrun(bed, "--check", "-H", broken, "--start-timeout", "20",
-                     timeout=FAILED_JOB_TIMEOUT_S)  # fmt: skip
+    result = ringrun(
+        bed, "--check", "-H", broken, "--start-timeout", "20", timeout=FAILED_JOB_TIMEOUT_S
+    )
     assert result.returncode == 1
     verdict = result.stdout[result.stdout.index("Verdict: NOT READY, 3 problems") :]
     assert f"host {bed.address('nossh')}: ssh refused" in verdict
@@ -358,8 +421,9 @@ def test_check_explains_an_unknown_host_key(bed, tmp_path):
     config = tmp_path / "ssh_config"
     empty = tmp_path / "known_hosts"
     empty.write_text("")
-    config.write_text(bed.ssh_config.read_text().replace(
-        str(bed.ssh_config.parent / "known_hosts"), str(empty)))  # fmt: skip
+    config.write_text(
+        bed.ssh_config.read_text().replace(str(bed.ssh_config.parent / "known_hosts"), str(empty))
+    )
     result = ringrun(bed, "--check", "-H", hosts(bed, "a", "b"), ssh_config=config)
     assert result.returncode == 1
     assert f"host {bed.address('b')}: host key: " in result.stdout
@@ -369,12 +433,21 @@ def test_check_explains_an_unknown_host_key(bed, tmp_path):
 # --------------------------------------------------------------------- where a job is stuck
 def test_ringrun_stacks_answers_for_every_rank_on_every_host(bed, tmp_path):
     done = tmp_path / "done"
-    argv = ringrun_argv(bed, ["-H", hosts(bed, "a:2", "b:2"), *OVER_TCP,
-                              "-x", f"HANGS_DONE_FILE={done}", sys.executable,
-                              str(WORKERS / "hangs.py"), "none"])  # fmt: skip
+    argv = ringrun_argv(
+        bed,
+        [
+            "-H",
+            hosts(bed, "a:2", "b:2"),
+            *OVER_TCP,
+            "-x",
+            f"HANGS_DONE_FILE={done}",
+            sys.executable,
+            str(WORKERS / "hangs.py"),
+            "none",
+        ],
+    )
     env = {key: value for key, value in os.environ.items() if key != "RINGPLUG_MPIEXEC"}
-    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=env)  # fmt: skip
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         ready: set[str] = set()
         deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -385,8 +458,13 @@ def test_ringrun_stacks_answers_for_every_rank_on_every_host(bed, tmp_path):
             if found:
                 ready.add(found.group(1))
         asked_at = time.monotonic()
-        asked = subprocess.run([*RINGRUN, "--stacks", str(job.pid)], capture_output=True,
-                               text=True, timeout=30, check=False)  # fmt: skip
+        asked = subprocess.run(
+            [*RINGRUN, "--stacks", str(job.pid)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     finally:
         done.touch()
         _, stderr = job.communicate(timeout=JOB_TIMEOUT_S)
@@ -418,17 +496,38 @@ def lose_host_b_mid_fit(bed: NetBed, folder: Path) -> tuple[int, str, float]:
     script.write_text(f"#!/bin/sh\ndate +%s.%N >> {folder}/discovered\ncat {listing}\n")
     script.chmod(0o755)
     marker = unique_marker("host-lost")
-    argv = ringrun_argv(bed, [
-        "-np", "4", "-H", hosts(bed, "a:2", "b:2"), "--max-restarts", "2", "--min-np", "2",
-        "--host-discovery-script", str(script), *OVER_TCP, "-x", "RINGPLUG_TIMEOUT=20",
-        "-x", f"ELASTIC_HOLD_STEP={LOST_AFTER_STEP}", "-x", "ELASTIC_HOLD_HOSTNAME=bed-b",
-        sys.executable, str(WORKERS / "lightning_elastic.py"), "hold", str(folder), "0", marker,
-    ])  # fmt: skip
+    argv = ringrun_argv(
+        bed,
+        [
+            "-np",
+            "4",
+            "-H",
+            hosts(bed, "a:2", "b:2"),
+            "--max-restarts",
+            "2",
+            "--min-np",
+            "2",
+            "--host-discovery-script",
+            str(script),
+            *OVER_TCP,
+            "-x",
+            "RINGPLUG_TIMEOUT=20",
+            "-x",
+            f"ELASTIC_HOLD_STEP={LOST_AFTER_STEP}",
+            "-x",
+            "ELASTIC_HOLD_HOSTNAME=bed-b",
+            sys.executable,
+            str(WORKERS / "lightning_elastic.py"),
+            "hold",
+            str(folder),
+            "0",
+            marker,
+        ],
+    )
     env = {key: value for key, value in os.environ.items() if key != "RINGPLUG_MPIEXEC"}
     # Files, not pipes: nobody reads them while the job runs.
     with open(folder / "ringrun.out", "w") as out, open(folder / "ringrun.err", "w") as err:
-        process = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                   env=env)  # fmt: skip
+        process = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
     try:
         deadline = time.monotonic() + ELASTIC_JOB_TIMEOUT_S
         while len(list(folder.glob("running.?"))) < 4:
@@ -436,8 +535,12 @@ def lose_host_b_mid_fit(bed: NetBed, folder: Path) -> tuple[int, str, float]:
             assert time.monotonic() < deadline, "the ranks did not reach the step"
             time.sleep(0.05)
         placed = {path.name: path.read_text().split()[1] for path in folder.glob("running.?")}
-        assert placed == {"running.0": "bed-a", "running.1": "bed-a",
-                          "running.2": "bed-b", "running.3": "bed-b"}  # fmt: skip
+        assert placed == {
+            "running.0": "bed-a",
+            "running.1": "bed-a",
+            "running.2": "bed-b",
+            "running.3": "bed-b",
+        }
         calls = len((folder / "discovered").read_text().split())
         killed_at = time.time()
         bed.kill_host("b")
@@ -457,8 +560,7 @@ def assert_resumed_on_a_from_the_last_checkpoint(folder: Path) -> None:
 
     # Every sample of every epoch once by what last.ckpt kept plus what the restart trained;
     # only step 7's samples twice; the 2 ranks of the restart end with identical weights.
-    verdict = judge_lightning(folder, Verdict(), last_done=LOST_AFTER_STEP, ranks=4,
-                              ranks_after=2)  # fmt: skip
+    verdict = judge_lightning(folder, Verdict(), last_done=LOST_AFTER_STEP, ranks=4, ranks_after=2)
     assert verdict.problems == []
     assert verdict.resumed_at == LOST_AFTER_STEP - 1
     assert verdict.trained_twice == 4 * 4  # step 7 of 4 ranks, batches of 4
@@ -472,10 +574,14 @@ def test_a_host_lost_mid_fit_is_named_kept_out_and_the_fit_resumes_on_the_hosts_
     assert code == 0, stderr
     b = bed.address("b")
     lines = ringrun_lines(stderr)
-    assert any(line.startswith(f"ringrun: host {b} (ranks 2, 3) was lost while the job ran: ")
-               for line in lines), stderr  # fmt: skip
-    assert any(re.fullmatch(rf"ringrun: host {re.escape(b)} is kept out of the job for \d+ s",
-                            line) for line in lines), stderr  # fmt: skip
+    assert any(
+        line.startswith(f"ringrun: host {b} (ranks 2, 3) was lost while the job ran: ")
+        for line in lines
+    ), stderr
+    assert any(
+        re.fullmatch(rf"ringrun: host {re.escape(b)} is kept out of the job for \d+ s", line)
+        for line in lines
+    ), stderr
     assert [line for line in lines if line.startswith("ringrun: restart ")] == [
         f"ringrun: restart 1 of 2 after host {b} (ranks 2, 3) was lost: 2 ranks on "
         f"{bed.address('a')}:2 (was 4)"

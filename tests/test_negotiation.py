@@ -49,8 +49,9 @@ def test_agreed_names_get_cache_slots_and_then_travel_as_bits():
 
 def test_a_cached_name_with_a_new_shape_on_one_rank_is_a_mismatch():
     cache = Cache(16)
-    cache.learn(decide([Message(1, new=new(("w", W))), Message(1, new=new(("w", W)))], cache),
-                {"w"})  # fmt: skip
+    cache.learn(
+        decide([Message(1, new=new(("w", W))), Message(1, new=new(("w", W)))], cache), {"w"}
+    )
     plan = decide([Message(2, cached=1), Message(2, new=new(("w", B)))], cache)
     assert "does not match across ranks" in plan.errors["w"]
 

@@ -42,8 +42,11 @@ def _open_mpi_launchers() -> list:
         found.append(pytest.param((system, {"MPI4PY_LIBMPI": _libmpi_of(system)}), id="system"))
     if not found:
         reason = "no Open MPI launcher here (make test-openmpi builds a venv with one)"
-        found.append(pytest.param((None, {}), id="none", marks=pytest.mark.skipif(
-            not REQUIRED, reason=reason)))  # fmt: skip
+        found.append(
+            pytest.param(
+                (None, {}), id="none", marks=pytest.mark.skipif(not REQUIRED, reason=reason)
+            )
+        )
     return found
 
 
@@ -144,8 +147,15 @@ def test_the_dry_run_line_is_what_runs_and_works_when_run_by_hand(open_mpi, tmp_
 @pytest.mark.multirank
 @pytest.mark.openmpi
 def test_every_collective_matches_numpy_on_three_open_mpi_ranks(open_mpi, tmp_path):
-    result = run_ringrun("-np", "3", sys.executable, str(WORKERS / "collectives.py"),
-                         str(tmp_path), extra_env=open_mpi, timeout=240)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "3",
+        sys.executable,
+        str(WORKERS / "collectives.py"),
+        str(tmp_path),
+        extra_env=open_mpi,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(3):
         report = json.loads((tmp_path / f"report-{rank}.json").read_text())
@@ -161,8 +171,9 @@ def test_bind_to_pins_each_rank_as_the_docs_say(open_mpi, tmp_path, bind_to):
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("binding 2 ranks to their own cores needs 2 CPUs")
-    result = run_ringrun("-np", "2", "--bind-to", bind_to, sys.executable, INFO, str(tmp_path),
-                         extra_env=open_mpi)  # fmt: skip
+    result = run_ringrun(
+        "-np", "2", "--bind-to", bind_to, sys.executable, INFO, str(tmp_path), extra_env=open_mpi
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     found = [info["cpus"] for info in infos(tmp_path, 2)]
     if bind_to == "none":
@@ -176,11 +187,25 @@ def test_bind_to_pins_each_rank_as_the_docs_say(open_mpi, tmp_path, bind_to):
 @pytest.mark.openmpi
 def test_the_network_interface_carries_open_mpis_tcp_traffic(open_mpi, tmp_path):
     # Only the TCP transport (no shared memory): the ranks' bytes go through the interface.
-    names = ["NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES",
-             "OMPI_MCA_btl_tcp_if_include"]  # fmt: skip
+    names = [
+        "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME",
+        "UCX_NET_DEVICES",
+        "OMPI_MCA_btl_tcp_if_include",
+    ]
     tcp_only = "--mpi-args=--mca btl tcp,self"
-    result = run_ringrun("-np", "2", "--network-interface", "lo", tcp_only, sys.executable,
-                         INFO, str(tmp_path), *names, extra_env=open_mpi)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        "--network-interface",
+        "lo",
+        tcp_only,
+        sys.executable,
+        INFO,
+        str(tmp_path),
+        *names,
+        extra_env=open_mpi,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for info in infos(tmp_path, 2):
         assert info["sum"] == [3.0, 3.0, 3.0]
@@ -193,8 +218,17 @@ def test_the_network_interface_carries_open_mpis_tcp_traffic(open_mpi, tmp_path)
     # An interface that does not exist leaves the TCP transport nothing to use: the job
     # fails at start, and Open MPI names the interface.
     (tmp_path / "missing").mkdir()
-    missing = run_ringrun("-np", "2", "--network-interface", "nosuch0", tcp_only, sys.executable,
-                          INFO, str(tmp_path / "missing"), extra_env=open_mpi)  # fmt: skip
+    missing = run_ringrun(
+        "-np",
+        "2",
+        "--network-interface",
+        "nosuch0",
+        tcp_only,
+        sys.executable,
+        INFO,
+        str(tmp_path / "missing"),
+        extra_env=open_mpi,
+    )
     assert missing.returncode != 0
     assert "nosuch0" in missing.stdout + missing.stderr
     assert not list((tmp_path / "missing").glob("info-*.json"))
@@ -211,8 +245,16 @@ def test_a_failing_rank_is_named_and_the_job_ends_as_with_mpich(
 ):
     before = ompi_leftovers()
     marker = unique_marker(f"ompi-{scenario}")
-    result = run_ringrun("-np", str(ranks), sys.executable, str(WORKERS / "failures.py"),
-                         scenario, marker, extra_env=open_mpi, timeout=30)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        str(ranks),
+        sys.executable,
+        str(WORKERS / "failures.py"),
+        scenario,
+        marker,
+        extra_env=open_mpi,
+        timeout=30,
+    )
     assert result.returncode == exit_code, result.stdout + result.stderr
     assert "ringrun: rank 1 on host " in result.stderr and how in result.stderr
     assert processes_matching(marker) == []
@@ -224,8 +266,16 @@ def test_a_failing_rank_is_named_and_the_job_ends_as_with_mpich(
 @pytest.mark.openmpi
 def test_lightning_fit_on_open_mpi_matches_one_process(open_mpi, tmp_path):
     pytest.importorskip("lightning")
-    result = run_ringrun("-np", "2", sys.executable, str(WORKERS / "lightning_fit.py"), "plain",
-                         str(tmp_path), extra_env=open_mpi, timeout=240)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        str(WORKERS / "lightning_fit.py"),
+        "plain",
+        str(tmp_path),
+        extra_env=open_mpi,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(2):
         report = json.loads((tmp_path / f"plain-{rank}.json").read_text())
@@ -237,8 +287,14 @@ def test_lightning_fit_on_open_mpi_matches_one_process(open_mpi, tmp_path):
 # --------------------------------------------------------------- the command line, no MPI
 def dry_run_words(tmp_path: Path, *args: str) -> list[str]:
     mpiexec = fake_open_mpi(tmp_path)
-    result = run_ringrun("--dry-run", "--no-preflight", *args, "python", "x.py",
-                         extra_env={"RINGPLUG_MPIEXEC": str(mpiexec)})  # fmt: skip
+    result = run_ringrun(
+        "--dry-run",
+        "--no-preflight",
+        *args,
+        "python",
+        "x.py",
+        extra_env={"RINGPLUG_MPIEXEC": str(mpiexec)},
+    )
     assert result.returncode == 0, result.stderr
     return shlex.split(result.stdout.strip().splitlines()[-1])
 
@@ -260,7 +316,16 @@ def test_a_job_on_this_machine_gives_open_mpis_runtime_no_interface_list(tmp_pat
 
 
 def test_open_mpis_runtime_gets_the_named_interfaces_without_loopback_across_hosts(tmp_path):
-    words = dry_run_words(tmp_path, "-np", "2", "-H", "node1:1,node2:1",
-                          "--network-interface", "lo", "--network-interface", "eth1")  # fmt: skip
+    words = dry_run_words(
+        tmp_path,
+        "-np",
+        "2",
+        "-H",
+        "node1:1,node2:1",
+        "--network-interface",
+        "lo",
+        "--network-interface",
+        "eth1",
+    )
     assert mca(words, "btl_tcp_if_include") == "lo,eth1"
     assert mca(words, "oob_tcp_if_include") == "eth1"

@@ -24,14 +24,24 @@ pytest.importorskip("build")
 ROOT = Path(__file__).resolve().parents[1]
 # What the project's own tree holds; build outputs and venvs are not part of a release.
 IGNORED = shutil.ignore_patterns(
-    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-    ".ruff_cache", ".hypothesis", "wheels", "*.json",
-)  # fmt: skip
+    ".git",
+    ".venv*",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    "wheels",
+    "*.json",
+)
 
 
 def run(argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                            check=False, **kwargs)  # fmt: skip
+    result = subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, check=False, **kwargs
+    )
     assert result.returncode == 0, f"{argv} failed:\n{result.stdout}\n{result.stderr}"
     return result
 
@@ -46,8 +56,9 @@ def readme_example() -> tuple[str, list[str]]:
     """The README's allreduce example: the script, and the lines it says ringrun prints."""
     readme = (ROOT / "README.md").read_text()
     script = re.search(r"```python\n(# allreduce_demo\.py\n.*?)```", readme, flags=re.DOTALL)
-    shown = re.search(r"```bash\nringrun -np 2 python allreduce_demo\.py\n(.*?)```", readme,
-                      flags=re.DOTALL)  # fmt: skip
+    shown = re.search(
+        r"```bash\nringrun -np 2 python allreduce_demo\.py\n(.*?)```", readme, flags=re.DOTALL
+    )
     assert script and shown, "README.md no longer has the allreduce example"
     return script.group(1), [line.removeprefix("# ") for line in shown.group(1).splitlines()]
 
@@ -99,18 +110,33 @@ def test_the_installed_wheel_runs_the_readme_example_on_two_ranks(dist, tmp_path
     run([sys.executable, "-m", "venv", str(venv)], timeout=120)
     python, ringrun = venv / "bin" / "python", venv / "bin" / "ringrun"
     # Nothing of this tree or of the test's venv may leak in: the wheel alone is under test.
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("PYTHONPATH", "VIRTUAL_ENV", "RINGPLUG_MPIEXEC")}  # fmt: skip
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("PYTHONPATH", "VIRTUAL_ENV", "RINGPLUG_MPIEXEC")
+    }
     wheel = next(dist.glob("*.whl"))
-    run([str(python), "-m", "pip", "install", "--quiet", "--only-binary=:all:",
-         f"{wheel}[mpich]"], timeout=600, env=env, cwd=tmp_path)  # fmt: skip
+    run(
+        [str(python), "-m", "pip", "install", "--quiet", "--only-binary=:all:", f"{wheel}[mpich]"],
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
 
     script, expected = readme_example()
     (tmp_path / "allreduce_demo.py").write_text(script)
-    result = run([str(ringrun), "-np", "2", str(python), "allreduce_demo.py"], timeout=120,
-                 env=env, cwd=tmp_path)  # fmt: skip
+    result = run(
+        [str(ringrun), "-np", "2", str(python), "allreduce_demo.py"],
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     # Rank lines arrive in either order.
     assert sorted(result.stdout.splitlines()) == sorted(expected), result.stdout
-    where = run([str(python), "-c", "import ringplug; print(ringplug.__file__)"], timeout=60,
-                env=env, cwd=tmp_path).stdout.strip()  # fmt: skip
+    where = run(
+        [str(python), "-c", "import ringplug; print(ringplug.__file__)"],
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    ).stdout.strip()
     assert Path(where).is_relative_to(venv), where

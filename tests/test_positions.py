@@ -134,8 +134,9 @@ def test_distributed_optimizer_counts_its_steps_into_the_position():
 
     ringplug.init()  # a world of one
     model = torch.nn.Linear(3, 1)
-    optimizer = rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())  # fmt: skip
+    optimizer = rpt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     for _ in range(3):
         model(torch.ones(2, 3)).sum().backward()
         optimizer.step()
@@ -146,10 +147,16 @@ def test_distributed_optimizer_counts_its_steps_into_the_position():
 # ---------------------------------------------------------------------- real ranks
 def held_fit(scenario: str, outdir: Path, **env: str) -> dict:
     """Run the worker on 2 ranks: what rank 0 warned while rank 1 held, and the reports."""
-    result = run_ringrun("-np", "2", sys.executable, WORKER, scenario, str(outdir),
-                         extra_env={"RINGPLUG_STALL_CHECK_SECONDS": "0.5",
-                                    "RINGPLUG_TIMEOUT": "60", **env},
-                         timeout=240)  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        WORKER,
+        scenario,
+        str(outdir),
+        extra_env={"RINGPLUG_STALL_CHECK_SECONDS": "0.5", "RINGPLUG_TIMEOUT": "60", **env},
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     stall = outdir / "stall.txt"
     assert stall.exists(), result.stdout + result.stderr

@@ -68,8 +68,20 @@ def test_hydra_line_translates_hosts_interface_binding_and_variables():
 
 
 def test_hydra_ssh_options_go_through_hydras_launcher_variable(tmp_path):
-    words = dry_run("-np", "2", "-H", "a:1,b:1", "-p", "2222", "-i", str(tmp_path / "key"),
-                    "--ssh-config-file", str(tmp_path / "config"), "python", "x.py")  # fmt: skip
+    words = dry_run(
+        "-np",
+        "2",
+        "-H",
+        "a:1,b:1",
+        "-p",
+        "2222",
+        "-i",
+        str(tmp_path / "key"),
+        "--ssh-config-file",
+        str(tmp_path / "config"),
+        "python",
+        "x.py",
+    )
     assert words[0] == (
         "HYDRA_LAUNCHER_EXTRA_ARGS=-o BatchMode=yes -o ConnectTimeout=10 "
         f"-F {tmp_path / 'config'} -i {tmp_path / 'key'} -p 2222"
@@ -175,8 +187,17 @@ def test_missing_command_is_a_usage_error():
 
 
 def test_timeline_flag_hands_the_ranks_an_absolute_trace_path(tmp_path):
-    result = run_ringrun("--dry-run", "-np", "2", "--timeline", "trace.json", "python", "t.py",
-                         cwd=tmp_path, timeout=30)  # fmt: skip
+    result = run_ringrun(
+        "--dry-run",
+        "-np",
+        "2",
+        "--timeline",
+        "trace.json",
+        "python",
+        "t.py",
+        cwd=tmp_path,
+        timeout=30,
+    )
     assert result.returncode == 0, result.stderr
     words = shlex.split(result.stdout.strip())
     assert follows(words, "-genv", "RINGPLUG_TIMELINE", str(tmp_path.resolve() / "trace.json"))

@@ -496,8 +496,9 @@ def test_a_program_that_cannot_start_reports_no_start():
 def test_watcher_stops_a_job_whose_ranks_never_start():
     # A launcher that never starts rank 1 and never ends by itself.
     began = time.monotonic()
-    result = run_job(fake_launcher(0), events_token=TOKEN,
-                     start_watch=StartWatch(0.5, frozenset({0, 1})))  # fmt: skip
+    result = run_job(
+        fake_launcher(0), events_token=TOKEN, start_watch=StartWatch(0.5, frozenset({0, 1}))
+    )
     assert result.not_started == [1]
     assert set(result.started) == {0}
     assert result.exit_code == START_TIMEOUT_EXIT_CODE

@@ -44,19 +44,35 @@ PYTHON = "/venv/bin/python"
         (["ssh: connect to host n2 port 22: No route to host"], 255, "no route"),
         (["ssh: connect to host n2 port 22: Connection timed out"], 255, "no route"),
         ([], None, "no answer"),
-        (["ssh: Could not resolve hostname n2: Name or service not known"], 255,
-         "unknown host name"),
-        (["No ED25519 host key is known for n2 and you have requested strict checking.",
-          "Host key verification failed."], 255, "host key"),
-        (["@@@@@@@", "Host key for n2 has changed and you have requested strict checking.",
-          "Host key verification failed."], 255, "host key changed"),
+        (
+            ["ssh: Could not resolve hostname n2: Name or service not known"],
+            255,
+            "unknown host name",
+        ),
+        (
+            [
+                "No ED25519 host key is known for n2 and you have requested strict checking.",
+                "Host key verification failed.",
+            ],
+            255,
+            "host key",
+        ),
+        (
+            [
+                "@@@@@@@",
+                "Host key for n2 has changed and you have requested strict checking.",
+                "Host key verification failed.",
+            ],
+            255,
+            "host key changed",
+        ),
         (["root@n2: Permission denied (publickey)."], 255, "ssh login refused"),
         ([f"bash: line 1: {PYTHON}: No such file or directory"], 127, "wrong Python"),
         ([f"env: '{PYTHON}': No such file or directory"], 127, "wrong Python"),
         ([f"{PYTHON}: No module named ringplug.run.hosts.probe"], 1, "wrong Python"),
         (["something nobody expected"], 3, "ssh failed"),
     ],
-)  # fmt: skip
+)
 def test_ssh_failures_get_a_reason_and_a_fix_naming_the_host(output, returncode, reason):
     problem = diagnose("n2", output, returncode, PYTHON)
     assert problem.host == "n2"
@@ -90,9 +106,21 @@ def test_launcher_output_is_read_for_the_hosts_it_names():
 def test_ssh_never_prompts_and_carries_the_users_options():
     options = SshOptions(port=2222, identity_file="/k", config_file="/c", connect_timeout_s=7)
     assert options.command("n2", "true") == [
-        "ssh", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=7", "-F", "/c", "-i", "/k",
-        "-p", "2222", "n2", "true",
-    ]  # fmt: skip
+        "ssh",
+        "-T",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "ConnectTimeout=7",
+        "-F",
+        "/c",
+        "-i",
+        "/k",
+        "-p",
+        "2222",
+        "n2",
+        "true",
+    ]
 
 
 # ------------------------------------------------------------------ interfaces and the probe
@@ -118,8 +146,10 @@ def test_candidates_skip_down_and_link_local_addresses_and_put_physical_links_fi
 def test_the_probe_answers_with_facts_and_finds_its_own_token():
     probe = subprocess.Popen(
         [sys.executable, "-m", "ringplug.run.hosts.probe", "--need", sys.executable],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         hello = json.loads(probe.stdout.readline().removeprefix(LINE_PREFIX))
         assert hello["kind"] == "hello"
@@ -171,8 +201,14 @@ def test_check_with_an_unknown_host_is_not_ready_and_exits_1():
 
 def test_ssh_and_preflight_settings_are_config_file_keys():
     settings = RunSettings.from_mapping(
-        {"ssh_identity_file": "~/.ssh/k", "ssh_config_file": "c.conf", "preflight": False,
-         "start_timeout": 0}, source="launch.yaml")  # fmt: skip
+        {
+            "ssh_identity_file": "~/.ssh/k",
+            "ssh_config_file": "c.conf",
+            "preflight": False,
+            "start_timeout": 0,
+        },
+        source="launch.yaml",
+    )
     assert (settings.ssh_identity_file, settings.ssh_config_file) == ("~/.ssh/k", "c.conf")
     assert settings.preflight is False and settings.effective_start_timeout is None
     with pytest.raises(SettingsError, match="preflight must be true or false"):
@@ -190,8 +226,12 @@ DIFFERENT_NAMES = NetworkChoice(
 
 
 def spec(**changes) -> JobSpec:
-    values = {"np": 3, "command": ["python", "t.py"], "hosts": [Host("a", 2), Host("b", 1)],
-              "network": DIFFERENT_NAMES}  # fmt: skip
+    values = {
+        "np": 3,
+        "command": ["python", "t.py"],
+        "hosts": [Host("a", 2), Host("b", 1)],
+        "network": DIFFERENT_NAMES,
+    }
     values.update(changes)
     return JobSpec(**values)
 
@@ -221,8 +261,12 @@ def test_wrapping_placement_gives_each_run_of_ranks_its_hosts_values():
 
 
 def test_what_the_user_set_is_not_overridden():
-    words = build_plan(spec(env={"NCCL_SOCKET_IFNAME": "ib"}), HYDRA_LAUNCHER,
-                       environ={"UCX_NET_DEVICES": "mlx5_0:1"}, python=PYTHON).argv  # fmt: skip
+    words = build_plan(
+        spec(env={"NCCL_SOCKET_IFNAME": "ib"}),
+        HYDRA_LAUNCHER,
+        environ={"UCX_NET_DEVICES": "mlx5_0:1"},
+        python=PYTHON,
+    ).argv
     line = " ".join(words)
     assert "=enp6s0" not in line and "UCX_NET_DEVICES enp6s0" not in line
     assert "-genv NCCL_SOCKET_IFNAME ib" in line
@@ -250,8 +294,9 @@ def test_open_mpi_gets_subnets_and_per_host_variables():
 
 
 def test_dry_run_without_reachable_hosts_still_prints_the_line_and_warns():
-    result = run_ringrun("--dry-run", "-H", "no-such-host.invalid:1,localhost:1", "python", "x.py",
-                         timeout=90)  # fmt: skip
+    result = run_ringrun(
+        "--dry-run", "-H", "no-such-host.invalid:1,localhost:1", "python", "x.py", timeout=90
+    )
     assert result.returncode == 0
     assert "-hosts no-such-host.invalid:1,localhost:1" in result.stdout
     assert "unknown host name" in result.stderr and "a real run would stop here" in result.stderr
@@ -259,8 +304,14 @@ def test_dry_run_without_reachable_hosts_still_prints_the_line_and_warns():
 
 def test_a_real_run_stops_before_starting_anything_when_a_host_fails_the_preflight(tmp_path):
     marker = tmp_path / "ran"
-    result = run_ringrun("-H", "localhost:1,no-such-host.invalid:1", sys.executable, "-c",
-                         f"open({str(marker)!r}, 'w')", timeout=90)  # fmt: skip
+    result = run_ringrun(
+        "-H",
+        "localhost:1,no-such-host.invalid:1",
+        sys.executable,
+        "-c",
+        f"open({str(marker)!r}, 'w')",
+        timeout=90,
+    )
     assert result.returncode == 255
     assert "cannot start the job: host no-such-host.invalid (rank 1): unknown host name" in (
         result.stderr

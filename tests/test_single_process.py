@@ -19,8 +19,14 @@ def world_of_one():
 
 
 def test_rank_facts_of_a_single_process():
-    facts = (ringplug.rank(), ringplug.size(), ringplug.local_rank(), ringplug.local_size(),
-             ringplug.cross_rank(), ringplug.cross_size())  # fmt: skip
+    facts = (
+        ringplug.rank(),
+        ringplug.size(),
+        ringplug.local_rank(),
+        ringplug.local_size(),
+        ringplug.cross_rank(),
+        ringplug.cross_size(),
+    )
     assert facts == (0, 1, 0, 1, 0, 1)
 
 
@@ -83,8 +89,9 @@ def test_objects_round_trip():
 
 def test_collectives_before_init_say_to_call_init():
     code = "import ringplug, numpy as np\nringplug.allreduce(np.ones(2))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode != 0
     assert "Call ringplug.init() before using ringplug's collectives" in result.stderr
 

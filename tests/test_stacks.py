@@ -24,8 +24,9 @@ INFO = str(Path(__file__).parent / "workers" / "stack_info.py")
 def mpi_library_here() -> str:
     """The first line of the MPI library's version that mpi4py loads in this venv."""
     code = "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     return result.stdout.strip()
 
 
@@ -47,8 +48,9 @@ def test_a_toml_launch_file_starts_the_job_on_this_interpreter(tmp_path):
     # Python 3.10 has no tomllib: this reads the file through tomli, a dependency there.
     config = tmp_path / "launch.toml"
     config.write_text('np = 2\n\n[env]\nSTACK_FROM_TOML = "yes"\n')
-    result = run_ringrun("--config-file", str(config), sys.executable, INFO, str(tmp_path),
-                         "STACK_FROM_TOML")  # fmt: skip
+    result = run_ringrun(
+        "--config-file", str(config), sys.executable, INFO, str(tmp_path), "STACK_FROM_TOML"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(2):
         info = json.loads((tmp_path / f"info-{rank}.json").read_text())

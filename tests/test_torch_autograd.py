@@ -17,13 +17,24 @@ pytestmark = pytest.mark.multirank
 
 WORKER = str(Path(__file__).parent / "workers" / "torch_autograd.py")
 EXPECTED = {
-    "allreduce-sum-scaled-grad", "allreduce-average-grad", "grouped-allreduce-grad",
-    "broadcast-grad", "broadcast-async-new-tensor", "grouped-allgather",
-    "grouped-allgather-grad", "grouped-allgather-async", "reducescatter-scaled",
-    "reducescatter-average-grad", "grouped-reducescatter", "grouped-reducescatter-async",
-    "alltoall-grad", "alltoall-float-splits-refused", "handle-over-several",
-    "compression-fp16", "still-in-step",
-}  # fmt: skip
+    "allreduce-sum-scaled-grad",
+    "allreduce-average-grad",
+    "grouped-allreduce-grad",
+    "broadcast-grad",
+    "broadcast-async-new-tensor",
+    "grouped-allgather",
+    "grouped-allgather-grad",
+    "grouped-allgather-async",
+    "reducescatter-scaled",
+    "reducescatter-average-grad",
+    "grouped-reducescatter",
+    "grouped-reducescatter-async",
+    "alltoall-grad",
+    "alltoall-float-splits-refused",
+    "handle-over-several",
+    "compression-fp16",
+    "still-in-step",
+}
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -27,8 +27,9 @@ def checked(outdir: Path, scenario: str, ranks: int) -> list[dict]:
 
 
 def run(scenario: str, ranks: int, outdir: Path, **kwargs) -> list[dict]:
-    result = run_ringrun("-np", str(ranks), sys.executable, WORKER, scenario, str(outdir),
-                         timeout=180, **kwargs)  # fmt: skip
+    result = run_ringrun(
+        "-np", str(ranks), sys.executable, WORKER, scenario, str(outdir), timeout=180, **kwargs
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return checked(outdir, scenario, ranks)
 
@@ -50,8 +51,9 @@ def shared(tmp_path_factory):
         if not jobs:
             outdir = tmp_path_factory.mktemp("backend-shared")
             scenarios = [s for s in SHARED if importlib.util.find_spec(OPTIONAL.get(s, "torch"))]
-            result = run_ringrun("-np", "2", sys.executable, WORKER, ",".join(scenarios),
-                                 str(outdir), timeout=300)  # fmt: skip
+            result = run_ringrun(
+                "-np", "2", sys.executable, WORKER, ",".join(scenarios), str(outdir), timeout=300
+            )
             jobs["job"] = (result, outdir)
         result, outdir = jobs["job"]
         assert result.returncode == 0, result.stdout + result.stderr
@@ -90,16 +92,24 @@ def test_lightning_ddp_strategy_on_the_backend_equals_one_process(shared):
     pytest.importorskip("lightning")
     reports = shared("lightning-ddp")
     assert set(reports[0]["checks"]) == {
-        "lightning-ddp/backend", "lightning-ddp/equals-one-process",
+        "lightning-ddp/backend",
+        "lightning-ddp/equals-one-process",
         "lightning-ddp/ranks-bitwise-identical",
-    }  # fmt: skip
+    }
 
 
 def test_a_torch_collective_that_one_rank_never_reaches_is_reported_and_ends_the_job(tmp_path):
     # Over gloo this hung silently; on the ringplug backend the engine watches it.
-    result = run_ringrun("-np", "2", sys.executable, WORKER, "stall", str(tmp_path), timeout=90,
-                         extra_env={"RINGPLUG_TIMEOUT": "6",
-                                    "RINGPLUG_STALL_CHECK_SECONDS": "2"})  # fmt: skip
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        WORKER,
+        "stall",
+        str(tmp_path),
+        timeout=90,
+        extra_env={"RINGPLUG_TIMEOUT": "6", "RINGPLUG_STALL_CHECK_SECONDS": "2"},
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "'torch.default#1' is ready on rank(s) 0 but not on rank(s) 1" in output, output
@@ -110,9 +120,13 @@ def test_under_torchrun_the_backend_says_to_start_the_job_with_an_mpi_launcher(t
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip("torchrun is not installed beside this interpreter")
-    result = subprocess.run([str(torchrun), "--nproc-per-node", "2", WORKER, "calls",
-                             str(tmp_path)], capture_output=True, text=True, timeout=120,
-                            check=False)  # fmt: skip
+    result = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", WORKER, "calls", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert torchrun_workers_refused(output, 2), output  # each worker, or stopped by torchrun

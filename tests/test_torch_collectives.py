@@ -15,17 +15,61 @@ pytestmark = pytest.mark.multirank
 
 WORKER = str(Path(__file__).parent / "workers" / "torch_collectives.py")
 EXPECTED = {
-    *(f"allreduce/torch.{d}" for d in ("float16", "bfloat16", "float32", "float64", "int8",
-                                       "int16", "int32", "int64", "uint8", "bool")),
-    *(f"allreduce_/torch.{d}" for d in ("float16", "bfloat16", "float32", "float64", "int8",
-                                        "int16", "int32", "int64", "uint8", "bool")),
-    "allreduce_/non-contiguous-average", "allreduce_async", "broadcast_/bfloat16",
-    "allgather/uneven", "allgather/gradient", "reducescatter", "alltoall",
-    "broadcast_parameters", "broadcast_optimizer_state", "unsupported-dtype-error",
-    "bad-dtype-on-one-rank", "still-in-step",
-    *(f"sync_batchnorm/{c}" for c in ("output", "input-gradient", "parameter-gradients",
-                                      "running-stats", "eval", "revert", "too-few-values")),
-}  # fmt: skip
+    *(
+        f"allreduce/torch.{d}"
+        for d in (
+            "float16",
+            "bfloat16",
+            "float32",
+            "float64",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "uint8",
+            "bool",
+        )
+    ),
+    *(
+        f"allreduce_/torch.{d}"
+        for d in (
+            "float16",
+            "bfloat16",
+            "float32",
+            "float64",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "uint8",
+            "bool",
+        )
+    ),
+    "allreduce_/non-contiguous-average",
+    "allreduce_async",
+    "broadcast_/bfloat16",
+    "allgather/uneven",
+    "allgather/gradient",
+    "reducescatter",
+    "alltoall",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "unsupported-dtype-error",
+    "bad-dtype-on-one-rank",
+    "still-in-step",
+    *(
+        f"sync_batchnorm/{c}"
+        for c in (
+            "output",
+            "input-gradient",
+            "parameter-gradients",
+            "running-stats",
+            "eval",
+            "revert",
+            "too-few-values",
+        )
+    ),
+}
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -29,16 +29,18 @@ SHARED = ["calls:backend", "calls:strategy", "monitored-missing:strategy"]
 
 def checked(outdir: Path, scenario: str, start: str, ranks: int) -> list[dict]:
     """Each rank's report of `scenario` under `start`, with every one of its checks passed."""
-    reports = [json.loads((outdir / f"{scenario}-{start}-{r}.json").read_text())
-               for r in range(ranks)]  # fmt: skip
+    reports = [
+        json.loads((outdir / f"{scenario}-{start}-{r}.json").read_text()) for r in range(ranks)
+    ]
     for report in reports:
         assert [name for name, ok in report["checks"].items() if not ok] == [], report
     return reports
 
 
 def job(outdir: Path, ranks: int, *runs: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return run_ringrun("-np", str(ranks), sys.executable, WORKER, str(outdir), *runs,
-                       extra_env=env, timeout=240)  # fmt: skip
+    return run_ringrun(
+        "-np", str(ranks), sys.executable, WORKER, str(outdir), *runs, extra_env=env, timeout=240
+    )
 
 
 @pytest.fixture(scope="module")

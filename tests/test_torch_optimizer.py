@@ -36,10 +36,19 @@ def job(tmp_path_factory):
             (outdir / "optimizer").mkdir()
             (outdir / "join").mkdir()
             result = run_ringrun(
-                "-np", str(ranks), sys.executable, str(WORKERS / "in_turn.py"),
-                "torch_optimizer.py", ",".join(SCENARIOS), str(outdir / "optimizer"),
-                "+", "torch_join.py", JOIN_COUNTS[ranks], str(outdir / "join"), timeout=300,
-            )  # fmt: skip
+                "-np",
+                str(ranks),
+                sys.executable,
+                str(WORKERS / "in_turn.py"),
+                "torch_optimizer.py",
+                ",".join(SCENARIOS),
+                str(outdir / "optimizer"),
+                "+",
+                "torch_join.py",
+                JOIN_COUNTS[ranks],
+                str(outdir / "join"),
+                timeout=300,
+            )
             jobs[ranks] = (result, outdir)
         result, outdir = jobs[ranks]
         assert result.returncode == 0, result.stdout + result.stderr
@@ -95,8 +104,9 @@ def test_named_parameters_must_cover_the_optimizer():
     ringplug.init()
     model, other = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match="does not name 2 optimizer parameter"):
-        rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=other.named_parameters())  # fmt: skip
+        rpt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=other.named_parameters()
+        )
 
 
 def test_a_world_of_one_reduces_nothing():

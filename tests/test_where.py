@@ -53,8 +53,9 @@ def test_a_rank_stuck_in_user_code_is_shown_at_its_planted_function(scenario, pl
     assert result.returncode == 1, result.stderr
     report = stuck_rank_report(result.stderr, 1)
     assert how in report
-    assert re.search(rf'File ".*hangs\.py", line \d+, in {planted}   <-- innermost user frame',
-                     report), report  # fmt: skip
+    assert re.search(
+        rf'File ".*hangs\.py", line \d+, in {planted}   <-- innermost user frame', report
+    ), report
     assert "rank 1 stopped taking part in the job (named by rank 0)" in result.stderr
 
 
@@ -93,10 +94,16 @@ def test_ranks_in_different_collectives_show_their_call_sites_and_the_record_say
     lines = explained.stdout.splitlines()
     # grads.0-2 went alike; the fourth collective (#3) is where they parted.
     assert lines[0] == "the ranks parted at collective #3:", explained.stdout
-    assert re.search(r"rank 0: allreduce 'after' \(#3, 16 B, from .*hangs\.py:\d+ in main\), "
-                     r"pending", lines[1]), lines  # fmt: skip
-    assert re.search(r"rank 1: allreduce 'only-rank-1-calls-this' \(#3, 16 B, from .*hangs\.py:"
-                     r"\d+ in planted_other_collective\), pending", lines[2]), lines  # fmt: skip
+    assert re.search(
+        r"rank 0: allreduce 'after' \(#3, 16 B, from .*hangs\.py:\d+ in main\), "
+        r"pending",
+        lines[1],
+    ), lines
+    assert re.search(
+        r"rank 1: allreduce 'only-rank-1-calls-this' \(#3, 16 B, from .*hangs\.py:"
+        r"\d+ in planted_other_collective\), pending",
+        lines[2],
+    ), lines
     Path(found.group(1)).unlink()
 
 
@@ -105,9 +112,13 @@ def start_hanging_job(tmp_path: Path, ranks: int) -> tuple[subprocess.Popen[str]
     done = tmp_path / "done"
     env = {k: v for k, v in os.environ.items() if k != "RINGPLUG_MPIEXEC"}
     env.update(HANGS_DONE_FILE=str(done), RINGPLUG_STALL_CHECK_SECONDS="60")
-    job = subprocess.Popen([*RINGRUN, "-np", str(ranks), sys.executable, HANGS, "none"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=env)  # fmt: skip
+    job = subprocess.Popen(
+        [*RINGRUN, "-np", str(ranks), sys.executable, HANGS, "none"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     return job, done
 
 
@@ -130,8 +141,13 @@ def test_ringrun_stacks_prints_every_rank_with_ranks_stuck_alike_once(tmp_path):
     job, done = start_hanging_job(tmp_path, 4)
     try:
         wait_until_ready(job, 4)
-        asked = subprocess.run([*RINGRUN, "--stacks", str(job.pid)], capture_output=True,
-                               text=True, timeout=30, check=False)  # fmt: skip
+        asked = subprocess.run(
+            [*RINGRUN, "--stacks", str(job.pid)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     finally:
         done.touch()
         _, stderr = job.communicate(timeout=60)

@@ -60,8 +60,11 @@ def lightning(device: str) -> None:
 
     check("ringplug.torch.init() makes cuda:LOCAL_RANK torch's device, lazily", torch_init)
     accelerator = "gpu" if device == "cuda" else "cpu"
-    check(f"Lightning: Trainer(strategy='ring', accelerator={accelerator!r}) with default "
-          "devices fits like plain torch", lambda: lightning_fit(device))  # fmt: skip
+    check(
+        f"Lightning: Trainer(strategy='ring', accelerator={accelerator!r}) with default "
+        "devices fits like plain torch",
+        lambda: lightning_fit(device),
+    )
 
 
 def lightning_fit(device: str) -> None:
@@ -88,10 +91,16 @@ def lightning_fit(device: str) -> None:
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
     model = Model()
-    trainer = pl.Trainer(strategy="ring", accelerator="gpu" if device == "cuda" else "cpu",
-                         max_epochs=3, logger=False, enable_checkpointing=False,
-                         use_distributed_sampler=False,  # one rank: the batches in order
-                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = pl.Trainer(
+        strategy="ring",
+        accelerator="gpu" if device == "cuda" else "cpu",
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,  # one rank: the batches in order
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     expected_device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     assert trainer.strategy.root_device == expected_device, trainer.strategy.root_device
     assert trainer.num_devices == 1, trainer.num_devices
@@ -137,8 +146,10 @@ def keras_checks(device: str, backend: str) -> None:
         return None
 
     check(f"ringplug.keras.init() puts {backend} on this rank's {device.upper()}", init)
-    check(f"Keras ({backend}): fit with DistributedOptimizer equals the plain optimizer's",
-          lambda: keras_fit(keras, rk, backend, device))  # fmt: skip
+    check(
+        f"Keras ({backend}): fit with DistributedOptimizer equals the plain optimizer's",
+        lambda: keras_fit(keras, rk, backend, device),
+    )
 
 
 def _pinned_gpu(backend: str) -> object:
@@ -230,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lightning(args.device)
     failures = sum(status == "FAIL" for _, status in RESULTS)
-    print(f"check_fits.py {args.framework}: {len(RESULTS) - failures} of {len(RESULTS)} passed "
-          f"or skipped, {failures} failed", flush=True)  # fmt: skip
+    print(
+        f"check_fits.py {args.framework}: {len(RESULTS) - failures} of {len(RESULTS)} passed "
+        f"or skipped, {failures} failed",
+        flush=True,
+    )
     return failures
 
 

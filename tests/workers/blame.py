@@ -100,9 +100,14 @@ def caught_lightning(rank: int) -> None:
 
     data = DataLoader(TensorDataset(torch.randn(256, 4)), batch_size=4)
     trainer = L.Trainer(
-        strategy=RingStrategy(), accelerator="cpu", max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        strategy=RingStrategy(),
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     try:
         trainer.fit(Net(), data)
     except Exception as error:  # noqa: BLE001 - the pattern the issue saw

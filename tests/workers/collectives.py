@@ -21,7 +21,7 @@ from reference import (
     encode,
     is_float,
     op_applies,
-    reduce_reference,  # fmt: skip
+    reduce_reference,
     storage,
     values_for,
 )
@@ -47,8 +47,12 @@ def expected_case_names(size: int) -> list[str]:
     names += ["allreduce-inplace", "allreduce-noncontiguous", "allreduce-multidim"]
     names += ["grouped-inplace-average", "fused-different-scales"]
     names += [f"allgather/{d}/{c}" for d in DTYPES for c in (0, 3, 100_001)]
-    names += [f"broadcast/{root}/{d}/{c}" for root in range(size) for d in DTYPES
-              for c in (1, 1001, 1_000_003)]  # fmt: skip
+    names += [
+        f"broadcast/{root}/{d}/{c}"
+        for root in range(size)
+        for d in DTYPES
+        for c in (1, 1001, 1_000_003)
+    ]
     names += [f"reducescatter/{op}/{rows}" for op in OPS for rows in (1, 5, 1001, 250_001)]
     names += [f"alltoall/{d}" for d in DTYPES] + ["alltoall-even"]
     names += ["barrier", "broadcast_object/small", "broadcast_object/large", "allgather_object"]
@@ -125,8 +129,10 @@ def main(outdir: Path) -> None:
     def grouped_inplace_average(name):
         # Separate arrays reduced where they lie (the ring's Pieces), averaged as one.
         counts = (5, 70_001, 1)
-        inputs = [[values_for("sum", "float64", c, r, 11 + i) for i, c in enumerate(counts)]
-                  for r in range(size)]  # fmt: skip
+        inputs = [
+            [values_for("sum", "float64", c, r, 11 + i) for i, c in enumerate(counts)]
+            for r in range(size)
+        ]
         mine = [encode(x, "float64") for x in inputs[rank]]
         results = ringplug.grouped_allreduce(mine, op="average", out=mine, name=name)
         ok = all(result is array for result, array in zip(results, mine, strict=True))
@@ -140,9 +146,15 @@ def main(outdir: Path) -> None:
     def fused_different_scales(name):
         # Submitted together, so likely fused in one batch, each with its own postscale.
         inputs = [values_for("sum", "float64", 4099, r, 14) for r in range(size)]
-        handles = [ringplug.allreduce_async(encode(inputs[rank], "float64"), op="average",
-                                            postscale_factor=f, name=f"{name}/{f}")
-                   for f in (1.0, 3.0)]  # fmt: skip
+        handles = [
+            ringplug.allreduce_async(
+                encode(inputs[rank], "float64"),
+                op="average",
+                postscale_factor=f,
+                name=f"{name}/{f}",
+            )
+            for f in (1.0, 3.0)
+        ]
         ok, worst = True, 0.0
         for factor, handle in zip((1.0, 3.0), handles, strict=True):
             expected = reduce_reference("average", "float64", inputs, post=factor)
@@ -159,8 +171,10 @@ def main(outdir: Path) -> None:
     def allgather(name):
         _, dtype, rows = name.split("/")
         rows = int(rows)
-        parts = [encode(values_for("sum", dtype, (rows + r) * 3, r, 11), dtype).reshape(-1, 3)
-                 for r in range(size)]  # fmt: skip
+        parts = [
+            encode(values_for("sum", dtype, (rows + r) * 3, r, 11), dtype).reshape(-1, 3)
+            for r in range(size)
+        ]
         if rows == 0:
             parts[0] = parts[0][:0]  # rank 0 contributes no rows at all
         result = ringplug.allgather(parts[rank], dtype="bfloat16" if dtype == "bfloat16" else None)
@@ -179,8 +193,12 @@ def main(outdir: Path) -> None:
         result = ringplug.broadcast(mine, root_rank=root, dtype=raw)
         in_place = data[rank].copy()
         ringplug.broadcast(in_place, root_rank=root, out=in_place, dtype=raw)
-        record(name, np.array_equal(result, data[root]) and np.array_equal(in_place, data[root])
-               and np.array_equal(mine, data[rank]))  # fmt: skip
+        record(
+            name,
+            np.array_equal(result, data[root])
+            and np.array_equal(in_place, data[root])
+            and np.array_equal(mine, data[rank]),
+        )
 
     for root in range(size):
         for dtype in DTYPES:
@@ -206,8 +224,10 @@ def main(outdir: Path) -> None:
         dtype = name.split("/")[1]
         # splits[s][d]: rows rank s sends to rank d
         splits = [[(s + 2 * d) % 4 for d in range(size)] for s in range(size)]
-        sent = [encode(values_for("sum", dtype, sum(splits[s]) * 2, s, 14), dtype).reshape(-1, 2)
-                for s in range(size)]  # fmt: skip
+        sent = [
+            encode(values_for("sum", dtype, sum(splits[s]) * 2, s, 14), dtype).reshape(-1, 2)
+            for s in range(size)
+        ]
         received, counts = ringplug.alltoall(
             sent[rank], splits[rank], dtype="bfloat16" if dtype == "bfloat16" else None
         )
@@ -215,8 +235,11 @@ def main(outdir: Path) -> None:
         for s in range(size):
             start = sum(splits[s][:rank])
             expected.append(sent[s][start : start + splits[s][rank]])
-        record(name, np.array_equal(received, np.concatenate(expected))
-               and list(counts) == [splits[s][rank] for s in range(size)])  # fmt: skip
+        record(
+            name,
+            np.array_equal(received, np.concatenate(expected))
+            and list(counts) == [splits[s][rank] for s in range(size)],
+        )
 
     for dtype in DTYPES:
         check(f"alltoall/{dtype}", alltoall)
@@ -224,8 +247,9 @@ def main(outdir: Path) -> None:
     def alltoall_even(name):
         sent = np.arange(size * 4, dtype=np.int64) + 1000 * rank
         received, counts = ringplug.alltoall(sent)
-        expected = np.concatenate([np.arange(size * 4)[rank * 4 : rank * 4 + 4] + 1000 * s
-                                   for s in range(size)])  # fmt: skip
+        expected = np.concatenate(
+            [np.arange(size * 4)[rank * 4 : rank * 4 + 4] + 1000 * s for s in range(size)]
+        )
         record(name, np.array_equal(received, expected) and list(counts) == [4] * size)
 
     check("alltoall-even", alltoall_even)

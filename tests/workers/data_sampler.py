@@ -91,15 +91,24 @@ def lightning_fit(inside_hook: bool) -> dict:
         sampler = DistributedBucketSampler(dataset.lengths, batch_size=8, seed=1)
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=pad_collate)
 
-    trainer = L.Trainer(strategy="ring", accelerator="cpu", max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        strategy="ring",
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     if inside_hook:
         trainer.fit(Model())
     else:
         trainer.fit(Model(), train_dataloaders=make_loader())
-    return {"ids": seen, "batches": trainer.global_step,
-            "kept": type(trainer.train_dataloader.batch_sampler).__name__}  # fmt: skip
+    return {
+        "ids": seen,
+        "batches": trainer.global_step,
+        "kept": type(trainer.train_dataloader.batch_sampler).__name__,
+    }
 
 
 def scenario_normalize() -> dict:
@@ -110,12 +119,17 @@ def scenario_normalize() -> dict:
     model = torch.nn.Linear(2, 1)
     reference = torch.nn.Linear(2, 1)
     reference.load_state_dict(model.state_dict())
-    optimizer = rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())  # fmt: skip
+    optimizer = rpt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     size = ringplug.size()
-    samplers = [DistributedBucketSampler(dataset.lengths, max_tokens=3000, num_replicas=size,
-                                         rank=r, seed=5) for r in range(size)]  # fmt: skip
+    samplers = [
+        DistributedBucketSampler(
+            dataset.lengths, max_tokens=3000, num_replicas=size, rank=r, seed=5
+        )
+        for r in range(size)
+    ]
     counts = []
 
     def loss_of(net, batch_ids) -> torch.Tensor:
@@ -134,9 +148,12 @@ def scenario_normalize() -> dict:
         ref_optimizer.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     expected = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
-    return {"matches_one_process": bool(torch.allclose(flat, expected, atol=1e-6)),
-            "max_difference": float((flat - expected).abs().max()),
-            "counts": counts, "steps": len(counts)}  # fmt: skip
+    return {
+        "matches_one_process": bool(torch.allclose(flat, expected, atol=1e-6)),
+        "max_difference": float((flat - expected).abs().max()),
+        "counts": counts,
+        "steps": len(counts),
+    }
 
 
 def main(scenario: str, outdir: Path) -> None:

@@ -49,8 +49,7 @@ class Sleep(keras.layers.Layer):
             import tensorflow as tf
 
             # The same op on every rank; the gradient flows around it, through x.
-            slept = tf.numpy_function(self._sleep, [tf.reduce_sum(x)], x.dtype,
-                                      stateful=True)  # fmt: skip
+            slept = tf.numpy_function(self._sleep, [tf.reduce_sum(x)], x.dtype, stateful=True)
             slept.set_shape([])
             return x + 0.0 * tf.stop_gradient(slept)
         self._sleep(None)
@@ -80,8 +79,11 @@ class Batches(keras.utils.PyDataset):
 def make_model(scenario: str) -> keras.Model:
     features, hidden, _ = shapes(scenario)
     if scenario == "communication":
-        layers = [keras.Input((1,), dtype="int32"), keras.layers.Embedding(features, hidden),
-                  keras.layers.Flatten()]  # fmt: skip
+        layers = [
+            keras.Input((1,), dtype="int32"),
+            keras.layers.Embedding(features, hidden),
+            keras.layers.Flatten(),
+        ]
     else:
         layers = [keras.Input((features,)), keras.layers.Dense(hidden, activation="tanh")]
     if scenario in ("straggler", "compute"):

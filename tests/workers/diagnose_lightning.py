@@ -80,9 +80,13 @@ def fit(scenario: str, outdir: Path) -> dict:
     traced = scenario == "data"
     trainer = L.Trainer(
         strategy=RingStrategy(timeline=str(outdir / "timeline.json") if traced else None),
-        accelerator="cpu", max_epochs=1, logger=CSVLogger(outdir, name=scenario),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        max_epochs=1,
+        logger=CSVLogger(outdir, name=scenario),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Net(scenario), loader)
     diagnosis = trainer.strategy._diagnostics.diagnosis
     return {**diagnosis.as_dict(), "table": diagnosis.table()}

@@ -50,8 +50,9 @@ def orders(rank: int) -> dict:
             if not (in_place_ok and untouched and np.array_equal(result, expected)):
                 results["ok"] = False
                 results["bad"].append([step, i])
-    grouped = ringplug.grouped_allreduce([np.full(3, rank + 1.0), np.full(2, 2.0 * rank)],
-                                         op="sum", name="group")  # fmt: skip
+    grouped = ringplug.grouped_allreduce(
+        [np.full(3, rank + 1.0), np.full(2, 2.0 * rank)], op="sum", name="group"
+    )
     results["grouped"] = [g.tolist() for g in grouped]
     results["cache_slots"] = len(engine._cache.slots)
     results["collectives"] = engine.collectives_run
@@ -86,8 +87,10 @@ def plain(rank: int) -> dict:
             array = values(index, rank, step)
             op = "sum" if kind in ("int32", "int8", "bool") or fresh else "average"
             out = None if fresh else array
-            handles[index] = (array, ringplug.allreduce_async(array, op=op, out=out,
-                                                              name=f"plain{index}"))  # fmt: skip
+            handles[index] = (
+                array,
+                ringplug.allreduce_async(array, op=op, out=out, name=f"plain{index}"),
+            )
         for index, (array, handle) in handles.items():
             kind, shape, fresh = forms[index]
             result = handle.wait()
@@ -146,8 +149,7 @@ def join(rank: int) -> dict:
         means.append(ringplug.allreduce(np.full(2, 6.0), op="average", name="a").tolist())
     last = ringplug.join()
     after = ringplug.allreduce(np.ones(2), op="sum").tolist()  # everyone is back in
-    return {"sums": sums, "mins": mins, "means": means, "last": last, "after": after,
-            "size": size}  # fmt: skip
+    return {"sums": sums, "mins": mins, "means": means, "last": last, "after": after, "size": size}
 
 
 def stall(rank: int) -> dict:
@@ -172,8 +174,12 @@ def shutdown(rank: int) -> dict:
             lonely.wait(timeout=30)
         except ringplug.RingplugError as exc:
             outcome = str(exc)
-    return {"kept": kept, "lonely": outcome, "done_still": done.wait().tolist(),
-            "initialized": ringplug.is_initialized()}  # fmt: skip
+    return {
+        "kept": kept,
+        "lonely": outcome,
+        "done_still": done.wait().tolist(),
+        "initialized": ringplug.is_initialized(),
+    }
 
 
 def idle_cpu(rank: int) -> dict:
@@ -219,8 +225,9 @@ def callers(rank: int) -> dict:
 
 def timeline(rank: int) -> dict:
     for _step in range(3):
-        handles = [ringplug.allreduce_async(np.ones(1000 * (i + 1)), name=f"grad{i}")
-                   for i in range(4)]  # fmt: skip
+        handles = [
+            ringplug.allreduce_async(np.ones(1000 * (i + 1)), name=f"grad{i}") for i in range(4)
+        ]
         for h in handles:
             h.wait()
         ringplug.broadcast(np.ones(3), 0, name="params")
@@ -276,8 +283,13 @@ def eager(rank: int) -> dict:
                 )
                 paths.append(engine.transport.last_path)
                 results.append(result)
-            combine = {"sum": np.add, "average": np.add, "max": np.maximum, "min": np.minimum,
-                       "product": np.multiply}[op]  # fmt: skip
+            combine = {
+                "sum": np.add,
+                "average": np.add,
+                "max": np.maximum,
+                "min": np.minimum,
+                "product": np.multiply,
+            }[op]
             if dtype == "bool":  # Sum of bools is a logical or
                 expected = functools.reduce(np.logical_or, reference).astype(np.float64)
             else:
@@ -339,10 +351,11 @@ def eager(rank: int) -> dict:
     # More small requests at once than one message carries: some eager, the rest fused.
     for step in range(3):
         handles = [
-            ringplug.allreduce_async(np.full(1024, float(rank + i + step), np.float32), op="sum",
-                                     name=f"many{i}")
+            ringplug.allreduce_async(
+                np.full(1024, float(rank + i + step), np.float32), op="sum", name=f"many{i}"
+            )
             for i in range(40)
-        ]  # fmt: skip
+        ]
         sums = [handle.wait() for handle in handles]
     report["many_ok"] = all(
         np.all(total == sum(r + i + 2 for r in range(size))) for i, total in enumerate(sums)
@@ -369,8 +382,9 @@ def express(rank: int) -> dict:
     ringplug.allreduce(np.ones(4), op="sum", name="sync")  # agreed: the next ones express
     ringplug.barrier()
     before = engine.express_cycles
-    sums = [ringplug.allreduce(np.full(4, rank + step), op="sum", name="sync")[0]
-            for step in range(20)]  # fmt: skip
+    sums = [
+        ringplug.allreduce(np.full(4, rank + step), op="sum", name="sync")[0] for step in range(20)
+    ]
     report["express_cycles"] = engine.express_cycles - before
     report["sums_ok"] = sums == [sum(r + step for r in range(size)) for step in range(20)]
     # Rank 1 has another request in flight, which the others have not submitted yet: its
@@ -391,8 +405,9 @@ def express(rank: int) -> dict:
     for _ in range(3):
         ringplug.allreduce(big, op="sum", name="big-sync", out=big)
         big[:] = rank
-    report["big_ok"] = bool(np.all(ringplug.allreduce(big, op="sum", name="big-sync")
-                                   == sum(range(size))))  # fmt: skip
+    report["big_ok"] = bool(
+        np.all(ringplug.allreduce(big, op="sum", name="big-sync") == sum(range(size)))
+    )
     report["big_now"] = engine.calls_now - before  # without a request (call_now)
     # A form agreed before, now with another shape on rank 0: a mismatch on every rank.
     try:

@@ -46,8 +46,9 @@ def make_net(seed: int) -> torch.nn.Module:
 def data(size: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(3)
     rows = BATCH * size * STEPS
-    return TensorDataset(torch.randn(rows, 6, generator=generator),
-                         torch.randn(rows, 2, generator=generator))  # fmt: skip
+    return TensorDataset(
+        torch.randn(rows, 6, generator=generator), torch.randn(rows, 2, generator=generator)
+    )
 
 
 def flat(module: torch.nn.Module) -> torch.Tensor:
@@ -63,8 +64,10 @@ def reference(size: int, accumulate: int) -> torch.nn.Module:
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     dataset = data(size)
-    orders = [list(DistributedSampler(dataset, num_replicas=size, rank=r, shuffle=True, seed=0))
-              for r in range(size)]  # fmt: skip
+    orders = [
+        list(DistributedSampler(dataset, num_replicas=size, rank=r, shuffle=True, seed=0))
+        for r in range(size)
+    ]
     for step in range(STEPS // accumulate):
         optimizer.zero_grad()
         span = slice(step * accumulate * BATCH, (step + 1) * accumulate * BATCH)
@@ -121,7 +124,7 @@ def train(fabric: Fabric, accumulate: int) -> dict:
             type(loader.sampler).__name__,
             loader.sampler.num_replicas,
             loader.sampler.rank,
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -130,11 +133,13 @@ def collectives(fabric: Fabric) -> dict:
     rank = fabric.global_rank
     mine = torch.tensor([rank + 1.0, -2.0 * (rank + 1)])
     given = mine.clone()
-    reduced = {op: fabric.all_reduce(mine, reduce_op=op).tolist()
-               for op in ("mean", "sum", "max", "min")}  # fmt: skip
+    reduced = {
+        op: fabric.all_reduce(mine, reduce_op=op).tolist() for op in ("mean", "sum", "max", "min")
+    }
     counter = fabric.all_reduce(torch.tensor(rank + 1), reduce_op="mean")
-    nested = fabric.all_reduce({"a": torch.tensor(float(rank)), "b": [torch.tensor(1.0)]},
-                               reduce_op="sum")  # fmt: skip
+    nested = fabric.all_reduce(
+        {"a": torch.tensor(float(rank)), "b": [torch.tensor(1.0)]}, reduce_op="sum"
+    )
     gathered = fabric.all_gather(torch.arange(3) + 10 * rank)
     fabric.barrier()
     root = 1 if fabric.world_size > 1 else 0
@@ -163,7 +168,7 @@ def main() -> None:
         "other_fabric_imported": (
             "lightning" if PACKAGE == "lightning_fabric" else "lightning_fabric"
         )
-        in sys.modules,  # fmt: skip
+        in sys.modules,
         "plain": train(fabric, accumulate=1),
         "accumulate": train(fabric, accumulate=2),
         **collectives(fabric),

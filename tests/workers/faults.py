@@ -195,8 +195,9 @@ def engine_errors(rank: int, size: int, engine) -> None:
         ringplug.allreduce(np.full(4, 1.0, np.float32), op=ringplug.Sum, out=out, name="ro")
         print(f"rank {rank}: read-only allreduce succeeded", flush=True)
     except Exception as error:  # noqa: BLE001
-        print(f"rank {rank}: read-only allreduce raised {type(error).__name__}: {error}",
-              flush=True)  # fmt: skip
+        print(
+            f"rank {rank}: read-only allreduce raised {type(error).__name__}: {error}", flush=True
+        )
     # A call of a form agreed before, larger than a message carries, runs without a request
     # (Engine.call_now) and fails on rank 1 in the middle of its collective.
     mid = np.full(1 << 15, rank + 1.0, np.float32)
@@ -236,8 +237,10 @@ def engine_dies(rank: int, engine) -> None:
 
         engine.complete_each = broken
     tensors = [np.full(256, rank + 1.0, np.float32) for _ in range(8)]
-    handles = [ringplug.allreduce_async(t, op=ringplug.Sum, out=t, name=f"burst{i}")
-               for i, t in enumerate(tensors)]  # fmt: skip
+    handles = [
+        ringplug.allreduce_async(t, op=ringplug.Sum, out=t, name=f"burst{i}")
+        for i, t in enumerate(tensors)
+    ]
     outcomes = []
     for handle in handles:
         try:

@@ -53,13 +53,22 @@ def lightning(report: dict[str, Any]) -> None:
     from ringplug.lightning import RingStrategy
 
     def trainer(strategy: Any = "ring", **kwargs: Any) -> pl.Trainer:
-        return pl.Trainer(strategy=strategy, accelerator="gpu", logger=False,
-                          enable_progress_bar=False, enable_model_summary=False,
-                          enable_checkpointing=False, **kwargs)  # fmt: skip
+        return pl.Trainer(
+            strategy=strategy,
+            accelerator="gpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            **kwargs,
+        )
 
     def placed(made: pl.Trainer) -> dict[str, Any]:
-        return {"root": str(made.strategy.root_device), "num_devices": made.num_devices,
-                "world": made.world_size}  # fmt: skip
+        return {
+            "root": str(made.strategy.root_device),
+            "num_devices": made.num_devices,
+            "world": made.world_size,
+        }
 
     with fake_cuda(4):
         report["auto_by_name"] = placed(trainer())
@@ -96,8 +105,9 @@ def lightning(report: dict[str, Any]) -> None:
             rpt_device._queued.clear()
             queued.clear()
             chosen.clear()
-            dist.init_process_group("ringplug", store=dist.HashStore(), rank=ringplug.rank(),
-                                    world_size=ringplug.size())  # fmt: skip
+            dist.init_process_group(
+                "ringplug", store=dist.HashStore(), rank=ringplug.rank(), world_size=ringplug.size()
+            )
             dist.destroy_process_group()
             for call in queued:
                 call()
@@ -132,7 +142,8 @@ def keras(report: dict[str, Any]) -> None:
     )
     tf.config.get_logical_device_configuration = lambda device: None
     tf.config.experimental.set_memory_growth = lambda device, on: calls["growth"].append(
-        (device.name, on))  # fmt: skip
+        (device.name, on)
+    )
     rk.init()
     report["tf_visible"] = calls["visible"]
     report["tf_growth"] = calls["growth"]
@@ -165,8 +176,11 @@ def keras(report: dict[str, Any]) -> None:
 
 def main(framework: str, outdir: str) -> None:
     ringplug.init()
-    report: dict[str, Any] = {"rank": ringplug.rank(), "local_rank": ringplug.local_rank(),
-                              "local_size": ringplug.local_size()}  # fmt: skip
+    report: dict[str, Any] = {
+        "rank": ringplug.rank(),
+        "local_rank": ringplug.local_rank(),
+        "local_size": ringplug.local_size(),
+    }
     {"lightning": lightning, "keras": keras}[framework](report)
     path = Path(outdir) / f"{framework}-{ringplug.rank()}.json"
     path.write_text(json.dumps(report))

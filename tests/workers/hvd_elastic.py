@@ -68,9 +68,14 @@ def main(folder: Path) -> None:
 
     @hvd.elastic.run
     def train(state) -> None:
-        start = {"epoch": state.epoch, "batch": state.batch, "commits": state.commits,
-                 "size": hvd.size(), "job": os.environ.get("RINGPLUG_JOB_ID"),
-                 "lr": optimizer.param_groups[0]["lr"]}  # fmt: skip
+        start = {
+            "epoch": state.epoch,
+            "batch": state.batch,
+            "commits": state.commits,
+            "size": hvd.size(),
+            "job": os.environ.get("RINGPLUG_JOB_ID"),
+            "lr": optimizer.param_groups[0]["lr"],
+        }
         (folder / f"start.{restart}.{rank}").write_text(json.dumps(start))
         trained: list[int] = []
         steps = 0
@@ -85,8 +90,13 @@ def main(folder: Path) -> None:
                 trained.extend(ids.tolist())
                 state.train_sampler.record_batch(state.batch, BATCH)
                 steps += 1
-                line = {"epoch": state.epoch, "commits": state.commits, "ids": ids.tolist(),
-                        "loss": loss.item(), "time": time.time()}  # fmt: skip
+                line = {
+                    "epoch": state.epoch,
+                    "commits": state.commits,
+                    "ids": ids.tolist(),
+                    "loss": loss.item(),
+                    "time": time.time(),
+                }
                 batches.write(json.dumps(line) + "\n")
                 batches.flush()
                 if restart == 0 and rank == KILL_RANK and kill_now(state.commits, steps):
@@ -99,8 +109,9 @@ def main(folder: Path) -> None:
             state.train_sampler.set_epoch(state.epoch)
             commit(state, trained, state.epoch - 1)
 
-    state = hvd.elastic.TorchState(model, optimizer, train_sampler=sampler, epoch=0, batch=0,
-                                   commits=0)  # fmt: skip
+    state = hvd.elastic.TorchState(
+        model, optimizer, train_sampler=sampler, epoch=0, batch=0, commits=0
+    )
     state.register_reset_callbacks([on_reset])
     train(state)
     weights = [p.detach().flatten().tolist() for p in model.parameters()]

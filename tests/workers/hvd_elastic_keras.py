@@ -51,9 +51,13 @@ def logged(base, folder: Path, restart: int, rank: int):
         def commit(self) -> None:
             self.commits += 1
             super().commit()
-            line = {"commit": self.commits, "epoch": getattr(self, "epoch", None),
-                    "batch": self.batch, "weights": weights_of(self.model),
-                    "steps": step_count(self.optimizer)}  # fmt: skip
+            line = {
+                "commit": self.commits,
+                "epoch": getattr(self, "epoch", None),
+                "batch": self.batch,
+                "weights": weights_of(self.model),
+                "steps": step_count(self.optimizer),
+            }
             with open(folder / f"commits.{restart}.{rank}", "a") as out:
                 out.write(json.dumps(line) + "\n")
 
@@ -76,11 +80,16 @@ def model_for(rank: int):
 
 
 def write_start(folder: Path, restart: int, rank: int, state, size: int) -> None:
-    start = {"epoch": getattr(state, "epoch", None), "batch": state.batch,
-             "commits": state.commits, "weights": weights_of(state.model),
-             "steps": step_count(state.optimizer), "size": size,
-             "lr": float(state.optimizer.learning_rate.numpy()),
-             "job": os.environ.get("RINGPLUG_JOB_ID")}  # fmt: skip
+    start = {
+        "epoch": getattr(state, "epoch", None),
+        "batch": state.batch,
+        "commits": state.commits,
+        "weights": weights_of(state.model),
+        "steps": step_count(state.optimizer),
+        "size": size,
+        "lr": float(state.optimizer.learning_rate.numpy()),
+        "job": os.environ.get("RINGPLUG_JOB_ID"),
+    }
     (folder / f"start.{restart}.{rank}").write_text(json.dumps(start))
 
 
@@ -97,8 +106,9 @@ def fit_style(folder: Path) -> None:
     model.compile(loss="mse", optimizer=opt)
     model.fit(data, steps_per_epoch=1, epochs=1, verbose=0)  # builds the optimizer, as Horovod's
 
-    state = logged(hvd.elastic.KerasState, folder, restart, rank)(model, batch=0, epoch=0,
-                                                                  commits=0)  # fmt: skip
+    state = logged(hvd.elastic.KerasState, folder, restart, rank)(
+        model, batch=0, epoch=0, commits=0
+    )
 
     def on_state_reset() -> None:
         state.model.optimizer.learning_rate.assign(0.001 * hvd.size())
@@ -128,8 +138,13 @@ def fit_style(folder: Path) -> None:
     @hvd.elastic.run
     def train(state) -> None:
         write_start(folder, restart, rank, state, hvd.size())
-        state.model.fit(data, steps_per_epoch=24 // hvd.size(), epochs=3 - state.epoch,
-                        callbacks=callbacks, verbose=0)  # fmt: skip
+        state.model.fit(
+            data,
+            steps_per_epoch=24 // hvd.size(),
+            epochs=3 - state.epoch,
+            callbacks=callbacks,
+            verbose=0,
+        )
 
     train(state)
     (folder / f"final.{restart}.{rank}").write_text(json.dumps(weights_of(model)))

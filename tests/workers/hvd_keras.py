@@ -71,16 +71,25 @@ def main(outdir: Path) -> None:
     # config round-trips, and an Embedding trains with sparse_as_dense.
     adam = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
     config = adam.get_config()
-    report["config_round_trip"] = (type(adam).from_config(config).get_config() == config
-                                   and adam.from_config(config).get_config() == config)  # fmt: skip
+    report["config_round_trip"] = (
+        type(adam).from_config(config).get_config() == config
+        and adam.from_config(config).get_config() == config
+    )
     keras.utils.set_random_seed(hvd.rank())
-    embedder = keras.Sequential([keras.Input((10,), dtype="int32"),
-                                 keras.layers.Embedding(1000, 8)])  # fmt: skip
+    embedder = keras.Sequential(
+        [keras.Input((10,), dtype="int32"), keras.layers.Embedding(1000, 8)]
+    )
     rmsprop = hvd.DistributedOptimizer(keras.optimizers.RMSprop(0.001), sparse_as_dense=True)
     embedder.compile(optimizer=rmsprop, loss="mse")
     tokens = rng.integers(1000, size=(32, 10))
-    embedder.fit(tokens, rng.random((32, 10, 8)), batch_size=32, epochs=1, verbose=0,
-                 callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])  # fmt: skip
+    embedder.fit(
+        tokens,
+        rng.random((32, 10, 8)),
+        batch_size=32,
+        epochs=1,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
     table = np.asarray(embedder.weights[0])
     tables = np.asarray(hvd.allgather(table[None]))
     report["sparse_as_dense_identical"] = bool(all(np.array_equal(t, tables[0]) for t in tables))

@@ -113,8 +113,9 @@ def main(outdir: Path) -> None:
     # Horovod's TF2 training loop: a tf.function step with the tape, and the variables
     # broadcast inside it after the first step (the model and the optimizer's).
     keras.utils.set_random_seed(10 + rank)
-    mnist_like = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="relu"),
-                                   keras.layers.Dense(3)])  # fmt: skip
+    mnist_like = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(3)]
+    )
     adam = keras.optimizers.Adam(0.01 * size)
     crossentropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -22,8 +22,9 @@ def error_of(call) -> str:
 def fit(optimizer) -> None:
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer=optimizer, loss="mse")
-    model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), batch_size=4, epochs=1,
-              verbose=0)  # fmt: skip
+    model.fit(
+        np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), batch_size=4, epochs=1, verbose=0
+    )
 
 
 rk.init()

@@ -94,15 +94,19 @@ def dataset(count: int):
     lengths = [1 + (i * 7) % 13 for i in range(count)]
 
     def collate(samples: list[tuple]) -> tuple:
-        features = {"x": np.stack([s[0] for s in samples]),
-                    "id": np.array([s[2] for s in samples], np.int64)}  # fmt: skip
+        features = {
+            "x": np.stack([s[0] for s in samples]),
+            "id": np.array([s[2] for s in samples], np.int64),
+        }
         return features, np.stack([s[1] for s in samples])
 
-    signature = ({"x": tf.TensorSpec((None, 4), tf.float32),
-                  "id": tf.TensorSpec((None,), tf.int64)},
-                 tf.TensorSpec((None, 1), tf.float32))  # fmt: skip
-    return rk.bucketed_dataset(lambda i: (x[i], y[i], i), lengths, signature,
-                               batch_size=BATCH, collate=collate, seed=3)  # fmt: skip
+    signature = (
+        {"x": tf.TensorSpec((None, 4), tf.float32), "id": tf.TensorSpec((None,), tf.int64)},
+        tf.TensorSpec((None, 1), tf.float32),
+    )
+    return rk.bucketed_dataset(
+        lambda i: (x[i], y[i], i), lengths, signature, batch_size=BATCH, collate=collate, seed=3
+    )
 
 
 def weights(model: keras.Model) -> list[float]:
@@ -145,8 +149,13 @@ class Ledger(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None) -> None:
         seen = [i for forward in SEEN for i in forward]
         SEEN.clear()
-        entry = {"step": steps(self.model), "epoch": self.epoch, "batch": batch,
-                 "ids": seen, "weights": weights(self.model)}  # fmt: skip
+        entry = {
+            "step": steps(self.model),
+            "epoch": self.epoch,
+            "batch": batch,
+            "ids": seen,
+            "weights": weights(self.model),
+        }
         self.file.write(json.dumps(entry) + "\n")
         self.file.flush()
         if "first_step" not in self.times:
@@ -179,8 +188,11 @@ def main(scenario: str, folder: Path, runs: int) -> None:
     backup_dir = str(folder / "backup")
     if scenario == "kill":
         data, epochs = dataset(72), 3
-        callbacks = [ledger, rk.RingBroadcast(0),
-                     keras.callbacks.BackupAndRestore(backup_dir, save_freq=2)]  # fmt: skip
+        callbacks = [
+            ledger,
+            rk.RingBroadcast(0),
+            keras.callbacks.BackupAndRestore(backup_dir, save_freq=2),
+        ]
     else:
         data, epochs = dataset(96), 1
         callbacks = [ledger, rk.RingBroadcast(0), rk.BackupAndRestore(backup_dir, save_freq=1000)]
@@ -189,8 +201,13 @@ def main(scenario: str, folder: Path, runs: int) -> None:
             signal.signal(signal.SIGTERM, lambda *_: received.set())
             callbacks.append(WaitForSigterm(folder, received))
     model.fit(data, epochs=epochs, verbose=0, callbacks=callbacks)
-    report = {"steps": steps(model), "weights": weights(model), "world": size,
-              "began": ledger.began, "backup_left": os.path.exists(backup_dir)}  # fmt: skip
+    report = {
+        "steps": steps(model),
+        "weights": weights(model),
+        "world": size,
+        "began": ledger.began,
+        "backup_left": os.path.exists(backup_dir),
+    }
     (folder / f"done.{start}.{rank}.json").write_text(json.dumps(report))
 
 

@@ -32,25 +32,32 @@ def data(size: int, salt: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 def make_model(seed: int, dtype_policy: str | None = None) -> keras.Model:
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((FEATURES,)),
-        keras.layers.Dense(8, activation="tanh", dtype=dtype_policy),
-        keras.layers.Dense(2, dtype="float32"),
-    ])  # fmt: skip
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8, activation="tanh", dtype=dtype_policy),
+            keras.layers.Dense(2, dtype="float32"),
+        ]
+    )
 
 
 def my_rows(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rank r's samples, so that each step's union over ranks is one contiguous block of
     B * size rows: batch k of rank r holds rows k*B*size + r*B ... + B."""
     rank, size = ringplug.rank(), ringplug.size()
-    index = np.concatenate([np.arange(k * B * size + rank * B, k * B * size + (rank + 1) * B)
-                            for k in range(len(x) // (B * size))])  # fmt: skip
+    index = np.concatenate(
+        [
+            np.arange(k * B * size + rank * B, k * B * size + (rank + 1) * B)
+            for k in range(len(x) // (B * size))
+        ]
+    )
     return x[index], y[index]
 
 
 def flat_weights(model: keras.Model) -> np.ndarray:
-    return np.concatenate([np.asarray(keras.ops.convert_to_numpy(w), np.float64).ravel()
-                           for w in model.weights])  # fmt: skip
+    return np.concatenate(
+        [np.asarray(keras.ops.convert_to_numpy(w), np.float64).ravel() for w in model.weights]
+    )
 
 
 def identical_everywhere(values: np.ndarray) -> bool:
@@ -58,30 +65,47 @@ def identical_everywhere(values: np.ndarray) -> bool:
     return bool(all(np.array_equal(row, everyone[0]) for row in everyone))
 
 
-def train_and_compare(optimizer_kwargs: dict, accumulate: int = 1, per_execution: int = 1,
-                      epochs: int = 2, jit_compile: bool | str = "auto") -> dict:  # fmt: skip
+def train_and_compare(
+    optimizer_kwargs: dict,
+    accumulate: int = 1,
+    per_execution: int = 1,
+    epochs: int = 2,
+    jit_compile: bool | str = "auto",
+) -> dict:
     """2 ranks x batch B with ringplug against 1 process x batch B*size on the union."""
     size = ringplug.size()
     x, y = data(size)
     root_initial = flat_weights(make_model(seed=100))  # rank 0's
     model = make_model(seed=100 + ringplug.rank())  # different on every rank: broadcast
-    optimizer = rk.DistributedOptimizer(keras.optimizers.SGD(**optimizer_kwargs),
-                                        backward_passes_per_step=accumulate)  # fmt: skip
-    model.compile(optimizer=optimizer, loss="mse", steps_per_execution=per_execution,
-                  jit_compile=jit_compile)  # fmt: skip
+    optimizer = rk.DistributedOptimizer(
+        keras.optimizers.SGD(**optimizer_kwargs), backward_passes_per_step=accumulate
+    )
+    model.compile(
+        optimizer=optimizer, loss="mse", steps_per_execution=per_execution, jit_compile=jit_compile
+    )
     engine = ringplug.core.runtime.engine()
     before = engine.collectives_run
     mx, my = my_rows(x, y)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.fit(mx, my, batch_size=B, epochs=epochs, shuffle=False, verbose=0,
-                  callbacks=[rk.RingBroadcast(0)])  # fmt: skip
+        model.fit(
+            mx,
+            my,
+            batch_size=B,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[rk.RingBroadcast(0)],
+        )
     collectives = engine.collectives_run - before
 
     reference = make_model(seed=100)
     extra = {"gradient_accumulation_steps": accumulate} if accumulate > 1 else {}
-    reference.compile(optimizer=keras.optimizers.SGD(**optimizer_kwargs, **extra), loss="mse",
-                      steps_per_execution=per_execution)  # fmt: skip
+    reference.compile(
+        optimizer=keras.optimizers.SGD(**optimizer_kwargs, **extra),
+        loss="mse",
+        steps_per_execution=per_execution,
+    )
     reference.fit(x, y, batch_size=B * size, epochs=epochs, shuffle=False, verbose=0)
     mine, expected = flat_weights(model), flat_weights(reference)
     return {
@@ -106,10 +130,16 @@ def scenario_mixed() -> dict:
             mx = mx.copy()
             mx[B * 2] = 6e4  # overflows float16 in the first layer: inf gradients here only
         model = make_model(seed=100 + ringplug.rank())
-        model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.05)),
-                      loss="mse")  # fmt: skip
-        model.fit(mx, my, batch_size=B, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[rk.RingBroadcast(0)])  # fmt: skip
+        model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+        model.fit(
+            mx,
+            my,
+            batch_size=B,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[rk.RingBroadcast(0)],
+        )
         optimizer = model.optimizer
         scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
         weights = flat_weights(model)
@@ -136,8 +166,9 @@ class Recorder(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         self.lrs.append(float(keras.ops.convert_to_numpy(optimizer.learning_rate)))
         momentums = getattr(optimizer, "momentums", None) or []
-        self.slots.append(float(sum(np.abs(keras.ops.convert_to_numpy(m)).sum()
-                                    for m in momentums)))  # fmt: skip
+        self.slots.append(
+            float(sum(np.abs(keras.ops.convert_to_numpy(m)).sum() for m in momentums))
+        )
 
 
 def scenario_warmup() -> dict:
@@ -145,14 +176,28 @@ def scenario_warmup() -> dict:
     x, y = data(size)
     mx, my = my_rows(x, y)
     model = make_model(seed=0)
-    model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.2, momentum=0.9)),
-                  loss="mse")  # fmt: skip
+    model.compile(
+        optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.2, momentum=0.9)), loss="mse"
+    )
     before, after = Recorder(), Recorder()
     callbacks = [rk.RingBroadcast(0), before, rk.RingWarmup(warmup_epochs=2), after]
-    model.fit(mx, my, batch_size=B, epochs=3, initial_epoch=1, shuffle=False, verbose=0,
-              callbacks=callbacks)  # fmt: skip
-    return {"lrs": after.lrs, "slots_before": before.slots, "slots_after": after.slots,
-            "lrs_before": before.lrs, "steps_per_epoch": STEPS}  # fmt: skip
+    model.fit(
+        mx,
+        my,
+        batch_size=B,
+        epochs=3,
+        initial_epoch=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    return {
+        "lrs": after.lrs,
+        "slots_before": before.slots,
+        "slots_after": after.slots,
+        "lrs_before": before.lrs,
+        "steps_per_epoch": STEPS,
+    }
 
 
 def scenario_warmup_resume(outdir: Path) -> dict:
@@ -165,10 +210,18 @@ def scenario_warmup_resume(outdir: Path) -> dict:
     mx, my = my_rows(x, y)
     path = outdir / "warmup-resume.keras"
     model = make_model(seed=0)
-    model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.3, momentum=0.9)),
-                  loss="mse")  # fmt: skip
-    model.fit(mx, my, batch_size=B, epochs=1, shuffle=False, verbose=0,
-              callbacks=[rk.RingBroadcast(0), rk.RingWarmup(warmup_epochs=3)])  # fmt: skip
+    model.compile(
+        optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.3, momentum=0.9)), loss="mse"
+    )
+    model.fit(
+        mx,
+        my,
+        batch_size=B,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[rk.RingBroadcast(0), rk.RingWarmup(warmup_epochs=3)],
+    )
     if ringplug.rank() == 0:
         model.save(path)
     ringplug.barrier()
@@ -177,13 +230,25 @@ def scenario_warmup_resume(outdir: Path) -> dict:
         rk.DistributedOptimizer(model.optimizer)
     else:
         model = make_model(seed=5)
-        model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.7, momentum=0.9)),
-                      loss="mse")  # fmt: skip
+        model.compile(
+            optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.7, momentum=0.9)), loss="mse"
+        )
     seen = Recorder()
-    model.fit(mx, my, batch_size=B, epochs=3, initial_epoch=1, shuffle=False, verbose=0,
-              callbacks=[rk.RingWarmup(warmup_epochs=3), rk.RingBroadcast(0), seen])  # fmt: skip
-    return {"lrs": seen.lrs, "steps_per_epoch": STEPS,
-            "ranks_identical": identical_everywhere(flat_weights(model))}  # fmt: skip
+    model.fit(
+        mx,
+        my,
+        batch_size=B,
+        epochs=3,
+        initial_epoch=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[rk.RingWarmup(warmup_epochs=3), rk.RingBroadcast(0), seen],
+    )
+    return {
+        "lrs": seen.lrs,
+        "steps_per_epoch": STEPS,
+        "ranks_identical": identical_everywhere(flat_weights(model)),
+    }
 
 
 class Perturb(keras.callbacks.Callback):
@@ -205,17 +270,29 @@ def scenario_early_stopping(outdir: Path) -> dict:
     checkpoints.mkdir(exist_ok=True)
     name = f"epoch{{epoch}}-rank{ringplug.rank()}.weights.h5"
     saver = keras.callbacks.ModelCheckpoint(str(checkpoints / name), save_weights_only=True)
-    history = model.fit(mx, my, batch_size=B, epochs=8, shuffle=False, verbose=0,
-                        callbacks=[Perturb(), rk.RingMetricAverage(), rk.RingBroadcast(0),
-                                   stopper, *rk.on_rank_zero(saver)])  # fmt: skip
-    return {"epochs_run": len(history.history["loss"]),
-            "val_loss": history.history["val_loss"]}  # fmt: skip
+    history = model.fit(
+        mx,
+        my,
+        batch_size=B,
+        epochs=8,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            Perturb(),
+            rk.RingMetricAverage(),
+            rk.RingBroadcast(0),
+            stopper,
+            *rk.on_rank_zero(saver),
+        ],
+    )
+    return {"epochs_run": len(history.history["loss"]), "val_loss": history.history["val_loss"]}
 
 
 def scenario_save_load(outdir: Path) -> dict:
     model = make_model(seed=0)
-    model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5)),
-                  loss="mse")  # fmt: skip
+    model.compile(
+        optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5)), loss="mse"
+    )
     x, y = my_rows(*data(ringplug.size()))
     model.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[rk.RingBroadcast(0)])
     path = outdir / f"model-{ringplug.rank()}.keras"
@@ -257,12 +334,19 @@ def scenario_bucketed() -> dict:
     lengths = [1 + (i * 7919 % 97) ** 2 // 40 for i in range(101)]
 
     def load(i: int) -> tuple:
-        return (np.full((2, lengths[i]), i, np.float32),
-                np.full(1 + i % 5, i % 10 + 1, np.int64), i)  # fmt: skip
+        return (
+            np.full((2, lengths[i]), i, np.float32),
+            np.full(1 + i % 5, i % 10 + 1, np.int64),
+            i,
+        )
 
-    signature = (tf.TensorSpec((None, 2, None), tf.float32), tf.TensorSpec((None,), tf.int64),
-                 tf.TensorSpec((None, None), tf.int64), tf.TensorSpec((None,), tf.int64),
-                 tf.TensorSpec((None,), tf.int64))  # fmt: skip
+    signature = (
+        tf.TensorSpec((None, 2, None), tf.float32),
+        tf.TensorSpec((None,), tf.int64),
+        tf.TensorSpec((None, None), tf.int64),
+        tf.TensorSpec((None,), tf.int64),
+        tf.TensorSpec((None,), tf.int64),
+    )
     dataset = rk.bucketed_dataset(load, lengths, signature, max_tokens=2000, seed=2)
     epochs, aligned = [], True
     for _ in range(2):
@@ -278,13 +362,21 @@ def scenario_bucketed() -> dict:
                 ] * (1 + i % 5)
         epochs.append({"ids": ids, "batches": batches})
     # Training on it: one reduction per batch, so unequal counts would hang here.
-    features = dataset.map(lambda x, w, t, tl, i: (tf.reduce_mean(x, axis=[1, 2])[:, None],
-                                                  tf.cast(tl, tf.float32)[:, None]))  # fmt: skip
+    features = dataset.map(
+        lambda x, w, t, tl, i: (
+            tf.reduce_mean(x, axis=[1, 2])[:, None],
+            tf.cast(tl, tf.float32)[:, None],
+        )
+    )
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
     model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(1e-4)), loss="mse")
     history = model.fit(features, epochs=2, verbose=0, callbacks=[rk.RingBroadcast(0)])
-    return {"epochs": epochs, "aligned": bool(aligned), "fit_epochs": len(history.history["loss"]),
-            "identical": identical_everywhere(flat_weights(model))}  # fmt: skip
+    return {
+        "epochs": epochs,
+        "aligned": bool(aligned),
+        "fit_epochs": len(history.history["loss"]),
+        "identical": identical_everywhere(flat_weights(model)),
+    }
 
 
 def scenario_statistics() -> dict:
@@ -328,8 +420,7 @@ def main(outdir: Path, scenarios: list[str]) -> None:
         "plain": lambda: train_and_compare({"learning_rate": 0.1}),
         "clipnorm": lambda: train_and_compare({"learning_rate": 0.1, "global_clipnorm": 0.05}),
         "accumulate": lambda: train_and_compare({"learning_rate": 0.1}, accumulate=2),
-        "steps_per_execution": lambda: train_and_compare({"learning_rate": 0.1},
-                                                         per_execution=3),
+        "steps_per_execution": lambda: train_and_compare({"learning_rate": 0.1}, per_execution=3),
         "xla": lambda: train_and_compare({"learning_rate": 0.1}, jit_compile=True),
         "mixed": scenario_mixed,
         "warmup": scenario_warmup,
@@ -340,7 +431,7 @@ def main(outdir: Path, scenarios: list[str]) -> None:
         "bucketed": scenario_bucketed,
         "statistics": scenario_statistics,
         "undistributed": scenario_undistributed,
-    }  # fmt: skip
+    }
     for name in scenarios or list(runs):
         report[name] = runs[name]()
     (outdir / f"keras-{ringplug.rank()}.json").write_text(json.dumps(report))

@@ -22,8 +22,9 @@ class Regressor(L.LightningModule):
     def __init__(self, width: int = 8, lr: float = 0.1) -> None:
         super().__init__()
         torch.manual_seed(ringplug.rank() if ringplug.is_initialized() else 0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(),
-                                       torch.nn.Linear(width, 1))  # fmt: skip
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
+        )
         self.lr = lr
 
     def training_step(self, batch, _):

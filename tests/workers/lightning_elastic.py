@@ -118,9 +118,14 @@ class Regressor(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         trainer = self.trainer
-        record = {"step": trainer.global_step, "epoch": trainer.current_epoch,
-                  "batch_idx": batch_idx, "ids": batch[2].tolist(),
-                  "loss": self.last_loss, "weights": self.weights()}  # fmt: skip
+        record = {
+            "step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "batch_idx": batch_idx,
+            "ids": batch[2].tolist(),
+            "loss": self.last_loss,
+            "weights": self.weights(),
+        }
         self.ledger.write(json.dumps(record) + "\n")
         self.ledger.flush()
         if self.hold and self.start == 0 and trainer.global_step == HOLD_STEP:
@@ -177,15 +182,27 @@ def main(scenario: str, folder: Path, runs: int) -> None:
             # Lightning's SIGTERM handler calls the one it finds installed, too.
             signal.signal(signal.SIGTERM, lambda *_: received.set())
             callbacks.append(WaitForSigterm(folder, received))
-    checkpoint = ModelCheckpoint(dirpath=folder / "ckpt", save_last=True, save_top_k=0,
-                                 every_n_train_steps=every)  # fmt: skip
+    checkpoint = ModelCheckpoint(
+        dirpath=folder / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=every
+    )
     model = Regressor(folder, start, kill=scenario == "kill", hold=scenario == "hold")
-    trainer = L.Trainer(strategy="ring", accelerator="cpu", max_epochs=epochs, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[*callbacks, checkpoint])  # fmt: skip
+    trainer = L.Trainer(
+        strategy="ring",
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks, checkpoint],
+    )
     trainer.fit(model, loader, ckpt_path="last")
-    report = {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
-              "weights": model.weights(), "world": size, "began": model.began}  # fmt: skip
+    report = {
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "weights": model.weights(),
+        "world": size,
+        "began": model.began,
+    }
     (folder / f"done.{model.start}.{rank}.json").write_text(json.dumps(report))
 
 

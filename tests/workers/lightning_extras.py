@@ -41,8 +41,10 @@ class TwoOptimizers(L.LightningModule):
         self.log("ids_total", self.total.compute(), sync_dist=False)
 
     def configure_optimizers(self):
-        return (torch.optim.SGD(self.encoder.parameters(), lr=0.1),
-                torch.optim.Adam(self.head.parameters(), lr=0.01))  # fmt: skip
+        return (
+            torch.optim.SGD(self.encoder.parameters(), lr=0.1),
+            torch.optim.Adam(self.head.parameters(), lr=0.01),
+        )
 
 
 def main(outdir: Path) -> None:
@@ -51,9 +53,15 @@ def main(outdir: Path) -> None:
     x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(1))
     data = TensorDataset(x, x.sum(1, keepdim=True), torch.arange(rows))
     model = TwoOptimizers()
-    trainer = L.Trainer(strategy=RingStrategy(), accelerator="cpu", max_epochs=2, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False)  # fmt: skip
+    trainer = L.Trainer(
+        strategy=RingStrategy(),
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(model, DataLoader(data, batch_size=4, num_workers=2))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = rpt.allgather(flat.unsqueeze(0))

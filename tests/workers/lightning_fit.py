@@ -29,8 +29,12 @@ CLIP = 0.05  # well below the gradient norms here, so clipping changes every ste
 
 def make_net(scenario: str) -> torch.nn.Sequential:
     if scenario in ("batchnorm", "buffers"):
-        return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.BatchNorm1d(12),
-                                   torch.nn.Tanh(), torch.nn.Linear(12, 2))  # fmt: skip
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 12),
+            torch.nn.BatchNorm1d(12),
+            torch.nn.Tanh(),
+            torch.nn.Linear(12, 2),
+        )
     return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
 
 
@@ -64,8 +68,9 @@ class Regressor(L.LightningModule):
 def data(size: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(3)
     rows = PER_RANK * size * STEPS
-    return TensorDataset(torch.randn(rows, 6, generator=generator),
-                         torch.randn(rows, 2, generator=generator))  # fmt: skip
+    return TensorDataset(
+        torch.randn(rows, 6, generator=generator), torch.randn(rows, 2, generator=generator)
+    )
 
 
 def reference(scenario: str, size: int, root_state: dict, accumulate: int) -> torch.nn.Module:
@@ -79,8 +84,10 @@ def reference(scenario: str, size: int, root_state: dict, accumulate: int) -> to
     optimizer = torch.optim.SGD(net.parameters(), lr=0.2)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     dataset = data(size)
-    orders = [list(DistributedSampler(dataset, num_replicas=size, rank=r, shuffle=True, seed=0))
-              for r in range(size)]  # fmt: skip
+    orders = [
+        list(DistributedSampler(dataset, num_replicas=size, rank=r, shuffle=True, seed=0))
+        for r in range(size)
+    ]
     for step in range(STEPS // accumulate):
         optimizer.zero_grad()
         for micro in range(accumulate):
@@ -104,11 +111,18 @@ def main(scenario: str, outdir: Path) -> None:
     torch.manual_seed(10)  # rank 0's initial weights, for the reference
     root_state = {k: v.clone() for k, v in make_net(scenario).state_dict().items()}
     strategy = "ring" if scenario == "by-name" else RingStrategy()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accumulate_grad_batches=accumulate,
-                        gradient_clip_val=CLIP if scenario == "clip" else None,
-                        sync_batchnorm=scenario == "batchnorm")  # fmt: skip
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=CLIP if scenario == "clip" else None,
+        sync_batchnorm=scenario == "batchnorm",
+    )
     loader = DataLoader(data(size), batch_size=PER_RANK, shuffle=False)
     engine = ringplug.core.runtime.engine()
     before = engine.collectives_run
@@ -120,8 +134,10 @@ def main(scenario: str, outdir: Path) -> None:
     everyone = rpt.allgather(flat.unsqueeze(0))
     logged = float(trainer.callback_metrics.get("train_loss", 0.0))
     all_logged = ringplug.allgather_object(logged)
-    buffers = torch.cat([b.detach().reshape(-1).double() for b in model.net.buffers()] or
-                        [torch.zeros(1, dtype=torch.float64)])  # fmt: skip
+    buffers = torch.cat(
+        [b.detach().reshape(-1).double() for b in model.net.buffers()]
+        or [torch.zeros(1, dtype=torch.float64)]
+    )
     all_buffers = rpt.allgather(buffers.unsqueeze(0))
     report = {
         # As DDP: rank 0's buffers are handed to every rank (before steps and at the end).
@@ -130,19 +146,27 @@ def main(scenario: str, outdir: Path) -> None:
         "max_difference": float((flat - expected).abs().max()),
         "ranks_identical": all(torch.equal(row, everyone[0]) for row in everyone),
         "logged_equal": len(set(all_logged)) == 1,
-        "norms_equal": len({tuple(n) for n in ringplug.allgather_object(
-            [round(v, 6) for v in model.after_backward_norms])}) == 1,
+        "norms_equal": len(
+            {
+                tuple(n)
+                for n in ringplug.allgather_object(
+                    [round(v, 6) for v in model.after_backward_norms]
+                )
+            }
+        )
+        == 1,
         "strategy": type(trainer.strategy).__name__,
         "strategy_of_this_lightning": isinstance(trainer.strategy, Strategy),
         "other_lightning_imported": other_namespace_imported(),
         "sampler_replicas": trainer.train_dataloader.sampler.num_replicas
-        if hasattr(trainer.train_dataloader, "sampler") else None,
+        if hasattr(trainer.train_dataloader, "sampler")
+        else None,
         "collectives": collectives,
         "torch_threads": torch.get_num_threads(),
         # After fit the synchronized layers are plain BatchNorm again (as DDP leaves them).
         "layer_types": sorted({type(m).__name__ for m in model.net}),
         "compiled": getattr(model, "_compiler_ctx", None) is not None,
-    }  # fmt: skip
+    }
     (outdir / f"{scenario}-{rank}.json").write_text(json.dumps(report))
 
 

@@ -30,8 +30,12 @@ class Model(L.LightningModule):
         x, y, _ = batch
         self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y), sync_dist=True)
         # Differs by rank on purpose and is not synced: rank 1 asks to stop after epoch 0.
-        self.log("stop_signal", float(ringplug.rank() == 1) * (self.current_epoch + 1),
-                 sync_dist=False, rank_zero_only=False)  # fmt: skip
+        self.log(
+            "stop_signal",
+            float(ringplug.rank() == 1) * (self.current_epoch + 1),
+            sync_dist=False,
+            rank_zero_only=False,
+        )
 
     def test_step(self, batch, _):
         x, y, _ = batch
@@ -51,9 +55,16 @@ def dataset(rows: int = 40) -> TensorDataset:
 
 
 def trainer(outdir: Path, epochs: int, callbacks: list) -> L.Trainer:
-    return L.Trainer(strategy=RingStrategy(), accelerator="cpu", max_epochs=epochs, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False,
-                     default_root_dir=outdir, callbacks=callbacks)  # fmt: skip
+    return L.Trainer(
+        strategy=RingStrategy(),
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=outdir,
+        callbacks=callbacks,
+    )
 
 
 def main(outdir: Path) -> None:
@@ -62,8 +73,9 @@ def main(outdir: Path) -> None:
     model = Model()
     loader = DataLoader(dataset(), batch_size=4)
     checkpoints = outdir / "checkpoints"
-    stopper = EarlyStopping(monitor="stop_signal", mode="max", stopping_threshold=0.5,
-                            check_on_train_epoch_end=False)  # fmt: skip
+    stopper = EarlyStopping(
+        monitor="stop_signal", mode="max", stopping_threshold=0.5, check_on_train_epoch_end=False
+    )
     saver = ModelCheckpoint(dirpath=checkpoints, save_last=True)
     fit = trainer(outdir, 5, [stopper, saver])
     fit.fit(model, loader, loader)

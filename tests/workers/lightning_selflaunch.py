@@ -26,9 +26,17 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-trainer = L.Trainer(strategy="ring", accelerator="cpu", devices=int(sys.argv[1]), max_epochs=1,
-                    logger=False, enable_progress_bar=False, enable_model_summary=False,
-                    enable_checkpointing=False)  # fmt: skip
+trainer = L.Trainer(
+    strategy="ring",
+    accelerator="cpu",
+    devices=int(sys.argv[1]),
+    max_epochs=1,
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    enable_checkpointing=False,
+)
 trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=4))
-print(f"fitted rank={ringplug.rank()} size={ringplug.size()} world={trainer.world_size}",
-      flush=True)  # fmt: skip
+print(
+    f"fitted rank={ringplug.rank()} size={ringplug.size()} world={trainer.world_size}", flush=True
+)

@@ -38,9 +38,9 @@ def batches_of(rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     generator = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(count * BATCH, 4, generator=generator)
     y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(
-        count * BATCH, 1, generator=generator)  # fmt: skip
-    return [(x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH])
-            for i in range(count)]  # fmt: skip
+        count * BATCH, 1, generator=generator
+    )
+    return [(x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]) for i in range(count)]
 
 
 class PerRankBatches(IterableDataset):
@@ -119,10 +119,16 @@ def train(source: str, mode: str, counts: list[int], outdir: Path) -> None:
         y = torch.cat([b[1] for b in batches_of(rank, counts[rank])])
         loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
     model = Regressor()
-    trainer = L.Trainer(strategy=RingStrategy(uneven=mode), accelerator="cpu",
-                        max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False)  # fmt: skip
+    trainer = L.Trainer(
+        strategy=RingStrategy(uneven=mode),
+        accelerator="cpu",
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     trainer.fit(model, loader)
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     expected = torch.cat([p.detach().reshape(-1) for p in reference(counts, mode).parameters()])
@@ -148,9 +154,14 @@ def evaluate(outdir: Path) -> None:
     values = torch.arange(samples, dtype=torch.float32).reshape(-1, 1) ** 2
     loader = DataLoader(TensorDataset(values), batch_size=2, shuffle=False)
     model = Regressor()
-    trainer = L.Trainer(strategy=RingStrategy(), accelerator="cpu", logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        strategy=RingStrategy(),
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     validated = trainer.validate(model, loader, verbose=False)[0]
     tested = trainer.test(model, loader, verbose=False)[0]
     predicted = torch.cat(trainer.predict(model, loader))
@@ -183,10 +194,17 @@ class SigtermOnRankOne(L.Callback):
 def sigterm(outdir: Path) -> None:
     ringplug.init()
     loader = DataLoader(PerRankBatches(ringplug.rank(), 20), batch_size=None)
-    trainer = L.Trainer(strategy=RingStrategy(), accelerator="cpu", max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=[SigtermOnRankOne(outdir)])  # fmt: skip
+    trainer = L.Trainer(
+        strategy=RingStrategy(),
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[SigtermOnRankOne(outdir)],
+    )
     trainer.fit(Regressor(), loader)
 
 
@@ -196,5 +214,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "sigterm":
         sigterm(Path(sys.argv[4]))
     else:
-        train(sys.argv[1], sys.argv[2], [int(c) for c in sys.argv[3].split(",")],
-              Path(sys.argv[4]))  # fmt: skip
+        train(sys.argv[1], sys.argv[2], [int(c) for c in sys.argv[3].split(",")], Path(sys.argv[4]))

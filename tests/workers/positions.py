@@ -79,11 +79,19 @@ def fit_lightning(outdir: Path) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     x, y = data()
-    loader = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
-                        batch_size=PER_RANK)  # fmt: skip
-    trainer = L.Trainer(strategy=RingStrategy(), accelerator="cpu", max_epochs=EPOCHS, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False)  # fmt: skip
+    loader = DataLoader(
+        TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=PER_RANK
+    )
+    trainer = L.Trainer(
+        strategy=RingStrategy(),
+        accelerator="cpu",
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     trainer.fit(Held(), loader)
 
 
@@ -122,8 +130,15 @@ def fit_keras(outdir: Path) -> None:
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1), Hold()])
     model.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
     x, y = data()
-    model.fit(x, y, batch_size=PER_RANK, epochs=EPOCHS, shuffle=False, verbose=0,
-              callbacks=[rk.RingBroadcast(0), Position()])  # fmt: skip
+    model.fit(
+        x,
+        y,
+        batch_size=PER_RANK,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[rk.RingBroadcast(0), Position()],
+    )
 
 
 def main(scenario: str, outdir: Path) -> None:

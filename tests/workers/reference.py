@@ -8,8 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
-          "uint8", "bool")  # fmt: skip
+DTYPES = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+)
 OPS = ("sum", "average", "min", "max", "product")
 # 0, 1, 7, not divisible by 2 or 3, and about a million elements.
 COUNTS = (0, 1, 7, 1001, 1_000_003)
@@ -77,8 +87,12 @@ def reduce_reference(
     """The reduction in float64 of the exact inputs (bool as 0/1)."""
     stack = np.stack(inputs) * pre
     if dtype == "bool":
-        result = {"sum": stack.max(0), "max": stack.max(0), "min": stack.min(0),
-                  "product": stack.min(0)}[op]  # fmt: skip
+        result = {
+            "sum": stack.max(0),
+            "max": stack.max(0),
+            "min": stack.min(0),
+            "product": stack.min(0),
+        }[op]
     elif op == "sum":
         result = stack.sum(0)
     elif op == "average":

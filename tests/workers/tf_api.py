@@ -37,9 +37,11 @@ def main(outdir: Path) -> None:
     matrix = np.arange(size * 2 * 3, dtype=np.float64).reshape(size * 2, 3) + 100 * rank
     # Rank r gets rows [2r, 2r + 2) of every rank's matrix, in rank order.
     exchanged = np.concatenate(
-        [np.arange(size * 2 * 3.0).reshape(size * 2, 3)[2 * rank : 2 * rank + 2] + 100 * r
-         for r in range(size)]
-    )  # fmt: skip
+        [
+            np.arange(size * 2 * 3.0).reshape(size * 2, 3)[2 * rank : 2 * rank + 2] + 100 * r
+            for r in range(size)
+        ]
+    )
     blocks = np.array_split(sum(matrix + 100 * (r - rank) for r in range(size)), size)
 
     def collectives() -> dict[str, object]:
@@ -49,7 +51,7 @@ def main(outdir: Path) -> None:
             "allreduce-max": rtf.allreduce(mine, op=rtf.Max),
             "allreduce-scaled": rtf.allreduce(
                 mine, op="sum", prescale_factor=2.0, postscale_factor=0.5
-            ),  # fmt: skip
+            ),
             "grouped-allreduce": rtf.grouped_allreduce([mine, rows[:1] * 0 + rank], op="sum"),
             "allgather": rtf.allgather(rows),
             "broadcast": rtf.broadcast(mine, root_rank=size - 1),

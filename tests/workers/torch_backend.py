@@ -28,8 +28,15 @@ import torch.distributed as dist
 import ringplug
 import ringplug.torch  # noqa: F401 - registers the backend
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
-          torch.int64, torch.uint8]  # fmt: skip
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+]
 
 
 def seeded(rank: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int) -> torch.Tensor:
@@ -41,14 +48,26 @@ def calls(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
     checks["no-master-addr"] = "MASTER_ADDR" not in os.environ
     checks["backend-name"] = dist.get_backend() == "ringplug"
     checks["rank-and-size"] = (dist.get_rank(), dist.get_world_size()) == (
-        ringplug.rank(), ringplug.size())  # fmt: skip
+        ringplug.rank(),
+        ringplug.size(),
+    )
 
-    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
-           "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
+    ops = {
+        "sum": dist.ReduceOp.SUM,
+        "avg": dist.ReduceOp.AVG,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT,
+    }
     for salt, dtype in enumerate(DTYPES):
         inputs = torch.stack([seeded(r, (3, 4), dtype, salt).double() for r in range(size)])
-        references = {"sum": inputs.sum(0), "avg": inputs.mean(0), "max": inputs.amax(0),
-                      "min": inputs.amin(0), "product": inputs.prod(0)}  # fmt: skip
+        references = {
+            "sum": inputs.sum(0),
+            "avg": inputs.mean(0),
+            "max": inputs.amax(0),
+            "min": inputs.amin(0),
+            "product": inputs.prod(0),
+        }
         for op_name, op in ops.items():
             if op_name == "avg" and not dtype.is_floating_point:
                 continue
@@ -89,12 +108,14 @@ def calls(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
 
     slots = [torch.zeros(2, 3) for _ in range(size)]
     dist.all_gather(slots, torch.full((2, 3), float(rank)))
-    checks["all_gather"] = all(torch.equal(s, torch.full((2, 3), float(r)))
-                               for r, s in enumerate(slots))  # fmt: skip
+    checks["all_gather"] = all(
+        torch.equal(s, torch.full((2, 3), float(r))) for r, s in enumerate(slots)
+    )
     uneven = [torch.zeros(r + 1) for r in range(size)]
     dist.all_gather(uneven, torch.full((rank + 1,), float(rank)))
-    checks["all_gather/uneven"] = all(torch.equal(s, torch.full((r + 1,), float(r)))
-                                      for r, s in enumerate(uneven))  # fmt: skip
+    checks["all_gather/uneven"] = all(
+        torch.equal(s, torch.full((r + 1,), float(r))) for r, s in enumerate(uneven)
+    )
     gathered = torch.zeros(size * 4, dtype=torch.int32)
     dist.all_gather_into_tensor(gathered, torch.arange(4, dtype=torch.int32) + 100 * rank)
     checks["all_gather_into_tensor"] = torch.equal(
@@ -103,7 +124,8 @@ def calls(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
 
     rows = torch.stack([torch.arange(3.0) + 10 * r + rank for r in range(size)])
     reference = torch.stack([torch.arange(3.0) + 10 * r for r in range(size)]) * size + sum(
-        range(size))  # fmt: skip
+        range(size)
+    )
     block = torch.zeros(3)
     dist.reduce_scatter_tensor(block, rows.reshape(-1))
     checks["reduce_scatter_tensor"] = torch.equal(block, reference[rank])
@@ -114,19 +136,21 @@ def calls(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
     sent = torch.arange(size * 2, dtype=torch.float64) + 100 * rank
     received = torch.zeros(size * 2, dtype=torch.float64)
     dist.all_to_all_single(received, sent)
-    checks["all_to_all_single"] = torch.equal(received, torch.cat(
-        [torch.arange(2.0) + 2 * rank + 100 * r for r in range(size)]).double())  # fmt: skip
+    checks["all_to_all_single"] = torch.equal(
+        received, torch.cat([torch.arange(2.0) + 2 * rank + 100 * r for r in range(size)]).double()
+    )
     # Uneven splits: rank r sends r + 1 rows to each rank.
     sent = torch.full(((rank + 1) * size, 2), float(rank))
     received = torch.zeros(sum(r + 1 for r in range(size)), 2)
-    dist.all_to_all_single(received, sent, [r + 1 for r in range(size)],
-                           [rank + 1] * size)  # fmt: skip
-    checks["all_to_all_single/splits"] = torch.equal(received, torch.cat(
-        [torch.full((r + 1, 2), float(r)) for r in range(size)]))  # fmt: skip
+    dist.all_to_all_single(received, sent, [r + 1 for r in range(size)], [rank + 1] * size)
+    checks["all_to_all_single/splits"] = torch.equal(
+        received, torch.cat([torch.full((r + 1, 2), float(r)) for r in range(size)])
+    )
     outputs = [torch.zeros(r + 2) for r in range(size)]
     dist.all_to_all(outputs, [torch.full((rank + 2,), float(rank * size + r)) for r in range(size)])
-    checks["all_to_all"] = all(torch.equal(o, torch.full((r + 2,), float(r * size + rank)))
-                               for r, o in enumerate(outputs))  # fmt: skip
+    checks["all_to_all"] = all(
+        torch.equal(o, torch.full((r + 2,), float(r * size + rank))) for r, o in enumerate(outputs)
+    )
 
     for root in range(size):
         tensor = torch.full((2,), float(rank + 1))
@@ -234,8 +258,7 @@ def ddp(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]) 
         optimizer.step()
 
     torch.manual_seed(0 + 7)  # rank 0's initial model, trained alone on the whole batch
-    reference = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(),
-                                    torch.nn.Linear(16, 3))  # fmt: skip
+    reference = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for step in range(data.shape[0]):
         ref_optimizer.zero_grad()
@@ -253,8 +276,9 @@ def ddp(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]) 
     checks["ddp/ranks-bitwise-identical"] = all(torch.equal(w, trained) for w in everyone)
 
 
-def torchmetrics_sync(rank: int, size: int, checks: dict[str, bool],
-                      details: dict[str, str]) -> None:  # fmt: skip
+def torchmetrics_sync(
+    rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
+) -> None:
     import torchmetrics
 
     metric = torchmetrics.MeanMetric()
@@ -267,8 +291,7 @@ def torchmetrics_sync(rank: int, size: int, checks: dict[str, bool],
     checks["torchmetrics/accuracy"] = torch.isclose(accuracy.compute(), torch.tensor(0.5)).item()
 
 
-def lightning_ddp(rank: int, size: int, checks: dict[str, bool],
-                  details: dict[str, str]) -> None:  # fmt: skip
+def lightning_ddp(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]) -> None:
     """Lightning's own DDPStrategy with process_group_backend="ringplug" (it starts the group)."""
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
@@ -300,17 +323,25 @@ def lightning_ddp(rank: int, size: int, checks: dict[str, bool],
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     module = Module()
-    trainer = L.Trainer(strategy=DDPStrategy(process_group_backend="ringplug"),
-                        accelerator="cpu", devices=size, max_epochs=1, logger=False,
-                        enable_progress_bar=False, enable_checkpointing=False,
-                        enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        strategy=DDPStrategy(process_group_backend="ringplug"),
+        accelerator="cpu",
+        devices=size,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(dataset, batch_size=per_rank))
     checks["lightning-ddp/backend"] = dist.get_backend() == "ringplug"
 
     reference = build()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    orders = [list(DistributedSampler(dataset, num_replicas=size, rank=r, shuffle=True, seed=0))
-              for r in range(size)]  # fmt: skip
+    orders = [
+        list(DistributedSampler(dataset, num_replicas=size, rank=r, shuffle=True, seed=0))
+        for r in range(size)
+    ]
     for step in range(steps):
         rows = [i for order in orders for i in order[step * per_rank : (step + 1) * per_rank]]
         optimizer.zero_grad()
@@ -323,8 +354,7 @@ def lightning_ddp(rank: int, size: int, checks: dict[str, bool],
     checks["lightning-ddp/equals-one-process"] = difference < 1e-5
     everyone = [torch.zeros_like(trained) for _ in range(size)]
     dist.all_gather(everyone, trained)
-    checks["lightning-ddp/ranks-bitwise-identical"] = all(torch.equal(w, trained)
-                                                          for w in everyone)  # fmt: skip
+    checks["lightning-ddp/ranks-bitwise-identical"] = all(torch.equal(w, trained) for w in everyone)
 
 
 def stall(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]) -> None:
@@ -336,8 +366,13 @@ def stall(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
         threading.Event().wait(120)  # the injected fault: never reaches the collective
 
 
-SCENARIOS = {"calls": calls, "stall": stall, "ddp": ddp, "torchmetrics": torchmetrics_sync,
-             "lightning-ddp": lightning_ddp}  # fmt: skip
+SCENARIOS = {
+    "calls": calls,
+    "stall": stall,
+    "ddp": ddp,
+    "torchmetrics": torchmetrics_sync,
+    "lightning-ddp": lightning_ddp,
+}
 
 
 def main(scenario: str, outdir: Path) -> None:

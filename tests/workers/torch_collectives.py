@@ -15,8 +15,18 @@ import torch
 import ringplug
 import ringplug.torch as rpt
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
-          torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]  # fmt: skip
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def seeded(rank: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int) -> torch.Tensor:
@@ -33,14 +43,18 @@ def main(outdir: Path) -> None:
     for salt, dtype in enumerate(DTYPES):
         inputs = [seeded(r, (3, 5), dtype, salt) for r in range(size)]
         op = "max" if dtype is torch.bool else "sum"
-        expected = (torch.stack([i.to(torch.float64) for i in inputs]).amax(0) if op == "max"
-                    else sum(i.to(torch.float64) for i in inputs))  # fmt: skip
+        expected = (
+            torch.stack([i.to(torch.float64) for i in inputs]).amax(0)
+            if op == "max"
+            else sum(i.to(torch.float64) for i in inputs)
+        )
         mine = inputs[rank].clone()
         out = rpt.allreduce(mine, op=op)
         checks[f"allreduce/{dtype}"] = (
-            out.dtype == dtype and torch.equal(out.to(torch.float64), expected)
+            out.dtype == dtype
+            and torch.equal(out.to(torch.float64), expected)
             and torch.equal(mine, inputs[rank])  # the input is left alone
-        )  # fmt: skip
+        )
         in_place = inputs[rank].clone()
         returned = rpt.allreduce_(in_place, op=op)
         checks[f"allreduce_/{dtype}"] = returned is in_place and torch.equal(
@@ -53,8 +67,10 @@ def main(outdir: Path) -> None:
     rpt.allreduce_(strided)
     checks["allreduce_/non-contiguous-average"] = torch.allclose(strided, expected)
 
-    handles = [rpt.allreduce_async(torch.full((4,), float(rank + i)), op="sum", name=f"h{i}")
-               for i in range(5)]  # fmt: skip
+    handles = [
+        rpt.allreduce_async(torch.full((4,), float(rank + i)), op="sum", name=f"h{i}")
+        for i in range(5)
+    ]
     results = [h.wait() for h in handles]
     checks["allreduce_async"] = all(
         torch.equal(r, torch.full((4,), float(sum(q + i for q in range(size)))))
@@ -135,10 +151,13 @@ def sync_batchnorm_checks(rank: int, size: int) -> dict[str, bool]:
     torch's BatchNorm2d on the whole batch in one process."""
     checks: dict[str, bool] = {}
     generator = torch.Generator().manual_seed(80)
-    shards = [torch.randn(2 * r, 3, 4, 5, generator=generator, dtype=torch.float64) * 3 + 7
-              for r in range(size)]  # fmt: skip
-    weights = [torch.randn(2 * r, 3, 4, 5, generator=generator, dtype=torch.float64)
-               for r in range(size)]  # fmt: skip
+    shards = [
+        torch.randn(2 * r, 3, 4, 5, generator=generator, dtype=torch.float64) * 3 + 7
+        for r in range(size)
+    ]
+    weights = [
+        torch.randn(2 * r, 3, 4, 5, generator=generator, dtype=torch.float64) for r in range(size)
+    ]
     start = sum(2 * r for r in range(rank))
     rows = slice(start, start + 2 * rank)
 
@@ -168,15 +187,17 @@ def sync_batchnorm_checks(rank: int, size: int) -> dict[str, bool]:
     checks["sync_batchnorm/parameter-gradients"] = close(
         summed, torch.cat([reference.weight.grad, reference.bias.grad])
     )
-    checks["sync_batchnorm/running-stats"] = close(layer.running_mean, reference.running_mean) \
-        and close(layer.running_var, reference.running_var)  # fmt: skip
+    checks["sync_batchnorm/running-stats"] = close(
+        layer.running_mean, reference.running_mean
+    ) and close(layer.running_var, reference.running_var)
     layer.eval()
     reference.eval()
     checks["sync_batchnorm/eval"] = close(layer(shards[rank]), reference(shards[rank]))
 
     reverted = rpt.sync_batchnorm.revert_sync_batchnorm(torch.nn.Sequential(layer))
-    checks["sync_batchnorm/revert"] = (type(reverted[0]) is torch.nn.BatchNorm2d
-                                       and reverted[0].weight is layer.weight)  # fmt: skip
+    checks["sync_batchnorm/revert"] = (
+        type(reverted[0]) is torch.nn.BatchNorm2d and reverted[0].weight is layer.weight
+    )
 
     # One value per channel over all ranks has no variance: every rank raises.
     try:

@@ -38,8 +38,10 @@ def main(counts: list[int], outdir: Path) -> None:
     ringplug.init()
     rank, size = ringplug.rank(), ringplug.size()
     net = make_net()
-    optimizer = rpt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.5),
-                                         named_parameters=net.named_parameters())  # fmt: skip
+    optimizer = rpt.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=LR, momentum=0.5),
+        named_parameters=net.named_parameters(),
+    )
     for x, y in batches_of(rank, counts[rank]):
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(net(x), y).backward()

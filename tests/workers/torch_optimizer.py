@@ -43,10 +43,12 @@ def train(scenario: str, rank: int, size: int, distributed: bool) -> torch.nn.Mo
     passes = 2 if scenario == "accumulate" else 1
     if distributed:
         optimizer = rpt.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=passes,
+            optimizer,
+            named_parameters=model.named_parameters(),
+            backward_passes_per_step=passes,
             compression=rpt.Compression.fp16 if scenario == "fp16" else rpt.Compression.none,
             gradient_predivide_factor=2.0 if scenario == "predivide" else 1.0,
-        )  # fmt: skip
+        )
     for inputs, targets in batches(size):
         if distributed:
             inputs = inputs[rank * PER_RANK : (rank + 1) * PER_RANK]
