@@ -57,3 +57,42 @@ def test_import_does_no_work_and_init_sets_the_graph_thread_pool():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-3:] == ["None", "True", "1"]
+
+
+def run_snippet(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "tensorflow"}
+    env.pop("TF_NUM_INTEROP_THREADS", None)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_horovods_keras_init_makes_room_for_a_graphs_concurrent_collectives():
+    # hvd.init() of the Keras skin on TensorFlow: the thread pool of ringplug.tensorflow.init
+    # (before it, a Keras script followed by a TF1 session.run of many collectives in one
+    # process waited until RINGPLUG_TIMEOUT).
+    result = run_snippet(
+        "import os, ringplug.horovod.tensorflow.keras as hvd\n"
+        "hvd.init()\n"
+        "import tensorflow as tf\n"
+        "print(os.environ.get('TF_NUM_INTEROP_THREADS'),"
+        " tf.config.threading.get_inter_op_parallelism_threads())\n"
+    )
+    assert result.returncode == 0, result.stderr
+    threads, pool = map(int, result.stdout.split()[-2:])
+    assert threads >= 64 and pool == threads
+
+
+def test_init_after_tensorflows_first_operation_warns_what_to_do():
+    result = run_snippet(
+        "import warnings, tensorflow as tf\n"
+        "tf.constant(1.0) + 1.0\n"
+        "import ringplug.tensorflow as rtf\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    rtf.init()\n"
+        "print([str(w.message) for w in caught])\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "before the first TensorFlow operation" in result.stdout
+    assert "TF_NUM_INTEROP_THREADS" in result.stdout

@@ -21,6 +21,9 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
+
+import tensorflow as tf
 
 from .. import core
 from ..compression import Compression
@@ -58,10 +61,24 @@ def init() -> None:
     waits for the other ranks, so with TensorFlow's default of one thread per core a
     ``session.run`` with more concurrent collectives than cores could leave every thread
     waiting on ops the other rank has not reached. Unless ``TF_NUM_INTEROP_THREADS`` is
-    set, it is set here to at least 64 (TensorFlow reads it when its first session starts
-    its thread pool): call `init` before the first TensorFlow operation.
+    set, it is set here to at least 64 (TensorFlow reads it when it starts its thread
+    pools): call `init` before the first TensorFlow operation. Called later, it warns: the
+    pools are fixed by then, and such a ``session.run`` could wait until ``RINGPLUG_TIMEOUT``.
     """
-    os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(max(64, os.cpu_count() or 1)))
+    if "TF_NUM_INTEROP_THREADS" not in os.environ:
+        threads = max(64, os.cpu_count() or 1)
+        os.environ["TF_NUM_INTEROP_THREADS"] = str(threads)
+        try:
+            tf.config.threading.set_inter_op_parallelism_threads(threads)
+        except RuntimeError:  # TensorFlow already ran an operation: its pools are fixed
+            warnings.warn(
+                "ringplug.tensorflow.init() ran after TensorFlow's first operation, so its "
+                "inter-op thread pool keeps its size: a TF1 session.run of more concurrent "
+                "collectives than that can wait for the other ranks until RINGPLUG_TIMEOUT. "
+                "Call init() (hvd.init()) before the first TensorFlow operation, or set "
+                "TF_NUM_INTEROP_THREADS.",
+                stacklevel=2,
+            )
     core.init()
 
 

@@ -17,6 +17,7 @@ from ...compression import Compression
 from ...keras import DistributedOptimizer as _DistributedOptimizer
 from ...keras._broadcast import broadcast_variables as _broadcast_variables
 from ...keras.optimizer import set_local_variables as _set_local_variables
+from .. import _common
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
 from .._common import (
     Average,
@@ -29,6 +30,16 @@ from .._common import (
 )
 from .._common import __all__ as _BASICS
 from . import callbacks, elastic
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Start ringplug; on the TensorFlow backend as `ringplug.tensorflow.init` does (room in
+    TensorFlow's thread pool for a TF1 graph's concurrent collectives)."""
+    _common.init(comm, process_sets)  # refuses them, then starts the core
+    if keras.backend.backend() == "tensorflow":
+        from ... import tensorflow as _tf
+
+        _tf.init()
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
