@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ...wire import Kind, Response, Signature
+from ...wire import GPU, Kind, Response, Signature
 from ..dtypes import DType, classify
 from ..engine.handles import Handle, Request
 from ..gpu.device import DeviceBuffer
@@ -23,7 +23,7 @@ from .base import (
     result_as,
     start,
 )
-from .kind import GPU, Buffer, CollectiveKind, EngineView, register, shape_text
+from .kind import Buffer, CollectiveKind, EngineView, register, shape_text
 
 
 def allgather_async(

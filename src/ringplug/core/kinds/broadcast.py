@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ...wire import Kind, Response, Signature
+from ...wire import GPU, Kind, Response, Signature
 from ..dtypes import DType, classify, storage_view
 from ..engine.handles import Handle, Request
 from ..gpu.device import DeviceBuffer
@@ -21,7 +21,7 @@ from .base import (
     make,
     start,
 )
-from .kind import GPU, Buffer, CollectiveKind, EngineView, SameEverywhere, register
+from .kind import Buffer, CollectiveKind, EngineView, SameEverywhere, register
 
 
 def broadcast_async(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...wire import GPU, HOST, Response, Signature
+from ...wire import GPU, Response, Signature
 from ..dtypes import DType
 from ..errors import PeerFailedError, RingplugError
 from ..ops import ReduceOp
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from ..transport.host import Transport
 
 __all__ = [
-    "GPU",
-    "HOST",
     "Buffer",
     "CollectiveKind",
     "EngineView",

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ...wire import Kind, Response, Signature
+from ...wire import GPU, Kind, Response, Signature
 from ..dtypes import DType, classify
 from ..engine.handles import Handle, Request
 from ..gpu.device import DeviceBuffer
@@ -25,7 +25,7 @@ from .base import (
     result_as,
     start,
 )
-from .kind import GPU, Buffer, CollectiveKind, EngineView, identity, register
+from .kind import Buffer, CollectiveKind, EngineView, identity, register
 
 
 def reducescatter_async(
