@@ -7,6 +7,7 @@ boolean per check (and details for failures).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -77,6 +78,9 @@ def main(outdir: Path) -> None:
         for i, r in enumerate(results)
     )
 
+    checks.update(integer_scaling_checks(rank, size))
+    checks.update(sparse_checks(rank, size))
+
     root_value = seeded(size - 1, (2, 3), torch.bfloat16, 60)
     buf = seeded(rank, (2, 3), torch.bfloat16, 60)
     rpt.broadcast_(buf, root_rank=size - 1)
@@ -144,6 +148,71 @@ def main(outdir: Path) -> None:
 
     checks.update(sync_batchnorm_checks(rank, size))
     (outdir / f"torch-{rank}.json").write_text(json.dumps(checks))
+
+
+def integer_scaling_checks(rank: int, size: int) -> dict[str, bool]:
+    """Integers with Average or scale factors: the core sums; each rank's values (by the
+    prescale) and the sum (by the postscale, over size for Average) are scaled in float64
+    and truncated toward zero, as ringplug.tensorflow and Horovod do."""
+    checks = {}
+
+    def values(r: int) -> list[int]:  # negatives too: truncation is toward zero
+        return [-7 * (r + 1), -3, 5 * (r + 1), 9, 1 - r]
+
+    def truncated(vs: list[float], factor: float) -> list[int]:
+        return [math.trunc(v * factor) for v in vs]
+
+    sums = [sum(col) for col in zip(*(values(r) for r in range(size)), strict=True)]
+    averaged = truncated(sums, 1.0 / size)
+    for dtype in (torch.int8, torch.int32, torch.int64):
+        mine = torch.tensor(values(rank), dtype=dtype)
+        out = rpt.allreduce(mine)
+        checks[f"integer-average/{dtype}"] = out.dtype == dtype and out.tolist() == averaged
+    scaled_sums = [
+        sum(col) for col in zip(*(truncated(values(r), 0.5) for r in range(size)), strict=True)
+    ]
+    in_place = torch.tensor(values(rank), dtype=torch.int64)
+    rpt.allreduce_(in_place, "sum", prescale_factor=0.5, postscale_factor=3.0)
+    checks["integer-scaled-sum-in-place"] = in_place.tolist() == truncated(scaled_sums, 3.0)
+    grouped = rpt.grouped_allreduce(
+        [torch.tensor(values(rank), dtype=torch.int32), torch.tensor([rank + 1], dtype=torch.int32)]
+    )
+    checks["integer-average-grouped"] = [g.tolist() for g in grouped] == [
+        averaged,
+        truncated([sum(r + 1 for r in range(size))], 1.0 / size),
+    ]
+    rows = torch.tensor(values(rank) * size, dtype=torch.int32).reshape(size, 5)
+    block = rpt.reducescatter(rows, prescale_factor=0.5)
+    checks["integer-average-reducescatter"] = block.tolist() == [truncated(scaled_sums, 1.0 / size)]
+    return checks
+
+
+def sparse_checks(rank: int, size: int) -> dict[str, bool]:
+    """A sparse COO tensor is reduced by gathering indices and values: the same values as
+    the dense tensor's allreduce; an in-place form or another op is refused on every rank."""
+    dense = torch.zeros(5, 3)
+    dense[rank % 5] = float(rank + 1)
+    dense[4, 1] = 2.0
+    total = sum(
+        torch.zeros(5, 3).index_fill_(0, torch.tensor([r % 5]), float(r + 1)) for r in range(size)
+    )
+    total[4, 1] += 2.0 * size
+    checks = {}
+    for op, expected in (("sum", total), ("average", total / size)):
+        out = rpt.allreduce_async(dense.to_sparse(), op, name=f"sparse.{op}").wait()
+        checks[f"sparse-allreduce/{op}"] = out.is_sparse and torch.equal(out.to_dense(), expected)
+    try:
+        rpt.allreduce_(dense.to_sparse())
+        checks["sparse-in-place-refused"] = False
+    except TypeError as exc:
+        checks["sparse-in-place-refused"] = "dense" in str(exc)
+    try:
+        rpt.allreduce(dense.to_sparse(), "max")
+        checks["sparse-max-refused"] = False
+    except ValueError as exc:
+        checks["sparse-max-refused"] = "sums or averages" in str(exc)
+    checks["sparse-still-in-step"] = rpt.allreduce(torch.ones(1), "sum").item() == size
+    return checks
 
 
 def sync_batchnorm_checks(rank: int, size: int) -> dict[str, bool]:

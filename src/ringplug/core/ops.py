@@ -58,3 +58,19 @@ def as_op(op: ReduceOp | str | int) -> ReduceOp:
         raise ValueError(
             f"Unknown reduce op {op!r}; use ringplug.Average, Sum, Min, Max or Product."
         ) from None
+
+
+def integer_scaling(op: ReduceOp, prescale: float, postscale: float, size: int) -> float | None:
+    """How the framework adapters reduce integers with Average or scale factors, which the
+    core refuses (it cannot be exact).
+
+    Each rank multiplies its values by `prescale`, the core sums them, and the sum is
+    multiplied by the factor returned (`postscale`, divided by `size` for Average); each
+    product is taken in float64 and truncated toward zero, as Horovod does. None: there is
+    nothing to scale, and the core reduces as asked.
+    """
+    if op is ReduceOp.AVERAGE:
+        return postscale / size
+    if op is ReduceOp.SUM and (prescale != 1.0 or postscale != 1.0):
+        return postscale
+    return None

@@ -27,7 +27,7 @@ import tensorflow as tf
 from .. import core
 from ..core import collectives as _core
 from ..core.errors import RingplugError
-from ..core.ops import ReduceOp
+from ..core.ops import ReduceOp, integer_scaling
 from . import _status
 
 # Unsigned types the core does not reduce travel as the signed type of their width in the
@@ -210,17 +210,13 @@ def _integer(dtype: np.dtype) -> bool:
 def _scaling(
     dtype: np.dtype, op: ReduceOp, pre: float, post: float
 ) -> tuple[ReduceOp, float, float, float | None]:
-    """(core op, core prescale, core postscale, scale after) for `dtype`. Integers are
-    scaled here, as Horovod does: in float64, truncated toward zero, each rank's values by
-    `pre` before the sum and the sum by `post` (and 1/size for Average) after it; the
-    last item is then the factor after (None: the core scales)."""
-    if (
-        _integer(dtype)
-        and op in (ReduceOp.AVERAGE, ReduceOp.SUM)
-        and (op is ReduceOp.AVERAGE or pre != 1.0 or post != 1.0)
-    ):
-        return ReduceOp.SUM, 1.0, 1.0, post / core.size() if op is ReduceOp.AVERAGE else post
-    return op, pre, post, None
+    """(core op, core prescale, core postscale, factor after) for `dtype`: integers with
+    Average or scale factors are summed by the core and scaled here
+    (`ringplug.core.ops.integer_scaling`); the factor after is None where the core scales."""
+    after = integer_scaling(op, pre, post, core.size()) if _integer(dtype) else None
+    if after is None:
+        return op, pre, post, None
+    return ReduceOp.SUM, 1.0, 1.0, after
 
 
 def _scaled(result: np.ndarray, like: np.ndarray, after: float | None) -> np.ndarray:

@@ -8,6 +8,10 @@ contiguous copy. The forms ending in ``_`` work in place; the ``_async`` forms r
 ``wait()`` gives the tensor. Every rank must call the same collectives in the same order
 (or under the same ``name``), as for the core.
 
+Integer tensors take Average and scale factors as in `ringplug.tensorflow` and Horovod
+(the core refuses them on plain buffers): the core sums, and each rank's values and the sum
+are scaled in float64 and truncated toward zero.
+
 The plain forms that return new tensors (`allreduce`, `grouped_allreduce`, `broadcast`,
 `allgather`, `grouped_allgather`, `reducescatter`, `grouped_reducescatter`, `alltoall`) are
 differentiable when an input requires grad. Their gradients are those of the sum of every
@@ -30,7 +34,7 @@ from ..core import collectives as core
 from ..core import device_collectives as device
 from ..core.dtypes import DType
 from ..core.gpu.device import DeviceBuffer
-from ..core.ops import Average, ReduceOp, as_op
+from ..core.ops import Average, ReduceOp, Sum, as_op, integer_scaling
 
 # torch dtype -> (the dtype the core reads the bytes as, or None to use the tensor's own)
 _SUPPORTED: dict[torch.dtype, str | None] = {
@@ -116,6 +120,14 @@ def _check(tensor: torch.Tensor, what: str, name: str | None) -> None:
             ),
             name,
         )
+    if tensor.is_sparse:
+        core.reject(
+            TypeError(
+                f"{what} takes dense tensors; reduce a sparse one with allreduce or "
+                "allreduce_async (into a new tensor), or make it dense first (.to_dense())."
+            ),
+            name,
+        )
     if tensor.device.type not in ("cpu", "cuda"):
         core.reject(
             NotImplementedError(
@@ -185,10 +197,43 @@ def allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> TensorHandle:
-    """Start an allreduce of `tensor` into a new tensor (the input is not changed)."""
+    """Start an allreduce of `tensor` into a new tensor (the input is not changed).
+
+    A sparse COO `tensor` (Sum or Average) is reduced by gathering every rank's indices
+    and values (named ``<name>.indices`` and ``<name>.values``), as ringplug.tensorflow
+    reduces ``tf.IndexedSlices``: the result is uncoalesced (``coalesce()`` sums the
+    duplicates).
+    """
+    if isinstance(tensor, torch.Tensor) and tensor.is_sparse:
+        return _sparse_allreduce(tensor, op, name, prescale_factor * postscale_factor)
     _check(tensor, "allreduce", name)
     result = tensor.detach().clone(memory_format=torch.contiguous_format)
     return _allreduce_into(result, op, name, prescale_factor, postscale_factor, lambda: result)
+
+
+def _sparse_allreduce(tensor: torch.Tensor, op: Any, name: str | None, factor: float) -> Any:
+    reduce_op = as_op(op)
+    if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        core.reject(ValueError(f"a sparse allreduce sums or averages, not {reduce_op.name}."), name)
+    sparse = tensor.detach().coalesce()
+    if reduce_op is ReduceOp.AVERAGE:
+        factor /= runtime.size()
+    # The gathered indices' rows are the nonzeros: gather them transposed.
+    parts = [
+        allgather_async(sparse.indices().t().contiguous(), name=_member(name, "indices")),
+        allgather_async(sparse.values().contiguous(), name=_member(name, "values")),
+    ]
+
+    def finish(gathered: list[torch.Tensor]) -> torch.Tensor:
+        indices, values = gathered
+        values = values * factor if factor != 1.0 else values
+        return torch.sparse_coo_tensor(indices.t(), values, tensor.shape, check_invariants=True)
+
+    return TensorHandle(parts, finish)
+
+
+def _member(name: str | None, part: str) -> str | None:
+    return None if name is None else f"{name}.{part}"
 
 
 def _device_allreduce(
@@ -231,8 +276,15 @@ def allreduce_async_(
 
 
 def _allreduce_into(work, op, name, prescale, postscale, finish) -> TensorHandle:
+    op, prescale, postscale, after = _scaled_here([work], op, prescale, postscale)
+
+    def done(_: Any) -> Any:
+        if after is not None:
+            _truncated(work, after)
+        return finish()
+
     if work.is_cuda:
-        return _device_allreduce([work], op, name, prescale, postscale, lambda _: finish())
+        return _device_allreduce([work], op, name, prescale, postscale, done)
     array, dtype = as_numpy(work)
     handle = core.allreduce_async(
         array,
@@ -243,7 +295,43 @@ def _allreduce_into(work, op, name, prescale, postscale, finish) -> TensorHandle
         prescale_factor=prescale,
         postscale_factor=postscale,
     )
-    return TensorHandle(handle, lambda _: finish())
+    return TensorHandle(handle, done)
+
+
+_INTEGERS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+
+def _integer_factor(tensor: Any, op: Any, prescale: float, postscale: float) -> float | None:
+    """For an integer `tensor`, the factor its sum takes afterwards when it is scaled here
+    (see `ringplug.core.ops.integer_scaling`), else None."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _INTEGERS:
+        return None
+    try:
+        reduce_op = as_op(op)
+    except ValueError:
+        return None  # the core refuses it, on every rank
+    return integer_scaling(reduce_op, prescale, postscale, runtime.size())
+
+
+def _scaled_here(works: list[torch.Tensor], op: Any, prescale: float, postscale: float) -> tuple:
+    """(op, prescale, postscale, factor after) for the core. Integers with Average or scale
+    factors are summed by the core and scaled here, as ringplug.tensorflow and Horovod do:
+    `works` (this rank's, to be reduced in place) by `prescale` now, the sum by the factor
+    after; that factor is None where the core scales."""
+    after = _integer_factor(works[0], op, prescale, postscale)
+    if after is None:
+        return op, prescale, postscale, None
+    for work in works:
+        _truncated(work, prescale)
+    return Sum, 1.0, 1.0, after
+
+
+def _truncated(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """`tensor` times `factor` in place, in float64 and truncated toward zero."""
+    if factor != 1.0:
+        with torch.no_grad():
+            tensor.copy_(tensor.to(torch.float64).mul_(factor))
+    return tensor
 
 
 def allreduce(
@@ -290,17 +378,21 @@ def grouped_allreduce_async_(
         core.reject(
             TypeError("grouped_allreduce_ needs tensors of one dtype; group them by dtype."), name
         )
+    on_gpu = _on_gpu(tensors, "grouped_allreduce_", name)
     works = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+    op, prescale, postscale, after = _scaled_here(works, op, prescale_factor, postscale_factor)
 
     def write_back(_: Any) -> list[torch.Tensor]:
         with torch.no_grad():
             for tensor, work in zip(tensors, works, strict=True):
+                if after is not None:
+                    _truncated(work, after)
                 if work.data_ptr() != tensor.data_ptr():
                     tensor.copy_(work)
         return tensors
 
-    if _on_gpu(tensors, "grouped_allreduce_", name):
-        return _device_allreduce(works, op, name, prescale_factor, postscale_factor, write_back)
+    if on_gpu:
+        return _device_allreduce(works, op, name, prescale, postscale, write_back)
     arrays = [as_numpy(work)[0] for work in works]
     handle = core.grouped_allreduce_async(
         arrays,
@@ -308,8 +400,8 @@ def grouped_allreduce_async_(
         out=arrays,
         name=name,
         dtype=as_numpy(works[0])[1],
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
+        prescale_factor=prescale,
+        postscale_factor=postscale,
     )
     return TensorHandle(handle, write_back)
 
@@ -568,6 +660,11 @@ def reducescatter_async(
     (earlier ranks get a row more when the rows do not divide)."""
     _check(tensor, "reducescatter", name)
     work = tensor.detach().contiguous()
+    after = _integer_factor(tensor, op, prescale_factor, postscale_factor)
+    if after is not None:  # scaled here, as `allreduce` does
+        work = _truncated(_copy(work), prescale_factor)
+        handle = reducescatter_async(work, Sum, name=name)
+        return TensorHandle(handle, lambda block: _truncated(block, after))
     scales = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
     if work.is_cuda:
         if work.dim() == 0:
