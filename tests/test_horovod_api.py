@@ -117,6 +117,9 @@ def test_a_horovod_keras_script_with_its_callbacks_runs_on_keras_3(run):
         assert rates == pytest.approx(warmup + [lr] * steps + [lr * 0.1] * steps)
         assert report["logged_lr"] == pytest.approx([lr * 3 / 4, lr, lr, lr * 0.1])
         assert report["config_round_trip"] and report["sparse_as_dense_identical"]
+        # 2 ranks: 0 + 1, rank 1's value + 1; (-3 - 4) / 2 truncated toward zero, not floored.
+        assert report["in_tf_function"] == [1.0, 2.0]
+        assert report["integer_average"] == [-3, 7]
 
 
 def test_horovod_tensorflow_eagerly_in_tf_function_and_in_a_graph_session(run):

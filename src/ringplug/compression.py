@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -58,3 +59,14 @@ def _cast(tensor: Any, dtype: Any) -> Any:
     if framework == "tensorflow":
         return sys.modules["tensorflow"].cast(tensor, dtype)
     return tensor.astype(dtype)
+
+
+def compressed(
+    compression: Any, tensors: Sequence[Any], collective: Callable[[list[Any]], Sequence[Any]]
+) -> list[Any]:
+    """`collective` (one result per tensor it is given) run on `tensors` as `compression`
+    sends them, each result decompressed. `compression` is a `Compression` or any object
+    with Horovod's ``compress`` and ``decompress``."""
+    packed = [compression.compress(tensor) for tensor in tensors]
+    results = collective([sent for sent, _ in packed])
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]

@@ -93,6 +93,18 @@ def main(outdir: Path) -> None:
     table = np.asarray(embedder.weights[0])
     tables = np.asarray(hvd.allgather(table[None]))
     report["sparse_as_dense_identical"] = bool(all(np.array_equal(t, tables[0]) for t in tables))
+    # The collectives on backend tensors, inside a tf.function too (a custom train step),
+    # integers averaged as Horovod does (truncated toward zero).
+    import tensorflow as tf
+
+    @tf.function
+    def step(value: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        return hvd.allreduce(value, op=hvd.Sum), hvd.broadcast(value + 1.0, root_rank=1)
+
+    summed, broadcast = step(tf.constant([float(hvd.rank())]))
+    report["in_tf_function"] = [float(summed[0]), float(broadcast[0])]
+    integers = hvd.allreduce(np.array([-3 - hvd.rank(), 7], np.int32))
+    report["integer_average"] = np.asarray(integers).tolist()
     (outdir / f"keras-{hvd.rank()}.json").write_text(json.dumps(report))
 
 

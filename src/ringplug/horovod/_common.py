@@ -59,9 +59,7 @@ Product = ReduceOp.PRODUCT
 
 
 class _Adasum:
-    """Horovod's Adasum op, which ringplug does not implement."""
-
-    name = "ADASUM"
+    """Horovod's Adasum op, which ringplug does not implement (`resolve_op` refuses it)."""
 
     def __repr__(self) -> str:
         return "Adasum"
@@ -69,11 +67,20 @@ class _Adasum:
 
 Adasum = _Adasum()
 
+_NO_PROCESS_SETS = (
+    "ringplug has no process sets: every collective runs over all ranks. Leave "
+    "process_set at its default (hvd.global_process_set)."
+)
 
-class _GlobalProcessSet:
-    """All ranks: the only process set ringplug has."""
+
+class ProcessSet:
+    """Horovod's process sets: ringplug has one, `global_process_set` (all ranks), and
+    refuses to make others."""
 
     process_set_id = 0
+
+    def __init__(self, ranks: Any = None) -> None:
+        raise NotImplementedError(_NO_PROCESS_SETS)
 
     def size(self) -> int:
         return core.size()
@@ -88,19 +95,7 @@ class _GlobalProcessSet:
         return "ProcessSet(global)"
 
 
-global_process_set = _GlobalProcessSet()
-
-_NO_PROCESS_SETS = (
-    "ringplug has no process sets: every collective runs over all ranks. Leave "
-    "process_set at its default (hvd.global_process_set)."
-)
-
-
-class ProcessSet:
-    """Horovod's process sets, which ringplug refuses (every collective spans all ranks)."""
-
-    def __init__(self, ranks: Any = None) -> None:
-        raise NotImplementedError(_NO_PROCESS_SETS)
+global_process_set = object.__new__(ProcessSet)  # the one there is, not made by __init__
 
 
 def add_process_set(process_set: Any) -> None:
@@ -108,9 +103,7 @@ def add_process_set(process_set: Any) -> None:
     raise NotImplementedError(_NO_PROCESS_SETS)
 
 
-def remove_process_set(process_set: Any) -> None:
-    """Refused: ringplug has no process sets."""
-    raise NotImplementedError(_NO_PROCESS_SETS)
+remove_process_set = add_process_set
 
 
 def check_process_set(process_set: Any) -> None:
@@ -152,24 +145,17 @@ cross_size = core.cross_size
 cross_rank = core.cross_rank
 
 
-def mpi_threads_supported() -> bool:
-    return True  # ringplug runs MPI at THREAD_MULTIPLE
-
-
-def mpi_enabled() -> bool:
+def _yes() -> bool:
     return True
 
 
-def mpi_built() -> bool:
-    return True
-
-
-def gloo_enabled() -> bool:
+def _no() -> bool:
     return False
 
 
-def gloo_built() -> bool:
-    return False
+# What this build has: MPI (at THREAD_MULTIPLE); no Gloo, ROCm, oneCCL or IBM DDL.
+mpi_built = mpi_enabled = mpi_threads_supported = _yes
+gloo_built = gloo_enabled = rocm_built = ccl_built = ddl_built = _no
 
 
 def nccl_built() -> int:
@@ -185,18 +171,6 @@ def nccl_built() -> int:
 def cuda_built() -> bool:
     """Whether CUDA tensors can be reduced here (an NCCL library is found)."""
     return nccl_built() > 0
-
-
-def rocm_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False  # no oneCCL
-
-
-def ddl_built() -> bool:
-    return False  # no IBM DDL
 
 
 def is_homogeneous() -> bool:

@@ -7,8 +7,7 @@ What ringplug does not support raises with the reason: Adasum, process sets othe
 the global one.
 
 What this module adds is where Horovod's semantics differ from ``ringplug.torch``'s:
-`Average` and scale factors work on integer tensors (scaled in float64, truncated toward
-zero); `alltoall` returns only the tensor when no splits are given, and int32 counts;
+`alltoall` returns only the tensor when no splits are given, and int32 counts;
 allgather's and broadcast's gradients are the average of the ranks' gradients (ringplug's
 are the sum) and reducescatter's ``size`` times ringplug's; allgather and broadcast fail
 while a rank has joined; an async operation's name stays taken until its handle is
@@ -25,8 +24,7 @@ from typing import Any
 import torch
 
 from .. import core
-from ..compression import Compression
-from ..core.ops import ReduceOp
+from ..compression import Compression, compressed
 from ..torch import collectives as rt
 from ..torch import optimizer as _optimizer
 from ..torch import state as _state
@@ -36,25 +34,40 @@ from . import torch_elastic as elastic  # Horovod's hvd.elastic
 from ._common import *  # noqa: F403 - Horovod's basics, re-exported
 from ._common import Average, check_process_set, global_process_set, resolve_op
 from ._common import __all__ as _BASICS
-from ._torch_state import broadcast_optimizer_state
+from .torch_elastic import broadcast_optimizer_state
 
 _Tensors = Sequence[torch.Tensor]
-
-# The names of the asynchronous operations whose handles the program has not synchronized
-# (nor seen done with `poll`), per engine and kind: ``(id(engine), "allreduce", name)``.
-# As in Horovod, two operations of one kind and name may not be in flight together; here
-# "in flight" lasts until the program has seen the first one end, not until the engine ran
-# it, so that submitting a name twice fails the same way on every rank whatever the timing.
-_unsynchronized: set[tuple[int, str, str]] = set()
-_unsynchronized_lock = threading.Lock()
+_SET = global_process_set  # the default of every process_set
 
 
 class Handle:
     """Horovod's handle on an operation in flight, for `poll()` and `synchronize()`: a
-    ``ringplug.torch.TensorHandle`` whose name stays taken until the program sees it end."""
+    ``ringplug.torch.TensorHandle`` whose name stays taken until the program sees it end.
 
-    def __init__(self, parts: rt.TensorHandle, claim: tuple[int, str, str] | None) -> None:
-        self._parts, self._claim = parts, claim
+    As in Horovod, two operations of one kind and name may not be in flight together; here
+    "in flight" lasts until the program has seen the first one end (not until the engine ran
+    it), so that a name submitted twice fails the same way on every rank whatever the timing.
+    """
+
+    _taken: set[tuple[int, str, str]] = set()  # (engine, kind, name) not seen ending yet
+    _lock = threading.Lock()
+
+    def __init__(self, kind: str, name: str | None, start: Callable[[], Any]) -> None:
+        self._claim = None if name is None else (id(core.runtime.engine()), kind, name)
+        with Handle._lock:
+            if self._claim in Handle._taken:
+                raise ValueError(
+                    f"hvd.{kind}: an operation named {name!r} is still in flight on rank "
+                    f"{core.rank()}: synchronize its handle (or poll it until done) before "
+                    "submitting the same name again, or give each tensor its own name."
+                )
+            if self._claim is not None:
+                Handle._taken.add(self._claim)
+        try:
+            self._parts = start()
+        except BaseException:
+            self._release()
+            raise
 
     def done(self) -> bool:
         if self._parts.done():
@@ -69,141 +82,29 @@ class Handle:
             self._release()
 
     def _release(self) -> None:
-        if self._claim is not None:
-            with _unsynchronized_lock:
-                _unsynchronized.discard(self._claim)
-            self._claim = None
-
-
-def _claimed(kind: str, name: str | None, start: Callable[[], rt.TensorHandle]) -> Handle:
-    """`start()` the asynchronous `kind` operation named `name`, refusing the name while an
-    earlier one of that kind has not been synchronized."""
-    if name is None:
-        return Handle(start(), None)
-    key = (id(core.runtime.engine()), kind, name)
-    with _unsynchronized_lock:
-        if key in _unsynchronized:
-            raise ValueError(
-                f"hvd.{kind}: an operation named {name!r} is still in flight on rank "
-                f"{core.rank()}: synchronize its handle (or poll it until done) before "
-                "submitting the same name again, or give each tensor its own name."
-            )
-        _unsynchronized.add(key)
-    try:
-        return Handle(start(), key)
-    except BaseException:
-        with _unsynchronized_lock:
-            _unsynchronized.discard(key)
-        raise
+        with Handle._lock:
+            Handle._taken.discard(self._claim)
+        self._claim = None
 
 
 # ---------------------------------------------------------------------------- Horovod's ways
-def _integer_scale(tensors: list[Any], op: ReduceOp, pre: float, post: float) -> float | None:
-    """What to scale the sum by afterwards when Horovod scales integer `tensors` itself
-    (Average, or Sum with scale factors), else None: ringplug refuses them. Horovod scales
-    in float64 and truncates toward zero, each rank's values by `pre` before the sum."""
-    first = tensors[0] if tensors else None
-    if not isinstance(first, torch.Tensor) or first.is_floating_point() or first.is_complex():
-        return None
-    if first.dtype is torch.bool or op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        return None
-    if op is ReduceOp.SUM and pre == post == 1.0:
-        return None
-    return post / core.size() if op is ReduceOp.AVERAGE else post
-
-
-def _truncated(tensor: torch.Tensor, factor: float, out: torch.Tensor | None = None) -> Any:
-    """`tensor` times `factor`, in float64 and truncated toward zero, into `out` (default:
-    a new tensor)."""
-    scaled = (tensor.detach().to(torch.float64) * factor).to(tensor.dtype)
-    if out is None:
-        return scaled
-    with torch.no_grad():
-        return out.copy_(scaled)
+def _reduction(
+    average: Any, op: Any, process_set: Any, name: Any, prescale: float, postscale: float
+) -> dict[str, Any]:
+    """ringplug.torch's keyword arguments for Horovod's reduction arguments."""
+    check_process_set(process_set)
+    return {
+        "op": resolve_op(average, op),
+        "name": name,
+        "prescale_factor": prescale,
+        "postscale_factor": postscale,
+    }
 
 
 def _copy(tensor: Any) -> Any:
     if not isinstance(tensor, torch.Tensor):
         return tensor  # refused by ringplug.torch, on every rank
     return tensor.detach().clone(memory_format=torch.contiguous_format)
-
-
-# ringplug.torch's forms of Horovod's reductions: async on one tensor, async grouped (an
-# allreduce's in place, a reducescatter's into new blocks), then the differentiable ones.
-_FORMS = {
-    "allreduce": (
-        rt.allreduce_async_,
-        rt.grouped_allreduce_async_,
-        rt.allreduce,
-        rt.grouped_allreduce,
-    ),
-    "reducescatter": (
-        rt.reducescatter_async,
-        rt.grouped_reducescatter_async,
-        rt.reducescatter,
-        rt.grouped_reducescatter,
-    ),
-}
-
-
-def _reduce_async(
-    kind: str,
-    tensors: Any,
-    op: ReduceOp,
-    name: Any,
-    scales: tuple,
-    grouped: bool,
-    in_place: bool = False,
-) -> rt.TensorHandle:
-    """Start Horovod's (grouped) `kind`, with Horovod's integer scaling around it; an
-    allreduce works on `tensors` when `in_place`, else on copies."""
-    one, group = _FORMS[kind][:2]
-
-    def start(works: list, op: ReduceOp, pre: float, post: float) -> rt.TensorHandle:
-        kwargs = {"name": name, "prescale_factor": pre, "postscale_factor": post}
-        return group(works, op, **kwargs) if grouped else one(works[0], op, **kwargs)
-
-    tensors = list(tensors)
-    after = _integer_scale(tensors, op, *scales)
-    if after is None:
-        copy = kind == "allreduce" and not in_place  # a reducescatter leaves its input alone
-        return start([_copy(t) for t in tensors] if copy else tensors, op, *scales)
-    works = [_truncated(t, scales[0], t if in_place else None) for t in tensors]
-
-    def finish(result: Any) -> Any:
-        for tensor in _listed(result):
-            _truncated(tensor, after, tensor)
-        return result
-
-    return rt.TensorHandle(start(works, ReduceOp.SUM, 1.0, 1.0), finish)
-
-
-def _reduced(
-    kind: str,
-    tensors: Any,
-    op: ReduceOp,
-    name: Any,
-    compression: Any,
-    scales: tuple,
-    grouped: bool,
-) -> list[torch.Tensor]:
-    """Horovod's (grouped) `kind` into new tensors, differentiable (a reducescatter's
-    gradient is ``size`` times ringplug.torch's)."""
-    one, group = _FORMS[kind][2:]
-
-    def reduce(sent: list) -> list:
-        if _integer_scale(sent, op, *scales) is not None:  # integers: never on the graph
-            return _listed(_reduce_async(kind, sent, op, name, scales, grouped).wait())
-        if kind == "reducescatter":
-            sent = _graded(sent, times=core.size())
-        kwargs = {"name": name, "prescale_factor": scales[0], "postscale_factor": scales[1]}
-        return group(sent, op, **kwargs) if grouped else [one(sent[0], op, **kwargs)]
-
-    return _compressed(compression, tensors, reduce)
-
-
-def _listed(result: Any) -> list:
-    return result if isinstance(result, list) else [result]
 
 
 class _ScaledGradient(torch.autograd.Function):
@@ -232,18 +133,6 @@ def _graded(tensors: list, times: int = 1, over: int = 1) -> list:
     ]
 
 
-def _op(average: bool | None, op: Any, process_set: Any) -> ReduceOp:
-    check_process_set(process_set)
-    return resolve_op(average, op)
-
-
-def _compressed(compression: Any, tensors: Any, reduce: Callable[[list], list]) -> list:
-    """``reduce`` of the compressed `tensors`, decompressed."""
-    packed = [compression.compress(t) for t in tensors]
-    results = reduce([sent for sent, _ in packed])
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
-
-
 # ---------------------------------------------------------------------------- allreduce
 def allreduce(
     tensor: torch.Tensor,
@@ -253,12 +142,11 @@ def allreduce(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> torch.Tensor:
     """The reduction of `tensor` over every rank, as a new tensor (differentiable)."""
-    scales = (prescale_factor, postscale_factor)
-    reduce_op = _op(average, op, process_set)
-    return _reduced("allreduce", [tensor], reduce_op, name, compression, scales, False)[0]
+    kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
+    return compressed(compression, [tensor], lambda sent: [rt.allreduce(*sent, **kwargs)])[0]
 
 
 def allreduce_async(
@@ -268,15 +156,11 @@ def allreduce_async(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> Handle:
     """Start `allreduce`; `synchronize(handle)` returns the result (the input is not changed)."""
-    scales, reduce_op = (prescale_factor, postscale_factor), _op(average, op, process_set)
-    return _claimed(
-        "allreduce",
-        name,
-        lambda: _reduce_async("allreduce", [tensor], reduce_op, name, scales, False, False),
-    )
+    kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
+    return Handle("allreduce", name, lambda: rt.allreduce_async(tensor, **kwargs))
 
 
 def allreduce_(
@@ -286,7 +170,7 @@ def allreduce_(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> torch.Tensor:
     """`allreduce` in place; returns `tensor`."""
     return allreduce_async_(
@@ -301,15 +185,11 @@ def allreduce_async_(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> Handle:
     """Start `allreduce_` (in place); `synchronize(handle)` returns `tensor`."""
-    scales, reduce_op = (prescale_factor, postscale_factor), _op(average, op, process_set)
-    return _claimed(
-        "allreduce",
-        name,
-        lambda: _reduce_async("allreduce", [tensor], reduce_op, name, scales, False, True),
-    )
+    kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
+    return Handle("allreduce", name, lambda: rt.allreduce_async_(tensor, **kwargs))
 
 
 def grouped_allreduce(
@@ -320,12 +200,11 @@ def grouped_allreduce(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> list[torch.Tensor]:
     """Several tensors reduced as one request; returns new tensors (differentiable)."""
-    scales = (prescale_factor, postscale_factor)
-    reduce_op = _op(average, op, process_set)
-    return _reduced("allreduce", tensors, reduce_op, name, compression, scales, True)
+    kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
+    return compressed(compression, tensors, lambda sent: rt.grouped_allreduce(sent, **kwargs))
 
 
 def grouped_allreduce_async(
@@ -335,15 +214,12 @@ def grouped_allreduce_async(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> Handle:
     """Start `grouped_allreduce`; `synchronize(handle)` returns the new tensors."""
-    scales, reduce_op = (prescale_factor, postscale_factor), _op(average, op, process_set)
-    return _claimed(
-        "grouped_allreduce",
-        name,
-        lambda: _reduce_async("allreduce", tensors, reduce_op, name, scales, True, False),
-    )
+    kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
+    copies = [_copy(t) for t in tensors]
+    return Handle("grouped_allreduce", name, lambda: rt.grouped_allreduce_async_(copies, **kwargs))
 
 
 def grouped_allreduce_(
@@ -353,7 +229,7 @@ def grouped_allreduce_(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> list[torch.Tensor]:
     """`grouped_allreduce` in place; returns `tensors`."""
     return grouped_allreduce_async_(
@@ -368,48 +244,26 @@ def grouped_allreduce_async_(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> Handle:
     """Start `grouped_allreduce_` (in place); `synchronize(handle)` returns `tensors`."""
-    scales, reduce_op = (prescale_factor, postscale_factor), _op(average, op, process_set)
-    return _claimed(
-        "grouped_allreduce",
-        name,
-        lambda: _reduce_async("allreduce", tensors, reduce_op, name, scales, True, True),
-    )
+    kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
+    return Handle("grouped_allreduce", name, lambda: rt.grouped_allreduce_async_(tensors, **kwargs))
 
 
 def sparse_allreduce_async(
-    tensor: torch.Tensor, name: str, op: Any, process_set: Any = global_process_set
+    tensor: torch.Tensor, name: str, op: Any, process_set: Any = _SET
 ) -> Callable[[], torch.Tensor]:
-    """Reduce a sparse COO tensor by gathering every rank's indices and values; returns a
-    function that waits and gives the reduced sparse tensor (Horovod's form)."""
+    """Reduce a sparse COO tensor (`ringplug.torch.allreduce_async` gathers every rank's
+    indices and values); returns a function that waits and gives the result (Horovod's
+    form)."""
     check_process_set(process_set)
-    reduce_op = resolve_op(None, op)
-    if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise ValueError("sparse_allreduce_async reduces with Sum or Average.")
-    sparse = tensor.coalesce()
-    # Rows of the gathered indices are the nonzeros, so transpose to gather along them.
-    gathered = rt.TensorHandle(
-        [
-            rt.allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices"),
-            rt.allgather_async(sparse.values().contiguous(), name=f"{name}.values"),
-        ],
-        list,
-    )
-
-    def wait() -> torch.Tensor:
-        indices, values = gathered.wait()
-        if reduce_op is ReduceOp.AVERAGE:
-            values = values / core.size()
-        return torch.sparse_coo_tensor(indices.t(), values, tensor.size(), check_invariants=True)
-
-    return wait
+    return rt.allreduce_async(tensor, resolve_op(None, op), name=name).wait
 
 
 # ---------------------------------------------------------------------------- allgather
 def allgather(
-    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = _SET
 ) -> torch.Tensor:
     """Every rank's `tensor` concatenated on the first dimension (which may differ);
     differentiable (each rank's rows get the average of the ranks' gradients for them)."""
@@ -419,19 +273,17 @@ def allgather(
 
 
 def allgather_async(
-    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = _SET
 ) -> Handle:
     """Start `allgather`; `synchronize(handle)` returns the gathered tensor."""
     check_process_set(process_set)
-    return _claimed(
+    return Handle(
         "allgather", name, lambda: rt.allgather_async(tensor, name=name, refuse_joined=True)
     )
 
 
 def grouped_allgather(
-    tensors: _Tensors,
-    name: str | None = None,
-    process_set: Any = global_process_set,
+    tensors: _Tensors, name: str | None = None, process_set: Any = _SET
 ) -> list[torch.Tensor]:
     """`allgather` of several tensors started together; returns the gathered tensors
     (differentiable)."""
@@ -441,13 +293,11 @@ def grouped_allgather(
 
 
 def grouped_allgather_async(
-    tensors: _Tensors,
-    name: str | None = None,
-    process_set: Any = global_process_set,
+    tensors: _Tensors, name: str | None = None, process_set: Any = _SET
 ) -> Handle:
     """Start `grouped_allgather`; `synchronize(handle)` returns the list."""
     check_process_set(process_set)
-    return _claimed(
+    return Handle(
         "grouped_allgather",
         name,
         lambda: rt.grouped_allgather_async(list(tensors), name=name, refuse_joined=True),
@@ -456,10 +306,7 @@ def grouped_allgather_async(
 
 # ---------------------------------------------------------------------------- broadcast
 def broadcast(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: Any = global_process_set,
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = _SET
 ) -> torch.Tensor:
     """Root's `tensor` on every rank, as a new tensor (differentiable: root's gets the
     average of the ranks' gradients, the others' zero)."""
@@ -469,24 +316,18 @@ def broadcast(
 
 
 def broadcast_(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: Any = global_process_set,
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = _SET
 ) -> torch.Tensor:
     """Overwrite `tensor` with root's on every rank; returns `tensor`."""
     return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
 def broadcast_async(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: Any = global_process_set,
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = _SET
 ) -> Handle:
     """Start `broadcast`; `synchronize(handle)` returns root's tensor (a new one)."""
     check_process_set(process_set)
-    return _claimed(
+    return Handle(
         "broadcast",
         name,
         lambda: rt.broadcast_async(tensor, root_rank, name=name, refuse_joined=True),
@@ -494,14 +335,11 @@ def broadcast_async(
 
 
 def broadcast_async_(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: Any = global_process_set,
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = _SET
 ) -> Handle:
     """Start `broadcast_` (in place); `synchronize(handle)` returns `tensor`."""
     check_process_set(process_set)
-    return _claimed(
+    return Handle(
         "broadcast",
         name,
         lambda: rt.broadcast_async_(tensor, root_rank, name=name, refuse_joined=True),
@@ -517,7 +355,7 @@ def alltoall(
     tensor: torch.Tensor,
     splits: Sequence[int] | torch.Tensor | None = None,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> Any:
     """Rows ``splits[i]`` of `tensor` to rank i (an even split without `splits`).
 
@@ -533,11 +371,11 @@ def alltoall_async(
     tensor: torch.Tensor,
     splits: Sequence[int] | torch.Tensor | None = None,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> Handle:
     """Start `alltoall`; `synchronize(handle)` returns (received rows, received counts)."""
     check_process_set(process_set)
-    return _claimed(
+    return Handle(
         "alltoall",
         name,
         lambda: rt.TensorHandle(rt.alltoall_async(tensor, splits, name=name), _int32_counts),
@@ -550,31 +388,31 @@ def reducescatter(
     name: str | None = None,
     compression: Any = Compression.none,
     op: Any = Average,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     """This rank's block of rows of the reduction (earlier ranks get a row more when the
     rows do not divide); differentiable."""
-    scales, reduce_op = (prescale_factor, postscale_factor), _op(None, op, process_set)
-    return _reduced("reducescatter", [tensor], reduce_op, name, compression, scales, False)[0]
+    kwargs = _reduction(None, op, process_set, name, prescale_factor, postscale_factor)
+
+    def reduce(sent: list) -> list:  # Horovod's gradient: `size` times ringplug.torch's
+        return [rt.reducescatter(*_graded(sent, times=core.size()), **kwargs)]
+
+    return compressed(compression, [tensor], reduce)[0]
 
 
 def reducescatter_async(
     tensor: torch.Tensor,
     name: str | None = None,
     op: Any = Average,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start `reducescatter`; `synchronize(handle)` returns this rank's block."""
-    scales, reduce_op = (prescale_factor, postscale_factor), _op(None, op, process_set)
-    return _claimed(
-        "reducescatter",
-        name,
-        lambda: _reduce_async("reducescatter", [tensor], reduce_op, name, scales, False),
-    )
+    kwargs = _reduction(None, op, process_set, name, prescale_factor, postscale_factor)
+    return Handle("reducescatter", name, lambda: rt.reducescatter_async(tensor, **kwargs))
 
 
 def grouped_reducescatter(
@@ -582,51 +420,51 @@ def grouped_reducescatter(
     name: str | None = None,
     compression: Any = Compression.none,
     op: Any = Average,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     """`reducescatter` of several tensors started together; returns this rank's blocks
     (differentiable)."""
-    scales, reduce_op = (prescale_factor, postscale_factor), _op(None, op, process_set)
-    return _reduced("reducescatter", tensors, reduce_op, name, compression, scales, True)
+    kwargs = _reduction(None, op, process_set, name, prescale_factor, postscale_factor)
+
+    def reduce(sent: list) -> list:  # Horovod's gradient: `size` times ringplug.torch's
+        return rt.grouped_reducescatter(_graded(sent, times=core.size()), **kwargs)
+
+    return compressed(compression, tensors, reduce)
 
 
 def grouped_reducescatter_async(
     tensors: _Tensors,
     name: str | None = None,
     op: Any = Average,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start `grouped_reducescatter`; `synchronize(handle)` returns the blocks."""
-    scales, reduce_op = (prescale_factor, postscale_factor), _op(None, op, process_set)
-    return _claimed(
-        "grouped_reducescatter",
-        name,
-        lambda: _reduce_async("reducescatter", tensors, reduce_op, name, scales, True),
+    kwargs = _reduction(None, op, process_set, name, prescale_factor, postscale_factor)
+    return Handle(
+        "grouped_reducescatter", name, lambda: rt.grouped_reducescatter_async(tensors, **kwargs)
     )
 
 
 # ---------------------------------------------------------------------------- the rest
 def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = _SET
 ) -> Any:
     """Root's picklable `obj` (tensors included) on every rank."""
     check_process_set(process_set)
     return _state.broadcast_object(obj, root_rank, name=name)
 
 
-def allgather_object(
-    obj: Any, name: str | None = None, process_set: Any = global_process_set
-) -> list[Any]:
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = _SET) -> list[Any]:
     """Every rank's picklable `obj`, as a list in rank order."""
     check_process_set(process_set)
     return _state.allgather_object(obj, name=name)
 
 
-def barrier(process_set: Any = global_process_set) -> None:
+def barrier(process_set: Any = _SET) -> None:
     """Wait until every rank has called barrier."""
     check_process_set(process_set)
     core.barrier()
@@ -674,7 +512,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     num_groups: int = 0,
     groups: Any = None,
     sparse_as_dense: bool = False,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> torch.optim.Optimizer:
     """Horovod's DistributedOptimizer: `ringplug.torch.DistributedOptimizer` underneath
     (gradients reduced in fused buckets while backward runs; `synchronize()` and

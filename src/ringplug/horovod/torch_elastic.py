@@ -1,27 +1,63 @@
 """``hvd.elastic`` of ``ringplug.horovod.torch``: Horovod's ``horovod.torch.elastic``
 (`run`, `TorchState`, `ElasticSampler`), which is `ringplug.elastic` and
-`ringplug.torch.elastic` under Horovod's names, with Horovod's optimizer broadcast.
+`ringplug.torch.elastic` under Horovod's names, with Horovod's optimizer broadcast
+(``hvd.broadcast_optimizer_state``, defined here for both).
 
 Run a script as ``ringrun -np 3 --min-np 2 --max-restarts 2 python train.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import torch
 
 from ..data import ElasticSampler
-from ..elastic import HostsUpdatedInterrupt, ObjectState, State
-from ..elastic import run as _run
+from ..elastic import HostsUpdatedInterrupt, ObjectState, State, run
 from ..torch import elastic as _torch
-from ._torch_state import broadcast_optimizer_state
+from ..torch import optimizer as _optimizer
+from ..torch.state import broadcast_optimizer_state as _broadcast_optimizer_state
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
 
 
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``hvd.elastic.run``: see `ringplug.elastic.run`."""
-    return _run(func)
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None
+) -> None:
+    """Give every rank root's optimizer state and hyperparameters.
+
+    As Horovod, an optimizer that has not stepped yet first takes one step with zero
+    gradients on every rank (without reducing them), so that its state exists; the
+    parameters that do not require grad are left without a gradient.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "broadcast_optimizer_state cannot broadcast torch.optim.LBFGS state; "
+            "build it the same way on every rank instead."
+        )
+    if not optimizer.state:
+        sparse = _sparse_parameters(model)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+                    if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
+                        p.grad = p.grad.to_sparse()
+        # The wrapped optimizer's own step: a DistributedOptimizer's would reduce.
+        if isinstance(optimizer, _optimizer._Distributed):
+            super(_optimizer._Distributed, optimizer).step()
+        else:
+            optimizer.step()
+    _broadcast_optimizer_state(optimizer, root_rank)
+
+
+def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
+    if model is None:
+        return set()
+    return {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and m.sparse
+        for p in m.parameters()
+    }
 
 
 class TorchState(_torch.TorchState):

@@ -133,8 +133,12 @@ class RingBroadcast(keras.callbacks.Callback):
         optimizer = model.optimizer
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        broadcast_variables(list(model.weights) + list(optimizer.variables), self.root_rank)
+        broadcast_variables(self._state_variables(), self.root_rank)
         self._done = True
+
+    def _state_variables(self) -> list[Any]:
+        """What root gives every rank: the model's weights and the optimizer's variables."""
+        return list(self.model.weights) + list(self.model.optimizer.variables)
 
 
 def _iterations(optimizer: Any) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import numpy as np
 
 from ... import core
 from ...compression import Compression
@@ -30,6 +31,8 @@ from .._common import (
 )
 from .._common import __all__ as _BASICS
 from . import callbacks, elastic
+
+_SET = global_process_set  # the default of every process_set
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -55,7 +58,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     average_aggregated_gradients: bool = False,
     num_groups: int = 0,
     groups: Any = None,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> keras.optimizers.Optimizer:
     """Average gradients over ranks before each update (ringplug.keras's optimizer: one
     fused reduction per step, before clipping; safe under mixed precision)."""
@@ -64,12 +67,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         raise NotImplementedError(
             "ringplug.horovod.keras does not implement gradient_predivide_factor; leave it at 1.0."
         )
-    fp16 = compression == Compression.fp16 or getattr(compression, "is_fp16", False)
     return _DistributedOptimizer(
-        optimizer,
-        op=resolve_op(None, op),
-        backward_passes_per_step=backward_passes_per_step,
-        compression="fp16" if fp16 else None,
+        optimizer, resolve_op(None, op), backward_passes_per_step, compression
     )
 
 
@@ -85,7 +84,7 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
     groups: Any = None,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
     local_layers: Any = None,
     scale_local_gradients: bool = True,
 ) -> keras.optimizers.Optimizer:
@@ -93,10 +92,13 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
     (each rank trains its own copy of those layers; divided by the number of ranks with
     `scale_local_gradients`, as Horovod); the others are averaged."""
     distributed = DistributedOptimizer(
-        optimizer, compression=compression, op=op, process_set=process_set,
+        optimizer,
+        compression=compression,
+        op=op,
+        process_set=process_set,
         gradient_predivide_factor=gradient_predivide_factor,
         backward_passes_per_step=backward_passes_per_step,
-    )  # fmt: skip
+    )
     _set_local_variables(
         distributed,
         local_layers_variables(local_layers),
@@ -137,16 +139,23 @@ def broadcast_global_variables(root_rank: int) -> None:
     )
 
 
-def broadcast_variables(
-    variables: Any, root_rank: int, process_set: Any = global_process_set
-) -> None:
+def broadcast_variables(variables: Any, root_rank: int, process_set: Any = _SET) -> None:
     """Assign root's values to `variables` on every rank."""
     check_process_set(process_set)
     _broadcast_variables(list(variables), root_rank)
 
 
-def _tensor(value: Any) -> Any:
-    return keras.ops.convert_to_numpy(value)
+def _collective(kind: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+    """`kind` of the backend tensor `value` by the backend's adapter (`ringplug.tensorflow`,
+    inside ``tf.function`` too, or `ringplug.torch`), or by the core on its numpy value."""
+    tensor, backend = keras.ops.convert_to_tensor(value), keras.backend.backend()
+    if backend == "tensorflow":
+        from ... import tensorflow as adapter
+    elif backend == "torch":
+        from ... import torch as adapter
+    else:
+        return keras.ops.convert_to_tensor(getattr(core, kind)(np.asarray(tensor), *args, **kwargs))
+    return getattr(adapter, kind)(tensor, *args, **kwargs)
 
 
 def allreduce(
@@ -157,42 +166,25 @@ def allreduce(
     postscale_factor: float = 1.0,
     op: Any = None,
     compression: Any = Compression.none,
-    process_set: Any = global_process_set,
 ) -> Any:
     """The reduction of `value` over every rank, as a backend tensor."""
-    check_process_set(process_set)
-    result = core.allreduce(
-        _tensor(value),
-        resolve_op(average, op),
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-    )
-    return keras.ops.convert_to_tensor(result)
+    scales = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
+    return _collective("allreduce", value, resolve_op(average, op), name=name, **scales)
 
 
-def allgather(value: Any, name: str | None = None, process_set: Any = global_process_set) -> Any:
+def allgather(value: Any, name: str | None = None) -> Any:
     """Every rank's `value` concatenated on the first dimension (which may differ)."""
-    check_process_set(process_set)
-    return keras.ops.convert_to_tensor(core.allgather(_tensor(value), name=name))
+    return _collective("allgather", value, name=name)
 
 
-def broadcast(
-    value: Any, root_rank: int, name: str | None = None, process_set: Any = global_process_set
-) -> Any:
+def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
     """Root's `value` on every rank."""
-    check_process_set(process_set)
-    return keras.ops.convert_to_tensor(core.broadcast(_tensor(value), root_rank, name=name))
+    return _collective("broadcast", value, root_rank, name=name)
 
 
-def reducescatter(
-    value: Any, name: str | None = None, op: Any = Average, process_set: Any = global_process_set
-) -> Any:
+def reducescatter(value: Any, name: str | None = None, op: Any = Average) -> Any:
     """This rank's block of rows of the reduction of `value` over every rank."""
-    check_process_set(process_set)
-    return keras.ops.convert_to_tensor(
-        core.reducescatter(_tensor(value), resolve_op(None, op), name=name)
-    )
+    return _collective("reducescatter", value, resolve_op(None, op), name=name)
 
 
 __all__ = [

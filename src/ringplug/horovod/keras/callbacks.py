@@ -9,12 +9,7 @@ from typing import Any
 import keras
 
 from ... import core
-from ...keras.callbacks import (
-    RingBroadcast,
-    RingMetricAverage,
-    RingWarmup,
-    broadcast_variables,
-)
+from ...keras.callbacks import RingBroadcast, RingMetricAverage, RingWarmup
 from ...keras.schedule import RingSchedule
 from .._common import backend_variable
 
@@ -39,20 +34,10 @@ class BroadcastGlobalVariablesCallback(RingBroadcast):
         super().__init__(root_rank)
         self.local_variables = list(local_variables or [])
 
-    def _broadcast(self) -> None:
-        model = self.model
-        optimizer = model.optimizer
-        if not optimizer.built:
-            optimizer.build(model.trainable_variables)
+    def _state_variables(self) -> list[Any]:
         # By what holds the value: a Keras variable and its backend variable are one.
         local = {id(backend_variable(v)) for v in self.local_variables}
-        variables = [
-            v
-            for v in list(model.weights) + list(optimizer.variables)
-            if id(backend_variable(v)) not in local
-        ]
-        broadcast_variables(variables, self.root_rank)
-        self._done = True
+        return [v for v in super()._state_variables() if id(backend_variable(v)) not in local]
 
 
 class MetricAverageCallback(RingMetricAverage):

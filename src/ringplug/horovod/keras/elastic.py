@@ -10,31 +10,13 @@ from typing import Any
 
 import keras
 
-from ...keras.elastic import (
-    CommitStateCallback,
-    HostsUpdatedInterrupt,
-    KerasState,
-    ObjectState,
-    State,
-    UpdateBatchStateCallback,
-    UpdateEpochStateCallback,
-    run,
-)
+from ...keras import elastic as _elastic
+from ...keras.elastic import *  # noqa: F403 - Horovod's names are ringplug's
 
-__all__ = [
-    "CommitStateCallback",
-    "HostsUpdatedInterrupt",
-    "KerasState",
-    "ObjectState",
-    "State",
-    "TensorFlowKerasState",
-    "UpdateBatchStateCallback",
-    "UpdateEpochStateCallback",
-    "run",
-]
+__all__ = [*_elastic.__all__, "TensorFlowKerasState"]
 
 
-class TensorFlowKerasState(KerasState):
+class TensorFlowKerasState(_elastic.KerasState):
     """`KerasState` under the name ``horovod.tensorflow`` gives it; `backend` (Horovod's TF1
     Keras backend) is accepted and unused: Keras 3 has no session to take values from."""
 

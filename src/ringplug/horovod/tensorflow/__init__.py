@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from ... import core
 from ... import tensorflow as _tf
+from ...compression import compressed
 from ...tensorflow.tape import reduce_compressed
 from .. import _common
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
@@ -35,7 +36,7 @@ from .util import _executing_eagerly  # noqa: F401 - hvd._executing_eagerly, as 
 
 Compression = _tf.Compression
 SyncBatchNormalization = _tf.SyncBatchNormalization
-_SET = global_process_set
+_SET = global_process_set  # the default of every process_set
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -60,10 +61,8 @@ def allreduce(
     """The reduction of `tensor` (or ``tf.IndexedSlices``) over every rank; Average when no
     op is given. Differentiable."""
     check_process_set(process_set)
-    reduce_op = resolve_op(average, op)
-    return reduce_compressed(
-        [tensor], reduce_op, compression, prescale_factor, postscale_factor, name
-    )[0]
+    scales = (prescale_factor, postscale_factor)
+    return reduce_compressed([tensor], resolve_op(average, op), compression, *scales, name)[0]
 
 
 def grouped_allreduce(
@@ -81,13 +80,8 @@ def grouped_allreduce(
 ) -> list[Any]:
     """Several tensors reduced together; returns them in order. Differentiable."""
     check_process_set(process_set)
-    reduce_op = resolve_op(average, op)
-    tensors = list(tensors)
-    if not tensors:
-        return []
-    return reduce_compressed(
-        tensors, reduce_op, compression, prescale_factor, postscale_factor, name
-    )
+    scales = (prescale_factor, postscale_factor)
+    return reduce_compressed(list(tensors), resolve_op(average, op), compression, *scales, name)
 
 
 def allgather(
@@ -166,12 +160,6 @@ def alltoall(
     return (received, counts) if splits is not None else received
 
 
-def _compressed(tensors: Sequence[Any], compression: Any, reduce: Callable) -> list[Any]:
-    packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
-    blocks = reduce([c for c, _ in packed])
-    return [compression.decompress(b, ctx) for b, (_, ctx) in zip(blocks, packed, strict=True)]
-
-
 def reducescatter(
     tensor: Any,
     device_dense: str = "",
@@ -184,12 +172,9 @@ def reducescatter(
     postscale_factor: float = 1.0,
 ) -> Any:
     """This rank's block of rows of the reduction. Differentiable."""
-    check_process_set(process_set)
-    factors = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
-    return _compressed(
-        [tensor],
-        compression,
-        lambda ts: [_tf.reducescatter(ts[0], resolve_op(None, op), name=name, **factors)],
+    scales = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
+    return grouped_reducescatter(
+        [tensor], compression=compression, op=op, process_set=process_set, name=name, **scales
     )[0]
 
 
@@ -207,9 +192,9 @@ def grouped_reducescatter(
     """`reducescatter` of several tensors together; returns the blocks in order."""
     check_process_set(process_set)
     factors = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
-    return _compressed(
-        tensors,
+    return compressed(
         compression,
+        [tf.convert_to_tensor(t) for t in tensors],
         lambda ts: _tf.grouped_reducescatter(ts, resolve_op(None, op), name=name, **factors),
     )
 
@@ -257,11 +242,6 @@ def broadcast_object_fn(
     return lambda obj: core.broadcast_object(obj, root_rank, name=name)
 
 
-def _tape(gradtape: Any, process_set: Any, op: Any, **settings: Any) -> Any:
-    check_process_set(process_set)
-    return _tf.DistributedGradientTape(gradtape, op=resolve_op(None, op), **settings)
-
-
 def DistributedGradientTape(  # noqa: N802 - Horovod's name
     gradtape: tf.GradientTape,
     device_dense: str = "",
@@ -277,13 +257,13 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
 ) -> _tf.DistributedGradientTape:
     """`gradtape` as a `ringplug.tensorflow.DistributedGradientTape`: ``gradient()``
     returns gradients averaged over every rank."""
-    return _tape(
+    return PartialDistributedGradientTape(
         gradtape,
-        process_set,
-        op,
         compression=compression,
         sparse_as_dense=sparse_as_dense,
+        op=op,
         gradient_predivide_factor=gradient_predivide_factor,
+        process_set=process_set,
         scale_local_gradients=scale_local_gradients,
     )
 
@@ -304,10 +284,10 @@ def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
 ) -> _tf.DistributedGradientTape:
     """`DistributedGradientTape` that leaves the gradients of `local_layers`' variables
     local (model parallelism: each rank trains its own copy of those layers)."""
-    return _tape(
+    check_process_set(process_set)
+    return _tf.DistributedGradientTape(
         gradtape,
-        process_set,
-        op,
+        op=resolve_op(None, op),
         compression=compression,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
@@ -346,13 +326,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
 
     return _keras_optimizer(
         optimizer,
-        name=name,
         compression=compression,
-        sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
         op=op,
         backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients,
     )
 
 

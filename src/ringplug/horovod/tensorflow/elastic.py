@@ -5,14 +5,8 @@ Horovod's ``tensorflow2_mnist_elastic.py`` runs as it is under ``ringrun -np 3 -
 --max-restarts 2 python train.py``.
 """
 
-from ...tensorflow.elastic import HostsUpdatedInterrupt, ObjectState, State, TensorFlowState, run
+from ...tensorflow import elastic as _elastic
+from ...tensorflow.elastic import *  # noqa: F403 - Horovod's names are ringplug's
 from ..keras.elastic import TensorFlowKerasState
 
-__all__ = [
-    "HostsUpdatedInterrupt",
-    "ObjectState",
-    "State",
-    "TensorFlowKerasState",
-    "TensorFlowState",
-    "run",
-]
+__all__ = [*_elastic.__all__, "TensorFlowKerasState"]
