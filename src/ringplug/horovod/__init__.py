@@ -1,9 +1,4 @@
-"""Horovod's API on ringplug, for moving a Horovod training script with one import line:
-
-- ``import horovod.torch as hvd`` -> ``import ringplug.horovod.torch as hvd``
-- ``import horovod.keras as hvd`` / ``horovod.tensorflow.keras`` ->
-  ``import ringplug.horovod.keras as hvd``
-- ``horovodrun -np 4 python train.py`` -> ``ringrun -np 4 python train.py``
-
-See docs/horovod.md for what is supported and what differs.
+"""Horovod's API on ringplug: ``import ringplug.horovod.torch as hvd`` (``.keras``,
+``.tensorflow``, ``.tensorflow.keras``) in place of ``import horovod.torch as hvd``, and
+``ringrun`` in place of ``horovodrun``. docs/horovod.md lists every name and what differs.
 """

@@ -96,6 +96,7 @@ class ProcessSet:
 
 
 global_process_set = object.__new__(ProcessSet)  # the one there is, not made by __init__
+_SET = global_process_set  # the default of every process_set
 
 
 def add_process_set(process_set: Any) -> None:
@@ -183,8 +184,13 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     core.start_timeline(file_path)
 
 
-def stop_timeline() -> None:
-    core.stop_timeline()
+stop_timeline = core.stop_timeline
+
+
+def barrier(process_set: Any = _SET) -> None:
+    """Wait until every rank has called barrier (torch's and TensorFlow's, not Keras's)."""
+    check_process_set(process_set)
+    core.barrier()
 
 
 # ---------------------------------------------------------------------------- Keras and TF
@@ -195,7 +201,7 @@ def broadcast_object(
     root_rank: int = 0,
     session: Any = None,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: Any = _SET,
 ) -> Any:
     """Root's picklable `obj` on every rank (`session`: Horovod's TF1 argument, unused)."""
     check_process_set(process_set)
@@ -203,7 +209,7 @@ def broadcast_object(
 
 
 def allgather_object(
-    obj: Any, session: Any = None, name: str | None = None, process_set: Any = global_process_set
+    obj: Any, session: Any = None, name: str | None = None, process_set: Any = _SET
 ) -> list[Any]:
     """Every rank's picklable `obj`, as a list in rank order (`session`: unused)."""
     check_process_set(process_set)
@@ -216,12 +222,3 @@ def local_layers_variables(local_layers: Any) -> list[Any]:
         return []
     layers = local_layers if isinstance(local_layers, (list, tuple)) else [local_layers]
     return [variable for layer in layers for variable in layer.trainable_weights]
-
-
-def backend_variable(variable: Any) -> Any:
-    """The variable that holds `variable`'s value: a Keras 3 variable's backend variable
-    (its ``value`` property), else `variable` itself. Users name local variables by either
-    (``layer.weights`` or a tape's sources), so both must match the same one."""
-    if isinstance(getattr(type(variable), "value", None), property):
-        return variable.value
-    return variable

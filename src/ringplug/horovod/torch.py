@@ -1,17 +1,12 @@
 """Horovod's ``horovod.torch`` API on ringplug: ``import ringplug.horovod.torch as hvd``.
 
-Horovod 0.28's names and signatures over ``ringplug.torch``, which does the work: its
-collectives (differentiable), `TensorHandle`, `DistributedOptimizer`, `Compression`,
-`SyncBatchNorm` and broadcast helpers. ``hvd.elastic`` is `ringplug.horovod.torch_elastic`.
-What ringplug does not support raises with the reason: Adasum, process sets other than
-the global one.
-
-What this module adds is where Horovod's semantics differ from ``ringplug.torch``'s:
+Horovod 0.28's names and signatures over ``ringplug.torch``, which does the work. What
+this module adds is where Horovod's semantics differ from ``ringplug.torch``'s:
 `alltoall` returns only the tensor when no splits are given, and int32 counts;
 allgather's and broadcast's gradients are the average of the ranks' gradients (ringplug's
 are the sum) and reducescatter's ``size`` times ringplug's; allgather and broadcast fail
 while a rank has joined; an async operation's name stays taken until its handle is
-synchronized.
+synchronized. Adasum and process sets other than the global one are refused.
 """
 
 from __future__ import annotations
@@ -32,22 +27,18 @@ from ..torch.state import broadcast_parameters
 from ..torch.sync_batchnorm import SyncBatchNorm
 from . import torch_elastic as elastic  # Horovod's hvd.elastic
 from ._common import *  # noqa: F403 - Horovod's basics, re-exported
-from ._common import Average, check_process_set, global_process_set, resolve_op
+from ._common import _SET, Average, barrier, check_process_set, resolve_op
 from ._common import __all__ as _BASICS
 from .torch_elastic import broadcast_optimizer_state
 
 _Tensors = Sequence[torch.Tensor]
-_SET = global_process_set  # the default of every process_set
 
 
 class Handle:
     """Horovod's handle on an operation in flight, for `poll()` and `synchronize()`: a
-    ``ringplug.torch.TensorHandle`` whose name stays taken until the program sees it end.
-
-    As in Horovod, two operations of one kind and name may not be in flight together; here
-    "in flight" lasts until the program has seen the first one end (not until the engine ran
-    it), so that a name submitted twice fails the same way on every rank whatever the timing.
-    """
+    ``ringplug.torch.TensorHandle`` whose name stays taken until the program sees it end
+    (not just until the engine ran it), so that a name submitted twice while one is in
+    flight fails the same way on every rank, whatever the timing."""
 
     _taken: set[tuple[int, str, str]] = set()  # (engine, kind, name) not seen ending yet
     _lock = threading.Lock()
@@ -99,12 +90,6 @@ def _reduction(
         "prescale_factor": prescale,
         "postscale_factor": postscale,
     }
-
-
-def _copy(tensor: Any) -> Any:
-    if not isinstance(tensor, torch.Tensor):
-        return tensor  # refused by ringplug.torch, on every rank
-    return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
 class _ScaledGradient(torch.autograd.Function):
@@ -218,8 +203,7 @@ def grouped_allreduce_async(
 ) -> Handle:
     """Start `grouped_allreduce`; `synchronize(handle)` returns the new tensors."""
     kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
-    copies = [_copy(t) for t in tensors]
-    return Handle("grouped_allreduce", name, lambda: rt.grouped_allreduce_async_(copies, **kwargs))
+    return Handle("grouped_allreduce", name, lambda: rt.grouped_allreduce_async(tensors, **kwargs))
 
 
 def grouped_allreduce_(
@@ -357,11 +341,9 @@ def alltoall(
     name: str | None = None,
     process_set: Any = _SET,
 ) -> Any:
-    """Rows ``splits[i]`` of `tensor` to rank i (an even split without `splits`).
-
-    Returns the rows received, concatenated in rank order; with `splits`, a tuple of them
-    and the int32 counts received from each rank (as Horovod). Differentiable.
-    """
+    """Rows ``splits[i]`` of `tensor` to rank i (an even split without `splits`); the rows
+    received, in rank order, and with `splits` also the int32 counts received (as Horovod).
+    Differentiable."""
     check_process_set(process_set)
     received, counts = _int32_counts(rt.alltoall(tensor, splits, name=name))
     return received if splits is None else (received, counts)
@@ -464,12 +446,6 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = _SET)
     return _state.allgather_object(obj, name=name)
 
 
-def barrier(process_set: Any = _SET) -> None:
-    """Wait until every rank has called barrier."""
-    check_process_set(process_set)
-    core.barrier()
-
-
 def join(device: int = -1) -> int:
     """This rank has no more data: take part in the others' allreduces with neutral values
     until every rank has joined; returns the last rank to join. (An allgather, broadcast or
@@ -530,11 +506,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     )
     cls = distributed.__class__
     distributed.__class__ = type(cls.__name__, (_HorovodSteps, cls), {})
-    params = [p for group in distributed.param_groups for p in group["params"]]
-    given = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
-    given = given if named is None else {id(p): name for name, p in named}
     # Horovod's attribute: parameter -> the name its gradient is reduced under.
-    distributed._parameter_names = {p: given[id(p)] for p in params if id(p) in given}
+    names = distributed._ringplug_names
+    params = [p for group in distributed.param_groups for p in group["params"]]
+    distributed._parameter_names = {p: names[id(p)] for p in params if id(p) in names}
     return distributed
 
 

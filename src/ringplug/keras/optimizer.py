@@ -224,8 +224,17 @@ def _local_positions(optimizer: Any, settings: _Settings, count: int) -> set[int
     return {i for i, key in enumerate(keys) if key in settings.local}
 
 
+def backend_variable(variable: Any) -> Any:
+    """The variable that holds `variable`'s value: a Keras 3 variable's backend variable
+    (its ``value`` property), else `variable` itself. Users name local variables by either
+    (``layer.weights`` or a tape's sources), so both must match the same one."""
+    if isinstance(getattr(type(variable), "value", None), property):
+        return variable.value
+    return variable
+
+
 def _key(variable: Any) -> int:
-    return id(getattr(variable, "value", variable))
+    return id(backend_variable(variable))
 
 
 def set_local_variables(optimizer: Any, variables: list[Any], scale: float = 1.0) -> None:

@@ -406,6 +406,20 @@ def grouped_allreduce_async_(
     return TensorHandle(handle, write_back)
 
 
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp | str = Average,
+    *,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> TensorHandle:
+    """Start one allreduce of several tensors of one dtype into new tensors (the inputs are
+    not changed); `wait()` returns the list."""
+    scales = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
+    return grouped_allreduce_async_([_copy(t) for t in tensors], op, name=name, **scales)
+
+
 def grouped_allreduce_(
     tensors: Sequence[torch.Tensor], op: ReduceOp | str = Average, **kwargs: Any
 ) -> list[torch.Tensor]:
@@ -435,7 +449,7 @@ def _reduce_copies(
     """The reductions of copies of `tensors`: one grouped request, or one tensor's."""
     kwargs = {"name": name, "prescale_factor": scales[0], "postscale_factor": scales[1]}
     if grouped:
-        return grouped_allreduce_async_([_copy(t) for t in tensors], op, **kwargs).wait()
+        return grouped_allreduce_async(tensors, op, **kwargs).wait()
     return [allreduce_async(tensors[0], op, **kwargs).wait()]
 
 

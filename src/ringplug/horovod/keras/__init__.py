@@ -3,7 +3,8 @@ hvd`` (also ``ringplug.horovod.tensorflow.keras``).
 
 The callbacks are in ``hvd.callbacks`` under Horovod's names, Horovod's elastic API in
 ``hvd.elastic`` (`ringplug.horovod.keras.elastic`, on ringrun's restarts). Collectives take
-and return the backend's tensors.
+and return the backend's tensors, through `ringplug.tensorflow` (inside ``tf.function``
+too) or `ringplug.torch`, and through the core's numpy form on JAX (eagerly).
 """
 
 from __future__ import annotations
@@ -14,25 +15,23 @@ import keras
 import numpy as np
 
 from ... import core
-from ...compression import Compression
+from ...compression import Compression, compressed
 from ...keras import DistributedOptimizer as _DistributedOptimizer
 from ...keras._broadcast import broadcast_variables as _broadcast_variables
 from ...keras.optimizer import set_local_variables as _set_local_variables
 from .. import _common
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
 from .._common import (
+    _SET,
     Average,
     allgather_object,
     broadcast_object,
     check_process_set,
-    global_process_set,
     local_layers_variables,
     resolve_op,
 )
 from .._common import __all__ as _BASICS
 from . import callbacks, elastic
-
-_SET = global_process_set  # the default of every process_set
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -168,8 +167,13 @@ def allreduce(
     compression: Any = Compression.none,
 ) -> Any:
     """The reduction of `value` over every rank, as a backend tensor."""
-    scales = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
-    return _collective("allreduce", value, resolve_op(average, op), name=name, **scales)
+    reduce_op = resolve_op(average, op)
+
+    def reduce(sent: list) -> list:
+        scales = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
+        return [_collective("allreduce", sent[0], reduce_op, name=name, **scales)]
+
+    return compressed(compression, [keras.ops.convert_to_tensor(value)], reduce)[0]
 
 
 def allgather(value: Any, name: str | None = None) -> Any:

@@ -10,13 +10,18 @@ import keras
 
 from ... import core
 from ...keras.callbacks import RingBroadcast, RingMetricAverage, RingWarmup
+from ...keras.optimizer import backend_variable
 from ...keras.schedule import RingSchedule
-from .._common import backend_variable
 
 
-def _current_lr(model: keras.Model) -> float:
-    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+class _LogsLearningRate(keras.callbacks.Callback):
+    """Writes each epoch's learning rate to ``logs["lr"]``, as Horovod's LR callbacks do."""
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        optimizer = getattr(self.model.optimizer, "inner_optimizer", self.model.optimizer)
+        if logs is not None:
+            logs["lr"] = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
 
 class BroadcastGlobalVariablesCallback(RingBroadcast):
@@ -47,38 +52,25 @@ class MetricAverageCallback(RingMetricAverage):
         super().__init__()
 
 
-class LearningRateScheduleCallback(RingSchedule):
+class LearningRateScheduleCallback(_LogsLearningRate, RingSchedule):
     """Horovod's name for `ringplug.keras.RingSchedule` (same arguments); the LR of each
     epoch is written to ``logs["lr"]``, as Horovod's callback does."""
 
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        if logs is not None:
-            logs["lr"] = _current_lr(self.model)
 
-
-class LearningRateWarmupCallback(RingWarmup):
-    """Gradual warmup from ``initial_lr / size`` to `initial_lr` over `warmup_epochs`,
-    per batch, on Horovod's curve (see `ringplug.keras.RingWarmup`); the LR of each epoch
-    is written to ``logs["lr"]``."""
+class LearningRateWarmupCallback(_LogsLearningRate, RingWarmup):
+    """Gradual warmup from ``initial_lr / size`` to `initial_lr` (None: the optimizer's LR)
+    over `warmup_epochs`, per batch, on Horovod's curve (see `ringplug.keras.RingWarmup`);
+    the LR of each epoch is written to ``logs["lr"]``."""
 
     def __init__(
         self,
-        initial_lr: float,
+        initial_lr: float | None,
         warmup_epochs: float = 5,
         momentum_correction: bool = True,
         steps_per_epoch: int | None = None,
         verbose: int = 0,
     ) -> None:
-        if initial_lr is None:
-            raise ValueError(
-                "LearningRateWarmupCallback needs initial_lr (the LR at the end of the warmup)."
-            )
         super().__init__(warmup_epochs, initial_lr, momentum_correction, steps_per_epoch, verbose)
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        super().on_epoch_end(epoch, logs)
-        if logs is not None:
-            logs["lr"] = _current_lr(self.model)
 
 
 class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):

@@ -20,13 +20,13 @@ from ...compression import compressed
 from ...tensorflow.tape import reduce_compressed
 from .. import _common
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
-from .._common import (  # noqa: F401 - Sum: hvd.Sum
+from .._common import (
+    _SET,
     Average,
-    Sum,
     allgather_object,
+    barrier,
     broadcast_object,
     check_process_set,
-    global_process_set,
     local_layers_variables,
     resolve_op,
 )
@@ -36,7 +36,6 @@ from .util import _executing_eagerly  # noqa: F401 - hvd._executing_eagerly, as 
 
 Compression = _tf.Compression
 SyncBatchNormalization = _tf.SyncBatchNormalization
-_SET = global_process_set  # the default of every process_set
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -200,12 +199,6 @@ def grouped_reducescatter(
 
 
 join = _tf.join
-
-
-def barrier(process_set: Any = _SET) -> None:
-    """Wait until every rank has called barrier."""
-    check_process_set(process_set)
-    core.barrier()
 
 
 def size_op(process_set_id: int = 0, name: str | None = None) -> Any:
