@@ -78,6 +78,16 @@ def test_a_rank_that_never_arrives_aborts_the_job_after_the_timeout_naming_it():
     assert processes_matching(marker) == []
 
 
+def test_the_cause_reaches_ringrun_when_the_program_captures_its_own_stderr():
+    # pytest's file-descriptor capture keeps what a rank prints; the wrapper relays the
+    # fault the rank leaves it, so the summary still says who waited for whom.
+    result, marker = run_scenario("absent-captured", 2, env={"RINGPLUG_TIMEOUT": "2"})
+    assert result.returncode != 0
+    assert "rank 0 said: rank 0 waited 2 s in allreduce 'stuck' for rank(s) 1" in result.stderr
+    assert result.stderr.count("said:") == 1  # the rank's own copy never arrived
+    assert processes_matching(marker) == []
+
+
 def test_an_exception_under_plain_mpiexec_aborts_instead_of_hanging():
     # Without ringrun, hydra alone would leave the other rank waiting forever; ringplug's
     # exception hook aborts the MPI job.

@@ -153,6 +153,10 @@ JOB_ID_VARIABLE = "RINGPLUG_JOB_ID"
 STACKS_DIR_VARIABLE = "RINGPLUG_STACKS_DIR"
 """The folder where the wrapper asks its rank to write its stacks."""
 
+FAULT_FILE = "fault.json"
+"""In that folder: the rank's fault event, which the wrapper relays when the rank has
+ended, in case the program's stderr never reached it (pytest captures file descriptor 2)."""
+
 INTERNAL_PREFIXES = ("RINGPLUG_RUN_", "PMI_", "PMIX_", "OMPI_COMM_WORLD_")
 """Variables ringrun and the MPI launcher set for every rank: a user's value would break the
 job (ranks that do not know who they are, or whose reports ringrun cannot read)."""

@@ -6,6 +6,8 @@ look for leftover processes. Scenarios:
   kill       rank 1 SIGKILLs itself after a few collectives
   absent     rank 1 never arrives (blocks forever outside ringplug); RINGPLUG_TIMEOUT ends it
   exception-after-gloo  as exception, with a torch.distributed gloo group running
+  absent-captured  as absent, with file descriptors 1 and 2 going nowhere, as under
+                   pytest's capture: nothing a rank prints reaches ringrun
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ import ringplug
 
 
 def main(scenario: str) -> None:
+    if scenario.endswith("-captured"):
+        sink = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(sink, 1)
+        os.dup2(sink, 2)
+        scenario = scenario.removesuffix("-captured")
     ringplug.init()
     if scenario == "exception-after-gloo":
         # torch.distributed wraps sys.excepthook and buffers what the hooks print.

@@ -77,6 +77,20 @@ def event(kind: str, **fields: Any) -> bool:
     return True
 
 
+def _leave_fault_file(fault: dict[str, Any]) -> None:
+    """Under ringrun, the fault for the rank's wrapper to relay too: a program whose file
+    descriptor 2 is captured (pytest's default) would otherwise end without ringrun hearing
+    why."""
+    folder = os.environ.get(wire.STACKS_DIR_VARIABLE)
+    if not folder or not os.environ.get(wire.EVENTS_VARIABLE):
+        return
+    path = os.path.join(folder, wire.FAULT_FILE)
+    with contextlib.suppress(OSError, ValueError):
+        with open(f"{path}.{os.getpid()}", "w", encoding="utf-8") as file:
+            json.dump({"event": wire.FAULT, **fault}, file)
+        os.replace(f"{path}.{os.getpid()}", path)  # whole, or not at all
+
+
 def say(rank: int, lines: Sequence[str]) -> None:
     """Write `lines` to the real stderr at once, each prefixed with this rank, whatever
     the log level (a stall report on a rank other than 0)."""
@@ -115,16 +129,14 @@ def end_job(
             say_last(message)
     # The real stderr: a wrapping excepthook may have pointed sys.stderr at a buffer.
     stream = sys.__stderr__ or sys.stderr
-    lines = f"ringplug[{rank}] FATAL: {message}\n"
-    lines += _event_line(
-        wire.FAULT,
-        {
-            "rank": rank,
-            "culprits": sorted(set(culprits)),
-            "message": message,
-            "timestamp": time.time(),
-        },
-    )
+    fault = {
+        "rank": rank,
+        "culprits": sorted(set(culprits)),
+        "message": message,
+        "timestamp": time.time(),
+    }
+    _leave_fault_file(fault)
+    lines = f"ringplug[{rank}] FATAL: {message}\n" + _event_line(wire.FAULT, fault)
     with contextlib.suppress(OSError, ValueError):
         stream.write(lines)
         stream.flush()

@@ -454,7 +454,8 @@ class _JobWatcher:
                 if event.rank is not None:
                     self.started.setdefault(event.rank, event)
             elif isinstance(event, RankFault):
-                self.faults.append(event)
+                if event not in self.faults:  # the wrapper relays what the rank also printed
+                    self.faults.append(event)
             elif isinstance(event, RankStacks):
                 self.desk.on_stacks(event.rank, event.host, event.reason, event.report)
             elif isinstance(event, RankFlight):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -231,6 +232,8 @@ class RankWrapper:
             # At once, before draining the output: when a rank ends without MPI_Finalize the
             # launcher kills every wrapper within moments, and ringrun must hear of it.
             # ringrun takes the report out of the output, wherever it falls.
+            if self._stacks is not None:
+                self._relay_fault(self._stacks.folder / wire.FAULT_FILE)
             self._report(pid=self.child.pid, returncode=returncode)
             for thread in threads:
                 thread.join(_DRAIN_TIMEOUT_S)
@@ -294,6 +297,16 @@ class RankWrapper:
             timestamp=time.time(),
         )
         self._send_event(status.to_event())
+
+    def _relay_fault(self, path: Path) -> None:
+        """Send the fault the rank left in `path`, if any: its stderr, which carried it
+        too, may have been captured by the program (ringrun drops the second copy)."""
+        try:
+            fault = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+        if isinstance(fault, dict) and fault.get("event") == wire.FAULT:
+            self._send_event(fault)
 
     def _send_event(self, event: dict[str, object]) -> None:
         if self._events_token is not None:
