@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -105,3 +107,27 @@ def test_world_of_one_helpers():
     marker = keras.callbacks.Callback()
     assert rk.on_rank_zero(marker) == [marker]
     assert rk.verbose(2) == 2
+
+
+def test_a_local_variables_key_survives_its_assignment_on_every_backend():
+    # PartialDistributedOptimizer keeps the gradients of local variables by these keys from
+    # step to step; on JAX a Keras variable's value is a new array after each assignment.
+    pytest.importorskip("jax")
+    script = (
+        "import keras, numpy as np\n"
+        "from ringplug.keras.optimizer import _key\n"
+        "v = keras.Variable(np.zeros(3, 'float32'))\n"
+        "before = _key(v)\n"
+        "v.assign(np.ones(3, 'float32'))\n"
+        "print(before == _key(v))\n"
+    )
+    for backend in ("jax", "tensorflow"):
+        result = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "KERAS_BACKEND": backend},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.stdout.strip().splitlines()[-1:] == ["True"], backend + result.stderr

@@ -234,7 +234,10 @@ def backend_variable(variable: Any) -> Any:
 
 
 def _key(variable: Any) -> int:
-    return id(backend_variable(variable))
+    """Which variable a gradient is for, the same at every step: a Keras variable itself
+    (on JAX its value is a new array after each assignment), else the variable that holds
+    the value."""
+    return id(variable) if isinstance(variable, keras.Variable) else id(backend_variable(variable))
 
 
 def set_local_variables(optimizer: Any, variables: list[Any], scale: float = 1.0) -> None:
