@@ -212,7 +212,10 @@ def allreduce_async(
 
 
 def _sparse_allreduce(tensor: torch.Tensor, op: Any, name: str | None, factor: float) -> Any:
-    reduce_op = as_op(op)
+    try:
+        reduce_op = as_op(op)
+    except ValueError as exc:
+        core.reject(exc, name)
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         core.reject(ValueError(f"a sparse allreduce sums or averages, not {reduce_op.name}."), name)
     sparse = tensor.detach().coalesce()
