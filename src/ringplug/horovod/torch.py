@@ -73,9 +73,10 @@ class Handle:
             self._release()
 
     def _release(self) -> None:
-        with Handle._lock:
-            Handle._taken.discard(self._claim)
-        self._claim = None
+        if self._claim is not None:  # an unnamed operation holds no name: no lock to take
+            with Handle._lock:
+                Handle._taken.discard(self._claim)
+            self._claim = None
 
 
 # ---------------------------------------------------------------------------- Horovod's ways

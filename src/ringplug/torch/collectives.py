@@ -236,6 +236,8 @@ def _sparse_allreduce(tensor: torch.Tensor, op: Any, name: str | None, factor: f
 
 
 def _member(name: str | None, part: str) -> str | None:
+    """The name of one part of a request named `name`: ``<name>.<part>`` (unnamed when the
+    request is)."""
     return None if name is None else f"{name}.{part}"
 
 
@@ -612,7 +614,7 @@ def grouped_allgather_async(
 
 def _member_names(name: str | None, count: int) -> list[str | None]:
     """The names of a group's members: ``<name>.<i>`` (unnamed when the group is)."""
-    return [None if name is None else f"{name}.{i}" for i in range(count)]
+    return [_member(name, str(i)) for i in range(count)]
 
 
 class _Allgather(torch.autograd.Function):
