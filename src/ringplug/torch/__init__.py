@@ -25,6 +25,7 @@ from ..core import (
 )
 from . import backend as _backend
 from . import cuda as _cuda
+from .agreement import RanksDisagreeError, check_agreement
 from .collectives import (
     TensorHandle,
     allgather,
@@ -70,6 +71,7 @@ __all__ = [
     "Max",
     "Min",
     "Product",
+    "RanksDisagreeError",
     "Sum",
     "SyncBatchNorm",
     "TensorHandle",
@@ -89,6 +91,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "check_agreement",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",
