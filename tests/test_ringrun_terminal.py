@@ -308,3 +308,54 @@ def test_terminal_variable_is_read_strictly(value: str, expected: TerminalSpec |
     if expected is not None:
         again = {TERMINAL_VARIABLE: expected.to_variable()}
         assert TerminalSpec.from_environment(again) == expected
+
+
+# Progress bars as Keras's Progbar draws them outside a notebook (its dynamic display is on
+# wherever `posix` is imported): backspaces over the last bar, a carriage return, the new
+# bar, a newline at the end. Then tqdm's way: a carriage return before each bar. All in one
+# write, so that no pause of the program shows a bar before its end (a partial line).
+REDRAWS = r"""
+import os
+
+out, width = "", 0
+for step in (1, 2, 3):
+    bar = f"{step}/3 {'=' * step} - loss: {1 / step:.4f}"
+    out += "\b" * width + "\r" + bar
+    width = len(bar)
+out += "\n" + "".join(f"\rtqdm {step}/3" for step in (1, 2, 3)) + "\n"
+os.write(1, (out + f"rank {os.environ['RANK']} done\n").encode())
+"""
+
+
+def test_redrawn_bars_in_a_file_give_one_labelled_line_per_redraw(tmp_path: Path) -> None:
+    script = tmp_path / "redraws.py"
+    script.write_text(REDRAWS)
+    env = {**os.environ, "TERM": "xterm-256color"}
+    env.pop("RINGPLUG_MPIEXEC", None)
+    with (tmp_path / "out.txt").open("wb") as out:
+        result = subprocess.run(
+            [*RINGRUN, "-np", "2", sys.executable, str(script)],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            timeout=60,
+            env=env,
+            check=False,
+        )
+    assert result.returncode == 0, result.stderr
+    written = (tmp_path / "out.txt").read_bytes().decode()
+    # Each line carries exactly one label: a bar's carriage return used to leave "[0] " with
+    # nothing after it, and the next redraw's label beside it ("[0] [0] 1/3 ...").
+    assert "\r" not in written and "\b" not in written, repr(written)
+    for rank in (0, 1):
+        mine = [line for line in written.splitlines() if line.startswith(f"[{rank}] ")]
+        for line in written.splitlines():
+            assert len(re.findall(r"\[\d\] ", line)) == 1, repr(line)
+        assert [line.removeprefix(f"[{rank}] ") for line in mine] == [
+            "1/3 = - loss: 1.0000",
+            "2/3 == - loss: 0.5000",
+            "3/3 === - loss: 0.3333",
+            "tqdm 1/3",
+            "tqdm 2/3",
+            "tqdm 3/3",
+            f"rank {rank} done",
+        ], repr(written)

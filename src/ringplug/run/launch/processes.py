@@ -148,6 +148,22 @@ def pump_lines(
     source.close()
 
 
+def redraw_as_line(line: bytes) -> bytes:
+    """A line from `pump_lines` that a lone carriage return ended (a progress bar's redraw),
+    as a line of its own ended by ``\n``; any other line unchanged.
+
+    For output that reaches a file or a pipe, where the launcher labels every line it reads
+    with the rank: a redraw then keeps its label and its line (in a file, ``\r`` left the
+    bar's ``[0] `` labels run together, ``[0] [0]  1/30``). The backspaces a bar writes to
+    step back over itself are dropped with the carriage return; the return that starts a
+    bar, with nothing before it, becomes an empty line (``b"\n"``), for the caller to drop
+    at a line start.
+    """
+    if not line.endswith(b"\r"):
+        return line
+    return line[:-1].rstrip(b"\b") + b"\n"
+
+
 def write_all(fd: int, data: bytes) -> None:
     """Write ``data`` in full, dropping it if the terminal went away."""
     view = memoryview(data)

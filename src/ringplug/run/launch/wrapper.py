@@ -37,6 +37,7 @@ from ringplug.run.launch.processes import (
     parent_death_signal,
     pump_lines,
     rank_from_environment,
+    redraw_as_line,
     size_from_environment,
     write_all,
 )
@@ -86,13 +87,23 @@ class _Terminal:
             self.at_line_start = True
 
 
-def _pump(source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None) -> None:
+def _pump(
+    source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None, redraws_as_lines: bool = False
+) -> None:
     """Copy the child's output to the terminal in whole lines, and raw into ``copy``.
 
     hydra's ``-prepend-rank`` and Open MPI's ``--tag-output`` tag every chunk they read, so
     a line written in pieces (unbuffered Python prints word by word) would come out broken
-    and tagged mid-line.
+    and tagged mid-line. With `redraws_as_lines` (ringrun's stream is a file or a pipe),
+    each redraw of a progress bar becomes a line of its own (`redraw_as_line`).
     """
+
+    def show(line: bytes) -> None:
+        if redraws_as_lines:
+            line = redraw_as_line(line)
+            if line == b"\n" and terminal.at_line_start:
+                return  # a bar's return to a line start: nothing to show, and no label
+        terminal.write(line)
 
     def keep(chunk: bytes) -> None:
         nonlocal copy
@@ -104,7 +115,7 @@ def _pump(source: BinaryIO, terminal: _Terminal, copy: BinaryIO | None) -> None:
         except (OSError, ValueError):
             copy = None  # a full disk must not stop the terminal copy
 
-    pump_lines(source, terminal.write, keep)
+    pump_lines(source, show, keep)
 
 
 def _pump_terminal(
@@ -261,7 +272,12 @@ class RankWrapper:
             args: tuple[object, ...] = (ttys[name][0], terminal, copy, self._events_token, 0)
             return threading.Thread(target=_pump_terminal, args=args, daemon=True)
         assert source is not None
-        return threading.Thread(target=_pump, args=(source, terminal, copy), daemon=True)
+        # Bars redrawn in place suit a terminal, but in ringrun's file or pipe a redraw's
+        # labels ran together: there each redraw becomes a line.
+        spec = TerminalSpec.from_environment(self.environ)
+        to_file = spec is None or name not in spec.streams
+        args = (source, terminal, copy, to_file)
+        return threading.Thread(target=_pump, args=args, daemon=True)
 
     def _forward(self, signum: int, frame: object) -> None:
         """Pass SIGTERM/SIGINT on to the child; the wrapper ends when the child does."""
