@@ -25,6 +25,7 @@ PREFIXES = {
     "hvd_collectives.py": "hvd",
     "hvd_semantics.py": "semantics",
     "hvd_mnist.py": "mnist",
+    "hvd_resume.py": "resume",
     "hvd_keras.py": "keras",
     "hvd_tf.py": "tf",
     "hvd_tf1_hook.py": "hook",
@@ -33,8 +34,8 @@ PREFIXES = {
 # keep a job each: what hvd_keras.py leaves in a process (its automatic collective names
 # differ between the ranks) makes the next script's ranks call collectives of other names.
 JOBS = {
-    ("torch", 2): ["hvd_collectives.py", "hvd_semantics.py", "hvd_mnist.py"],
-    ("torch", 3): ["hvd_collectives.py", "hvd_semantics.py"],
+    ("torch", 2): ["hvd_collectives.py", "hvd_semantics.py", "hvd_mnist.py", "hvd_resume.py"],
+    ("torch", 3): ["hvd_collectives.py", "hvd_semantics.py", "hvd_resume.py"],
     ("keras", 2): ["hvd_keras.py"],
     ("tf", 2): ["hvd_tf.py"],
     ("tf1", 2): ["hvd_tf1_hook.py"],
@@ -97,6 +98,16 @@ def test_an_mnist_style_hvd_torch_script_trains_and_keeps_ranks_identical(run):
     for report in run("hvd_mnist.py"):
         assert report["ranks_identical"]  # broadcast + DistributedOptimizer (passes_per_step=2)
         assert report["accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_horovods_resume_recipe_with_weight_decay_keeps_every_rank_bitwise_identical(run, ranks):
+    # Rank 0 loads the checkpoint, then broadcast_parameters and broadcast_optimizer_state:
+    # the state-creating step on the other ranks moves no parameter (SGD with momentum and
+    # weight decay, AdamW, Adam with maximize); check_agreement names one that moved.
+    for checks in run("hvd_resume.py", ranks):
+        assert len(checks) == 13
+        assert [name for name, ok in checks.items() if not ok] == []
 
 
 def test_a_horovod_keras_script_with_its_callbacks_runs_on_keras_3(run):
