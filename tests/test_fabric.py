@@ -193,3 +193,89 @@ def test_devices_n_self_launches_n_ranks_each_on_the_gpu_of_its_local_rank(monke
     assert fabric.strategy.launcher is None
     assert fabric.strategy.root_device == torch.device("cuda", 0)
     assert Fabric(strategy=_strategy(), accelerator="cpu").strategy.root_device.type == "cpu"
+
+
+ONE_JOB = str(Path(__file__).parent / "workers" / "in_turn.py")
+
+
+@pytest.fixture(scope="module")
+def one_job(tmp_path_factory):
+    """Both Fabric namespaces in turn, in one 2-rank job: a script written for `fabric run`."""
+    outdirs = {p: tmp_path_factory.mktemp(p.replace(".", "_")) for p in INTEGRATION}
+    runs = []
+    for package, outdir in outdirs.items():
+        runs += ["+", "fabric_one_job.py", package, str(outdir)]
+    result = run_ringrun("-np", "2", sys.executable, ONE_JOB, *runs[1:], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {
+        package: [json.loads((outdir / f"one_job-{r}.json").read_text()) for r in range(2)]
+        for package, outdir in outdirs.items()
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("package", list(INTEGRATION))
+def test_a_script_written_for_fabric_run_trains_as_one_job_under_ringrun(one_job, package):
+    for rank, report in enumerate(one_job[package]):
+        assert report["rank"] == rank
+        trained = report["unchanged"]  # Fabric() with no arguments and no launch()
+        assert trained["world_size"] == 2
+        assert trained["strategy"] == "RingFabricStrategy"
+        assert trained["sampler"] == "DistributedSampler"  # each rank its shard
+        assert trained["parameters_equal"]
+        # The script's own launch() is accepted once; a second is refused, saying why.
+        assert report["launch_once"] is None
+        assert "fabric.launch() was called a second time" in report["launch_twice"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("package", list(INTEGRATION))
+def test_fabric_keeps_buffers_within_ddps_bound_and_saves_the_same_model_on_every_rank(
+    one_job, package
+):
+    for report in one_job[package]:
+        kept = report["unchanged"]
+        # Ranks differ by the last forward's update at most (float32 rounding aside) ...
+        assert kept["worst_excess_over_ddp_bound"] < 1e-5, kept
+        assert kept["largest_gap"] > 0.1  # ... which is not nothing: rank 1's data is shifted
+        assert kept["buffers_equal_after_save"]  # fabric.save sent rank 0's first
+        apart = report["apart"]  # broadcast_buffers=False: each rank its own statistics
+        assert apart["largest_gap"] > 1.0, apart
+        assert not apart["buffers_equal_after_save"]
+        assert apart["parameters_equal"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("package", list(INTEGRATION))
+def test_under_ringrun_a_fabric_or_trainer_of_one_process_never_trains_a_copy_per_rank(
+    one_job, package
+):
+    for report in one_job[package]:
+        # Trainer(accelerator="cpu"): Lightning would pick one device; the ranks join the ring.
+        assert report["trainer"] == ["RingStrategy", 2]
+        # An explicit one-process strategy stops at once, saying what to change.
+        refusal = report["single_device"]
+        assert "started 2 ranks, but this Fabric trains in its own process alone" in refusal
+        assert "Fabric(strategy='ring')" in refusal
+
+
+def test_a_missing_framework_name_is_a_warning_with_the_fallback_not_an_attribute_error():
+    from ringplug import _patching
+
+    class Framework:
+        def present(self):
+            return 1
+
+    count = len(_patching.applied)
+    with pytest.warns(RuntimeWarning, match=r"has no .*Framework\.absent.*; do it by hand"):
+        assert not _patching.wrap(
+            Framework, "absent", lambda f: f, version="frame 1.0", fallback="do it by hand"
+        )
+    assert _patching.wrap(
+        Framework, "present", lambda f: lambda self: f(self) + 1, version="x", fallback="y"
+    )
+    assert _patching.wrap(  # a second import of the same integration wraps nothing more
+        Framework, "present", lambda f: lambda self: f(self) + 1, version="x", fallback="y"
+    )
+    assert Framework().present() == 2
+    assert [w.found for w in _patching.applied[count:]] == [False, True, True]

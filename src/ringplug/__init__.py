@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 class _RegisterStrategies(importlib.abc.MetaPathFinder):
     """Registers strategy="ring" with each Lightning namespace once its strategies module has
     been imported: `Trainer(strategy="ring")` in `lightning.pytorch` and `pytorch_lightning`,
-    `Fabric(strategy="ring")` in `lightning.fabric` and `lightning_fabric`.
+    `Fabric(strategy="ring")` in `lightning.fabric` and `lightning_fabric`; and, once the
+    modules of `Fabric` and `Trainer` have run, ringplug's guarded changes to them.
 
     Lightning has no entry point for strategies (its registries are filled from its own
     modules), and `import ringplug` must not import Lightning: so the name is registered
@@ -66,6 +67,12 @@ _INTEGRATIONS = {
     "lightning.pytorch.strategies": ".lightning",
     "lightning_fabric.strategies": ".lightning_fabric",
     "pytorch_lightning.strategies": ".pytorch_lightning",
+    # Under an MPI launcher, a Fabric or Trainer of one process joins the ring or stops
+    # (ringplug.fabric.patches): once the module that defines the class has run.
+    "lightning.fabric.fabric": ".fabric.patches",
+    "lightning.pytorch.trainer.trainer": ".lightning.patches",
+    "lightning_fabric.fabric": ".lightning_fabric.patches",
+    "pytorch_lightning.trainer.trainer": ".pytorch_lightning.patches",
 }
 
 

@@ -178,6 +178,23 @@ def know_rank_from_launcher() -> None:
             prints.rank_zero_only.rank = int(variables["LOCAL_RANK"])
 
 
+def launched_ranks() -> int:
+    """How many ranks an MPI launcher started (1 when none did)."""
+    world = launcher_world_size()
+    return world[0] if world is not None else 1
+
+
+def one_copy_per_rank_error(owner: str, strategy: Any, ranks: int) -> RuntimeError:
+    """The error for a Trainer or Fabric that would train one copy per rank."""
+    name = type(strategy).__name__
+    return RuntimeError(
+        f"The MPI launcher (ringrun) started {ranks} ranks, but this {owner} trains in its own "
+        f"process alone ({name}): the {ranks} ranks would each train a separate copy of the "
+        f"model. Use {owner}(strategy='ring') (or leave strategy at its default: under ringrun "
+        f"it is 'ring'), or start one rank (ringrun -np 1) to train in one process."
+    )
+
+
 def _split_threads() -> None:
     """Give each of the N ranks on a host 1/N of its cores for torch's intra-op threads
     (left alone when OMP_NUM_THREADS says how many)."""

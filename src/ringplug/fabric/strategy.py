@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from ..compression import Compression
 from ..torch import broadcast_parameters
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer
+from .buffers import BufferSync
 from .common import (
     RingParallel,
     configure_launcher,
@@ -58,6 +59,9 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         gradient_predivide_factor: see `ringplug.torch.DistributedOptimizer`. Defaults to 1.0.
         bucket_bytes: gradient bucket size. Defaults to 25 MiB.
         timeline: path of a Chrome trace of the engine (rank 0). Defaults to ``None``.
+        broadcast_buffers: as DDP's: rank 0's buffers (BatchNorm's running statistics) go
+            to every rank before a forward that follows a training forward, and before
+            ``fabric.save``. Defaults to ``True``.
 
     Example:
         >>> fabric = Fabric(strategy=RingFabricStrategy(compression="fp16"))  # doctest: +SKIP
@@ -78,6 +82,7 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         gradient_predivide_factor: float = 1.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeline: str | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -90,6 +95,9 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.bucket_bytes = bucket_bytes
         self.timeline = timeline
+        self.broadcast_buffers = broadcast_buffers
+        self._buffer_syncs: dict[int, BufferSync] = {}  # module id -> its sync, by set-up
+        self._environment_ready = False
         self._backward_sync_control = _RingBackwardSyncControl(self)
         self._optimizers: list[Optimizer] = []  # distributed by setup_optimizer
         self._names: dict[int, str] = {}  # parameter id -> name, from the modules set up
@@ -104,14 +112,26 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
+        # Once: under ringrun, Fabric is set up when it is built (ringplug.fabric.patches),
+        # and the script's own fabric.launch() comes after.
+        if self._environment_ready:
+            return
         self._start_ring()
         super().setup_environment()
+        self._environment_ready = True
 
     def setup_module(self, module: Module) -> Module:
         """Every rank starts from rank 0's parameters and buffers (the module is not wrapped:
-        the optimizers set up with it average its gradients)."""
+        the optimizers set up with it average its gradients), and gets rank 0's buffers again
+        before a forward that follows a training forward (``broadcast_buffers``)."""
         broadcast_parameters(module.state_dict(), root_rank=0)
         self._names.update({id(p): name for name, p in module.named_parameters()})
+        if self.broadcast_buffers and self.world_size > 1 and id(module) not in self._buffer_syncs:
+            sync = BufferSync(module, name=f"fabric.buffers.{len(self._buffer_syncs)}")
+            if sync.buffers:
+                self._buffer_syncs[id(module)] = sync
+            else:
+                sync.remove()
         return module
 
     def module_to_device(self, module: Module) -> None:
@@ -157,6 +177,15 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
             )
         super().backward(tensor, module, *args, **kwargs)
 
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """Fabric's save, with rank 0's buffers on every rank first (every rank calls it)."""
+        self._sync_buffers()
+        super().save_checkpoint(*args, **kwargs)
+
+    def _sync_buffers(self) -> None:
+        for sync in self._buffer_syncs.values():
+            sync.sync()
+
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce a tensor over ranks ("mean"/"avg", "sum", "max", "min" or a ReduceOp); a new
@@ -175,6 +204,9 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         for optimizer in self._optimizers:
             optimizer.detach_hooks()
         self._optimizers.clear()
+        for sync in self._buffer_syncs.values():
+            sync.remove()
+        self._buffer_syncs.clear()
         self._stop_ring()
         super().teardown()
 
@@ -199,10 +231,15 @@ class _RingBackwardSyncControl(_BackwardSyncControl):
             for optimizer in self._strategy._optimizers
             if any(id(p) in params for group in optimizer.param_groups for p in group["params"])
         ]
+        sync = self._strategy._buffer_syncs.get(id(module))
         for optimizer in owners:
             optimizer._ringplug_blocked = True
+        if sync is not None:
+            sync.blocked = True
         try:
             yield
         finally:
             for optimizer in owners:
                 optimizer._ringplug_blocked = False
+            if sync is not None:
+                sync.blocked = False

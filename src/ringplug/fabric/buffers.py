@@ -1,0 +1,51 @@
+"""Rank 0's buffers on every rank of a Fabric job, as DDP's ``broadcast_buffers`` keeps them.
+
+Buffers (BatchNorm's running statistics, counters) are not gradients: each rank's forward
+moves them with its own batch, and nothing averages them. DDP sends rank 0's buffers to every
+rank before a forward that follows a training forward; a module set up by
+`RingFabricStrategy` gets the same from `BufferSync`, a forward pre-hook, so that ranks differ
+by at most the last forward's update, every rank evaluates rank 0's statistics, and
+``fabric.save`` (which syncs first) saves the same model on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import Module
+
+from ..torch.state import broadcast_buffers
+
+
+class BufferSync:
+    """Sends rank 0's buffers of `module` to every rank before a forward, when a forward
+    since the last send may have changed them.
+
+    A forward may change buffers when the module is in training mode or gradients are on
+    (DDP's rule). Forwards inside ``fabric.no_backward_sync`` send nothing (as DDP's
+    ``no_sync``): the first forward after the accumulated step sends once.
+    """
+
+    def __init__(self, module: Module, name: str) -> None:
+        # Fixed at set-up, as DDP does: buffers are updated in place.
+        self.buffers = [buffer for buffer in module.buffers() if buffer.numel()]
+        self.name = name
+        self.changed = False  # set_up sent rank 0's buffers already
+        self.blocked = False  # inside no_backward_sync
+        self._handle = module.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: Module, args: Any) -> None:
+        if not self.blocked:
+            self.sync()
+        if module.training or torch.is_grad_enabled():
+            self.changed = True
+
+    def sync(self) -> None:
+        """Rank 0's buffers to every rank now, if a forward may have changed them."""
+        if self.changed:
+            self.changed = False
+            broadcast_buffers(self.buffers, root_rank=0, name=self.name)
+
+    def remove(self) -> None:
+        self._handle.remove()
