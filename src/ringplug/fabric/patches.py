@@ -96,8 +96,7 @@ wrap(
     "__init__",
     _init,
     version=_VERSION,
-    fallback="a Fabric of one process under ringrun is not detected, and fabric.launch() "
-    "is needed",
+    fallback="a Fabric of one process under ringrun is not detected, and fabric.launch() is needed",
 )
 wrap(
     Fabric,
