@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
-from launch import run_ringrun, write_executable
-from ringplug.run.checks.check import CheckContext, system_mpi_installations, venv_mpi_libraries
+import pytest
+
+from fakegpu import fake_env
+from launch import SOURCE_DIR, run_ringrun, write_executable
+from ringplug.run.checks.check import (
+    CheckContext,
+    keras_backend,
+    system_mpi_installations,
+    venv_mpi_libraries,
+)
 
 
 def test_report_names_python_ringplug_mpi_and_frameworks():
@@ -20,7 +32,9 @@ def test_report_names_python_ringplug_mpi_and_frameworks():
     assert f"launcher           {os.path.dirname(sys.executable)}/mpiexec" in report
     assert "(hydra)" in report
     assert "torch              2." in report
-    assert "tensorflow" in report
+    for name in ("lightning", "pytorch_lightning", "tensorflow", "keras", "jax"):
+        assert f"\n  {name.ljust(17)}  " in report
+    assert "not installed" not in report.partition("Frameworks")[2].partition("\n\n")[0]
 
 
 def test_frameworks_are_not_imported_to_report_them():
@@ -68,3 +82,139 @@ def test_system_libmpi_known_to_the_linker_counts_as_system_mpi(tmp_path):
 def test_the_virtualenvs_own_mpiexec_is_not_a_system_mpi():
     context = CheckContext(environ={"PATH": os.path.dirname(sys.executable)}, ldconfig=lambda: "")
     assert system_mpi_installations(context) == []
+
+
+def _install(site: Path, module: str, distribution: str, version: str) -> None:
+    """A package `module` installed by the distribution `distribution`, as pip lays it out."""
+    (site / module).mkdir()
+    (site / module / "__init__.py").write_text("raise SystemExit('imported')\n")
+    info = site / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n"
+    )
+    (info / "top_level.txt").write_text(f"{module}\n")
+
+
+def test_frameworks_are_found_whichever_distribution_installed_them(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    _install(site, "tensorflow", "tensorflow-cpu", "2.99.0")
+    _install(site, "keras", "keras", "2.15.0")
+    _install(site, "pytorch_lightning", "pytorch-lightning", "2.9.1")
+    code = (
+        "from ringplug.run.checks.check import CheckContext, format_report, frameworks_section;"
+        "print(format_report([frameworks_section(CheckContext())]))"
+    )
+    # Only the fake site and ringplug's source: none of this virtualenv's frameworks.
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        env={"PYTHONPATH": f"{site}{os.pathsep}{SOURCE_DIR}", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = dict(line.strip().split(None, 1) for line in result.stdout.splitlines()[1:] if line)
+    assert rows == {
+        "torch": "not installed",
+        "lightning": "not installed",
+        "pytorch_lightning": "2.9.1",
+        "tensorflow": "2.99.0 (from tensorflow-cpu)",
+        "keras": "2.15.0, backend tensorflow (Keras 2)",
+        "jax": "not installed",
+    }
+
+
+def test_keras_backend_is_read_as_keras_reads_it(tmp_path):
+    home = tmp_path / "home"
+    (home / ".keras").mkdir(parents=True)
+    assert keras_backend({"HOME": str(home)}) == ("tensorflow", "Keras's default")
+    config = home / ".keras" / "keras.json"
+    config.write_text(json.dumps({"backend": "jax", "floatx": "float32"}))
+    assert keras_backend({"HOME": str(home)}) == ("jax", str(config))
+    assert keras_backend({"HOME": str(home), "KERAS_BACKEND": "torch"}) == (
+        "torch",
+        "KERAS_BACKEND",
+    )
+    elsewhere = tmp_path / "keras-home"
+    elsewhere.mkdir()
+    (elsewhere / "keras.json").write_text(json.dumps({"backend": "torch"}))
+    assert keras_backend({"HOME": str(home), "KERAS_HOME": str(elsewhere)})[0] == "torch"
+
+
+# ------------------------------------------------------------------ the NVIDIA driver
+GPU_SECTION = """
+import json, sys
+from ringplug.core.gpu import cuda
+from ringplug.run.checks.check import CheckContext, format_report
+from ringplug.run.checks.gpu import gpu_section
+
+if len(sys.argv) > 1:
+    cuda.DRIVER_PROC = sys.argv[1]  # a kernel driver's /proc folder, made by the test
+section = gpu_section(CheckContext())
+print(json.dumps({"rows": dict(section.rows), "warnings": section.warnings}))
+"""
+
+
+def _gpu_section(env: dict[str, str], *args: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(GPU_SECTION), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def driverless() -> None:
+    """These tests play the driver's part with the fake CUDA runtime: not on a machine
+    that has a real one."""
+    if os.path.exists("/proc/driver/nvidia"):
+        pytest.skip("this machine has an NVIDIA driver")
+
+
+@pytest.mark.fakegpu
+def test_no_driver_at_all_is_said_so_not_taken_for_an_old_one(fakes, driverless):
+    # What the CUDA runtime answers where libcuda.so.1 cannot be loaded: error 35 (as for
+    # an old driver), and a driver version of 0.
+    env = fake_env(fakes, FAKE_CUDA_COUNT_ERROR="35", FAKE_CUDA_DRIVER_VERSION="0")
+    report = _gpu_section(env)
+    assert (
+        report["rows"]["NVIDIA driver"] == "none (no /proc/driver/nvidia, no libcuda.so.1 to load)"
+    )
+    assert report["rows"]["GPUs visible"] == "0"
+    assert report["rows"][""].startswith("no NVIDIA driver on this host")
+    assert report["warnings"] == []
+
+
+@pytest.mark.fakegpu
+def test_a_driver_older_than_the_runtime_is_still_said_to_be_old(fakes, driverless):
+    env = fake_env(fakes, FAKE_CUDA_COUNT_ERROR="35", FAKE_CUDA_DRIVER_VERSION="12080")
+    report = _gpu_section(env)
+    assert report["rows"]["NVIDIA driver"].endswith("supports CUDA 12.8")
+    [warning] = report["warnings"]
+    assert "supports CUDA 12.8, older than the CUDA runtime 13.0" in warning
+    assert "" not in report["rows"]  # no "no driver" line
+
+
+@pytest.mark.fakegpu
+def test_a_kernel_driver_without_its_library_says_how_to_reach_it(fakes, driverless, tmp_path):
+    proc = tmp_path / "nvidia"
+    proc.mkdir()
+    (proc / "version").write_text(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Fri Jan 10 2025\n"
+    )
+    env = fake_env(fakes, FAKE_CUDA_COUNT_ERROR="35", FAKE_CUDA_DRIVER_VERSION="0")
+    report = _gpu_section(env, str(proc))
+    assert report["rows"]["NVIDIA driver"] == (
+        "kernel module 570.86.15, libcuda.so.1 cannot be loaded"
+    )
+    [warning] = report["warnings"]
+    assert "libcuda.so.1 cannot be loaded" in warning and "--gpus all" in warning
+    assert "update the driver" not in warning

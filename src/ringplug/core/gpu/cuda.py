@@ -35,6 +35,8 @@ _INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
 _STREAM_NON_BLOCKING = 1
 _EVENT_DISABLE_TIMING = 2
+DRIVER_PROC = "/proc/driver/nvidia"
+"""Present where the NVIDIA kernel driver is loaded."""
 
 
 class CudaError(RingplugError):
@@ -152,18 +154,32 @@ class CudaRuntime(DeviceRuntime):
             raise CudaError(f"{call} failed with CUDA error {result}: {self._text(result)}.")
 
     def device_count(self) -> int:
-        """How many GPUs this process sees: 0 when there is none (cudaErrorNoDevice); any
-        other error is one, said with what to do (error 35: the driver is older than this
-        CUDA runtime, as with a CUDA 12 driver and the cu13 wheels)."""
+        """How many GPUs this process sees: 0 when there is none (cudaErrorNoDevice) or no
+        NVIDIA driver at all (as torch says); any other error is one, said with what to do
+        (error 35 with a driver: it is older than this CUDA runtime, as with a CUDA 12
+        driver and the cu13 wheels; error 35 from a kernel driver whose libcuda.so.1 cannot
+        be loaded, as in a container started without the NVIDIA runtime)."""
         count = ctypes.c_int()
         result = self.lib.cudaGetDeviceCount(ctypes.byref(count))
         if result == _NO_DEVICE:
             return 0
+        # The runtime says 35 both where the driver is too old and where there is none: a
+        # driver version of 0 is its word for "no libcuda.so.1 could be loaded".
+        if result == _INSUFFICIENT_DRIVER and self.driver_version() == 0:
+            if not os.path.exists(DRIVER_PROC):
+                return 0  # a machine without an NVIDIA driver: no GPU, not an error
+            raise CudaError(
+                f"cudaGetDeviceCount failed with CUDA error 35: {self._text(result)}. The "
+                f"NVIDIA kernel driver is loaded ({DRIVER_PROC} exists), but its library "
+                "libcuda.so.1 cannot be loaded in this process. In a container, start it "
+                "with the NVIDIA container runtime (`docker run --gpus all`); otherwise "
+                "reinstall the driver, or add the folder of libcuda.so.1 to LD_LIBRARY_PATH."
+            )
         if result == _INSUFFICIENT_DRIVER:
             raise CudaError(
                 f"cudaGetDeviceCount failed with CUDA error 35: {self._text(result)}. The "
-                f"NVIDIA driver supports CUDA {_cuda_version(self._version('Driver'))}, older "
-                f"than the CUDA runtime {_cuda_version(self._version('Runtime'))} ringplug "
+                f"NVIDIA driver supports CUDA {cuda_version_text(self.driver_version())}, older "
+                f"than the CUDA runtime {cuda_version_text(self._version('Runtime'))} ringplug "
                 f"loaded ({self.path}): update the driver, or install the runtime of the "
                 "driver's CUDA (`pip install 'ringplug[cuda12]'` for a CUDA 12 driver)."
             )
@@ -172,6 +188,11 @@ class CudaRuntime(DeviceRuntime):
 
     def _text(self, result: int) -> str:
         return (self.lib.cudaGetErrorString(result) or b"").decode(errors="replace")
+
+    def driver_version(self) -> int:
+        """The CUDA version the NVIDIA driver supports (12080 for 12.8); 0 where there is
+        no driver (no libcuda.so.1 could be loaded)."""
+        return self._version("Driver")
 
     def _version(self, which: str) -> int:
         """cudaDriverGetVersion or cudaRuntimeGetVersion (0 when it fails)."""
@@ -234,7 +255,7 @@ class CudaRuntime(DeviceRuntime):
         self.check(self.lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
 
-def _cuda_version(code: int) -> str:
+def cuda_version_text(code: int) -> str:
     """CUDA's version code as text (12080 is 12.8; 0: unknown)."""
     return f"{code // 1000}.{code % 1000 // 10}" if code else "(unknown)"
 

@@ -12,20 +12,19 @@ runs once for the whole report, and the "Hosts" and "Network" sections show what
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ringplug.run.checks.gpu import gpu_section
 from ringplug.run.checks.preflight import HostReport
 from ringplug.run.checks.report import CheckContext, Section
-from ringplug.run.hosts.probe import probe_mpi_library
+from ringplug.run.hosts.probe import FRAMEWORKS, framework_distribution, probe_mpi_library
 from ringplug.run.hosts.spec import total_slots
 from ringplug.run.launch.mpi import JobSpec, LauncherError, build_plan, find_launcher
-
-FRAMEWORKS = ("torch", "lightning", "pytorch-lightning", "tensorflow", "keras")
 
 
 def _distribution_version(name: str) -> str | None:
@@ -133,9 +132,50 @@ def mpi_section(context: CheckContext) -> Section:
     return section
 
 
+def keras_backend(environ: Mapping[str, str]) -> tuple[str, str]:
+    """(backend, where it was chosen) that Keras 3 would load, read as Keras reads it
+    (``KERAS_BACKEND``, else ``keras.json`` in ``KERAS_HOME`` or ``~/.keras``), without
+    importing it."""
+    if environ.get("KERAS_BACKEND"):
+        return environ["KERAS_BACKEND"], "KERAS_BACKEND"
+    if environ.get("KERAS_HOME"):
+        folder = Path(environ["KERAS_HOME"])
+    else:
+        home = Path(environ.get("HOME") or Path.home())
+        # Keras's own rule: a home it cannot write to means /tmp/.keras.
+        folder = (home if os.access(home, os.W_OK) else Path("/tmp")) / ".keras"
+    path = folder / "keras.json"
+    try:
+        chosen = json.loads(path.read_text()).get("backend")
+    except (OSError, ValueError, AttributeError):
+        chosen = None
+    if isinstance(chosen, str) and chosen:
+        return chosen, str(path)
+    return "tensorflow", "Keras's default"
+
+
+def _framework_row(module: str, environ: Mapping[str, str]) -> str:
+    found = framework_distribution(module)
+    if found is None:
+        return "not installed"
+    distribution, version = found
+    text = version
+    if distribution.replace("-", "_") != module:
+        text += f" (from {distribution})"
+    if module == "keras":
+        major = version.split(".")[0]
+        if major.isdigit() and int(major) < 3:
+            text += ", backend tensorflow (Keras 2)"
+        else:
+            backend, origin = keras_backend(environ)
+            text += f", backend {backend} ({origin})"
+    return text
+
+
 def frameworks_section(context: CheckContext) -> Section:
-    """Deep-learning frameworks found, by installed metadata (none is imported)."""
-    rows = [(name, _distribution_version(name) or "not installed") for name in FRAMEWORKS]
+    """Deep-learning frameworks found, by installed metadata (none is imported), under the
+    names they are imported by; Keras with the backend it would load."""
+    rows = [(module, _framework_row(module, context.environ)) for module in FRAMEWORKS]
     return Section("Frameworks", rows)
 
 
@@ -156,11 +196,7 @@ def _host_summary(report: HostReport) -> str:
         parts.append(str(facts["mpi_library"]))
     elif versions.get("mpich"):
         parts.append(f"mpich {versions['mpich']}")
-    parts += [
-        f"{name} {versions[name]}"
-        for name in ("torch", "lightning", "tensorflow", "keras")
-        if versions.get(name)
-    ]
+    parts += [f"{name} {versions[name]}" for name in FRAMEWORKS if versions.get(name)]
     return ", ".join(parts)
 
 

@@ -55,6 +55,7 @@ _SHOULD_MATCH = {
     "lightning": "lightning",
     "tensorflow": "tensorflow",
     "keras": "keras",
+    "jax": "jax",
 }
 
 THIS_MACHINE = "this machine"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -39,17 +40,25 @@ from ringplug.run.hosts.netinfo import local_interfaces, rdma_devices
 LINE_PREFIX = "ringplug-probe "
 """Every line the probe prints for ringrun starts with this."""
 
-DISTRIBUTIONS = (
-    "ringplug",
-    "mpi4py",
-    "mpich",
-    "torch",
-    "lightning",
-    "pytorch-lightning",
-    "tensorflow",
-    "keras",
-)
+DISTRIBUTIONS = ("ringplug", "mpi4py", "mpich")
 """Installed versions reported for each host (read from metadata; nothing is imported)."""
+
+FRAMEWORKS = ("torch", "lightning", "pytorch_lightning", "tensorflow", "keras", "jax")
+"""Frameworks reported for each host, by the name they are imported by (their versions come
+from whichever distribution installed them; nothing is imported)."""
+
+# Distributions that install a framework under another name than its own: metadata asked for
+# "tensorflow" knows nothing of `pip install tensorflow-cpu`.
+_OTHER_DISTRIBUTIONS = {
+    "tensorflow": (
+        "tensorflow-cpu",
+        "tensorflow-intel",
+        "tensorflow-macos",
+        "tensorflow-rocm",
+        "tf-nightly",
+        "tf-nightly-cpu",
+    ),
+}
 
 _CONNECT_TIMEOUT_S = 3.0
 MAX_PARALLEL_CONNECTS = 64
@@ -61,6 +70,35 @@ def _version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def framework_distribution(module: str) -> tuple[str, str] | None:
+    """(distribution, version) of the installed package that provides the importable
+    `module` (``tensorflow`` from ``tensorflow-cpu``), or ``None`` where none does.
+
+    Nothing is imported: the module is found on the path, its distribution by name, and
+    only for an unknown name by the slower scan of every installed distribution.
+    """
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    for name in (module.replace("_", "-"), *_OTHER_DISTRIBUTIONS.get(module, ())):
+        version = _version(name)
+        if version is not None:
+            return name, version
+    for name in importlib.metadata.packages_distributions().get(module, []):
+        version = _version(name)
+        if version is not None:
+            return name, version
+    return None
+
+
+def framework_versions() -> dict[str, str | None]:
+    """The version of each of :data:`FRAMEWORKS`, ``None`` where it is not installed."""
+    found = {module: framework_distribution(module) for module in FRAMEWORKS}
+    return {module: None if entry is None else entry[1] for module, entry in found.items()}
 
 
 _LIBRARY_PROBE_TIMEOUT_S = 60.0
@@ -115,7 +153,10 @@ def host_facts(needed_files: Sequence[str] = (), mpi_library: bool = False) -> d
         "hostname": socket.gethostname(),
         "python": platform.python_version(),
         "executable": sys.executable,
-        "versions": {name: _version(name) for name in DISTRIBUTIONS},
+        "versions": {
+            **{name: _version(name) for name in DISTRIBUTIONS},
+            **framework_versions(),
+        },
         "interfaces": [interface.to_dict() for interface in local_interfaces()],
         "rdma": rdma_devices(),
         "files": {path: os.path.isfile(path) and os.access(path, os.X_OK) for path in needed_files},
