@@ -101,6 +101,23 @@ def test_devices_that_contradict_the_launcher_say_what_to_change(
     assert "ringrun" in str(caught.value) or "defaults" in str(caught.value)
 
 
+def test_the_devices_rule_names_fabric_to_a_fabric_user():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("lightning")
+    from ringplug.fabric.devices import launched_devices
+
+    with pytest.raises(ValueError, match=r"^Fabric\(devices=2, num_nodes=1\) asks for 2 ranks"):
+        launched_devices(
+            [torch.device("cuda", 0), torch.device("cuda", 1)],
+            visible_gpus=4,
+            local_rank=0,
+            local_size=4,
+            world_size=4,
+            num_nodes=1,
+            owner="Fabric",
+        )
+
+
 def test_torch_takes_the_local_ranks_gpu_or_the_only_one():
     pytest.importorskip("torch")
     from ringplug.torch.device import local_gpu_index

@@ -9,6 +9,10 @@ median time per step of each side. Every job uses one torch thread per rank
 (OMP_NUM_THREADS=1), per-rank batch 32 and synthetic data. Reports medians of the pairs'
 ratios.
 
+With ``--fabric-buffers`` it measures what keeping rank 0's buffers costs under Fabric: the
+same MLPs with a BatchNorm after each hidden layer, in a Fabric loop on 2 ranks with
+`RingFabricStrategy`, ``broadcast_buffers`` on against off, in alternating pairs.
+
 With ``--diagnose`` it measures instead what the step-time breakdown costs per step: jobs
 of RingStrategy on 2 ranks (the MLP and the tiny MLP) that switch it on and off every few
 steps, comparing the median step time of the two halves.
@@ -55,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: RingStrategy with its flight record against RINGPLUG_FLIGHT_RECORD=0, "
         "alternating, on the MLP and the tiny MLP",
     )
+    parser.add_argument(
+        "--fabric-buffers",
+        action="store_true",
+        help="instead: RingFabricStrategy with broadcast_buffers on against off, alternating, "
+        "on the MLP and the tiny MLP with BatchNorm",
+    )
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
 
@@ -71,7 +81,7 @@ def _job(impl: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict
         impl = impl.removesuffix(NO_FLIGHT)
         env["RINGPLUG_FLIGHT_RECORD"] = "0"
     command = [sys.executable, JOB, impl, str(steps), str(hidden), str(out)]
-    if impl.startswith("ring"):
+    if impl.startswith(("ring", "fabric")):
         command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *command]
     result = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=900, check=False
@@ -88,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_diagnose(args)
     if args.flight_cost:
         return _run_flight_cost(args)
+    if args.fabric_buffers:
+        return _run_fabric_buffers(args)
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
         records, ratios = alternating_pairs(
             args.pairs,
@@ -149,6 +161,27 @@ def _run_flight_cost(args: argparse.Namespace) -> int:
         cost = 1 - statistics.median(values)
         print(f"# {label}: median throughput ratio {statistics.median(values):.3f} "
               f"(the flight record costs {cost * 100:.1f}%; target < 1%)")  # fmt: skip
+    return 0
+
+
+def _run_fabric_buffers(args: argparse.Namespace) -> int:
+    """Throughput with rank 0's buffers kept over without, alternating jobs, 2 ranks."""
+    with tempfile.TemporaryDirectory(prefix="ringplug-bench-lightning-") as tmp:
+        _, ratios = alternating_pairs(
+            args.pairs,
+            [
+                ("buffers/none", "fabric", "fabric-nobuffers", 2),
+                ("buffers/none tiny", "fabric" + TINY, "fabric-nobuffers" + TINY, 2),
+            ],
+            lambda impl, ranks: _job(impl, ranks, args, Path(tmp)),
+            lambda impl, ranks: impl,
+        )
+    for label, values in ratios.items():
+        ratio = statistics.median(values)
+        print(
+            f"# Fabric, {label}: median throughput ratio {ratio:.3f} (keeping the buffers "
+            f"costs {(1 - ratio) * 100:.1f}%; pairs: {', '.join(f'{v:.3f}' for v in values)})"
+        )
     return 0
 
 

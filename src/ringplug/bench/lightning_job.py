@@ -8,7 +8,10 @@ IMPL = ring (RingStrategy, ranks from the launcher), ddp (Lightning's DDPStrateg
 2 processes it starts itself) or none (one process, no strategy), and rank 0 writes the
 throughput measured after warm-up to OUT as JSON. IMPL = ring-toggle is RingStrategy with
 the step-time breakdown switched on and off every `TOGGLE` steps on every rank: OUT then
-also holds the median step time of each half, taken in the same job.
+also holds the median step time of each half, taken in the same job. IMPL = fabric and
+fabric-nobuffers train the same MLP with a BatchNorm after each hidden layer in a Fabric loop
+with `RingFabricStrategy`, rank 0's buffers sent before each forward or not
+(``broadcast_buffers``).
 """
 
 from __future__ import annotations
@@ -27,16 +30,27 @@ WARMUP = 3
 TOGGLE = 10  # ring-toggle: steps in each state before switching
 
 
+def layers(hidden: int, norm: bool = False) -> torch.nn.Sequential:
+    """The bench's MLP; with `norm`, a BatchNorm after each hidden layer (buffers to keep)."""
+
+    def normed() -> list[torch.nn.Module]:
+        return [torch.nn.BatchNorm1d(hidden)] if norm else []
+
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, hidden),
+        *normed(),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        *normed(),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
+
+
 class MLP(L.LightningModule):
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(1024, hidden),
-            torch.nn.ReLU(),
-            torch.nn.Linear(hidden, hidden),
-            torch.nn.ReLU(),
-            torch.nn.Linear(hidden, 10),
-        )
+        self.net = layers(hidden)
 
     def training_step(self, batch, _):
         x, y = batch
@@ -83,7 +97,46 @@ class Toggle(L.Callback):
         self.last = time.perf_counter()
 
 
+def fabric_main(impl: str, steps: int, hidden: int, out: str) -> None:
+    """A Fabric training loop on the MLP with BatchNorm, timed after warm-up."""
+    from lightning.fabric import Fabric
+
+    from ringplug.fabric import RingFabricStrategy
+
+    strategy = RingFabricStrategy(broadcast_buffers=impl == "fabric")
+    fabric = Fabric(strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    model = layers(hidden, norm=True)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    rows = BATCH * fabric.world_size * steps
+    data = TensorDataset(torch.randn(rows, 1024), torch.randint(0, 10, (rows,)))
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=BATCH))
+    start = 0.0
+    for step, (x, y) in enumerate(loader, 1):
+        fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == WARMUP:
+            start = time.perf_counter()
+    seconds = time.perf_counter() - start
+    if fabric.global_rank == 0:
+        timed = steps - WARMUP
+        record = {
+            "impl": impl,
+            "ranks": fabric.world_size,
+            "steps_timed": timed,
+            "seconds": seconds,
+            "samples_per_s": timed * BATCH * fabric.world_size / seconds,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+        with open(out, "w") as handle:
+            json.dump(record, handle)
+
+
 def main(impl: str, steps: int, hidden: int, out: str) -> None:
+    if impl.startswith("fabric"):
+        fabric_main(impl, steps, hidden, out)
+        return
     toggle = Toggle() if impl == "ring-toggle" else None
     if impl in ("ring", "ring-toggle"):
         from ringplug.lightning import RingStrategy

@@ -258,6 +258,7 @@ def configure_launcher(strategy: Any, launcher: Any, owner: str) -> Any:
             local_size=core.local_size(),
             world_size=strategy.world_size,
             num_nodes=strategy.num_nodes,
+            owner=owner,
         )
         return None
     if requested > 1:

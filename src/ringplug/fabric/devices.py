@@ -25,6 +25,7 @@ def launched_devices(
     local_size: int,
     world_size: int,
     num_nodes: int,
+    owner: str = "Trainer",
 ) -> list[torch.device]:
     """The devices of this host's ranks under an MPI launcher, indexed by local rank.
 
@@ -35,6 +36,7 @@ def launched_devices(
         local_size: how many ranks the launcher started on this host.
         world_size: how many ranks the launcher started in all.
         num_nodes: the Trainer's ``num_nodes``.
+        owner: what the user configures ("Trainer", "Fabric"), named in the errors.
 
     Returns:
         `devices`, shortened to this host's ranks when they were every visible GPU.
@@ -45,25 +47,27 @@ def launched_devices(
     """
     devices = list(devices)
     if _every_visible_gpu(devices, visible_gpus):
-        return _one_gpu_per_local_rank(devices, local_rank, local_size, world_size, num_nodes)
+        return _one_gpu_per_local_rank(
+            devices, local_rank, local_size, world_size, num_nodes, owner
+        )
     requested = len(devices)
     if requested > 1 and requested * num_nodes != world_size:
         raise ValueError(
-            f"Trainer(devices={requested}, num_nodes={num_nodes}) asks for "
+            f"{owner}(devices={requested}, num_nodes={num_nodes}) asks for "
             f"{requested * num_nodes} ranks, but the MPI launcher started {world_size}. "
             f"{_DEFAULTS_HINT}, or start devices x num_nodes ranks."
         )
     cuda = bool(devices) and devices[0].type == "cuda"
     if cuda and requested == 1 and local_size > 1 and visible_gpus > 1:
         raise ValueError(
-            f"The Trainer's devices name one GPU ({devices[0]}) for the {local_size} ranks "
+            f"The {owner}'s devices name one GPU ({devices[0]}) for the {local_size} ranks "
             f"the launcher started on this host, and NCCL needs a GPU per rank. "
             f"{_DEFAULTS_HINT} (each rank then trains on cuda:LOCAL_RANK), or pass "
             f"devices={local_size}."
         )
     if cuda and requested > 1 and local_rank >= requested:  # CPUs: any rank may run
         raise ValueError(
-            f"Trainer(devices={requested}) names {requested} devices on this host, but the "
+            f"{owner}(devices={requested}) names {requested} devices on this host, but the "
             f"launcher started {local_size} ranks here (this one is local rank {local_rank}). "
             f"{_DEFAULTS_HINT}, or start {requested} ranks on each host."
         )
@@ -84,10 +88,11 @@ def _one_gpu_per_local_rank(
     local_size: int,
     world_size: int,
     num_nodes: int,
+    owner: str,
 ) -> list[torch.device]:
     if num_nodes != 1 and num_nodes * local_size != world_size:
         raise ValueError(
-            f"Trainer(num_nodes={num_nodes}) with {local_size} ranks on this host asks for "
+            f"{owner}(num_nodes={num_nodes}) with {local_size} ranks on this host asks for "
             f"{num_nodes * local_size} ranks, but the MPI launcher started {world_size}. "
             f"{_DEFAULTS_HINT}, or start the same number of ranks on each of {num_nodes} "
             "hosts."

@@ -19,8 +19,8 @@ from torch.optim import Optimizer
 
 from ..compression import Compression
 from ..torch import broadcast_parameters
+from ..torch.buffers import BufferSync
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer
-from .buffers import BufferSync
 from .common import (
     RingParallel,
     configure_launcher,

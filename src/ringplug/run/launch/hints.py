@@ -18,7 +18,10 @@ RING_NOT_REGISTERED = (
     "registry, which ringplug fills when it is imported (Lightning has no entry point for "
     "strategies). Name the class instead: in a Hydra config `strategy: {_target_: "
     "ringplug.lightning.RingStrategy}`, in a LightningCLI config `strategy: {class_path: "
-    "ringplug.lightning.RingStrategy}`; in a script, `import ringplug` before the Trainer."
+    "ringplug.lightning.RingStrategy}`; in a script, `import ringplug` before the Trainer or "
+    "the Fabric. If the script imports it, the interpreter the ranks run may lack ringplug "
+    "(`python -c 'import ringplug'` with that python tells): install it there, "
+    "`python -m pip install 'ringplug[lightning]'`."
 )
 
 

@@ -1,11 +1,11 @@
-"""Rank 0's buffers on every rank of a Fabric job, as DDP's ``broadcast_buffers`` keeps them.
+"""Rank 0's buffers on every rank, as DDP's ``broadcast_buffers`` keeps them.
 
 Buffers (BatchNorm's running statistics, counters) are not gradients: each rank's forward
 moves them with its own batch, and nothing averages them. DDP sends rank 0's buffers to every
-rank before a forward that follows a training forward; a module set up by
-`RingFabricStrategy` gets the same from `BufferSync`, a forward pre-hook, so that ranks differ
-by at most the last forward's update, every rank evaluates rank 0's statistics, and
-``fabric.save`` (which syncs first) saves the same model on every rank.
+rank before a forward that follows a training forward. `BufferSync`, a forward pre-hook, does
+the same for a module set up by `ringplug.fabric.RingFabricStrategy` (which also syncs before
+``fabric.save``) or given to `ringplug.torch.DistributedOptimizer` as ``module``: ranks differ
+by at most the last forward's update, and every rank evaluates rank 0's statistics.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 
-from ..torch.state import broadcast_buffers
+from .state import broadcast_buffers
 
 
 class BufferSync:
@@ -23,8 +23,8 @@ class BufferSync:
     since the last send may have changed them.
 
     A forward may change buffers when the module is in training mode or gradients are on
-    (DDP's rule). Forwards inside ``fabric.no_backward_sync`` send nothing (as DDP's
-    ``no_sync``): the first forward after the accumulated step sends once.
+    (DDP's rule). While `blocked` (``fabric.no_backward_sync``, as DDP's ``no_sync``)
+    forwards send nothing: the first forward after the accumulated step sends once.
     """
 
     def __init__(self, module: Module, name: str) -> None:
