@@ -27,6 +27,7 @@ SCENARIOS = [
     "late_build",
     "undistributed",
     "statistics",
+    "drift",
 ]
 BACKENDS = {
     "tensorflow": [*SCENARIOS, "steps_per_execution", "xla", "bucketed"],
@@ -165,6 +166,17 @@ def test_an_undistributed_optimizer_is_warned_about(run):
             "not a ringplug.keras.DistributedOptimizer" in w
             for w in report["undistributed"]["warnings"]
         )
+
+
+def test_ranks_that_drift_apart_stop_fit_on_every_rank_naming_the_first_weight(run):
+    # Every other scenario trains with RingBroadcast's check at each epoch's end, unraised.
+    for report in run["reports"]:
+        for every, where in (("epoch", "at the end of epoch 0"), ("2", "at step 2")):
+            found = report["drift"][every]
+            assert found["raised"] and found["groups"] == [[0], [1]]
+            assert found["tensor"].endswith("kernel")
+            assert f"disagree {where} on '{found['tensor']}'" in found["message"]
+            assert "rank 0 holds value A; rank 1 holds value B" in found["message"]
 
 
 def test_bucketed_tf_data_keeps_samples_aligned_and_batch_counts_equal(run):

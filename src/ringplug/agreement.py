@@ -64,14 +64,16 @@ def compare(
     signatures: Sequence[str] | None = None,
     values: Callable[[int], np.ndarray] | None = None,
 ) -> None:
-    """Raise `RanksDisagreeError` on every rank unless every rank passed the same `names` and
-    `checksums` (one collective of 16 bytes when they agree). Every rank must call it.
+    """Raise `RanksDisagreeError` on every rank unless every rank passed the same `checksums`
+    and `signatures` (one collective of 16 bytes when they do). Every rank must call it.
 
     Args:
-        names: the tensors' names.
+        names: the tensors' names, for the message (rank 0's are shown).
         checksums: one integer per tensor, e.g. `numpy_checksum`.
-        signatures: each tensor's shape and dtype, e.g. ``"(3, 4) float32"``, so that
-            another model's tensors differ too. Defaults to None.
+        signatures: what must match between the ranks besides the values, e.g.
+            ``"fc.weight (3, 4) float32"``, so that another model's tensors differ too.
+            Defaults to None: the names (give shapes and dtypes alone where the ranks may
+            name the same tensor differently, as Keras's counters do).
         where: what was compared, for the message ("at the checkpoint of step 1200").
         values: `values(index)` gives this rank's tensor `index` as a numpy array, for the
             message to say how far apart the ranks are (one broadcast of that tensor, only
@@ -79,11 +81,7 @@ def compare(
     """
     if len(names) != len(checksums) or (signatures is not None and len(signatures) != len(names)):
         raise ValueError("compare: give one checksum (and signature) per name.")
-    labels = (
-        list(names)
-        if signatures is None
-        else [f"{name} {signature}" for name, signature in zip(names, signatures, strict=True)]
-    )
+    labels = list(names if signatures is None else signatures)
     if core.size() == 1:
         return
     digest = hashlib.blake2b(digest_size=8)
@@ -119,8 +117,9 @@ def _explain(
     values: Callable[[int], np.ndarray] | None,
 ) -> None:
     """The ranks' hashes differ: find the first tensor that differs and raise, on every rank."""
-    everyone = core.allgather_object((labels, checksums), name="agreement.lists")
+    everyone = core.allgather_object((labels, checksums, names), name="agreement.lists")
     lists = [other[0] for other in everyone]
+    names = everyone[0][2]  # the same message on every rank
     if any(other != labels for other in lists):
         groups = _grouped([tuple(other) for other in lists])
         first = min(_first_difference(lists[0], other) for other in lists)
@@ -175,7 +174,11 @@ def _distances(value: np.ndarray, groups: list[list[int]]) -> str:
     parts = []
     for group in groups[1:]:
         count, largest = reports[group[0]]
-        by = f", by at most {largest:.4g}" if largest == largest else ""
+        by = ""
+        if largest == 0:
+            by = ", equal in value (signed zeros or NaN payloads)"
+        elif largest == largest:
+            by = f", by at most {largest:.4g}"
         parts.append(
             f"{_ranks(group)} differ{'s' if len(group) == 1 else ''} from rank {base} in "
             f"{count} of {mine.size} elements{by}"

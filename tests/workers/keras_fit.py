@@ -327,6 +327,36 @@ def scenario_undistributed() -> dict:
     return {"warnings": [str(w.message) for w in caught if "ringplug" in str(w.message)]}
 
 
+def scenario_drift() -> dict:
+    """A rank-dependent weight decay (a Python float, not broadcast) moves the ranks apart:
+    RingBroadcast's check raises on every rank, at the epoch's end or every N batches."""
+    found = {}
+    for every in ("epoch", 2):
+        model = make_model(seed=0)
+        decay = 0.01 * (ringplug.rank() + 1)
+        optimizer = keras.optimizers.SGD(0.1, weight_decay=decay)
+        model.compile(optimizer=rk.DistributedOptimizer(optimizer), loss="mse")
+        x, y = my_rows(*data(ringplug.size()))
+        try:
+            model.fit(
+                x,
+                y,
+                batch_size=B,
+                epochs=2,
+                verbose=0,
+                callbacks=[rk.RingBroadcast(0, check_agreement=every)],
+            )
+            found[str(every)] = {"raised": False}
+        except rk.RanksDisagreeError as error:
+            found[str(every)] = {
+                "raised": True,
+                "tensor": error.tensor,
+                "groups": error.groups,
+                "message": str(error),
+            }
+    return found
+
+
 def scenario_bucketed() -> dict:
     """bucketed_dataset on 101 skewed-length samples: aligned, equal batch counts, fit."""
     import tensorflow as tf
@@ -431,6 +461,7 @@ def main(outdir: Path, scenarios: list[str]) -> None:
         "bucketed": scenario_bucketed,
         "statistics": scenario_statistics,
         "undistributed": scenario_undistributed,
+        "drift": scenario_drift,
     }
     for name in scenarios or list(runs):
         report[name] = runs[name]()

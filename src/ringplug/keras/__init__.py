@@ -28,6 +28,7 @@ import keras
 from .. import core
 from ..core.ops import Average, Sum
 from ._devices import pin_local_gpu
+from .agreement import RanksDisagreeError, check_agreement
 from .backup import BackupAndRestore, Preempted
 from .callbacks import (
     RingBroadcast,
@@ -103,6 +104,7 @@ __all__ = [
     "BackupAndRestore",
     "DistributedOptimizer",
     "Preempted",
+    "RanksDisagreeError",
     "RingBroadcast",
     "RingDiagnose",
     "RingMetricAverage",
@@ -113,6 +115,7 @@ __all__ = [
     "WarmupSchedule",
     "broadcast_variables",
     "bucketed_dataset",
+    "check_agreement",
     "init",
     "on_rank_zero",
     "scale_lr",

@@ -17,7 +17,8 @@ from .. import core, diagnose
 from ..core import activity
 from . import _inputs
 from ._broadcast import broadcast_variables
-from .optimizer import is_distributed, reduce_at_the_outermost
+from .agreement import check_agreement
+from .optimizer import is_distributed, local_variable_keys, reduce_at_the_outermost, variable_key
 
 
 class RingBroadcast(keras.callbacks.Callback):
@@ -40,6 +41,14 @@ class RingBroadcast(keras.callbacks.Callback):
     at epoch 0, batch 3 (step 3) for 61 s"; and `bucketed_dataset` which epoch's order to
     take.
 
+    At each epoch's end it checks that every rank holds bitwise the same weights and
+    optimizer variables (a hash of each, one small collective), and raises
+    `ringplug.keras.RanksDisagreeError` on every rank, naming the first variable that
+    differs and which ranks hold which value, when they drift apart. Variables a rank keeps
+    as its own (`PartialDistributedOptimizer`'s local layers, non-trainable weights when
+    `sync_statistics` is off) are left out, and an optimizer that does not average is not
+    checked.
+
     A ``keras.callbacks.BackupAndRestore`` in the same callbacks becomes
     `ringplug.keras.BackupAndRestore` (rank 0 writes, every rank restores, mid-epoch
     included), and restores here, before the other ranks are given root's state.
@@ -48,12 +57,29 @@ class RingBroadcast(keras.callbacks.Callback):
         root_rank: the rank whose state everyone starts from. Defaults to 0.
         sync_statistics: re-broadcast non-trainable weights before validation, at epoch
             ends and at the end. Defaults to True.
+        check_agreement: when to check that the ranks hold the same weights: ``"epoch"``
+            (default: at each epoch's end, about 5 ms per 100 MB of weights and optimizer
+            variables on a CPU), a number of batches, or None (never).
     """
 
-    def __init__(self, root_rank: int = 0, sync_statistics: bool = True) -> None:
+    def __init__(
+        self,
+        root_rank: int = 0,
+        sync_statistics: bool = True,
+        check_agreement: str | int | None = "epoch",
+    ) -> None:
         super().__init__()
+        if not (
+            check_agreement in (None, "epoch")
+            or (isinstance(check_agreement, int) and check_agreement > 0)
+        ):
+            raise ValueError(
+                f"RingBroadcast: check_agreement={check_agreement!r}; give 'epoch', a "
+                "positive number of batches, or None to check never."
+            )
         self.root_rank = root_rank
         self.sync_statistics = sync_statistics
+        self.check_agreement = check_agreement
         self._done = False
         self._epoch = 0
         self._epoch_start = 0  # the step the epoch began at
@@ -106,17 +132,24 @@ class RingBroadcast(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # `batch` is the last of the steps run (steps_per_execution runs several at once).
+        done_before = self._steps
         self._steps = self._epoch_start + batch + 1
         if diagnose.active() is None:
             activity.set_phase(activity.BETWEEN_STEPS)
         if not self._done:
             self._broadcast()  # the model built itself on its first batch
+        every = self.check_agreement
+        # steps_per_execution runs several batches at once: check when a multiple is passed.
+        if isinstance(every, int) and self._steps // every > done_before // every:
+            self._check_agreement(f"at step {self._steps}")
 
     def on_test_begin(self, logs: dict | None = None) -> None:
         self._sync_statistics()  # fit's validation: every rank evaluates root's statistics
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._sync_statistics()  # for the epoch-end callbacks after this one
+        if self.check_agreement == "epoch":
+            self._check_agreement(f"at the end of epoch {epoch}")
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._sync_statistics()
@@ -139,6 +172,47 @@ class RingBroadcast(keras.callbacks.Callback):
     def _state_variables(self) -> list[Any]:
         """What root gives every rank: the model's weights and the optimizer's variables."""
         return list(self.model.weights) + list(self.model.optimizer.variables)
+
+    def _check_agreement(self, where: str) -> None:
+        # An optimizer that does not average lets the ranks drift apart (warned at start).
+        if not self._done or core.size() == 1 or not is_distributed(self.model.optimizer):
+            return
+        sync_from_jax = getattr(self.model, "jax_state_sync", None)
+        if callable(sync_from_jax):  # JAX trains copies; the model's may be stale
+            sync_from_jax()
+        check_agreement(self._agreed_variables(), where=where)
+
+    def _agreed_variables(self) -> list[Any]:
+        """What must stay the same on every rank: the state root gave, less what each rank
+        keeps as its own: local layers (their optimizer slots too) and, without
+        `sync_statistics`, the statistics of each rank's batches."""
+        model, optimizer = self.model, self.model.optimizer
+        shared = {id(v) for v in self._state_variables()}
+        optimizer_variables = {id(v) for v in getattr(optimizer, "variables", [])}
+        local = local_variable_keys(optimizer)
+        everything = list(model.weights) + list(getattr(optimizer, "variables", []))
+        own_slots = local or len(shared) < len({id(v) for v in everything})
+        left_out = set() if self.sync_statistics else {id(v) for v in model.non_trainable_weights}
+        left_out |= {id(v) for v in _accumulators(optimizer)}  # each rank's own gradients
+        return [
+            v
+            for v in everything
+            if id(v) in shared
+            and id(v) not in left_out
+            and variable_key(v) not in local
+            # Slot variables follow their variable's gradients, local ones included.
+            and not (own_slots and id(v) in optimizer_variables)
+        ]
+
+
+def _accumulators(optimizer: Any) -> list[Any]:
+    """The variables where `optimizer` (and the one a loss-scale optimizer wraps) sums the
+    local gradients of the batches between two updates."""
+    found: list[Any] = []
+    while optimizer is not None:
+        found.extend(getattr(optimizer, "_accumulated_gradients", None) or [])
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return found
 
 
 def _iterations(optimizer: Any) -> int:

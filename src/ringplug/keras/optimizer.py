@@ -240,6 +240,21 @@ def _key(variable: Any) -> int:
     return id(variable) if isinstance(variable, keras.Variable) else id(backend_variable(variable))
 
 
+variable_key = _key
+
+
+def local_variable_keys(optimizer: Any) -> frozenset[int]:
+    """The keys (`variable_key`) of the variables whose gradients `optimizer` (or the one a
+    loss-scale optimizer wraps) keeps local."""
+    found: frozenset[int] = frozenset()
+    while optimizer is not None:
+        settings = getattr(optimizer, "_ringplug", None)
+        if settings is not None:
+            found |= settings.local
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return found
+
+
 def set_local_variables(optimizer: Any, variables: list[Any], scale: float = 1.0) -> None:
     """Keep the gradients of `variables` local to each rank (not averaged), multiplied by
     `scale`: for layers each rank trains on its own (model parallelism)."""
