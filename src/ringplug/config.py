@@ -401,6 +401,19 @@ ELASTIC_DIR = Variable(
     default_doc="the host's temporary folder",
 )
 
+SPLIT_THREADS = Variable(
+    "RINGPLUG_SPLIT_THREADS",
+    SWITCH,
+    True,
+    "ringrun sets `OMP_NUM_THREADS` for each rank that has none to its share of its host's "
+    "cores (cores // ranks on that host), as torchrun sets 1; `0` leaves it unset",
+    readers=(RINGRUN,),
+    default_doc="`1`",
+)
+"""Unset, each rank sized its thread pools by itself: torch's MKL builds saw MPICH's or Open
+MPI's local-size variable and ran one thread (one rank on a 2-core host: 2.4x slower per
+step), other builds took every core in every rank (oversubscribed). See docs/torch.md."""
+
 MPIEXEC = Variable(
     "RINGPLUG_MPIEXEC",
     PROGRAM,

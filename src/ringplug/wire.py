@@ -153,6 +153,10 @@ JOB_ID_VARIABLE = "RINGPLUG_JOB_ID"
 STACKS_DIR_VARIABLE = "RINGPLUG_STACKS_DIR"
 """The folder where the wrapper asks its rank to write its stacks."""
 
+THREADS_VARIABLE = "RINGPLUG_RUN_THREADS"
+"""The ``OMP_NUM_THREADS`` the wrapper gave its rank (the user gave none): a value of
+ringrun's, that the rank's thread split may refine, where the user's is left alone."""
+
 FAULT_FILE = "fault.json"
 """In that folder: the rank's fault event, which the wrapper relays when the rank has
 ended, in case the program's stderr never reached it (pytest captures file descriptor 2)."""

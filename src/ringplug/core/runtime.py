@@ -427,10 +427,16 @@ def cross_size() -> int:
 
 
 def threads_per_rank() -> int | None:
-    """This rank's share of the host's cores (cores // ranks on the host), or None when
-    ``OMP_NUM_THREADS`` already says how many threads to use. Frameworks size their thread
-    pools with it, so that N ranks on one machine do not each use all of its cores."""
-    if os.environ.get("OMP_NUM_THREADS"):
+    """This rank's share of the host's cores (max(1, cores // ranks on the host)), or None
+    when the user's ``OMP_NUM_THREADS`` says how many threads to use. Frameworks size their
+    thread pools with it, so that N ranks on one machine do not each use all of its cores.
+
+    The ``OMP_NUM_THREADS`` that ringrun's wrapper sets (``RINGPLUG_RUN_THREADS`` holds the
+    same value) is no user's choice: the share is still given, so that TensorFlow's pools,
+    which that variable does not size, are split too. The wrapper uses the same rule, so
+    torch finds its thread count already right and nothing is applied twice."""
+    given = os.environ.get("OMP_NUM_THREADS")
+    if given and given != os.environ.get(wire.THREADS_VARIABLE):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // local_size())

@@ -58,6 +58,7 @@ from ringplug.run.launch.mpi import (
 from ringplug.run.launch.stacks import request_stacks
 from ringplug.run.launch.status import RankStatus
 from ringplug.run.launch.terminal import TERMINAL_VARIABLE, describe_terminal
+from ringplug.run.launch.threads import threads_note
 from ringplug.run.settings import RunSettings, SettingsError, add_flags, from_flags
 
 logger = logging.getLogger(__name__)
@@ -397,6 +398,7 @@ def _start(spec: JobSpec, settings: RunSettings, dry_run: bool) -> JobResult:
     plan = build_plan(spec, launcher, environ=environ)
     if settings.verbose:
         _say(plan.shell_line())
+    _say_threads(spec, settings)
     result = run_job(
         plan,
         environ=environ,
@@ -437,6 +439,19 @@ def _start(spec: JobSpec, settings: RunSettings, dry_run: bool) -> JobResult:
         for hint in result.hints:
             _say(f"hint: {hint}")
     return result
+
+
+def _say_threads(spec: JobSpec, settings: RunSettings) -> None:
+    """Say once that the ranks get OMP_NUM_THREADS from ringrun, as torchrun says it: to a
+    person at a terminal, and in logs with --verbose (the first "ringrun:" line of a piped
+    job is its verdict, which scripts read). A bad RINGPLUG_SPLIT_THREADS stops the job."""
+    one_host = not spec.hosts or (len(spec.hosts) == 1 and not spec.remote_hosts)
+    try:
+        note = threads_note(spec.np, one_host, os.environ, spec.env)
+    except ValueError as error:  # a RINGPLUG_SPLIT_THREADS that is no switch
+        raise UsageError(str(error)) from None
+    if note is not None and (settings.verbose or sys.stderr.isatty()):
+        _say(f"note: {note}")
 
 
 def _launch_elastic(settings: RunSettings, command: list[str], hosts: list[Host]) -> int:

@@ -51,6 +51,7 @@ from ringplug.run.launch.status import (
     signal_name,
 )
 from ringplug.run.launch.terminal import TerminalSpec, open_pseudo_terminal, read_chunk
+from ringplug.run.launch.threads import thread_variables
 
 # How long output pipes may stay open after the child exited (a grandchild may hold them).
 _DRAIN_TIMEOUT_S = 5.0
@@ -189,7 +190,11 @@ class RankWrapper:
         ttys: dict[str, tuple[int, int]] = {}
         # The program knows its rank from its first line, as under torchrun (see
         # `framework_rank_variables`).
-        env = {**self.environ, **framework_rank_variables(self.environ)}
+        env = {
+            **self.environ,
+            **framework_rank_variables(self.environ),
+            **thread_variables(self.environ),  # its share of this host's cores
+        }
         if self._stacks is not None:
             env[STACKS_DIR_VARIABLE] = str(self._stacks.folder)
         if self._terminal is not None:
