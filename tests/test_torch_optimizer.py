@@ -41,7 +41,7 @@ def job(tmp_path_factory):
                 sys.executable,
                 str(WORKERS / "in_turn.py"),
                 "torch_optimizer.py",
-                ",".join(SCENARIOS),
+                ",".join([*SCENARIOS, "buffers"]),
                 str(outdir / "optimizer"),
                 "+",
                 "torch_join.py",
@@ -78,6 +78,18 @@ def test_ranks_train_like_one_process_on_the_union_of_their_batches(run, scenari
         # first backward pass of each step, and unused parameters don't add collectives.
         assert report["collectives"] == STEPS
         assert not report["touched_nccl"]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_given_the_model_the_optimizer_keeps_its_buffers_within_ddps_bound(job, ranks):
+    outdir = job(ranks) / "optimizer"
+    for rank in range(ranks):
+        report = json.loads((outdir / f"buffers-{rank}.json").read_text())
+        # DistributedOptimizer(module=model): ranks differ by the last forward's update only.
+        assert report["kept"]["worst_excess_over_ddp_bound"] < 1e-5, report
+        assert report["kept"]["largest_gap"] > 0.1  # rank 1's shifted batches did move them
+        # Without the model (Horovod's way) each rank keeps its own statistics.
+        assert report["apart"]["largest_gap"] > 1.0, report
 
 
 def test_the_wrapper_keeps_the_optimizer_class_and_state():

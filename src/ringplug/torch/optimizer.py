@@ -28,6 +28,7 @@ from .. import diagnose
 from ..compression import Compression
 from ..core import activity, runtime
 from ..core.ops import Average, ReduceOp, as_op
+from .buffers import BufferSync
 from .collectives import TensorHandle, allreduce_async_, grouped_allreduce_async_
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -284,6 +285,7 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     op: ReduceOp | str = Average,
     gradient_predivide_factor: float = 1.0,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    module: torch.nn.Module | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that its gradients are averaged over every rank before each step.
 
@@ -299,6 +301,11 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
         gradient_predivide_factor: divide by this before the sum and by size/this after
             (Average only), to keep float16 sums in range. Defaults to 1.0.
         bucket_bytes: size of the gradient buckets reduced as one. Defaults to 25 MiB.
+        module: the model, if you want its buffers kept as DDP keeps them: rank 0's
+            buffers (BatchNorm's running statistics) go to every rank before a forward that
+            follows a training forward (`ringplug.torch.buffers.BufferSync`); its parameter
+            names also name the gradients when `named_parameters` is not given. Defaults to
+            ``None``: buffers are each rank's own, as in Horovod.
 
     Returns:
         An optimizer of a subclass of `optimizer`'s class, with the same parameter groups
@@ -315,6 +322,8 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)  # same param_groups, state and hooks
     _retarget_scheduler_patch(distributed)
+    if module is not None and named_parameters is None:
+        named_parameters = _names_from(module, optimizer)
     distributed._ringplug_setup(
         named_parameters,
         backward_passes_per_step,
@@ -323,7 +332,22 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
         float(gradient_predivide_factor),
         int(bucket_bytes),
     )
+    if module is not None and runtime.size() > 1:
+        sync = BufferSync(module, name="optimizer.buffers")
+        if sync.buffers:
+            distributed._ringplug_hooks.append(sync)  # detach_hooks removes it too
+        else:
+            sync.remove()
     return distributed
+
+
+def _names_from(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[tuple[str, torch.nn.Parameter]] | None:
+    """`module`'s names for the optimizer's parameters, or None if it lacks some of them."""
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    named = [(name, p) for name, p in module.named_parameters() if id(p) in wanted]
+    return named if len(named) == len(wanted) else None
 
 
 def _retarget_scheduler_patch(distributed: Any) -> None:
