@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import processes_matching, run_ringrun, unique_marker
+from launch import helpers_left, processes_matching, run_ringrun, unique_marker
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.multirank
@@ -246,6 +246,15 @@ def test_checkpoints_are_written_once_and_resume_keeps_ranks_identical(lifecycle
         assert report["resumed_epochs"] == 3
 
 
+def test_ranks_that_drift_apart_stop_at_the_checkpoint_naming_the_first_parameter(lifecycle):
+    # Every other fit here checks at its checkpoints too, and agrees.
+    for report in lifecycle:
+        drift = report["drift"]
+        assert drift["tensor"] == "layer.weight" and drift["groups"] == [[0], [1]]
+        assert "disagree at the checkpoint of step 5 on 'layer.weight'" in drift["message"]
+        assert drift["written"] == ["epoch=0-step=5.ckpt"]  # rank 0's, to resume from
+
+
 def test_validate_and_test_report_the_same_synced_values_on_every_rank(lifecycle):
     assert lifecycle[0]["val_loss"] == lifecycle[1]["val_loss"]
     assert lifecycle[0]["validate"] == lifecycle[1]["validate"]
@@ -270,10 +279,11 @@ def test_python_train_py_with_devices_runs_that_many_ranks_of_one_world():
     assert lines == ["[0] fitted rank=0 size=2 world=2", "[1] fitted rank=1 size=2 world=2"]
 
 
-def test_a_self_launched_job_exits_with_the_failing_ranks_status():
+def test_a_self_launched_job_exits_with_the_failing_ranks_status(tmp_path):
     marker = unique_marker("self-launch-fail")
+    # Every rank starts helper processes (tests/workers/children.py), which must end too.
     result = subprocess.run(
-        [sys.executable, SELF_LAUNCH, "2", "fail", marker],
+        [sys.executable, SELF_LAUNCH, "2", "fail", marker, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -283,6 +293,8 @@ def test_a_self_launched_job_exits_with_the_failing_ranks_status():
     assert "rank 1 fails during training" in result.stdout + result.stderr
     assert "ringrun: rank 1 " in result.stderr
     assert processes_matching(marker) == []
+    assert len(list(tmp_path.glob("children.0.?"))) == 2
+    assert helpers_left(tmp_path, bound_s=10.0) == []
 
 
 def test_devices_that_contradict_the_launcher_are_an_error_naming_both():

@@ -1,5 +1,6 @@
 """Multi-rank worker: fit with validation and EarlyStopping, checkpoint and resume, then
-validate, test and predict, under RingStrategy. Writes OUTDIR/lifecycle-<rank>.json."""
+validate, test and predict, under RingStrategy; ranks that drift apart stop at the
+checkpoint. Writes OUTDIR/lifecycle-<rank>.json."""
 
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ class Model(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Drifting(Model):
+    """Its weight decay differs by rank (a mistake the averaged gradients cannot undo)."""
+
+    def configure_optimizers(self):
+        decay = 0.01 * (ringplug.rank() + 1)
+        return torch.optim.SGD(self.parameters(), lr=0.05, weight_decay=decay)
 
 
 def dataset(rows: int = 40) -> TensorDataset:
@@ -97,6 +106,17 @@ def main(outdir: Path) -> None:
     report["test"] = float(resume.test(resumed_model, loader, verbose=False)[0]["test_loss"])
     predicted = resume.predict(resumed_model, loader)
     report["predicted_ids"] = sorted(int(i) for batch in predicted for i in batch)
+    drift = outdir / "drift"
+    try:
+        trainer(drift, 1, [ModelCheckpoint(dirpath=drift / "checkpoints")]).fit(Drifting(), loader)
+        report["drift"] = None
+    except rpt.RanksDisagreeError as error:
+        report["drift"] = {
+            "tensor": error.tensor,
+            "groups": error.groups,
+            "message": str(error),
+            "written": sorted(p.name for p in (drift / "checkpoints").iterdir()),
+        }
     (outdir / f"lifecycle-{rank}.json").write_text(json.dumps(report))
 
 

@@ -32,7 +32,7 @@ from ..fabric.common import (
     know_rank_from_launcher,
     reduce_over_ranks,
 )
-from ..torch import broadcast_parameters
+from ..torch import broadcast_parameters, check_agreement
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer
 from ..torch.state import broadcast_buffers
 from ..torch.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
@@ -99,6 +99,11 @@ class RingStrategy(RingParallel, ParallelStrategy):
             medians and names the bottleneck; the numbers go to the Trainer's loggers.
             ``True``, ``False``, or N to report every N steps too. Defaults to ``None``:
             ``RINGPLUG_DIAGNOSE`` (1/0, on when unset) and ``RINGPLUG_DIAGNOSE_EVERY``.
+        check_agreement: at each checkpoint, once it is written, check that every rank
+            holds the same parameters and optimizer state (`ringplug.torch.check_agreement`:
+            about 5 ms per 100 MB on a CPU, one 16-byte collective) and raise
+            `ringplug.torch.RanksDisagreeError` on every rank, naming the first tensor that
+            differs, if not. Defaults to True.
 
     Example:
         >>> trainer = Trainer(strategy=RingStrategy(), accelerator="cpu")  # doctest: +SKIP
@@ -120,6 +125,7 @@ class RingStrategy(RingParallel, ParallelStrategy):
         broadcast_buffers: bool = True,
         uneven: Uneven = "drop",
         diagnose: bool | int | None = None,
+        check_agreement: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -144,6 +150,7 @@ class RingStrategy(RingParallel, ParallelStrategy):
         self.diagnose = diagnose
         self._diagnostics: RingDiagnostics | None = None
         self._resume: RingResume | None = None
+        self.check_agreement = check_agreement
 
     @property
     def _layer_sync(self) -> LayerSync | None:
@@ -305,6 +312,19 @@ class RingStrategy(RingParallel, ParallelStrategy):
             broadcast_buffers(buffers, root_rank=0, name="buffers")
 
     # ------------------------------------------------------------------ collectives
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        """Lightning's save (rank 0 writes), then, on every rank, the check that the ranks
+        still agree: after the write, so that the checkpoint to resume from exists."""
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.check_agreement and self.world_size > 1:
+            check_agreement(
+                self.lightning_module,
+                self.optimizers,
+                where=f"at the checkpoint of step {checkpoint.get('global_step', '?')}",
+            )
+
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce a tensor over ranks ("mean"/"avg", "sum", "max", "min" or a ReduceOp)."""
         return reduce_over_ranks(tensor, reduce_op, self.world_size, group)
