@@ -143,3 +143,34 @@ def discovery_script(folder: Path, *answers: str) -> Path:
     )
     script.chmod(0o755)
     return script
+
+
+def helpers_left(folder: Path, pattern: str = "children.*", bound_s: float = 10.0) -> list[str]:
+    """The helpers recorded in `folder` (files matching `pattern`, lines of ``pid start-time``,
+    as tests/workers/children.py writes them) still running after waiting up to `bound_s`
+    for them to end, each as ``pid (file)``."""
+    import time
+
+    recorded = [
+        (path.name, *line.split())
+        for path in sorted(folder.glob(pattern))
+        if not path.name.endswith(".partial")
+        for line in path.read_text().splitlines()
+    ]
+    assert recorded, f"no helper was recorded in {folder}"
+    deadline = time.monotonic() + bound_s
+    while True:
+        left = [f"{pid} ({name})" for name, pid, start in recorded if _running(int(pid), start)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _running(pid: int, start: str) -> bool:
+    """Whether process `pid`, started at `start` (``/proc``'s clock ticks), still runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[0] not in ("Z", "X") and fields[19] == start

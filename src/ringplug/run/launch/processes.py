@@ -22,6 +22,7 @@ SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 # How long a line without its newline is held back before it is shown anyway.
 _PARTIAL_LINE_S = 0.2
 
@@ -103,6 +104,18 @@ def die_with_parent() -> None:
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         os._exit(128 + signal.SIGKILL)
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants of this process re-parent to it instead of to init.
+
+    Returns whether it worked (Linux 3.4 and later); elsewhere the processes that leave the
+    program's process group cannot be found once their parent exits.
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return False
+    return prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def pump_lines(

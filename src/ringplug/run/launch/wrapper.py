@@ -7,6 +7,15 @@ child's output into per-rank files, and, when ``ringrun`` set ``RINGPLUG_RUN_EVE
 it through its stderr (which the launcher carries back from every host) that the program
 started and, if the program fails, how it ended (see :mod:`ringplug.run.launch.status`).
 
+When the program has ended, the wrapper ends every process it left behind, on every path
+out of the job (see :mod:`ringplug.run.launch.tree`). The launchers end a rank by signalling
+the wrapper's process group, SIGKILL included, which no process can outlast to clean up. So
+the wrapper is two processes: the one the launcher started (the front) only passes its
+signals on and exits with the status of the one behind it, which runs in a process group of
+its own, supervises the program, and adopts its orphans. When the front is killed, the one
+behind hears it through a parent-death signal, kills the program, ends what is left, and
+exits within seconds.
+
 Standard library only: importing mpi4py or ``ringplug.core`` here would initialise MPI in the
 wrapper, which is not a rank.
 """
@@ -32,6 +41,7 @@ from typing import BinaryIO
 from ringplug import config, wire
 from ringplug.forensics.stacks import HEARTBEAT_SECONDS, STACKS_DIR_VARIABLE, outside
 from ringplug.run.launch.processes import (
+    become_subreaper,
     die_with_parent,
     framework_rank_variables,
     parent_death_signal,
@@ -52,9 +62,13 @@ from ringplug.run.launch.status import (
 )
 from ringplug.run.launch.terminal import TerminalSpec, open_pseudo_terminal, read_chunk
 from ringplug.run.launch.threads import thread_variables
+from ringplug.run.launch.tree import KILL_WAIT_S, TERMINATE_GRACE_S, Survivor, end_descendants
 
 # How long output pipes may stay open after the child exited (a grandchild may hold them).
 _DRAIN_TIMEOUT_S = 5.0
+
+# The signals the launcher sends the wrapper that the wrapper passes on or answers.
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def rank_directory_name(rank: int, size: int | None) -> str:
@@ -162,6 +176,8 @@ class RankWrapper:
         self.rank = rank_from_environment(self.environ)
         self.child: subprocess.Popen[bytes] | None = None
         self._pending_signal: int | None = None
+        self._front: int | None = None  # the process the launcher started, once forked
+        self._killed_for_front = False  # the program was killed because the front died
         self._stdout = _Terminal(sys.stdout.fileno())
         self._stderr = _Terminal(sys.stderr.fileno())
         self._events_token = self.environ.get(wire.EVENTS_VARIABLE) or None
@@ -172,11 +188,33 @@ class RankWrapper:
         self._stacks = _StackWatch(self) if self._events_token else None
 
     def run(self) -> int:
-        """Start the child, wait for it, report a failure; return the shell-style exit code."""
-        # If the launcher's per-host proxy is SIGKILLed during a teardown, the wrapper goes
-        # too, and the child follows through its own death signal: no rank is left running
-        # without its launcher.
+        """Start the child, wait for it, report a failure, end what it left running; return
+        the shell-style exit code."""
+        # If the launcher's per-host proxy is SIGKILLed during a teardown, the front goes
+        # too, and the keeper behind it ends the program and all it started.
         die_with_parent()
+        front = os.getpid()
+        front_died = parent_death_signal(signal.SIGTERM)
+        # Blocked across the fork: a signal that arrives meanwhile waits until the process
+        # it reached has its handler, instead of ending it by the default action.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
+        keeper = os.fork()  # before any thread of this process exists
+        if keeper:
+            return _front(keeper)
+        self._front = front
+        # Out of the group the launcher signals, so that its SIGKILL leaves the keeper
+        # alive to clean up; then told when the front dies, and parent of every orphan.
+        os.setpgid(0, 0)
+        if front_died is not None:
+            front_died()
+        become_subreaper()
+        try:
+            return self._keep()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+
+    def _keep(self) -> int:
+        """The keeper's part of `run`: everything but passing the launcher's signals on."""
         files: list[BinaryIO | None] = [None, None]
         if self.output_dir is not None:
             files = self._open_output_files()
@@ -186,6 +224,7 @@ class RankWrapper:
         if self._stacks is not None:
             # The launcher passes ringrun's SIGUSR1 to every wrapper: answer with the stacks.
             previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._stacks.on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
         # Per stream: the pseudo-terminal's (controller, program end), or None for a pipe.
         ttys: dict[str, tuple[int, int]] = {}
         # The program knows its rank from its first line, as under torchrun (see
@@ -234,7 +273,7 @@ class RankWrapper:
                 self._stacks.start(self.child.pid)
             if self._pending_signal is not None:
                 # A stop request that arrived while the child was being started.
-                self.child.send_signal(self._pending_signal)
+                self._signal_child(self._pending_signal)
             threads = [
                 self._pump_thread(name, source, terminal, copy, ttys)
                 for name, source, terminal, copy in (
@@ -244,13 +283,19 @@ class RankWrapper:
             ]
             for thread in threads:
                 thread.start()
-            returncode = self.child.wait()
+            returncode = self._wait_for_child()
             # At once, before draining the output: when a rank ends without MPI_Finalize the
             # launcher kills every wrapper within moments, and ringrun must hear of it.
             # ringrun takes the report out of the output, wherever it falls.
             if self._stacks is not None:
                 self._relay_fault(self._stacks.folder / wire.FAULT_FILE)
-            self._report(pid=self.child.pid, returncode=returncode)
+            if not self._killed_for_front:
+                # (Killed because the launcher killed the front: it meant to end the rank
+                # unheard, as it did before the wrapper had a keeper, and a SIGKILL
+                # reported here would be taken for the job's cause.)
+                self._report(pid=self.child.pid, returncode=returncode)
+            # Before draining: a helper the program started may hold its output open.
+            self._end_what_is_left()
             for thread in threads:
                 thread.join(_DRAIN_TIMEOUT_S)
         finally:
@@ -284,12 +329,70 @@ class RankWrapper:
         args = (source, terminal, copy, to_file)
         return threading.Thread(target=_pump, args=args, daemon=True)
 
+    def _wait_for_child(self) -> int:
+        """Wait for the program, reaping meanwhile the orphans this process adopted; return
+        its status as ``Popen.returncode`` gives it."""
+        assert self.child is not None
+        while True:
+            # Any child's end, not only the program's: an adopted orphan that ended must
+            # leave the process table, and only this thread reaps (the signal handlers
+            # must not, or this wait would miss the program's end).
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:  # someone else reaped it: no status to tell
+                return self.child.wait()
+            if pid == self.child.pid:
+                self.child.returncode = os.waitstatus_to_exitcode(status)
+                return self.child.returncode
+
+    def _end_what_is_left(self) -> None:
+        """End every process the program left running, and name those that outlive it."""
+        assert self.child is not None
+        survivors = end_descendants(
+            os.getpid(), group=self.child.pid, hurry=lambda: self._front_gone
+        )
+        if survivors:
+            self._name_survivors(survivors)
+
+    def _name_survivors(self, survivors: list[Survivor]) -> None:
+        rank = 0 if self.rank is None else self.rank
+        host = socket.gethostname()
+        waited = TERMINATE_GRACE_S + KILL_WAIT_S
+        for survivor in survivors:
+            self._stderr.write_line(
+                f"ringrun: rank {rank} on host {host}: {survivor.describe()} is still running "
+                f"{waited:g} s after the rank's program ended, through SIGTERM and SIGKILL; "
+                f"it may hold GPU memory, ports or files: end it on {host} "
+                f"(`{survivor.kill_command}`), or restart the host if it stays\n".encode()
+            )
+
+    @property
+    def _front_gone(self) -> bool:
+        """Whether the front process the launcher started is gone (killed in a teardown)."""
+        return self._front is not None and os.getppid() != self._front
+
     def _forward(self, signum: int, frame: object) -> None:
-        """Pass SIGTERM/SIGINT on to the child; the wrapper ends when the child does."""
+        """Pass SIGTERM/SIGINT on to the child; the wrapper ends when the child does.
+
+        A SIGTERM that comes when the front is gone is its death signal: the launcher has
+        killed this rank, so the program is killed too, as the front's death would have
+        killed it had the program been its child.
+        """
+        if self._front_gone:
+            signum = signal.SIGKILL
+            self._killed_for_front = self.child is None or self.child.returncode is None
         if self.child is None:
             self._pending_signal = signum
-        elif self.child.poll() is None:
-            self.child.send_signal(signum)
+        else:
+            self._signal_child(signum)
+
+    def _signal_child(self, signum: int) -> None:
+        """Signal the program unless it was reaped (`Popen.send_signal` would reap it here,
+        in a signal handler, and `_wait_for_child` would wait for it forever)."""
+        assert self.child is not None
+        if self.child.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child.pid, signum)
 
     def _open_output_files(self) -> list[BinaryIO | None]:
         """Create ``rank.<rank>/stdout`` and ``stderr`` under the output directory."""
@@ -332,6 +435,22 @@ class RankWrapper:
     def _send_event(self, event: dict[str, object]) -> None:
         if self._events_token is not None:
             self._stderr.write_line(event_line(self._events_token, event))
+
+
+def _front(keeper: int) -> int:
+    """The wrapper as the launcher sees it: pass the launcher's signals on to the keeper,
+    and end with its status."""
+
+    def forward(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(keeper, signum)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+    _, status = os.waitpid(keeper, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
 
 
 def _own_group_dying_with(then: Callable[[], None] | None) -> Callable[[], None]:
