@@ -1,15 +1,24 @@
-"""`python lightning_selflaunch.py DEVICES [fail]`: a plain script that asks Lightning for
-DEVICES ranks through strategy="ring"; every rank prints its facts after fit."""
+"""`python lightning_selflaunch.py DEVICES [fail [MARKER [FOLDER]]]`: a plain script that asks
+Lightning for DEVICES ranks through strategy="ring"; every rank prints its facts after fit.
+With FOLDER, every rank first starts helper processes and records them there, as
+children.py does."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringplug
+
+if len(sys.argv) > 4 and "PMI_RANK" in os.environ:
+    from children import record_helpers
+
+    record_helpers(Path(sys.argv[4]), 0, int(os.environ["PMI_RANK"]))
 
 
 class Model(L.LightningModule):
