@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import processes_matching, unique_marker
+from launch import helpers_left, processes_matching, unique_marker
 from netbed import UNREACHABLE, BedUnavailable, NetBed
 
 pytestmark = pytest.mark.multirank
@@ -381,6 +381,60 @@ def test_a_rank_killed_on_one_host_stops_every_rank_on_every_host_within_ten_sec
         r"SIGKILL",
         stderr,
     ), stderr
+
+
+def test_a_rank_killed_on_one_host_ends_what_every_rank_started_on_every_host(bed, tmp_path):
+    # Each rank starts helpers (tests/workers/children.py): a child, a child in a session of
+    # its own, an orphan in a session of its own, one that ignores SIGTERM; rank 2, on
+    # host b, is SIGKILLed.
+    marker = unique_marker("helpers-killed")
+    result = ringrun(
+        bed,
+        "-H",
+        hosts(bed, "a:1", "b:2"),
+        sys.executable,
+        str(WORKERS / "children.py"),
+        str(tmp_path),
+        "kill",
+        "stubborn",
+        marker,
+        timeout=FAILED_JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 128 + signal.SIGKILL, result.stderr
+    assert re.search(r"ringrun: rank 2 on host bed-b .* killed by signal SIGKILL", result.stderr)
+    assert helpers_left(tmp_path, bound_s=STOP_BOUND_S) == []
+    assert processes_matching(marker) == []
+
+
+def test_ringrun_sigkilled_leaves_nothing_its_ranks_started_on_any_host(bed, tmp_path):
+    marker = unique_marker("helpers-ringrun-killed")
+    env = {key: value for key, value in os.environ.items() if key != "RINGPLUG_MPIEXEC"}
+    argv = ringrun_argv(
+        bed,
+        ["-H", hosts(bed, "a:1", "b:2"), sys.executable, str(WORKERS / "children.py"),
+         str(tmp_path), "block", marker],
+    )  # fmt: skip
+    # The exec chain of `bed.command` makes this process ringrun itself.
+    process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while len(list(tmp_path.glob("children.0.?"))) < 3:
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the ranks did not start their helpers"
+            time.sleep(0.05)
+        process.kill()
+        process.communicate(timeout=10)
+        killed = time.monotonic()
+        assert helpers_left(tmp_path, bound_s=STOP_BOUND_S) == []
+        while processes_matching(marker) and time.monotonic() - killed < STOP_BOUND_S:
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=10)
+    assert processes_matching(marker) == []
 
 
 # --------------------------------------------------------------------- the preflight report
