@@ -131,3 +131,41 @@ def test_a_local_variables_key_survives_its_assignment_on_every_backend():
             check=False,
         )
         assert result.stdout.strip().splitlines()[-1:] == ["True"], backend + result.stderr
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.AdamW(weight_decay=0.1),
+        lambda: keras.optimizers.SGD(momentum=0.9, weight_decay=0.1, use_ema=True),
+        lambda: keras.optimizers.Lion(weight_decay=0.1),
+        lambda: keras.optimizers.Adam(weight_decay=0.1, gradient_accumulation_steps=2),
+    ],
+    ids=["AdamW", "SGD-ema", "Lion", "Adam-accumulating"],
+)
+def test_building_the_optimizer_before_a_broadcast_moves_no_weight(make):
+    # What RingBroadcast, BackupAndRestore and KerasState do where torch's Horovod layer
+    # takes a zero-gradient step: Keras builds the slots without applying anything, so
+    # weight decay has nothing to move.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    optimizer = rk.DistributedOptimizer(make())
+    before = [keras.ops.convert_to_numpy(w).copy() for w in model.weights]
+    optimizer.build(model.trainable_variables)
+    after = [keras.ops.convert_to_numpy(w) for w in model.weights]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after, strict=True))
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 0
+
+
+def test_check_agreement_of_a_world_of_one_agrees_and_checksums_see_every_word():
+    from ringplug.agreement import numpy_checksum
+
+    rk.init()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    rk.check_agreement(model, where="alone")
+    words = np.arange(7, dtype=np.float32)  # 28 bytes: three whole words and a half
+    for index in range(words.size):
+        changed = words.copy()
+        changed[index] = np.nextafter(changed[index], np.float32(np.inf))
+        assert numpy_checksum(changed) != numpy_checksum(words)
+    nan = np.array([np.nan, 1.0])
+    assert numpy_checksum(nan) == numpy_checksum(nan.copy())  # NaN != NaN, but its bits agree
