@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from launch import RINGRUN, helpers_left, processes_matching, run_ringrun, unique_marker
+from ringplug.run.launch import wrapper as wrapper_module
 from ringplug.run.launch.tree import Survivor, end_descendants
 from ringplug.run.launch.wrapper import RankWrapper
 
@@ -151,3 +152,20 @@ def test_the_wrapper_names_a_survivor_with_its_host_and_how_to_end_it(capfd):
     assert line.startswith("ringrun: rank 1 on host ")
     assert "process 4242 (sleep 300), in uninterruptible sleep is still running 3 s after" in line
     assert "`kill -9 -- 4242`" in line
+
+
+def test_a_program_ignoring_the_stop_is_killed_when_nobody_else_will(monkeypatch):
+    # With ringrun SIGKILLed, its launcher passes SIGTERM on and then waits for the ranks
+    # forever; the wrapper kills a program that ignores it, after the time ringrun would
+    # have given it (shortened here).
+    monkeypatch.setattr(wrapper_module, "STOP_BACKSTOP_S", 0.2)
+    wrapper = RankWrapper(["true"], environ={"PMI_RANK": "0", "PMI_SIZE": "1"})
+    wrapper.child = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 300"])
+    try:
+        while Path(f"/proc/{wrapper.child.pid}/cmdline").read_bytes() != b"sleep\x00300\x00":
+            time.sleep(0.01)  # the trap is set once the shell became sleep
+        wrapper._forward(signal.SIGTERM, None)
+        assert wrapper.child.wait(timeout=BOUND_S) == -signal.SIGKILL
+    finally:
+        wrapper.child.kill()
+        wrapper.child.wait(timeout=10)

@@ -70,6 +70,12 @@ _DRAIN_TIMEOUT_S = 5.0
 # The signals the launcher sends the wrapper that the wrapper passes on or answers.
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
+STOP_BACKSTOP_S = 30.0
+"""How long the program may run on after the wrapper passed it SIGTERM or SIGINT, before the
+wrapper kills it. ringrun itself kills a job 25 s after its SIGTERM (`Teardown.signal_grace_s`,
+time to save a checkpoint), so this acts only when nobody else will: ringrun was SIGKILLed
+and its launcher waits forever for a program that ignores SIGTERM."""
+
 
 def rank_directory_name(rank: int, size: int | None) -> str:
     """``rank.07`` style names, padded to the widest rank so that they sort numerically."""
@@ -178,6 +184,7 @@ class RankWrapper:
         self._pending_signal: int | None = None
         self._front: int | None = None  # the process the launcher started, once forked
         self._killed_for_front = False  # the program was killed because the front died
+        self._backstop: threading.Timer | None = None  # started by the first stop signal
         self._stdout = _Terminal(sys.stdout.fileno())
         self._stderr = _Terminal(sys.stderr.fileno())
         self._events_token = self.environ.get(wire.EVENTS_VARIABLE) or None
@@ -301,6 +308,8 @@ class RankWrapper:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if self._backstop is not None:
+                self._backstop.cancel()
             if self._stacks is not None:
                 self._stacks.stop()
             for file in files:
@@ -372,7 +381,8 @@ class RankWrapper:
         return self._front is not None and os.getppid() != self._front
 
     def _forward(self, signum: int, frame: object) -> None:
-        """Pass SIGTERM/SIGINT on to the child; the wrapper ends when the child does.
+        """Pass SIGTERM/SIGINT on to the child, and kill it if it still runs
+        `STOP_BACKSTOP_S` later; the wrapper ends when the child does.
 
         A SIGTERM that comes when the front is gone is its death signal: the launcher has
         killed this rank, so the program is killed too, as the front's death would have
@@ -381,6 +391,10 @@ class RankWrapper:
         if self._front_gone:
             signum = signal.SIGKILL
             self._killed_for_front = self.child is None or self.child.returncode is None
+        elif self._backstop is None:
+            self._backstop = threading.Timer(STOP_BACKSTOP_S, self._signal_child, (signal.SIGKILL,))
+            self._backstop.daemon = True
+            self._backstop.start()
         if self.child is None:
             self._pending_signal = signum
         else:
@@ -389,8 +403,9 @@ class RankWrapper:
     def _signal_child(self, signum: int) -> None:
         """Signal the program unless it was reaped (`Popen.send_signal` would reap it here,
         in a signal handler, and `_wait_for_child` would wait for it forever)."""
-        assert self.child is not None
-        if self.child.returncode is None:
+        if self.child is None:  # the backstop of a stop that came before the start
+            self._pending_signal = signum
+        elif self.child.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child.pid, signum)
 
