@@ -22,7 +22,7 @@ import pytest
 
 from launch import RINGRUN, helpers_left, processes_matching, run_ringrun, unique_marker
 from ringplug.run.launch import wrapper as wrapper_module
-from ringplug.run.launch.tree import Survivor, end_descendants
+from ringplug.run.launch.tree import Survivor, descendants, end_descendants
 from ringplug.run.launch.wrapper import RankWrapper
 
 pytestmark = pytest.mark.multirank
@@ -143,6 +143,21 @@ def test_a_helper_that_outlives_sigkill_is_returned_with_its_command_line():
     assert [survivor.pid for survivor in survivors] == [helper]
     assert survivors[0].command == "sleep 300"
     assert (helper, signal.SIGTERM) in sent and (helper, signal.SIGKILL) in sent
+
+
+def test_descendants_are_found_with_or_without_the_kernels_children_files():
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess\nsubprocess.run(['sh', '-c', 'sleep 300; :'])"]
+    )
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while len(found := descendants(parent.pid, children_files=True)) < 2:
+            assert time.monotonic() < deadline, "the shell did not start sleep"
+            time.sleep(0.01)
+        assert sorted(descendants(parent.pid, children_files=False)) == sorted(found)
+    finally:
+        end_descendants(parent.pid, grace_s=0)
+        parent.wait(timeout=10)
 
 
 def test_the_wrapper_names_a_survivor_with_its_host_and_how_to_end_it(capfd):

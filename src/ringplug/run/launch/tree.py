@@ -59,7 +59,8 @@ class Survivor:
         """``process 123 (sleep 300), in uninterruptible sleep (disk or swap)``."""
         what = f"process group {-self.pid}" if self.pid < 0 else f"process {self.pid}"
         command = f" ({self.command})" if self.command else ""
-        return f"{what}{command}, {self.state}"
+        state = f", {self.state}" if self.state else ""
+        return f"{what}{command}{state}"
 
     @property
     def kill_command(self) -> str:
@@ -84,10 +85,13 @@ def _children_by_parent() -> dict[int, list[int]]:
     return children
 
 
-def descendants(root: int) -> list[int]:
-    """Every process under `root` (children, theirs, ...), zombies included, from ``/proc``."""
-    has_children_files = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists()
-    table = None if has_children_files else _children_by_parent()
+def descendants(root: int, children_files: bool | None = None) -> list[int]:
+    """Every process under `root` (children, theirs, ...), zombies included, from ``/proc``:
+    through each thread's ``children`` file, or where the kernel has none (or
+    `children_files` is False) from every process's parent."""
+    if children_files is None:
+        children_files = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists()
+    table = None if children_files else _children_by_parent()
     found: list[int] = []
     seen = {root}
     pending = [root]
