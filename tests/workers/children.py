@@ -131,7 +131,7 @@ def helpers_gone(folder: Path, start: int) -> bool:
 
 
 def main(folder: Path, how: str, stubborn: bool) -> None:
-    rank = int(os.environ["PMI_RANK"])
+    rank = int(os.environ["RANK"])  # the wrapper sets it under every launcher
     start = int(os.environ.get("RINGPLUG_RESTART", "0"))
     if how == "restart" and start > 0:
         gone = helpers_gone(folder, start - 1)
