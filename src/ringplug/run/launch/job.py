@@ -8,9 +8,9 @@ machine reports like a local one, with no shared filesystem.
 
 The first failure a rank reports starts a teardown that is bounded in time: a grace period
 in which the launcher may end the job itself, then SIGTERM to its process group, then
-SIGKILL. Ranks that outlive their launcher die through the wrapper's parent-death signal, and
-those on other hosts with the launcher's proxies there, which end when the launcher's
-connection to them closes.
+SIGKILL. Ranks that outlive their launcher are killed by their wrapper when the launcher's
+proxy on their host kills it or ends (on other hosts, when the launcher's connection to them
+closes), and every process a rank started ends with it (:mod:`ringplug.run.launch.tree`).
 
 With a :class:`StartWatch`, ranks that have not reported starting their program when its
 timeout ends stop the job the same way, without the launcher's grace period (the launcher
