@@ -33,7 +33,9 @@ def broadcast_optimizer_state(
     AdamW's decoupled one) or ASGD's averaging it would, and a script that broadcast
     the parameters before the optimizer state (Horovod's ImageNet example, resuming
     from its checkpoint) would leave the ranks that took it apart from root for good.
-    The parameters and hyperparameters are put back as they were after the step.
+    The parameters and hyperparameters are put back as they were after the step (which
+    holds a copy of the parameters, on their device, while it runs). Hooks registered on
+    the optimizer's step still run for it, as in Horovod.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
