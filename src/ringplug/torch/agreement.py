@@ -61,7 +61,9 @@ def check_agreement(
         [name for name, _ in named],
         checksums([t for _, t in named]),
         where=where,
-        signatures=[f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for _, t in named],
+        signatures=[
+            f"{name} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for name, t in named
+        ],
         values=lambda i: _host_array(named[i][1]),
     )
 
