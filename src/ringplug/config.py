@@ -411,8 +411,9 @@ SPLIT_THREADS = Variable(
     default_doc="`1`",
 )
 """Unset, each rank sized its thread pools by itself: torch's MKL builds saw MPICH's or Open
-MPI's local-size variable and ran one thread (one rank on a 2-core host: 2.4x slower per
-step), other builds took every core in every rank (oversubscribed). See docs/torch.md."""
+MPI's local-size variable and ran one thread whatever the cores, other builds took every
+core in every rank (2 and 4 ranks on 2 cores with 2 threads each: 3 to 4 times the time per
+step of one thread each). Measurements in docs/torch.md."""
 
 MPIEXEC = Variable(
     "RINGPLUG_MPIEXEC",
