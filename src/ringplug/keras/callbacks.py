@@ -58,8 +58,8 @@ class RingBroadcast(keras.callbacks.Callback):
         sync_statistics: re-broadcast non-trainable weights before validation, at epoch
             ends and at the end. Defaults to True.
         check_agreement: when to check that the ranks hold the same weights: ``"epoch"``
-            (default: at each epoch's end, about 5 ms per 100 MB of weights and optimizer
-            variables on a CPU), a number of batches, or None (never).
+            (default: at each epoch's end; one read of the weights and optimizer variables
+            on the host, about 12 ms per 100 MB), a number of batches, or None (never).
     """
 
     def __init__(
