@@ -38,12 +38,13 @@ devices: 2
 """
 
 
-def write_mnist(root: Path) -> None:
-    """Synthetic, learnable digits as MNIST's idx files under ROOT/MNIST/raw."""
+def write_mnist(root: Path, train: int = 60000, test: int = 10000) -> None:
+    """Synthetic, learnable digits as MNIST's idx files under ROOT/MNIST/raw: TRAIN training
+    and TEST test images (MNIST's own counts unless told)."""
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     prototypes = np.random.default_rng(0).random((10, 28, 28)) < 0.25
-    for name, count, seed in (("train", 60000, 1), ("t10k", 10000, 2)):
+    for name, count, seed in (("train", train, 1), ("t10k", test, 2)):
         rng = np.random.default_rng(seed)
         labels = rng.integers(0, 10, count).astype(np.uint8)
         images = (prototypes[labels] * 160 + rng.integers(0, 96, (count, 28, 28))).astype(np.uint8)
