@@ -28,6 +28,7 @@ import tensorflow as tf
 from .. import core
 from ..compression import Compression
 from ..core import Average, Max, Min, Product, Sum, local_rank, local_size, rank, shutdown, size
+from . import _kernel
 from .collectives import (
     BroadcastVariablesHook,
     TensorHandle,
@@ -57,26 +58,28 @@ from .tape import DistributedGradientTape, reduce_gradients
 def init() -> None:
     """Start ringplug (MPI) on every rank, ready for TensorFlow graphs.
 
-    In a TF1 graph each collective op holds one of the session's inter-op threads while it
-    waits for the other ranks, so with TensorFlow's default of one thread per core a
-    ``session.run`` with more concurrent collectives than cores could leave every thread
-    waiting on ops the other rank has not reached. Unless ``TF_NUM_INTEROP_THREADS`` is
-    set, it is set here to at least 64 (TensorFlow reads it when it starts its thread
-    pools): call `init` before the first TensorFlow operation. Called later, it warns: the
-    pools are fixed by then, and such a ``session.run`` could wait until ``RINGPLUG_TIMEOUT``.
+    Inside a ``tf.function`` or a TF1 graph each collective is an asynchronous op
+    (`ringplug.tensorflow._kernel`): while it waits for the other ranks it holds none of
+    TensorFlow's inter-op threads, so a ``session.run`` may hold any number of collectives,
+    in any order, whatever the size of the pool. Where that op cannot be registered (see
+    the warning it logs), a collective blocks a thread while it waits; then, unless
+    ``TF_NUM_INTEROP_THREADS`` is set, it is set here to at least 64 (TensorFlow reads it
+    when it starts its pools, so call `init` before the first TensorFlow operation; later
+    it warns).
     """
-    if "TF_NUM_INTEROP_THREADS" not in os.environ:
+    if not _kernel.available() and "TF_NUM_INTEROP_THREADS" not in os.environ:
         threads = max(64, os.cpu_count() or 1)
         os.environ["TF_NUM_INTEROP_THREADS"] = str(threads)
         try:
             tf.config.threading.set_inter_op_parallelism_threads(threads)
         except RuntimeError:  # TensorFlow already ran an operation: its pools are fixed
             warnings.warn(
-                "ringplug.tensorflow.init() ran after TensorFlow's first operation, so its "
-                "inter-op thread pool keeps its size: a TF1 session.run of more concurrent "
-                "collectives than that can wait for the other ranks until RINGPLUG_TIMEOUT. "
+                "ringplug.tensorflow.init() ran after TensorFlow's first operation, and "
+                f"graph collectives block a thread while they wait ({_kernel.why_not()}), "
+                "so a TF1 session.run of more concurrent collectives than TensorFlow's "
+                "inter-op threads can wait for the other ranks until RINGPLUG_TIMEOUT. "
                 "Call init() (hvd.init()) before the first TensorFlow operation, or set "
-                "TF_NUM_INTEROP_THREADS.",
+                "TF_NUM_INTEROP_THREADS above the number of collectives a step runs.",
                 stacklevel=2,
             )
     core.init()

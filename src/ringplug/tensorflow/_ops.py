@@ -3,12 +3,15 @@ memory, started by one function per kind, either at once (eagerly) or as a graph
 
 - Eagerly the request runs on the tensors' numpy views, and an error is raised as the
   TensorFlow error a collective raises (`failed`).
-- Inside a ``tf.function`` or a TF1 graph it becomes a stateful ``tf.numpy_function``: the
-  function compiles it into its step, it keeps program order there (stateful ops are
-  ordered), and it runs each time the step runs. An unnamed one is named after the graph's
-  own unique op name, identical on every rank that builds the same graph, so the ranks
-  match the requests by name in whatever order a session runs them. A failure leaves the
-  step as ``tf.errors.FailedPreconditionError`` through the check op of `_status`.
+- Inside a ``tf.function`` or a TF1 graph it becomes a stateful graph op: the function
+  compiles it into its step, it keeps program order there (stateful ops are ordered), and
+  it runs each time the step runs. An unnamed one is named after the graph's own unique op
+  name, identical on every rank that builds the same graph, so the ranks match the
+  requests by name in whatever order a session runs them. The op is `_kernel`'s
+  asynchronous one, which holds no TensorFlow thread while it waits and fails the step
+  with ``tf.errors.FailedPreconditionError`` on a mismatch; where that op cannot be
+  registered, a stateful ``tf.numpy_function`` that blocks its thread, failing through
+  the check op of `_status`.
 - `differentiable` gives a collective its gradient with ``tf.custom_gradient``.
 
 Each starter takes ``(name, *arrays)`` and returns a `Started`: the core's handles, waited
@@ -18,6 +21,7 @@ for all together by ``wait()`` (every handle, then the first error raised).
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,9 +30,10 @@ import tensorflow as tf
 
 from .. import core
 from ..core import collectives as _core
+from ..core import runtime
 from ..core.errors import RingplugError
 from ..core.ops import ReduceOp, integer_scaling
-from . import _status
+from . import _kernel, _status
 
 # Unsigned types the core does not reduce travel as the signed type of their width in the
 # collectives that only move data (allgather, broadcast, alltoall): the bits are the same.
@@ -82,6 +87,24 @@ class Started:
 
     def done(self) -> bool:
         return all(handle.done() for handle, _ in self._parts)
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` once every request has finished, on the thread that finished
+        the last one (the engine's: it must be quick)."""
+        left = [len(self._parts)]
+        lock = threading.Lock()
+
+        def one_done(_: Any) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                callback()
+
+        if not self._parts:
+            callback()
+        for handle, _ in self._parts:
+            handle.add_done_callback(one_done)
 
     def wait(self) -> list[np.ndarray]:
         results: list[Any] = [None] * self._count
@@ -144,6 +167,13 @@ def run(
         return waited(start_eagerly(start, kind, inputs, name), touts)
     request = op_name(kind, name)
     tensors = [tf.convert_to_tensor(t) for t in inputs]
+    if _kernel.available():
+        outputs = _kernel.collective(
+            lambda arrays: start(request, *arrays), tensors, touts, f"ringplug_{kind.lower()}"
+        )
+        for output, shape in zip(outputs, shapes, strict=True):
+            output.set_shape(shape)
+        return outputs
     checked = _status.available()
 
     def graph_compute(*arrays: np.ndarray) -> list[np.ndarray]:
@@ -350,5 +380,7 @@ def computed(results: Sequence[np.ndarray]) -> Started:
 
 
 def join_starter(name: str | None) -> Started:
-    """Join (the last rank to join, as an int32 array)."""
-    return computed([np.asarray(core.join(), np.int32)])
+    """Join (the last rank to join, as an int32 array); in flight until every rank has
+    joined, like any other collective (a graph's join holds no thread meanwhile)."""
+    handle = runtime.engine().join()
+    return Started([(handle, lambda last: [(0, np.asarray(last, np.int32))])], 1)
