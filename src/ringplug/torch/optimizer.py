@@ -172,22 +172,7 @@ class _Distributed:
             if bucket.handle is None:
                 self._ringplug_start(bucket)
         for bucket in self._ringplug_buckets:
-            bucket.handle.wait()
-            packed = bucket.packed
-            nbytes += bucket.nbytes if packed is None else packed.numel() * packed.element_size()
-            if bucket.packed is not None:
-                offset = 0
-                for grad in bucket.grads:
-                    grad.copy_(bucket.packed[offset : offset + grad.numel()].view_as(grad))
-                    offset += grad.numel()
-                bucket.packed = None
-            for index, sparse_dim in bucket.sparse.items():
-                param = bucket.params[index]
-                param.grad = param.grad.to_sparse(sparse_dim)
-            bucket.sparse = {}
-            bucket.grads = []
-            bucket.handle = None
-            bucket.pending = len(bucket.params)
+            nbytes += self._ringplug_finish(bucket)
         for key in self._ringplug_counts:
             self._ringplug_counts[key] = 0
         self._ringplug_synchronized = True
@@ -195,6 +180,26 @@ class _Distributed:
             clock.reduced(time.perf_counter(), nbytes)
         else:
             activity.set_phase(activity.STEPPING)
+
+    def _ringplug_finish(self, bucket: _Bucket) -> int:
+        """Wait for the bucket's reduction and put its gradients back; returns the bytes sent."""
+        bucket.handle.wait()
+        packed = bucket.packed
+        nbytes = bucket.nbytes if packed is None else packed.numel() * packed.element_size()
+        if bucket.packed is not None:
+            offset = 0
+            for grad in bucket.grads:
+                grad.copy_(bucket.packed[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+            bucket.packed = None
+        for index, sparse_dim in bucket.sparse.items():
+            param = bucket.params[index]
+            param.grad = param.grad.to_sparse(sparse_dim)
+        bucket.sparse = {}
+        bucket.grads = []
+        bucket.handle = None
+        bucket.pending = len(bucket.params)
+        return nbytes
 
     def detach_hooks(self) -> None:
         """Stop watching the parameters' gradients (when this optimizer is done with)."""
@@ -215,7 +220,7 @@ class _Distributed:
         if not self._ringplug_skip and not self._ringplug_synchronized:
             self.synchronize()
         self._ringplug_synchronized = False
-        result = super().step(closure)  # type: ignore[misc]
+        result = self._ringplug_local_step(closure)
         activity.count_step()  # the position's step (a framework sets it at each batch)
         clock = diagnose.active()
         if clock is not None:
@@ -223,6 +228,10 @@ class _Distributed:
         else:
             activity.set_phase(activity.BETWEEN_STEPS)
         return result
+
+    def _ringplug_local_step(self, closure: Any) -> Any:
+        """The wrapped optimizer's own step, on the averaged gradients."""
+        return super().step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, as torch's `zero_grad` (refused while they are being averaged).
@@ -286,6 +295,7 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     gradient_predivide_factor: float = 1.0,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     module: torch.nn.Module | None = None,
+    zero: int = 0,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that its gradients are averaged over every rank before each step.
 
@@ -306,6 +316,11 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
             follows a training forward (`ringplug.torch.buffers.BufferSync`); its parameter
             names also name the gradients when `named_parameters` is not given. Defaults to
             ``None``: buffers are each rank's own, as in Horovod.
+        zero: shard the optimizer state over the ranks (ZeRO, see `ringplug.torch.zero`):
+            ``0`` (default) every rank steps every parameter; ``1`` each rank keeps the
+            optimizer state of its shard of the parameters only, steps it, and the updated
+            weights are gathered back; ``2`` also keeps only its shard of the averaged
+            gradients (reduced straight to their owners while backward runs).
 
     Returns:
         An optimizer of a subclass of `optimizer`'s class, with the same parameter groups
@@ -318,7 +333,13 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
         ...     named_parameters=model.named_parameters())
     """
     runtime.engine()  # fail early, with the right message, before init()
-    cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
+    mixin: type = _Distributed
+    if zero:
+        from .zero import _Sharded, check_shardable  # imports this module
+
+        check_shardable(optimizer, zero, Compression(compression))
+        mixin = _Sharded
+    cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)  # same param_groups, state and hooks
     _retarget_scheduler_patch(distributed)
@@ -332,6 +353,8 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
         float(gradient_predivide_factor),
         int(bucket_bytes),
     )
+    if zero:
+        distributed._ringplug_shard(int(zero))
     if module is not None and runtime.size() > 1:
         sync = BufferSync(module, name="optimizer.buffers")
         if sync.buffers:
