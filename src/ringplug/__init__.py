@@ -47,7 +47,9 @@ class _RegisterStrategies(importlib.abc.MetaPathFinder):
         if not self.pending:
             sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)  # this finder no longer answers for it
-        if spec is None or spec.loader is None:
+        if spec is None or not callable(getattr(spec.loader, "exec_module", None)):
+            # A loader without exec_module (none of Python's own): Lightning loads as it
+            # is, and "ring" needs `import ringplug.lightning` (or .fabric) by hand.
             return spec
         loader = spec.loader
         original = loader.exec_module

@@ -10,8 +10,9 @@ by +3, so that its batches move the running statistics away from rank 0's.
   0's and the bound DDP keeps (ranks differ by the last forward's update only: momentum x the
   difference of the two batches' means); then ``fabric.save`` and the buffers on every rank.
 - ``apart``: the same with ``RingFabricStrategy(broadcast_buffers=False)``.
-- ``launch_twice``, ``single_device``, ``trainer``: what the second ``launch()``, an explicit
-  ``SingleDeviceStrategy`` and a ``Trainer(accelerator="cpu")`` do.
+- ``launch_twice``, ``single_device``, ``devices_3``, ``trainer``: what the second
+  ``launch()``, an explicit ``SingleDeviceStrategy``, ``devices=3`` on 2 ranks and a
+  ``Trainer(accelerator="cpu")`` do.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ else:
     from ringplug.fabric import RingFabricStrategy
 
 
-def train(fabric: Fabric) -> dict:
+def train(fabric: Fabric, drift_on_rank_1: bool = False) -> dict:
     torch.manual_seed(fabric.global_rank)  # different initial weights: setup must fix them
     model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -50,6 +51,7 @@ def train(fabric: Fabric) -> dict:
     dataset = TensorDataset(torch.randn(rows, 4, generator=generator), torch.randn(rows, 1))
     loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=BATCH))
     norm = model.module[0] if hasattr(model, "module") else model[0]
+    linear = model.module[1] if hasattr(model, "module") else model[1]
     momentum = norm.momentum
     worst_excess = 0.0  # how far past DDP's bound any step went (0: within it)
     largest = 0.0
@@ -71,7 +73,17 @@ def train(fabric: Fabric) -> dict:
     fabric.save(path, {"model": model})
     after_save = fabric.all_gather(torch.cat([b.double().reshape(-1) for b in norm.buffers()]))
     parameters = fabric.all_gather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    drift = None
+    if drift_on_rank_1:  # a parameter one rank alone changed: fabric.save's check says so
+        with torch.no_grad():
+            if fabric.global_rank == 1:
+                linear.weight[0, 0] += 1e-3
+        try:
+            fabric.save(OUTDIR / f"drift-{id(fabric)}.pt", {"model": model})
+        except RuntimeError as error:
+            drift = f"{type(error).__name__}: {error}"
     return {
+        "drift": drift,
         "world_size": fabric.world_size,
         "strategy": type(fabric.strategy).__name__,
         "sampler": type(loader.sampler).__name__,
@@ -85,7 +97,7 @@ def train(fabric: Fabric) -> dict:
 def refused(make) -> str | None:
     try:
         make()
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:
         return str(error)
     return None
 
@@ -94,12 +106,13 @@ def main() -> None:
     report: dict = {"rank": None}
     fabric = Fabric()  # as Lightning's examples written for `fabric run`: no launch()
     report["rank"] = fabric.global_rank
-    report["unchanged"] = train(fabric)
+    report["unchanged"] = train(fabric, drift_on_rank_1=True)
     report["launch_once"] = refused(fabric.launch)  # the script's own launch(): accepted
     report["launch_twice"] = refused(fabric.launch)
     apart = Fabric(strategy=RingFabricStrategy(broadcast_buffers=False), accelerator="cpu")
     report["apart"] = train(apart)
     report["single_device"] = refused(lambda: Fabric(strategy=SingleDeviceStrategy("cpu")))
+    report["devices_3"] = refused(lambda: Fabric(accelerator="cpu", devices=3))
     report["trainer"] = trainer_world()
     (OUTDIR / f"one_job-{report['rank']}.json").write_text(json.dumps(report))
 

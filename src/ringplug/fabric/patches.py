@@ -4,9 +4,8 @@ states, never an error in the middle of training).
 
 Under ``ringrun -np N`` (or mpiexec, srun) with N > 1, once the script has imported ringplug:
 
-- ``Fabric()`` whose strategy Lightning would resolve to one device of its own (the default
-  ``strategy="auto"`` with one device, as in scripts written for ``fabric run``, or
-  ``devices=1``) takes ``strategy="ring"`` instead: the N processes are one job, not N copies.
+- ``Fabric()`` left at the default ``strategy="auto"`` (scripts written for ``fabric run``,
+  ``devices=1``) takes ``strategy="ring"``: the N processes are one job, not N copies.
 - A Fabric with ring's strategy is set up when it is built, as ``fabric run`` sets up its
   processes, so a script without ``fabric.launch()`` runs; a script's own ``launch()`` then
   does nothing more, and a second ``launch()`` is refused.
@@ -34,6 +33,11 @@ from .strategy import RingFabricStrategy
 _VERSION = f"{_package.__name__} {getattr(_package, '__version__', '?')}"
 
 
+def targets() -> list[tuple[Any, str]]:
+    """Every (owner, attribute) of Lightning Fabric's that this module may replace or wrap."""
+    return [(_Connector, "_choose_strategy"), (Fabric, "__init__"), (Fabric, "launch")]
+
+
 def one_process(strategy: Any, world_size: int | None = None) -> bool:
     """Whether `strategy` trains in this process alone (a world of one)."""
     if isinstance(strategy, (SingleDeviceStrategy, DataParallelStrategy)):
@@ -44,7 +48,9 @@ def one_process(strategy: Any, world_size: int | None = None) -> bool:
 def _choose_strategy(original: Callable[..., Any]) -> Callable[..., Any]:
     def choose(self: Any) -> Any:
         choice = original(self)
-        if one_process(choice) and launched_ranks() > 1:
+        # Under an MPI launcher the ranks exist already: Lightning's choice (one device,
+        # or DDP over devices it would count itself) gives way to the ring.
+        if launched_ranks() > 1:
             return RingFabricStrategy.strategy_name
         return choice
 

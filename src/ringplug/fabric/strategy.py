@@ -18,7 +18,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from ..compression import Compression
-from ..torch import broadcast_parameters
+from ..torch import broadcast_parameters, check_agreement
 from ..torch.buffers import BufferSync
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer
 from .common import (
@@ -62,6 +62,11 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         broadcast_buffers: as DDP's: rank 0's buffers (BatchNorm's running statistics) go
             to every rank before a forward that follows a training forward, and before
             ``fabric.save``. Defaults to ``True``.
+        check_agreement: after each ``fabric.save``, check that every rank holds the same
+            parameters and optimizer state (`ringplug.torch.check_agreement`: one read of
+            them and a 16-byte collective; ranks that drifted apart raise
+            `RanksDisagreeError` on every rank, naming the first tensor). Defaults to
+            ``True``.
 
     Example:
         >>> fabric = Fabric(strategy=RingFabricStrategy(compression="fp16"))  # doctest: +SKIP
@@ -83,6 +88,7 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeline: str | None = None,
         broadcast_buffers: bool = True,
+        check_agreement: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -96,6 +102,8 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         self.bucket_bytes = bucket_bytes
         self.timeline = timeline
         self.broadcast_buffers = broadcast_buffers
+        self.check_agreement = check_agreement
+        self._modules: list[Module] = []  # set up, in order (the same on every rank)
         self._buffer_syncs: dict[int, BufferSync] = {}  # module id -> its sync, by set-up
         self._environment_ready = False
         self._backward_sync_control = _RingBackwardSyncControl(self)
@@ -126,6 +134,8 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         before a forward that follows a training forward (``broadcast_buffers``)."""
         broadcast_parameters(module.state_dict(), root_rank=0)
         self._names.update({id(p): name for name, p in module.named_parameters()})
+        if all(known is not module for known in self._modules):
+            self._modules.append(module)
         if self.broadcast_buffers and self.world_size > 1 and id(module) not in self._buffer_syncs:
             sync = BufferSync(module, name=f"fabric.buffers.{len(self._buffer_syncs)}")
             if sync.buffers:
@@ -178,9 +188,18 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         super().backward(tensor, module, *args, **kwargs)
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        """Fabric's save, with rank 0's buffers on every rank first (every rank calls it)."""
+        """Fabric's save (every rank calls it), with rank 0's buffers on every rank first,
+        then the check that the ranks agree: after the write, so that the checkpoint to
+        resume from exists."""
         self._sync_buffers()
         super().save_checkpoint(*args, **kwargs)
+        if self.check_agreement and self.world_size > 1:
+            named = [
+                (f"{index}.{name}", p)
+                for index, module in enumerate(self._modules)
+                for name, p in module.named_parameters()
+            ]
+            check_agreement(named, self._optimizers, where="at fabric.save")
 
     def _sync_buffers(self) -> None:
         for sync in self._buffer_syncs.values():
@@ -204,6 +223,7 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         for optimizer in self._optimizers:
             optimizer.detach_hooks()
         self._optimizers.clear()
+        self._modules.clear()
         for sync in self._buffer_syncs.values():
             sync.remove()
         self._buffer_syncs.clear()

@@ -505,6 +505,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         op=resolve_op(None, op),
         gradient_predivide_factor=gradient_predivide_factor,
     )
+    # A subclass of ringplug's own optimizer class (no framework internal is touched):
+    # Horovod's step warnings on top of ringplug.torch's.
     cls = distributed.__class__
     distributed.__class__ = type(cls.__name__, (_HorovodSteps, cls), {})
     # Horovod's attribute: parameter -> the name its gradient is reduced under.

@@ -33,7 +33,7 @@ import keras
 import numpy as np
 
 from .. import core
-from . import _inputs
+from . import _inputs, patches
 from ._broadcast import broadcast_variables
 
 logger = logging.getLogger(__name__)
@@ -467,20 +467,14 @@ def adopt_keras_backups(callback: keras.callbacks.Callback) -> list[BackupAndRes
     Keras shows a callback no other callback, so they are found on the ``CallbackList``
     that is calling ``on_train_begin``: a few frames up. Called from that hook only.
     """
-    frame = sys._getframe(1)
-    for _ in range(8):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return []
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.callbacks.CallbackList):
-            break
-    else:
+    owner = patches.calling_callback_list(patches.caller(1))
+    if owner is None:
         return []
     found = []
     for sibling in owner.callbacks:
-        if type(sibling) is keras.callbacks.BackupAndRestore:
-            sibling.__class__ = BackupAndRestore
+        if type(sibling) is keras.callbacks.BackupAndRestore and patches.adopt(
+            sibling, BackupAndRestore
+        ):
             _init_ringplug_state(sibling)
             logger.info("ringplug: keras.callbacks.BackupAndRestore runs as ringplug's")
         if isinstance(sibling, BackupAndRestore):

@@ -27,6 +27,7 @@ import keras
 
 from .. import core
 from ..core.ops import Average, ReduceOp, as_op
+from . import patches
 from ._reduce import reduce_gradients
 
 _IDS = itertools.count()
@@ -143,12 +144,7 @@ def _class_for(base: type) -> type:
         return base
     loss_scaled = issubclass(base, keras.optimizers.LossScaleOptimizer)
     mixin = _ReduceBeforeFinitenessCheck if loss_scaled else _ReduceBeforeClipping
-    # Same name and module as the original, so that saving writes the original class.
-    return type(
-        base.__name__,
-        (mixin, base),
-        {"__module__": base.__module__, "__qualname__": base.__qualname__},
-    )
+    return patches.subclass_with(base, mixin)  # refuses a Keras without the methods
 
 
 def is_distributed_class(cls: type) -> bool:

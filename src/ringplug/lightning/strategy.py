@@ -140,7 +140,9 @@ class RingStrategy(RingParallel, ParallelStrategy):
         self.timeline = timeline
         self.broadcast_buffers = broadcast_buffers
         self.uneven = check_mode(uneven)
-        allow_compiled_models()  # trainer.fit(torch.compile(model)), as under DDP
+        from . import patches  # here: the Trainer's module may be importing at ours
+
+        patches.allow_compiled_models(RingStrategy)  # fit(torch.compile(model)), as DDP
         know_rank_from_launcher()
         self._buffers_changed = False
         self._phantoms: collections.deque[bool] = collections.deque()
@@ -186,13 +188,13 @@ class RingStrategy(RingParallel, ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         _prepare_loaders_for_ring(trainer, self)
+        from . import patches
+
         if self._resume is not None:
-            _before_each_epoch(trainer, self._resume)
+            patches.before_each_epoch(trainer, self._resume.before_epoch)
         self._sigterm = SigtermFlag(trainer)
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            # The batch agreement already carries every rank's flag (see uneven.py).
-            epoch_loop._broadcast_sigterm_tensor = self._raise_if_sigterm
+        # The batch agreement already carries every rank's flag (see uneven.py).
+        patches.replace_sigterm_broadcast(trainer, self._raise_if_sigterm)
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
@@ -356,48 +358,18 @@ class RingStrategy(RingParallel, ParallelStrategy):
         super().teardown()
 
 
-def allow_compiled_models() -> None:
-    """Let ``trainer.fit(torch.compile(model))`` run under RingStrategy.
-
-    Lightning unwraps a compiled model and compiles the LightningModule's forward again,
-    whatever the strategy, then checks the strategy against a fixed list (single device,
-    DDP, FSDP). RingStrategy, like DDP, only averages gradients, so it is let through; every
-    other strategy still gets Lightning's check. Idempotent; called when a RingStrategy is
-    made (Lightning's trainer module may still be importing when ringplug.lightning is).
-    """
-    from lightning.pytorch.trainer import trainer as trainer_module
-
-    check = trainer_module._verify_strategy_supports_compile
-    if getattr(check, "_ringplug", False):
-        return
-
-    def verify(model: Any, strategy: Any) -> None:
-        if not isinstance(strategy, RingStrategy):
-            check(model, strategy)
-
-    verify._ringplug = True  # type: ignore[attr-defined]
-    trainer_module._verify_strategy_supports_compile = verify
-
-
 def _report_prepare_data(trainer: Any) -> None:
     """While Lightning runs ``prepare_data`` (next, in this fit), this rank's phase says so:
     the ranks that do not prepare the data wait for the one that does at a barrier
     (Lightning's, a ``monitored_barrier`` of up to ``RINGPLUG_BARRIER_TIMEOUT``), and a stall
     report then names that rank as "in prepare_data" rather than as missing."""
-    connector = trainer._data_connector
-    if getattr(connector.prepare_data, "_ringplug", False):
-        return
-    prepare = connector.prepare_data
+    from . import patches
 
-    def prepare_data() -> None:
-        activity.set_phase(activity.PREPARING_DATA)
-        try:
-            prepare()
-        finally:
-            activity.set_phase(activity.BETWEEN_STEPS)
-
-    prepare_data._ringplug = True  # type: ignore[attr-defined]
-    connector.prepare_data = prepare_data
+    patches.around_prepare_data(
+        trainer,
+        before=lambda: activity.set_phase(activity.PREPARING_DATA),
+        after=lambda: activity.set_phase(activity.BETWEEN_STEPS),
+    )
 
 
 def _resume_callback(trainer: Any) -> RingResume:
@@ -408,20 +380,6 @@ def _resume_callback(trainer: Any) -> RingResume:
     callback = RingResume()
     trainer.callbacks.append(callback)
     return callback
-
-
-def _before_each_epoch(trainer: Any, resume: RingResume) -> None:
-    """Lightning prepares the training data before each epoch (``fit_loop.setup_data``, which
-    returns at once unless the loader is to be made again); `RingResume` looks first."""
-    fit_loop = trainer.fit_loop
-    setup_data = getattr(fit_loop, "_ringplug_original_setup_data", fit_loop.setup_data)
-
-    def setup_data_for_ring() -> None:
-        resume.before_epoch(fit_loop)
-        setup_data()
-
-    fit_loop._ringplug_original_setup_data = setup_data
-    fit_loop.setup_data = setup_data_for_ring
 
 
 def _elastic_sampler_for(dataloader: Any, connector: Any, trainer: Any) -> ElasticSampler | None:
@@ -461,10 +419,17 @@ def _prepare_loaders_for_ring(trainer: Any, strategy: RingStrategy) -> None:
       metrics synced at the epoch's end count every sample once.
     - The strategy learns which stage the next `process_dataloader` call is for.
     """
+    from . import patches
+
+    patches.replace_prepare_dataloader(
+        trainer, lambda prepare: _for_ring(prepare, trainer, strategy)
+    )
+
+
+def _for_ring(prepare: Any, trainer: Any, strategy: RingStrategy) -> Any:
+    """Lightning's `prepare` (``_DataConnector._prepare_dataloader``), as RingStrategy needs it
+    (see `_prepare_loaders_for_ring`)."""
     connector = trainer._data_connector
-    if getattr(connector, "_ringplug_strategy", None) is strategy:
-        return
-    prepare = getattr(connector, "_ringplug_original_prepare", connector._prepare_dataloader)
 
     def prepare_for_ring(dataloader: Any, shuffle: bool, mode: Any) -> Any:
         strategy._next_loader_stage = mode
@@ -489,6 +454,4 @@ def _prepare_loaders_for_ring(trainer: Any, strategy: RingStrategy) -> None:
             return _update_dataloader(dataloader, sampler, mode=mode)
         return prepare(dataloader, shuffle=shuffle, mode=mode)
 
-    connector._ringplug_original_prepare = prepare
-    connector._prepare_dataloader = prepare_for_ring
-    connector._ringplug_strategy = strategy
+    return prepare_for_ring

@@ -271,12 +271,11 @@ class SigtermFlag:
     """
 
     def __init__(self, trainer: Any) -> None:
+        from . import patches  # here: the Trainer's module may be importing at ours
+
         connector = trainer._signal_connector
         local = bool(getattr(connector, "received_sigterm", False))
-        if not isinstance(connector, _AgreedFlag):
-            connector.__class__ = type(
-                f"Agreed{type(connector).__name__}", (_AgreedFlag, type(connector)), {}
-            )
+        patches.agree_on_sigterm(connector, _AgreedFlag)
         connector._ringplug_local = local
         connector._ringplug_seen = False
         self._connector = connector
