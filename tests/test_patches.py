@@ -24,6 +24,21 @@ NAMESPACES = {
 }
 
 
+def run_python(code: str, **env: str) -> list[str]:
+    """The lines `code` printed in a fresh interpreter (frameworks import once per process),
+    where a warning about a missing name is an error."""
+    result = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
 @pytest.mark.parametrize("namespace", list(NAMESPACES))
 def test_every_patched_lightning_name_exists(namespace):
     package, *modules = NAMESPACES[namespace]
@@ -34,16 +49,7 @@ def test_every_patched_lightning_name_exists(namespace):
         "    patches = importlib.import_module(name)\n"
         "    print(name, len(patches.targets()), _patching.absent(patches.targets()))\n"
     )
-    result = subprocess.run(
-        # A name missing at import would warn: here that is an error.
-        [sys.executable, "-W", "error::RuntimeWarning", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    lines = run_python(code)
     assert len(lines) == 2, lines
     for line in lines:
         module, count, absent = line.split(" ", 2)
@@ -103,19 +109,11 @@ def test_every_keras_name_ringplug_overrides_exists_and_a_keras_without_one_is_r
         "except RuntimeError as error:\n"
         "    print(error)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-W", "error::RuntimeWarning", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "KERAS_BACKEND": backend},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    count, absent = result.stdout.splitlines()[0].split(" ", 1)
-    assert int(count) >= 5 and absent == "[]", result.stdout
+    lines = run_python(code, KERAS_BACKEND=backend)
+    count, absent = lines[0].split(" ", 1)
+    assert int(count) >= 5 and absent == "[]", lines
     # The declared lists are what ringplug's classes override, so targets() is complete.
-    assert result.stdout.splitlines()[1] == "True True True", result.stdout
-    refusal = result.stdout.splitlines()[2]
+    assert lines[1] == "True True True", lines
+    refusal = lines[2]
     assert "reduces the gradients inside" in refusal and "_clip_gradients" in refusal
     assert "the ranks would each step with their own gradients" in refusal
