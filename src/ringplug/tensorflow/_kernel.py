@@ -35,6 +35,7 @@ import os
 import queue
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,10 @@ Submit = Callable[[list[np.ndarray]], Any]  # arrays -> a `_ops.Started`
 
 _lock = threading.Lock()
 _keys = itertools.count(1)
-_submitters: dict[int, Submit] = {}  # an op's "key" attribute -> what it submits
+# An op's "key" attribute -> what it submits, for as long as the graph that holds the op
+# lives (it keeps them: `collective`), as TensorFlow keeps a numpy_function's function.
+_submitters: weakref.WeakValueDictionary[int, Submit] = weakref.WeakValueDictionary()
+_held: weakref.WeakKeyDictionary[Any, list[Submit]] = weakref.WeakKeyDictionary()
 _state: dict[str, Any] = {}  # "ok" once registration was tried, "why" if it failed
 _finished: queue.SimpleQueue[_Call] = queue.SimpleQueue()
 
@@ -233,7 +237,12 @@ def _callbacks(lib: ctypes.CDLL) -> tuple[Any, Any, Any]:
     def compute_async(kernel: int | None, context: int, done: int) -> None:
         call = _Call(context, done)
         try:
-            submit = _submitters[kernel or 0]
+            submit = _submitters.get(kernel or 0)
+            if submit is None:
+                raise RuntimeError(
+                    "this collective's graph was deleted in Python while TensorFlow still "
+                    "runs it; keep the graph (or the tf.function) alive while it runs."
+                )
             status = lib.TF_NewStatus()
             try:
                 arrays = _arrays(lib, call, status)
@@ -317,6 +326,8 @@ def collective(
     key = next(_keys)
     with _lock:
         _submitters[key] = submit
+        # A traced tf.function keeps its FuncGraph, a session its Graph.
+        _held.setdefault(tf.compat.v1.get_default_graph(), []).append(submit)
     _, _, op, _ = op_def_library._apply_op_helper(
         OP, inputs=list(inputs), Tout=list(touts), key=key, name=name
     )
