@@ -123,8 +123,8 @@ def test_horovods_keras_init_leaves_tensorflows_thread_pool_alone():
 
 def test_init_after_tensorflows_first_operation_warns_only_where_collectives_block():
     # With the asynchronous op the pool's size does not matter: no warning. Where it cannot
-    # be registered (here: pretended), a collective blocks a thread while it waits, and an
-    # init() too late to enlarge the pool says what to do.
+    # be registered (here: pretended), a collective blocks a thread while it waits (a
+    # numpy_function), and an init() too late to enlarge the pool says what to do.
     result = run_snippet(
         "import os, warnings, tensorflow as tf\n"
         "tf.constant(1.0) + 1.0\n"
@@ -137,9 +137,12 @@ def test_init_after_tensorflows_first_operation_warns_only_where_collectives_blo
         "        warnings.simplefilter('always')\n"
         "        rtf.init()\n"
         "    print(blocking, [str(w.message) for w in caught])\n"
+        "print(tf.function(lambda: rtf.allreduce(tf.ones([2]), op='sum'))().numpy())\n"
     )
     assert result.returncode == 0, result.stderr
-    asynchronous, blocking = result.stdout.splitlines()[-2:]
+    # ... and the blocking op still reduces (one rank here).
+    *_, asynchronous, blocking, reduced = result.stdout.splitlines()
+    assert reduced == "[1. 1.]"
     assert asynchronous == "False []"
     assert "before the first TensorFlow operation" in blocking
     assert "TF_NUM_INTEROP_THREADS" in blocking
