@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import allreduce, fusion, keras_compare, lightning_compare, sampler
+from . import allreduce, fusion, keras_compare, lightning_compare, sampler, zero
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
             "DistributedSampler + random batches, on the OCR data",
         )
     )
+    zero.add_arguments(
+        commands.add_parser(
+            "zero",
+            help="sharded optimizer state (zero=1, 2) against zero=0: state bytes per rank "
+            "and step time on a transformer-shaped model",
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "allreduce":
         return allreduce.run(args)
@@ -56,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return keras_compare.run(args)
     if args.command == "sampler":
         return sampler.run(args)
+    if args.command == "zero":
+        return zero.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
