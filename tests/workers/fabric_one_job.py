@@ -69,6 +69,14 @@ def train(fabric: Fabric, drift_on_rank_1: bool = False) -> dict:
             bound = momentum * (means[rank] - means[0]).abs()
             worst_excess = max(worst_excess, float((gap - bound).max()))
             largest = max(largest, float(gap.max()))
+    # A training-mode forward with no backward moves each rank's statistics its own way;
+    # the next forward (evaluation) must start from rank 0's.
+    with torch.no_grad():
+        model(x)
+        model.eval()
+        model(x)
+        model.train()
+    evaluated = fabric.all_gather(norm.running_mean.clone())
     path = OUTDIR / f"saved-{type(fabric.strategy).__name__}-{id(fabric)}.pt"
     fabric.save(path, {"model": model})
     after_save = fabric.all_gather(torch.cat([b.double().reshape(-1) for b in norm.buffers()]))
@@ -90,6 +98,7 @@ def train(fabric: Fabric, drift_on_rank_1: bool = False) -> dict:
         "worst_excess_over_ddp_bound": worst_excess,
         "largest_gap": largest,
         "buffers_equal_after_save": all(torch.equal(b, after_save[0]) for b in after_save),
+        "buffers_equal_when_evaluating": all(torch.equal(b, evaluated[0]) for b in evaluated),
         "parameters_equal": all(torch.equal(p, parameters[0]) for p in parameters),
     }
 

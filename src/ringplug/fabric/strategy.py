@@ -59,8 +59,9 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         gradient_predivide_factor: see `ringplug.torch.DistributedOptimizer`. Defaults to 1.0.
         bucket_bytes: gradient bucket size. Defaults to 25 MiB.
         timeline: path of a Chrome trace of the engine (rank 0). Defaults to ``None``.
-        broadcast_buffers: as DDP's: rank 0's buffers (BatchNorm's running statistics) go
-            to every rank before a forward that follows a training forward, and before
+        broadcast_buffers: rank 0's buffers (BatchNorm's running statistics) go to every
+            rank during each backward (so ranks end each step with the same buffers), before
+            any other forward that follows a training forward (as DDP's), and before
             ``fabric.save``. Defaults to ``True``.
         check_agreement: after each ``fabric.save``, check that every rank holds the same
             parameters and optimizer state (`ringplug.torch.check_agreement`: one read of
@@ -131,7 +132,8 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
     def setup_module(self, module: Module) -> Module:
         """Every rank starts from rank 0's parameters and buffers (the module is not wrapped:
         the optimizers set up with it average its gradients), and gets rank 0's buffers again
-        before a forward that follows a training forward (``broadcast_buffers``)."""
+        in each backward and before any other forward that follows a training forward
+        (``broadcast_buffers``)."""
         broadcast_parameters(module.state_dict(), root_rank=0)
         self._names.update({id(p): name for name, p in module.named_parameters()})
         if all(known is not module for known in self._modules):
@@ -185,7 +187,12 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
                 "gradients. Pass the optimizer to fabric.setup(model, optimizer) (or to "
                 "fabric.setup_optimizers) before training."
             )
+        # Rank 0's buffers, as this step's forwards left them, travel while the backward
+        # computes (their own wait before the next forward cost more, measured).
+        finish = [sync.start() for sync in self._buffer_syncs.values()]
         super().backward(tensor, module, *args, **kwargs)
+        for done in finish:
+            done()
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         """Fabric's save (every rank calls it), with rank 0's buffers on every rank first,
@@ -203,7 +210,7 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
 
     def _sync_buffers(self) -> None:
         for sync in self._buffer_syncs.values():
-            sync.sync()
+            sync.sync(force=True)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:

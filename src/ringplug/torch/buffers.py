@@ -3,19 +3,21 @@
 Buffers (BatchNorm's running statistics, counters) are not gradients: each rank's forward
 moves them with its own batch, and nothing averages them. DDP sends rank 0's buffers to every
 rank before a forward that follows a training forward. `BufferSync`, a forward pre-hook, does
-the same for a module set up by `ringplug.fabric.RingFabricStrategy` (which also syncs before
-``fabric.save``) or given to `ringplug.torch.DistributedOptimizer` as ``module``: ranks differ
-by at most the last forward's update, and every rank evaluates rank 0's statistics.
+the same for a module given to `ringplug.torch.DistributedOptimizer` as ``module``: ranks
+differ by at most the last forward's update, and every rank evaluates rank 0's statistics.
+A module set up by `ringplug.fabric.RingFabricStrategy` gets the send during each backward
+instead (and before ``fabric.save``): ranks end each step with the same buffers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.nn import Module
 
-from .state import broadcast_buffers
+from .state import broadcast_buffers_async
 
 
 class BufferSync:
@@ -25,6 +27,11 @@ class BufferSync:
     A forward may change buffers when the module is in training mode or gradients are on
     (DDP's rule). While `blocked` (``fabric.no_backward_sync``, as DDP's ``no_sync``)
     forwards send nothing: the first forward after the accumulated step sends once.
+
+    Where the caller knows a backward is about to run (`RingFabricStrategy.backward`), it
+    can `start` the send before the backward and finish it after: the broadcast then
+    travels while the backward computes, instead of as a wait of its own before the next
+    forward, and the ranks end the step with the same buffers.
     """
 
     def __init__(self, module: Module, name: str) -> None:
@@ -36,16 +43,27 @@ class BufferSync:
         self._handle = module.register_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, module: Module, args: Any) -> None:
-        if not self.blocked:
-            self.sync()
+        self.sync()
         if module.training or torch.is_grad_enabled():
             self.changed = True
 
-    def sync(self) -> None:
-        """Rank 0's buffers to every rank now, if a forward may have changed them."""
-        if self.changed:
-            self.changed = False
-            broadcast_buffers(self.buffers, root_rank=0, name=self.name)
+    def sync(self, force: bool = False) -> None:
+        """Rank 0's buffers to every rank now, if a forward may have changed them (while
+        `blocked` too with `force`)."""
+        self.start(force)()
+
+    def start(self, force: bool = False) -> Callable[[], None]:
+        """Submit the send of rank 0's buffers, if a forward may have changed them (and
+        not while `blocked`, unless `force`); call what it returns to finish it. The
+        buffers must not change in between."""
+        if not self.changed or (self.blocked and not force):
+            return _nothing
+        self.changed = False
+        return broadcast_buffers_async(self.buffers, root_rank=0, name=self.name)
 
     def remove(self) -> None:
         self._handle.remove()
+
+
+def _nothing() -> None:
+    pass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -45,17 +45,33 @@ def broadcast_buffers(
     """Overwrite `tensors` (every rank passes the same list) with root's values, in place:
     one broadcast per dtype through a flat copy, cheap for many small tensors (BatchNorm's
     running statistics, counters)."""
+    broadcast_buffers_async(tensors, root_rank, name)()
+
+
+def broadcast_buffers_async(
+    tensors: Iterable[torch.Tensor], root_rank: int = 0, name: str = "buffers"
+) -> Callable[[], None]:
+    """`broadcast_buffers`, submitted now; call what it returns to wait for it and write
+    root's values into `tensors` (which must not change in between)."""
     groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
     for tensor in tensors:
         groups.setdefault((tensor.device.type, tensor.dtype), []).append(tensor)
+    pending = []
     for (place, dtype), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
         flat = torch.cat([t.detach().reshape(-1) for t in members])
-        broadcast_async_(flat, root_rank, name=f"{name}.{place}.{dtype}").wait()
-        offset = 0
-        with torch.no_grad():
-            for tensor in members:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+        handle = broadcast_async_(flat, root_rank, name=f"{name}.{place}.{dtype}")
+        pending.append((handle, flat, members))
+
+    def finish() -> None:
+        for handle, flat, members in pending:
+            handle.wait()
+            offset = 0
+            with torch.no_grad():
+                for tensor in members:
+                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+
+    return finish
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
