@@ -90,6 +90,13 @@ def test_given_the_model_the_optimizer_keeps_its_buffers_within_ddps_bound(job, 
         assert report["kept"]["largest_gap"] > 0.1  # rank 1's shifted batches did move them
         # Without the model (Horovod's way) each rank keeps its own statistics.
         assert report["apart"]["largest_gap"] > 1.0, report
+        assert report["mixed_from_rank_1"] == [
+            [1.0, 1.0, 1.0],
+            11,
+            [[2.0, 2.0], [2.0, 2.0], [2.0, 2.0]],
+            [True],
+            [1.0, 1.0, 1.0, 1.0],
+        ]
 
 
 def test_the_wrapper_keeps_the_optimizer_class_and_state():

@@ -21,6 +21,7 @@ import torch
 
 import ringplug
 import ringplug.torch as rpt
+from ringplug.torch.state import broadcast_buffers
 
 STEPS, PER_RANK = 5, 8
 
@@ -127,6 +128,16 @@ def buffers(outdir: Path) -> None:
             largest = max(largest, float(gap.max()))
         optimizer.detach_hooks()
         report[label] = {"worst_excess_over_ddp_bound": excess, "largest_gap": largest}
+    # Buffers of several dtypes and layouts travel as one broadcast of bytes, from rank 1.
+    mixed = [
+        torch.full((3,), float(rank)),
+        torch.tensor(rank + 10),
+        torch.full((2, 3), rank + 1.0).t(),  # not contiguous
+        torch.tensor([rank == 1]),
+        torch.full((4,), rank, dtype=torch.float64),
+    ]
+    broadcast_buffers(mixed, root_rank=1)
+    report["mixed_from_rank_1"] = [t.tolist() for t in mixed]
     (outdir / f"buffers-{rank}.json").write_text(json.dumps(report))
 
 

@@ -43,8 +43,8 @@ def broadcast_buffers(
     tensors: Iterable[torch.Tensor], root_rank: int = 0, name: str = "buffers"
 ) -> None:
     """Overwrite `tensors` (every rank passes the same list) with root's values, in place:
-    one broadcast per dtype through a flat copy, cheap for many small tensors (BatchNorm's
-    running statistics, counters)."""
+    one broadcast per device of their bytes, through a flat copy, cheap for many small
+    tensors of several dtypes (BatchNorm's running statistics and its int64 counters)."""
     broadcast_buffers_async(tensors, root_rank, name)()
 
 
@@ -53,13 +53,14 @@ def broadcast_buffers_async(
 ) -> Callable[[], None]:
     """`broadcast_buffers`, submitted now; call what it returns to wait for it and write
     root's values into `tensors` (which must not change in between)."""
-    groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+    groups: dict[str, list[torch.Tensor]] = {}
     for tensor in tensors:
-        groups.setdefault((tensor.device.type, tensor.dtype), []).append(tensor)
+        groups.setdefault(str(tensor.device), []).append(tensor)
     pending = []
-    for (place, dtype), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
-        handle = broadcast_async_(flat, root_rank, name=f"{name}.{place}.{dtype}")
+    for place, members in sorted(groups.items()):
+        # Bytes, whatever the dtypes: one collective for floats and counters alike.
+        flat = torch.cat([_bytes_of(t.detach().contiguous()) for t in members])
+        handle = broadcast_async_(flat, root_rank, name=f"{name}.{place}")
         pending.append((handle, flat, members))
 
     def finish() -> None:
@@ -68,10 +69,20 @@ def broadcast_buffers_async(
             offset = 0
             with torch.no_grad():
                 for tensor in members:
-                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
+                    size = tensor.numel() * tensor.element_size()
+                    if tensor.is_contiguous():
+                        _bytes_of(tensor).copy_(flat[offset : offset + size])
+                    else:
+                        values = flat[offset : offset + size].view(tensor.dtype)
+                        tensor.copy_(values.view(tensor.shape))
+                    offset += size
 
     return finish
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view of its storage."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
