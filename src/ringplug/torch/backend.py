@@ -641,7 +641,10 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> dist.ProcessGroup
             f"torch.distributed asked the ringplug backend for {size} ranks, but this process "
             "is not part of an MPI job (ringplug's world is this one process). The ringplug "
             f"backend takes its ranks from MPI: start the program with `ringrun -np {size} "
-            "python ...` (or mpiexec/srun), not torchrun."
+            "python ...` (or mpiexec/srun), one process per rank: not with torchrun, and "
+            "without the program starting its own ranks (mp.spawn, "
+            "--multiprocessing-distributed); init_method='env://' reads the rank and world "
+            "size ringrun sets (docs/torch.md, 'Programs that start their own processes')."
         )
     if size != world:
         raise ValueError(
