@@ -35,8 +35,7 @@ from . import callbacks, elastic
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Start ringplug; on the TensorFlow backend as `ringplug.tensorflow.init` does (room in
-    TensorFlow's thread pool for a TF1 graph's concurrent collectives)."""
+    """Start ringplug; on the TensorFlow backend as `ringplug.tensorflow.init` does."""
     _common.init(comm, process_sets)  # refuses them, then starts the core
     if keras.backend.backend() == "tensorflow":
         from ... import tensorflow as _tf
