@@ -193,7 +193,7 @@ def replace_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> None:
         lambda _broadcast: lambda: check(),
         version=_VERSION,
         again=True,
-        quiet=True,  # Lightning before 2.5 broadcasts nothing per batch: nothing to replace
+        quiet=True,  # Lightning before 2.5.2 broadcasts nothing per batch: nothing to replace
         fallback="nothing to replace",
     )
 
