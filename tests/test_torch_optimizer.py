@@ -85,9 +85,10 @@ def test_given_the_model_the_optimizer_keeps_its_buffers_within_ddps_bound(job, 
     outdir = job(ranks) / "optimizer"
     for rank in range(ranks):
         report = json.loads((outdir / f"buffers-{rank}.json").read_text())
-        # DistributedOptimizer(module=model): ranks differ by the last forward's update only.
+        # DistributedOptimizer(module=model): within DDP's bound (the last forward's update);
+        # rank 0's buffers go with each step's gradients, so no difference is left at all.
         assert report["kept"]["worst_excess_over_ddp_bound"] < 1e-5, report
-        assert report["kept"]["largest_gap"] > 0.1  # rank 1's shifted batches did move them
+        assert report["kept"]["largest_gap"] == 0.0, report
         # Without the model (Horovod's way) each rank keeps its own statistics.
         assert report["apart"]["largest_gap"] > 1.0, report
         assert report["mixed_from_rank_1"] == [

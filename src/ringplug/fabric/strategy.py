@@ -60,9 +60,9 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         bucket_bytes: gradient bucket size. Defaults to 25 MiB.
         timeline: path of a Chrome trace of the engine (rank 0). Defaults to ``None``.
         broadcast_buffers: rank 0's buffers (BatchNorm's running statistics) go to every
-            rank during each backward (so ranks end each step with the same buffers), before
-            any other forward that follows a training forward (as DDP's), and before
-            ``fabric.save``. Defaults to ``True``.
+            rank with the last gradients of each backward (so ranks end each step with the
+            same buffers), before any other forward that follows a training forward (as
+            DDP's), and before ``fabric.save``. Defaults to ``True``.
         check_agreement: after each ``fabric.save``, check that every rank holds the same
             parameters and optimizer state (`ringplug.torch.check_agreement`: one read of
             them and a 16-byte collective; ranks that drifted apart raise
@@ -163,6 +163,10 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
         )
         # Averaged before fabric.backward returns, so clipping sees the averaged gradients.
         distributed._ringplug_sync_in_backward = True
+        # Rank 0's buffers, as this step's forwards left them, go with the last gradients:
+        # in the engine cycles that run anyway (sent while the backward computed, they kept
+        # the engine polling through it; sent before the next forward, a wait of their own).
+        distributed._ringplug_companions.append(self._start_buffer_syncs)
         self._optimizers.append(distributed)
         return distributed
 
@@ -187,12 +191,7 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
                 "gradients. Pass the optimizer to fabric.setup(model, optimizer) (or to "
                 "fabric.setup_optimizers) before training."
             )
-        # Rank 0's buffers, as this step's forwards left them, travel while the backward
-        # computes (their own wait before the next forward cost more, measured).
-        finish = [sync.start() for sync in self._buffer_syncs.values()]
         super().backward(tensor, module, *args, **kwargs)
-        for done in finish:
-            done()
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         """Fabric's save (every rank calls it), with rank 0's buffers on every rank first,
@@ -207,6 +206,15 @@ class RingFabricStrategy(RingParallel, ParallelStrategy):
                 for name, p in module.named_parameters()
             ]
             check_agreement(named, self._optimizers, where="at fabric.save")
+
+    def _start_buffer_syncs(self) -> Any:
+        finishers = [sync.start() for sync in self._buffer_syncs.values()]
+
+        def finish() -> None:
+            for done in finishers:
+                done()
+
+        return finish
 
     def _sync_buffers(self) -> None:
         for sync in self._buffer_syncs.values():

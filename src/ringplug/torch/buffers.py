@@ -2,11 +2,11 @@
 
 Buffers (BatchNorm's running statistics, counters) are not gradients: each rank's forward
 moves them with its own batch, and nothing averages them. DDP sends rank 0's buffers to every
-rank before a forward that follows a training forward. `BufferSync`, a forward pre-hook, does
-the same for a module given to `ringplug.torch.DistributedOptimizer` as ``module``: ranks
-differ by at most the last forward's update, and every rank evaluates rank 0's statistics.
-A module set up by `ringplug.fabric.RingFabricStrategy` gets the send during each backward
-instead (and before ``fabric.save``): ranks end each step with the same buffers.
+rank before a forward that follows a training forward, so ranks differ by the last forward's
+update. `BufferSync`, for a module given to `ringplug.torch.DistributedOptimizer` as
+``module`` or set up by `ringplug.fabric.RingFabricStrategy`, sends them with the last
+gradients of each step, so every step ends with the same buffers on every rank, and, as a
+forward pre-hook, before any other forward that follows a training forward.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ class BufferSync:
     (DDP's rule). While `blocked` (``fabric.no_backward_sync``, as DDP's ``no_sync``)
     forwards send nothing: the first forward after the accumulated step sends once.
 
-    Where the caller knows a backward is about to run (`RingFabricStrategy.backward`), it
-    can `start` the send before the backward and finish it after: the broadcast then
-    travels while the backward computes, instead of as a wait of its own before the next
-    forward, and the ranks end the step with the same buffers.
+    `DistributedOptimizer` (given ``module``, or set up by `RingFabricStrategy`) `start`s the
+    send with the last gradients of each step and finishes it with them: it rides in engine
+    cycles that run anyway, instead of being a wait of its own before the next forward, and
+    the ranks end each step with the same buffers.
     """
 
     def __init__(self, module: Module, name: str) -> None:

@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -106,6 +106,9 @@ class _Distributed:
         self._ringplug_blocked = False
         self._ringplug_sync_in_backward = False
         self._ringplug_callback_queued = False
+        # Started with the last gradients of each step and finished with them: what else
+        # rides in the same engine cycles (rank 0's buffers, `ringplug.torch.buffers`).
+        self._ringplug_companions: list[Callable[[], Callable[[], None]]] = []
 
     # -------------------------------------------------------------- during backward
     def _ringplug_hook(self, param: torch.nn.Parameter) -> None:
@@ -171,8 +174,11 @@ class _Distributed:
         for bucket in self._ringplug_buckets:
             if bucket.handle is None:
                 self._ringplug_start(bucket)
+        finishers = [start() for start in self._ringplug_companions]
         for bucket in self._ringplug_buckets:
             nbytes += self._ringplug_finish(bucket)
+        for finish in finishers:
+            finish()
         for key in self._ringplug_counts:
             self._ringplug_counts[key] = 0
         self._ringplug_synchronized = True
@@ -311,11 +317,13 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
         gradient_predivide_factor: divide by this before the sum and by size/this after
             (Average only), to keep float16 sums in range. Defaults to 1.0.
         bucket_bytes: size of the gradient buckets reduced as one. Defaults to 25 MiB.
-        module: the model, if you want its buffers kept as DDP keeps them: rank 0's
-            buffers (BatchNorm's running statistics) go to every rank before a forward that
-            follows a training forward (`ringplug.torch.buffers.BufferSync`); its parameter
-            names also name the gradients when `named_parameters` is not given. Defaults to
-            ``None``: buffers are each rank's own, as in Horovod.
+        module: the model, if you want its buffers kept equal: rank 0's buffers
+            (BatchNorm's running statistics) go to every rank with the last gradients of
+            each step, so the ranks end each step with the same buffers, and before any
+            other forward that follows a training forward, as DDP's ``broadcast_buffers``
+            (`ringplug.torch.buffers.BufferSync`); its parameter names also name the
+            gradients when `named_parameters` is not given. Defaults to ``None``: buffers
+            are each rank's own, as in Horovod.
         zero: shard the optimizer state over the ranks (ZeRO, see `ringplug.torch.zero`):
             ``0`` (default) every rank steps every parameter; ``1`` each rank keeps the
             optimizer state of its shard of the parameters only, steps it, and the updated
@@ -359,6 +367,7 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
         sync = BufferSync(module, name="optimizer.buffers")
         if sync.buffers:
             distributed._ringplug_hooks.append(sync)  # detach_hooks removes it too
+            distributed._ringplug_companions.append(sync.start)
         else:
             sync.remove()
     return distributed
