@@ -12,8 +12,8 @@ import torch
 
 from ..data import ElasticSampler
 from ..elastic import HostsUpdatedInterrupt, ObjectState, State, run
+from ..torch import averaging as _optimizer
 from ..torch import elastic as _torch
-from ..torch import optimizer as _optimizer
 from ..torch.state import broadcast_optimizer_state as _broadcast_optimizer_state
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]

@@ -44,6 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..core.errors import RingplugError
+from ._status import register_once
 
 _log = logging.getLogger(__name__)
 
@@ -295,20 +296,13 @@ def _register() -> None:
 
 def available() -> bool:
     """Whether graph collectives run as the asynchronous op (registers it the first time)."""
-    with _lock:
-        if "ok" not in _state:
-            try:
-                _register()
-                _state["ok"] = True
-            except (OSError, AttributeError, RuntimeError) as exc:
-                _state["ok"], _state["why"] = False, str(exc)
-                _log.warning(
-                    "ringplug: graph collectives will hold one of TensorFlow's inter-op "
-                    "threads while they wait (%s could not be registered: %s).",
-                    OP,
-                    exc,
-                )
-        return bool(_state["ok"])
+    return register_once(
+        _state,
+        _lock,
+        _register,
+        f"graph collectives will hold one of TensorFlow's inter-op threads while they wait "
+        f"({OP} could not be registered",
+    )
 
 
 def why_not() -> str | None:

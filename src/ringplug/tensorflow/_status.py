@@ -126,20 +126,29 @@ def _register() -> None:
 def available() -> bool:
     """Whether graph collectives can fail with ``FailedPreconditionError`` (registers the
     check op the first time)."""
-    with _lock:
-        if "ok" not in _state:
+    return register_once(
+        _state,
+        _lock,
+        _register,
+        f"graph collectives will fail with UnknownError rather than FailedPreconditionError "
+        f"({_OP} could not be registered",
+    )
+
+
+def register_once(
+    state: dict[str, Any], lock: threading.Lock, register: Any, consequence: str
+) -> bool:
+    """Call `register` the first time only; whether it worked. A failure is logged once, as
+    `consequence` followed by the reason, and remembered in ``state["why"]``."""
+    with lock:
+        if "ok" not in state:
             try:
-                _register()
-                _state["ok"] = True
+                register()
+                state["ok"] = True
             except (OSError, AttributeError, RuntimeError) as exc:
-                _state["ok"], _state["why"] = False, str(exc)
-                _log.warning(
-                    "ringplug: graph collectives will fail with UnknownError rather than "
-                    "FailedPreconditionError (%s could not be registered: %s).",
-                    _OP,
-                    exc,
-                )
-        return bool(_state["ok"])
+                state["ok"], state["why"] = False, str(exc)
+                _log.warning("ringplug: %s: %s).", consequence, exc)
+        return bool(state["ok"])
 
 
 def file_failure(message: str) -> int:

@@ -34,8 +34,8 @@ import torch
 from ..compression import Compression
 from ..core import runtime
 from ..core.ops import ReduceOp
+from .averaging import _Bucket, _Distributed
 from .collectives import TensorHandle, allgather_async, allreduce, reducescatter_async
-from .optimizer import _Bucket, _Distributed
 from .state import allgather_object
 
 SHARD_KEY = "ringplug_shard"  # marks a dict from sharded_state_dict()
