@@ -117,7 +117,9 @@ def test_a_helper_that_outlives_sigkill_is_returned_with_its_command_line():
             "-c",
             "import subprocess, time\n"
             "helper = subprocess.Popen(['sh', '-c', \"trap '' TERM; exec sleep 300\"])\n"
+            f"deadline = time.monotonic() + {BOUND_S}\n"
             "while open(f'/proc/{helper.pid}/cmdline').read() != 'sleep\\x00300\\x00':\n"
+            "    assert time.monotonic() < deadline, 'the shell did not become sleep'\n"
             "    time.sleep(0.01)  # the trap is set once the shell became sleep\n"
             "print(helper.pid, flush=True)\n"
             "time.sleep(300)\n",
@@ -177,7 +179,9 @@ def test_a_program_ignoring_the_stop_is_killed_when_nobody_else_will(monkeypatch
     wrapper = RankWrapper(["true"], environ={"PMI_RANK": "0", "PMI_SIZE": "1"})
     wrapper.child = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 300"])
     try:
+        deadline = time.monotonic() + BOUND_S
         while Path(f"/proc/{wrapper.child.pid}/cmdline").read_bytes() != b"sleep\x00300\x00":
+            assert time.monotonic() < deadline, "the shell did not become sleep"
             time.sleep(0.01)  # the trap is set once the shell became sleep
         wrapper._forward(signal.SIGTERM, None)
         assert wrapper.child.wait(timeout=BOUND_S) == -signal.SIGKILL
