@@ -41,6 +41,7 @@ from .data import ShardedPyDataset, bucketed_dataset, shard
 from .diagnostics import RingDiagnose
 from .optimizer import DistributedOptimizer
 from .schedule import RingSchedule
+from .sharding import consolidate
 
 
 def init() -> None:
@@ -116,6 +117,7 @@ __all__ = [
     "broadcast_variables",
     "bucketed_dataset",
     "check_agreement",
+    "consolidate",
     "init",
     "on_rank_zero",
     "scale_lr",

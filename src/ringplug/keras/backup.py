@@ -35,6 +35,7 @@ import numpy as np
 from .. import core
 from . import _inputs, patches
 from ._broadcast import broadcast_variables
+from .sharding import consolidate, distribute_loaded, shared_variables
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if kind == "none":
             return False
         broadcast_variables(_state_variables(model), 0, name="keras.backup")
+        # A zero=1 optimizer: rank 0 loaded the whole state; each rank takes its shard.
+        distribute_loaded(optimizer, 0)
         self._apply(payload)
         return True
 
@@ -352,7 +355,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._save(self._current_epoch, 0)
 
     def _save(self, epoch: int, done: int) -> None:
-        """Rank 0: write the backup of `epoch` after `done` of its batches."""
+        """Rank 0: write the backup of `epoch` after `done` of its batches (every rank calls
+        it: a zero=1 optimizer's state is first collected on rank 0)."""
+        if core.size() > 1:
+            consolidate(self.model.optimizer, to=0)
         if core.rank() != 0:
             return
         data = None
@@ -483,8 +489,7 @@ def adopt_keras_backups(callback: keras.callbacks.Callback) -> list[BackupAndRes
 
 
 def _state_variables(model: Any) -> list[Any]:
-    optimizer = model.optimizer
-    return list(model.weights) + (list(optimizer.variables) if optimizer is not None else [])
+    return list(model.weights) + shared_variables(model.optimizer)
 
 
 def _iterations(optimizer: Any) -> int | None:

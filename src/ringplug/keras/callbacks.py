@@ -19,6 +19,7 @@ from . import _inputs
 from ._broadcast import broadcast_variables
 from .agreement import check_agreement
 from .optimizer import is_distributed, local_variable_keys, reduce_at_the_outermost, variable_key
+from .sharding import is_sharded, shared_variables
 
 
 class RingBroadcast(keras.callbacks.Callback):
@@ -170,8 +171,9 @@ class RingBroadcast(keras.callbacks.Callback):
         self._done = True
 
     def _state_variables(self) -> list[Any]:
-        """What root gives every rank: the model's weights and the optimizer's variables."""
-        return list(self.model.weights) + list(self.model.optimizer.variables)
+        """What root gives every rank: the model's weights and the optimizer's variables
+        (a sharded optimizer's slots stay each rank's own)."""
+        return list(self.model.weights) + shared_variables(self.model.optimizer)
 
     def _check_agreement(self, where: str) -> None:
         # An optimizer that does not average lets the ranks drift apart (warned at start).
@@ -191,7 +193,10 @@ class RingBroadcast(keras.callbacks.Callback):
         optimizer_variables = {id(v) for v in getattr(optimizer, "variables", [])}
         local = local_variable_keys(optimizer)
         everything = list(model.weights) + list(getattr(optimizer, "variables", []))
-        own_slots = local or len(shared) < len({id(v) for v in everything})
+        # A sharded optimizer's slots are each rank's own (left out of `shared`); its step
+        # counter and LR are checked.
+        narrower = len(shared) < len({id(v) for v in everything}) and not is_sharded(optimizer)
+        own_slots = local or narrower
         left_out = set() if self.sync_statistics else {id(v) for v in model.non_trainable_weights}
         left_out |= {id(v) for v in _accumulators(optimizer)}  # each rank's own gradients
         return [

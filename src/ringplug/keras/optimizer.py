@@ -29,6 +29,7 @@ from .. import core
 from ..core.ops import Average, ReduceOp, as_op
 from . import patches
 from ._reduce import reduce_gradients
+from .sharding import ShardedApply, _Shard, check_shardable
 
 _IDS = itertools.count()
 
@@ -139,16 +140,18 @@ def _warn_if_loss_scaled_elsewhere(settings: _Settings) -> None:
     )
 
 
-def _class_for(base: type) -> type:
+def _class_for(base: type, zero: int = 0) -> type:
     if is_distributed_class(base):
         return base
+    if zero:
+        return patches.subclass_with(base, ShardedApply)
     loss_scaled = issubclass(base, keras.optimizers.LossScaleOptimizer)
     mixin = _ReduceBeforeFinitenessCheck if loss_scaled else _ReduceBeforeClipping
     return patches.subclass_with(base, mixin)  # refuses a Keras without the methods
 
 
 def is_distributed_class(cls: type) -> bool:
-    return issubclass(cls, (_ReduceBeforeClipping, _ReduceBeforeFinitenessCheck))
+    return issubclass(cls, (_ReduceBeforeClipping, _ReduceBeforeFinitenessCheck, ShardedApply))
 
 
 def is_distributed(optimizer: Any) -> bool:
@@ -164,6 +167,7 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     op: ReduceOp | str = Average,
     backward_passes_per_step: int = 1,
     compression: str | None = None,
+    zero: int = 0,
 ) -> keras.optimizers.Optimizer:
     """Make `optimizer` average its gradients over every rank before each update.
 
@@ -175,6 +179,12 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
             reduction and one update; Keras's own ``gradient_accumulation_steps`` (set it
             here or there). Defaults to 1.
         compression: ``None`` (default) or ``"fp16"``: float gradients travel as float16.
+        zero: ``0`` (default): every rank holds the whole optimizer state. ``1``: shard it
+            (ZeRO stage 1): each trainable variable is dealt to one rank, whose optimizer
+            alone holds its slots and updates it; the updated weights then go to every
+            rank. Optimizer state per rank falls to about 1/ranks; the weights are the
+            same as with ``0``. Saving needs `ringplug.keras.consolidate` first (or
+            `BackupAndRestore`). See docs/bigger-models.md.
 
     Returns:
         The same optimizer object, now of a subclass of its class that keeps the class's
@@ -182,7 +192,9 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
 
     Raises:
         ValueError: a ``keras.distribution`` is set (now, or later when the gradients are
-            reduced): one data-parallel mechanism at a time.
+            reduced): one data-parallel mechanism at a time. With ``zero=1``: an optimizer
+            that cannot be sharded (a LossScaleOptimizer, a MultiOptimizer, one with its own
+            ``apply``, or one already built); the message says what to use instead.
 
     Example:
         >>> opt = ringplug.keras.DistributedOptimizer(  # doctest: +SKIP
@@ -198,15 +210,24 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
         raise ValueError(f"compression must be None or 'fp16', not {compression!r}.")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be at least 1.")
+    if zero not in (0, 1):
+        raise ValueError(
+            f"zero must be 0 (no sharding) or 1 (shard the optimizer state), got {zero!r}; "
+            "Keras has no stage 2 in ringplug (its gradients are not kept between steps)."
+        )
+    if zero:
+        check_shardable(optimizer)
     if backward_passes_per_step > 1:
         _set_accumulation(optimizer, backward_passes_per_step)
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is not None and getattr(inner, "_ringplug", None) is not None:
         inner._ringplug.enabled = False  # the loss-scale wrapper reduces instead
-    optimizer.__class__ = _class_for(type(optimizer))
+    optimizer.__class__ = _class_for(type(optimizer), zero)
     optimizer._ringplug = _Settings(
         reduce_op, compression == "fp16", f"keras.gradients.{next(_IDS)}"
     )
+    if zero:
+        optimizer._ringplug_shard = _Shard()
     return optimizer
 
 
@@ -257,6 +278,11 @@ def set_local_variables(optimizer: Any, variables: list[Any], scale: float = 1.0
     settings = getattr(optimizer, "_ringplug", None)
     if settings is None:
         raise ValueError("set_local_variables needs a ringplug DistributedOptimizer.")
+    if isinstance(optimizer, ShardedApply):
+        raise ValueError(
+            "Local variables (PartialDistributedOptimizer) and zero=1 do not mix: a sharded "
+            "optimizer updates each variable on its owner only. Use zero=0 with local layers."
+        )
     settings.local = frozenset(_key(v) for v in variables)
     settings.local_scale = float(scale)
 
@@ -283,6 +309,13 @@ def reduce_at_the_outermost(model: keras.Model) -> None:
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is None or getattr(optimizer, "_ringplug", None) is not None:
         return
+    if isinstance(inner, ShardedApply):
+        raise ValueError(
+            "compile() wrapped a zero=1 DistributedOptimizer in a LossScaleOptimizer (the "
+            "mixed_float16 policy), which zero=1 cannot shard: its inner update is skipped on "
+            "non-finite gradients. Use the 'mixed_bfloat16' policy (no loss scaling) with "
+            "zero=1, or zero=0 with mixed_float16."
+        )
     settings = getattr(inner, "_ringplug", None)
     if settings is None or not settings.enabled:
         return

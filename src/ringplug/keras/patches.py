@@ -37,6 +37,15 @@ def overridden(mixin: type) -> list[str]:
 # and the classes in step; this module must not import them: they import it).
 OPTIMIZER_OVERRIDES = ("_clip_gradients", "_filter_empty_gradients")  # _ReduceBeforeClipping
 LOSS_SCALE_OVERRIDES = ("apply", "stateless_apply")  # _ReduceBeforeFinitenessCheck
+SHARDED_OVERRIDES = (  # sharding.ShardedApply (zero=1)
+    "_clip_gradients",
+    "apply",
+    "build",
+    "finalize_variable_values",
+    "load_own_variables",
+    "save_own_variables",
+    "stateless_apply",
+)
 BACKUP_OVERRIDES = (  # ringplug.keras.BackupAndRestore's hooks
     "on_epoch_begin",
     "on_epoch_end",
@@ -54,6 +63,10 @@ def targets() -> list[tuple[Any, str]]:
     return [
         *[(optimizer, name) for name in OPTIMIZER_OVERRIDES],
         *[(loss_scaled, name) for name in LOSS_SCALE_OVERRIDES],
+        *[(optimizer, name) for name in SHARDED_OVERRIDES],
+        # zero=1 relies on these inside Keras's own apply, build and saving:
+        (optimizer, "_overwrite_model_variables_with_average_value"),
+        (optimizer, "_backend_apply_gradients"),
         *[(backup, name) for name in BACKUP_OVERRIDES],
         (keras.callbacks.CallbackList, "on_train_begin"),
     ]
