@@ -24,6 +24,7 @@ CASES = [
     *(f"adamw-clip-zero{zero}" for zero in (1, 2)),
     *(f"adam-accumulate-zero{zero}" for zero in (1, 2)),
     *(f"adam-tiny-zero{zero}" for zero in (1, 2)),
+    *(f"sgd-wide-zero{zero}" for zero in (1, 2)),
 ]
 
 
@@ -71,6 +72,21 @@ def test_each_rank_holds_its_share_of_the_optimizer_state(job, case, ranks):
             assert 0 < result["grad_bytes"] <= result["unsharded_grad_bytes"] / ranks * 1.05
         else:
             assert result["grad_bytes"] == result["unsharded_grad_bytes"]
+
+
+@pytest.mark.parametrize("ranks", [3, 2])
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("zero2")])
+def test_stage_2_gradients_keep_no_memory_beyond_their_own(job, case, ranks):
+    # Not views into a reduce-scatter buffer of the whole bucket, which would keep all of it.
+    for report in job(ranks)[1]:
+        assert report[case]["grad_storage_bytes"] == report[case]["grad_bytes"]
+
+
+@pytest.mark.parametrize("ranks", [3, 2])
+def test_in_place_collectives_reduce_and_gather_blocks_of_any_length(job, ranks):
+    both = {"reducescatter": True, "allgather": True}
+    for report in job(ranks)[1]:
+        assert report["in_place"] == {"small": both, "ring": both}
 
 
 @pytest.mark.parametrize("ranks", [3, 2])

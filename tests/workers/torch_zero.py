@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,14 +34,17 @@ OPTIMIZERS = {
 }
 
 
-def make_model(tiny: bool = False) -> torch.nn.Module:
+def make_model(variant: str = "plain") -> torch.nn.Module:
     torch.manual_seed(42)
-    if tiny:  # one parameter tensor: every rank but one owns nothing
+    if variant == "tiny":  # one parameter tensor: every rank but one owns nothing
         return torch.nn.Linear(8, 4, bias=False)
-    layers: list[torch.nn.Module] = [torch.nn.Linear(8, 32)]
+    # "wide": 6.3 MB of gradients in one bucket, above the size from which the engine
+    # reduces with its ring (1 MiB) rather than MPI's Allreduce.
+    width = 512 if variant == "wide" else 32
+    layers: list[torch.nn.Module] = [torch.nn.Linear(8, width)]
     for _ in range(6):
-        layers += [torch.nn.Tanh(), torch.nn.Linear(32, 32)]
-    layers += [torch.nn.Tanh(), torch.nn.Linear(32, 4)]
+        layers += [torch.nn.Tanh(), torch.nn.Linear(width, width)]
+    layers += [torch.nn.Tanh(), torch.nn.Linear(width, 4)]
     return torch.nn.Sequential(*layers)
 
 
@@ -70,6 +74,16 @@ def grad_bytes(model: torch.nn.Module) -> int:
     )
 
 
+def grad_storage_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the memory the gradients keep alive (a view keeps all of its storage)."""
+    storages = {
+        p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+        for p in model.parameters()
+        if p.grad is not None
+    }
+    return sum(storages.values())
+
+
 def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -83,7 +97,7 @@ def train(
     load: dict | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
     """``zero=None``: one plain process on the whole batch; else DistributedOptimizer(zero)."""
-    model = model or make_model(tiny=variant == "tiny")
+    model = model or make_model(variant)
     rank, size = ringplug.rank(), ringplug.size()
     passes = 2 if variant == "accumulate" else 1
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
@@ -128,6 +142,7 @@ def train(
         scheduler.step()
     facts["state_bytes"] = state_bytes(optimizer)
     facts["grad_bytes"] = grad_bytes(model)
+    facts["grad_storage_bytes"] = grad_storage_bytes(model)
     facts["scheduler"] = scheduler.state_dict()
     return model, optimizer, facts
 
@@ -146,6 +161,7 @@ CASES = [
     *(("adamw", zero, "clip") for zero in (1, 2)),
     *(("adam", zero, "accumulate") for zero in (1, 2)),
     *(("adam", zero, "tiny") for zero in (1, 2)),
+    *(("sgd", zero, "wide") for zero in (1, 2)),
 ]
 
 
@@ -221,6 +237,42 @@ def resume(checkpoint: Path) -> dict:
     return compare(model, reference)
 
 
+def in_place_collectives() -> dict:
+    """The core's reducescatter_in_place then allgather_in_place, over several arrays cut
+    into blocks of any length (one of them empty), small (MPI's Allreduce) and large (the
+    ring): each rank's block ends equal to its block of the whole reduction, then every
+    rank's arrays to the whole reduction."""
+    from ringplug.core.collectives import allgather_in_place_async, reducescatter_in_place_async
+
+    rank, size = ringplug.rank(), ringplug.size()
+    results = {}
+    for label, scale in (("small", 1), ("ring", 20_000)):
+        lengths = [5 * scale, 7 * scale, 3 * scale]
+        total = sum(lengths)
+        counts = (
+            [0, total // 3, total - total // 3] if size == 3 else [total // 4, total - total // 4]
+        )
+        generator = torch.Generator().manual_seed(rank)
+        arrays = [torch.randn(n, generator=generator).numpy() for n in lengths]
+        everyone = rpt.allgather(torch.from_numpy(np.concatenate(arrays)).unsqueeze(0))
+        expected = everyone.sum(0) * 0.5 / size  # Average with a prescale of 0.5
+        handle = reducescatter_in_place_async(
+            arrays, counts, "average", prescale_factor=0.5, name=f"in_place.{label}"
+        )
+        returned = handle.wait()
+        got = torch.from_numpy(np.concatenate(arrays))
+        lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
+        scattered = torch.allclose(got[lo:hi], expected[lo:hi], rtol=1e-5, atol=1e-6)
+        gathered = allgather_in_place_async(arrays, counts, name=f"in_place.{label}.gather").wait()
+        everywhere = torch.from_numpy(np.concatenate(arrays))
+        results[label] = {
+            "reducescatter": returned is None and bool(scattered),
+            "allgather": gathered is None
+            and bool(torch.allclose(everywhere, expected, rtol=1e-5, atol=1e-6)),
+        }
+    return results
+
+
 def refusals() -> dict:
     model = make_model()
     try:
@@ -262,7 +314,7 @@ def torch_zero_redundancy() -> dict:
 
 def main(outdir: Path, checkpoint: Path | None) -> None:
     ringplug.init()
-    report = {**cases(outdir), **refusals()}
+    report = {**cases(outdir), **refusals(), "in_place": in_place_collectives()}
     if ringplug.size() == 3:
         save_for_resume(outdir)
     if checkpoint is not None:

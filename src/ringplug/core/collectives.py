@@ -18,7 +18,7 @@ from . import runtime
 from .engine.handles import Handle
 
 # The adapters (ringplug.torch, the Horovod layer) reach every kind through this module.
-from .kinds.allgather import allgather, allgather_async
+from .kinds.allgather import allgather, allgather_async, allgather_in_place_async
 from .kinds.allreduce import (
     allreduce,
     allreduce_async,
@@ -30,7 +30,11 @@ from .kinds.barrier import barrier, barrier_async
 from .kinds.base import check_root, reject
 from .kinds.broadcast import broadcast, broadcast_async
 from .kinds.objects import allgather_object, broadcast_object
-from .kinds.reducescatter import reducescatter, reducescatter_async
+from .kinds.reducescatter import (
+    reducescatter,
+    reducescatter_async,
+    reducescatter_in_place_async,
+)
 
 
 def poll(handle: Handle) -> bool:

@@ -5,18 +5,20 @@ first, each to the rank that holds the fewest bytes so far (the same deal on eve
 torch's ZeroRedundancyOptimizer does): an optimizer that looks at a whole tensor (a per-tensor
 norm, as LAMB or Adafactor) then still sees whole tensors, which flat slices of the fusion
 buckets would cut apart. Dealing over the whole model keeps the shards within 1% of 1/p on a
-transformer; its cost is the padding of each bucket's reduce-scatter (stage 2) up to its
-largest owner's segment: 1.18x the unpadded bytes at 100 M parameters on 2 ranks, 1.41x on 3
-(docs/bigger-models.md). Dealing bucket by bucket pads less (1.04x, 1.17x) but left shards
-up to 8% over 1/p on 4 ranks.
+transformer. Within a bucket the owners' blocks are then of unequal length; the collectives
+take blocks of any length in place (the core's ``reducescatter_in_place`` and
+``allgather_in_place``), so nothing is padded or copied, and unequal blocks cost only where
+the network rather than memory is the limit (docs/bigger-models.md, "Measured").
 
 Stage 1 averages every gradient as ``zero=0`` does (an allreduce of each bucket while backward
-runs), so every rank still holds full gradients for hooks and inspection; stage 2 sends each
-gradient only to its owner (a reduce-scatter of each bucket laid out as one row per owner,
-padded to the longest row) and drops the gradients a rank does not own. Then each rank
-steps its own parameters only, so optimizer state (momentum, Adam's moments) exists for its
-shard alone, and the updated weights go back to every rank (an allgather of each bucket's
-owned parameters).
+runs), so every rank still holds full gradients for hooks and inspection; stage 2 reduces
+each bucket's gradients to their owners where autograd put them (a reduce-scatter of the
+gradient tensors themselves, ordered by owner) and drops the gradients a rank does not own.
+Then each rank steps its own parameters only, so optimizer state (momentum, Adam's moments)
+exists for its shard alone, and the updated weights go back to every rank (an allgather of
+each bucket, straight into the parameters). On the GPU (not yet run on one) the gradients go
+through a reduce-scatter buffer padded to the longest block, and the weights through an
+allgather buffer.
 
 The step narrows each parameter group to the owned parameters for the length of the wrapped
 optimizer's own ``step()``: the groups' hyperparameters are the ones users and LR schedulers
@@ -32,10 +34,17 @@ from typing import Any
 import torch
 
 from ..compression import Compression
+from ..core import collectives as core
 from ..core import runtime
 from ..core.ops import ReduceOp
 from .averaging import _Bucket, _Distributed
-from .collectives import TensorHandle, allgather_async, allreduce, reducescatter_async
+from .collectives import (
+    TensorHandle,
+    allgather_async,
+    allreduce,
+    as_numpy,
+    reducescatter_async,
+)
 from .state import allgather_object
 
 SHARD_KEY = "ringplug_shard"  # marks a dict from sharded_state_dict()
@@ -93,9 +102,11 @@ class _Sharded(_Distributed):
             # The bucket's parameters by owner: what each rank sends in the reduce-scatter
             # and gets back in the gather is then one contiguous segment.
             bucket.by_owner = sorted(bucket.params, key=lambda p: self._ringplug_owner[id(p)])
-            bucket.counts = [0] * size
+            bucket.counts = [0] * size  # elements per owner
+            bucket.owned_tensors = [0] * size
             for p in bucket.params:
                 bucket.counts[self._ringplug_owner[id(p)]] += p.numel()
+                bucket.owned_tensors[self._ringplug_owner[id(p)]] += 1
         for p in list(self.state):  # state the optimizer had before wrapping, not ours
             if id(p) not in self._ringplug_mine:
                 del self.state[p]
@@ -116,40 +127,70 @@ class _Sharded(_Distributed):
             return
         for p in bucket.params:
             if p.grad is None:  # no gradient this step: reduced as zeros, like every rank's
-                p.grad = torch.zeros_like(p)
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif p.grad.is_sparse:
                 raise RuntimeError(
                     "zero=2 does not reduce sparse gradients; use zero=1 (or zero=0) for "
                     "models with sparse gradients (nn.Embedding(sparse=True))."
                 )
-        # One row per owner, each as long as the longest segment: the reduce-scatter hands
-        # rank r row r. (The engine's alltoall, which needs no padding, took 1.5 s for 26 MB
-        # on 2 ranks against 65 ms for this reduce-scatter.)
-        rows = bucket.params[0].new_empty(runtime.size(), max(bucket.counts))
-        owner_of = self._ringplug_owner
-        for owner, count in enumerate(bucket.counts):
-            parts = [p.grad.reshape(-1) for p in bucket.by_owner if owner_of[id(p)] == owner]
-            if parts:
-                torch.cat(parts, out=rows[owner, :count])
-            rows[owner, count:].zero_()  # only the padding: the rest is written above
+            elif not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+        average = self._ringplug_op is ReduceOp.AVERAGE
+        scales = {
+            "prescale_factor": 1.0 / self._ringplug_predivide if average else 1.0,
+            "postscale_factor": self._ringplug_predivide if average else 1.0,
+        }
+        name = f"{self._ringplug_prefix}.{bucket.index}"
+        grads = [p.grad for p in bucket.by_owner]
+        if grads[0].is_cuda:
+            bucket.handle = self._ringplug_padded(bucket, grads, name, scales)
+        else:
+            # In place, where autograd put the gradients, each owner's block as long as
+            # its parameters: no copy and no padding. The owned gradients end averaged; the
+            # others are scratch, dropped here (the engine holds them until it is done).
+            arrays = [as_numpy(g.reshape(-1)) for g in grads]
+            handle = core.reducescatter_in_place_async(
+                [array for array, _ in arrays],
+                bucket.counts,
+                self._ringplug_op,
+                name=name,
+                dtype=arrays[0][1],
+                **scales,
+            )
+            bucket.handle = TensorHandle(handle, lambda _: None)
         for p in bucket.params:
             if id(p) not in self._ringplug_mine:
                 p.grad = None  # stage 2: sent to its owner, not kept
-        bucket.grads = [rows]  # kept alive until the reduce-scatter has read it
-        average = self._ringplug_op is ReduceOp.AVERAGE
-        bucket.handle = reducescatter_async(
-            rows,
-            self._ringplug_op,
-            name=f"{self._ringplug_prefix}.{bucket.index}",
-            prescale_factor=1.0 / self._ringplug_predivide if average else 1.0,
-            postscale_factor=self._ringplug_predivide if average else 1.0,
-        )
-        # Finish the buckets already reduced: each padded buffer is freed as soon as its
-        # reduce-scatter is done, not all of them at the end of backward.
+        # Finish the buckets already reduced (on the GPU path, each padded buffer is then
+        # freed as soon as its reduce-scatter is done, not all of them at the end).
         for earlier in self._ringplug_buckets:
             if earlier is not bucket and earlier.handle is not None and earlier.handle.done():
                 self._ringplug_finish(earlier)
                 earlier.reaped = True
+
+    def _ringplug_padded(
+        self, bucket: _Bucket, grads: list[torch.Tensor], name: str, scales: dict[str, float]
+    ) -> TensorHandle:
+        """The reduce-scatter of device memory: one row per owner, each as long as the
+        longest segment, so that rank r gets row r; the owned gradients become views of it."""
+        rows = grads[0].new_empty(runtime.size(), max(bucket.counts))
+        offset = 0
+        for owner, count in enumerate(bucket.counts):
+            parts = grads[offset : offset + bucket.owned_tensors[owner]]
+            offset += len(parts)
+            if parts:
+                torch.cat([g.reshape(-1) for g in parts], out=rows[owner, :count])
+            rows[owner, count:].zero_()  # only the padding: the rest is written above
+
+        def owned(block: torch.Tensor) -> None:
+            mine, start = block.reshape(-1), 0
+            for p in bucket.by_owner:
+                if id(p) in self._ringplug_mine:
+                    p.grad = mine[start : start + p.numel()].view_as(p)
+                    start += p.numel()
+
+        handle = reducescatter_async(rows, self._ringplug_op, name=name, **scales)
+        return TensorHandle(handle, owned)
 
     def _ringplug_finish(self, bucket: _Bucket) -> int:
         if self._ringplug_stage == 1:
@@ -157,13 +198,7 @@ class _Sharded(_Distributed):
         if getattr(bucket, "reaped", False):
             bucket.reaped = False
             return bucket.nbytes
-        mine = bucket.handle.wait().reshape(-1)  # this rank's row, averaged
-        offset = 0
-        for p in bucket.by_owner:
-            if id(p) in self._ringplug_mine:
-                p.grad = mine[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-        bucket.grads = []
+        bucket.handle.wait()
         bucket.handle = None
         bucket.pending = len(bucket.params)
         return bucket.nbytes
@@ -213,6 +248,8 @@ class _Sharded(_Distributed):
 
     def _ringplug_gather(self) -> None:
         """Every owner's updated weights to every rank, a bucket at a time."""
+        if self._ringplug_buckets and self._ringplug_gather_in_place():
+            return
         pending: deque[tuple[_Bucket, TensorHandle]] = deque()
         for bucket in self._ringplug_buckets:
             mine = [p.detach().reshape(-1) for p in bucket.by_owner if id(p) in self._ringplug_mine]
@@ -223,6 +260,28 @@ class _Sharded(_Distributed):
                 self._ringplug_scatter(*pending.popleft())
         while pending:
             self._ringplug_scatter(*pending.popleft())
+
+    def _ringplug_gather_in_place(self) -> bool:
+        """The weights gathered straight into the parameters (host memory, each parameter
+        contiguous): no staging copy, no buffer for the result, no copy out of it. False
+        where that cannot be done, for the gather through a buffer."""
+        params = [p for bucket in self._ringplug_buckets for p in bucket.params]
+        if any(p.is_cuda or not p.is_contiguous() for p in params):
+            return False
+        handles = []
+        for bucket in self._ringplug_buckets:
+            arrays = [as_numpy(p.detach().reshape(-1)) for p in bucket.by_owner]
+            handles.append(
+                core.allgather_in_place_async(
+                    [array for array, _ in arrays],
+                    bucket.counts,
+                    name=f"{self._ringplug_prefix}.weights.{bucket.index}",
+                    dtype=arrays[0][1],
+                )
+            )
+        for handle in handles:
+            handle.wait()
+        return True
 
     def _ringplug_scatter(self, bucket: _Bucket, handle: TensorHandle) -> None:
         gathered = handle.wait()

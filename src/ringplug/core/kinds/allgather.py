@@ -4,6 +4,7 @@ differ between ranks)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from .base import (
     blocking,
     check_buffers,
     contiguous,
+    in_place_arrays,
     make,
     result_as,
     start,
@@ -67,6 +69,34 @@ allgather = blocking(
 )
 
 
+def allgather_in_place_async(
+    arrays: Sequence[ArrayLike],
+    counts: Sequence[int],
+    *,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> Handle:
+    """Start an allgather into the caller's own memory, of blocks of any length.
+
+    `arrays` (flat, contiguous, one dtype, host memory, laid out alike on every rank) are
+    read as one concatenation, cut into consecutive blocks of `counts[r]` elements for rank
+    r (the same counts on every rank, adding up to the total). Once the handle is done,
+    every rank's arrays hold every rank's block: its own is sent, the others are written
+    over. Neither a staging copy nor a result buffer (sharded weights gathered straight into
+    the parameters). `wait()` returns None.
+    """
+
+    def build(request_name: str) -> Request:
+        flat, code, blocks = in_place_arrays(arrays, counts, dtype, "allgather_in_place")
+        return make(
+            request_name,
+            Signature(Kind.ALLGATHER, code, -1, -1, (sum(blocks),), tuple((c,) for c in blocks)),
+            payload=Buffer(flat),
+        )
+
+    return start(name, build)
+
+
 def gpu_allgather_async(
     send: DeviceBuffer,
     shape: tuple[int, ...],
@@ -103,6 +133,13 @@ class Allgather(CollectiveKind):
 
     def run_host(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         signature = response.signature
+        if signature.parts:  # allgather_in_place: the block of each rank in `parts`
+            if request is not None:
+                arrays = request.payload.send
+            else:  # joined: zeros for its block
+                arrays = [np.zeros(signature.shape, DType(signature.code).storage)]
+            engine.transport.allgather_in_place(arrays, [part[0] for part in signature.parts])
+            return None
         if request is not None:
             send = request.payload.send
         else:  # joined: no rows from this rank

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...wire import Kind, Signature, cacheable_name
 from .. import runtime
-from ..dtypes import DType, storage_view
+from ..dtypes import DType, classify, storage_view
 from ..engine.handles import Handle, Request
 from ..errors import RingplugError
 from ..gpu.device import DeviceBuffer, nccl_type
@@ -157,6 +157,31 @@ def check_root(root_rank: int) -> int:
 def result_as(source: np.ndarray, result: np.ndarray) -> np.ndarray:
     """`result` in `source`'s dtype (results come back in the storage type)."""
     return result.view(source.dtype) if result.dtype != source.dtype else result
+
+
+def in_place_arrays(
+    arrays: Sequence[ArrayLike], counts: Sequence[int], dtype: str | DType | None, what: str
+) -> tuple[list[np.ndarray], DType, tuple[int, ...]]:
+    """The checked inputs of an in-place collective over blocks of any length: the arrays
+    as flat views in their storage type, their dtype, and the counts."""
+    sources = [as_array(a) for a in arrays]
+    if not sources:
+        raise ValueError(f"{what} needs at least one array.")
+    codes = {classify(source, dtype) for source in sources}
+    if len(codes) > 1:
+        raise TypeError(f"{what} needs arrays of one dtype.")
+    code = codes.pop()
+    flat = [storage_view(source, code).reshape(-1) for source in sources]
+    if any(not f.flags.c_contiguous or not f.flags.writeable for f in flat):
+        raise ValueError(f"{what} needs contiguous, writable arrays.")
+    total = sum(f.size for f in flat)
+    blocks = tuple(int(c) for c in counts)
+    if len(blocks) != runtime.size() or min(blocks) < 0 or sum(blocks) != total:
+        raise ValueError(
+            f"{what} needs one count per rank ({runtime.size()}), none negative, adding up "
+            f"to the {total} elements given; got {list(blocks)}."
+        )
+    return flat, code, blocks
 
 
 def start(name: str | None, build: Build) -> Handle:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from .base import (
     check_buffers,
     check_scaling,
     contiguous,
+    in_place_arrays,
     make,
     result_as,
     start,
@@ -72,6 +74,44 @@ reducescatter = blocking(
 )
 
 
+def reducescatter_in_place_async(
+    arrays: Sequence[ArrayLike],
+    counts: Sequence[int],
+    op: ReduceOp | str = Average,
+    *,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    dtype: str | DType | None = None,
+) -> Handle:
+    """Start a reducescatter into blocks of any length, in the caller's own memory.
+
+    `arrays` (flat, contiguous, one dtype, host memory) are read as one concatenation, cut
+    into consecutive blocks of `counts[r]` elements for rank r (the counts add up to the
+    total and are the same on every rank). Once the handle is done, rank r's block of the
+    arrays holds the reduction over ranks (scaled); every other element holds a partial
+    result, so the caller must own them and not need them (sharded gradients: the rest is
+    dropped). Neither a copy of the input nor padding to equal blocks; the ring moves each
+    block once. `wait()` returns None.
+    """
+
+    def build(request_name: str) -> Request:
+        flat, code, blocks = in_place_arrays(arrays, counts, dtype, "reducescatter_in_place")
+        total = sum(blocks)
+        reduce_op = as_op(op)
+        pre, post = float(prescale_factor), float(postscale_factor)
+        reduce.check_op(reduce_op, code, pre, post)
+        return make(
+            request_name,
+            Signature(
+                Kind.REDUCESCATTER, code, reduce_op, -1, (total,), tuple((c,) for c in blocks)
+            ),
+            payload=Buffer(flat, prescale=pre, postscale=post),
+        )
+
+    return start(name, build)
+
+
 def gpu_reducescatter_async(
     send: DeviceBuffer,
     shape: tuple[int, ...],
@@ -110,6 +150,8 @@ class Reducescatter(CollectiveKind):
     def run_host(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         signature = response.signature
         op, code = ReduceOp(signature.op), DType(signature.code)
+        if signature.parts:  # reducescatter_in_place: the block of each rank in `parts`
+            return self._run_in_place(engine, signature, op, code, request)
         if request is not None:
             send = request.payload.send
         else:  # joined: values that change nothing
@@ -124,6 +166,28 @@ class Reducescatter(CollectiveKind):
             )
             reduce.scale(block.reshape(-1), factor, code)
         return block
+
+    def _run_in_place(
+        self,
+        engine: EngineView,
+        signature: Signature,
+        op: ReduceOp,
+        code: DType,
+        request: Request | None,
+    ) -> None:
+        if request is not None:
+            arrays, pre, post = (
+                request.payload.send,
+                request.payload.prescale,
+                request.payload.postscale,
+            )
+        else:  # joined: values that change nothing, reduced in a scratch buffer
+            arrays = [np.full(signature.shape, identity(op, code), code.storage)]
+            pre, post = 1.0, 1.0
+        if op is ReduceOp.AVERAGE:
+            post /= engine.size
+        counts = [part[0] for part in signature.parts]
+        engine.transport.reducescatter_in_place(arrays, counts, op, code, pre, post)
 
     def run_gpu(self, engine: EngineView, response: Response, request: Request | None) -> Any:
         signature = response.signature

@@ -171,6 +171,61 @@ class Transport:
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
         return work[lo:hi].reshape((rows[self.rank + 1] - rows[self.rank], *send.shape[1:]))
 
+    def allgather_in_place(self, arrays: list[np.ndarray], counts: list[int]) -> None:
+        """Every rank's block of the concatenation of `arrays` (`counts[r]` elements for
+        rank r, in rank order) to every rank, in place, by the ring."""
+        if self.size == 1:
+            return
+        bounds = [0]
+        for count in counts:
+            bounds.append(bounds[-1] + count)
+        ring.allgather_chunks(self._comm, ring.Pieces(arrays), bounds, 1, self.waiter)
+
+    def reducescatter_in_place(
+        self,
+        arrays: list[np.ndarray],
+        counts: list[int],
+        op: ReduceOp,
+        code: DType,
+        prescale: float,
+        postscale: float,
+    ) -> None:
+        """Reduce the concatenation of `arrays` over ranks in place; afterwards this rank's
+        block (`counts[r]` elements for rank r, in rank order) holds the reduction times
+        `postscale`, the rest partial results. Large buffers take the ring on the arrays
+        themselves; small ones MPI's Allreduce of a copy (lower latency, and the same sums
+        an allreduce of them gives)."""
+        if prescale != 1.0:
+            for array in arrays:
+                reduce.scale(array, prescale, code)
+        bounds = [0]
+        for count in counts:
+            bounds.append(bounds[-1] + count)
+        if self.size == 1 or not self.uses_ring(bounds[-1] * code.itemsize, code, op):
+            pieces = ring.Pieces(arrays)
+            work = np.concatenate(pieces.arrays) if pieces.arrays else np.empty(0, code.storage)
+            if self.size > 1:
+                self._mpi_allreduce(work, op, code)
+            lo, hi = bounds[self.rank], bounds[self.rank + 1]
+            if postscale != 1.0:
+                reduce.scale(work[lo:hi], postscale, code)
+            offset = lo
+            for part in pieces.views(lo, hi):
+                part[...] = work[offset : offset + part.size]
+                offset += part.size
+            return
+        ring.reduce_scatter(
+            self._comm,
+            ring.Pieces(arrays),
+            bounds,
+            ring_op(op),
+            code,
+            self._scratch,
+            1,
+            postscale,
+            self.waiter,
+        )
+
     def alltoall(self, send: np.ndarray, send_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows send_rows[i] of `send` go to rank i; returns what arrived and from whom."""
         if self.size == 1:
