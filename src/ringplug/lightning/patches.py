@@ -15,7 +15,7 @@ once the script has imported ringplug, the same rule as Fabric's
 
 During a fit, `RingStrategy` asks for the rest through the functions below: Lightning's
 check of compiled models, its ``prepare_data`` and data preparation, its per-batch SIGTERM
-broadcast and its SIGTERM flag.
+broadcast and its SIGTERM flag, and (with sharded optimizer state) its clipping by norm.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as _package
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer import trainer as _trainer_module
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
@@ -53,6 +55,7 @@ def targets() -> list[tuple[Any, str]]:
         (_FitLoop, "setup_data"),
         (_TrainingEpochLoop, "_broadcast_sigterm_tensor"),
         (_SignalConnector, "_sigterm_notifier_fn"),
+        (Precision, "clip_grad_by_norm"),
     ]
 
 
@@ -213,3 +216,31 @@ def agree_on_sigterm(connector: Any, mixin: type) -> bool:
         return False
     connector.__class__ = type(f"Agreed{type(connector).__name__}", (mixin, type(connector)), {})
     return True
+
+
+def clip_norm_over_shards(precision_plugin: Any, sharded: type) -> None:
+    """Lightning's clipping by norm (the precision plugin's ``clip_grad_by_norm``, which
+    ``Trainer(gradient_clip_val=...)`` and ``LightningModule.clip_gradients`` reach), for an
+    optimizer of class `sharded`, becomes the optimizer's ``clip_grad_norm_``: the norm over
+    every rank's shard of the gradients (Lightning's own sums over the gradients this rank
+    holds, with zero=2 its shard only). Other optimizers keep Lightning's."""
+
+    def make(clip: Callable[..., Any]) -> Callable[..., Any]:
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            if isinstance(inner, sharded):
+                inner.clip_grad_norm_(clip_val)
+            else:
+                clip(optimizer, clip_val)
+
+        return clip_grad_by_norm
+
+    wrap(
+        precision_plugin,
+        "clip_grad_by_norm",
+        make,
+        version=_VERSION,
+        again=True,
+        fallback="with zero=2, clipping by norm takes the norm of this rank's shard of the "
+        "gradients only: clip with optimizer.clip_grad_norm_ in configure_gradient_clipping",
+    )

@@ -9,6 +9,7 @@ from collections.abc import Generator
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
@@ -36,6 +37,7 @@ from ..torch import broadcast_parameters, check_agreement
 from ..torch.optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer
 from ..torch.state import broadcast_buffers
 from ..torch.sync_batchnorm import SyncBatchNorm, revert_sync_batchnorm
+from ..torch.zero import _Sharded
 from .diagnostics import RingDiagnostics, diagnostics_for
 from .environment import RingEnvironment
 from .launcher import RingLauncher
@@ -104,12 +106,22 @@ class RingStrategy(RingParallel, ParallelStrategy):
             about 5 ms per 100 MB on a CPU, one 16-byte collective) and raise
             `ringplug.torch.RanksDisagreeError` on every rank, naming the first tensor that
             differs, if not. Defaults to True.
+        zero: shard the optimizer state over the ranks (ZeRO, see
+            `ringplug.torch.DistributedOptimizer` and docs/bigger-models.md): ``0`` (default)
+            every rank keeps all of it; ``1`` each rank keeps the state of its share of the
+            parameters, steps them, and the weights are gathered back; ``2`` also keeps only
+            its share of the averaged gradients. Also by name: ``strategy="ring_zero1"``,
+            ``"ring_zero2"``. Checkpoints hold the whole optimizer state (gathered on rank 0
+            as they are saved), so they resume on any number of ranks, or in one process
+            without ringplug; clipping by norm takes the norm over every shard.
 
     Example:
         >>> trainer = Trainer(strategy=RingStrategy(), accelerator="cpu")  # doctest: +SKIP
     """
 
     strategy_name = "ring"
+    # The registered names of the sharded stages (`register_strategies`).
+    zero_names = {1: "ring_zero1", 2: "ring_zero2"}
 
     def __init__(
         self,
@@ -126,7 +138,9 @@ class RingStrategy(RingParallel, ParallelStrategy):
         uneven: Uneven = "drop",
         diagnose: bool | int | None = None,
         check_agreement: bool = True,
+        zero: Literal[0, 1, 2] = 0,
     ) -> None:
+        _check_zero(zero, compression)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -153,6 +167,21 @@ class RingStrategy(RingParallel, ParallelStrategy):
         self._diagnostics: RingDiagnostics | None = None
         self._resume: RingResume | None = None
         self.check_agreement = check_agreement
+        self.zero = int(zero)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``"ring"``, and ``"ring_zero1"`` / ``"ring_zero2"`` for the sharded stages."""
+        super().register_strategies(strategy_registry)
+        for stage, name in cls.zero_names.items():
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"Data-parallel training over ringplug's ring, ZeRO stage {stage} "
+                "(sharded optimizer state)",
+                override=True,
+                zero=stage,
+            )
 
     @property
     def _layer_sync(self) -> LayerSync | None:
@@ -187,6 +216,7 @@ class RingStrategy(RingParallel, ParallelStrategy):
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
+        _refuse_scaler_with_zero2(self.zero, self.precision_plugin)
         _prepare_loaders_for_ring(trainer, self)
         from . import patches
 
@@ -204,6 +234,10 @@ class RingStrategy(RingParallel, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.optimizers = [self._distribute(optimizer) for optimizer in self.optimizers]
+            if self.zero:
+                # Lightning's clipping by norm sums over the gradients this rank holds:
+                # with zero=2 its shard only. The optimizer's own takes every shard.
+                patches.clip_norm_over_shards(self.precision_plugin, _Sharded)
         self.setup_precision_plugin()
 
     def _distribute(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -213,8 +247,11 @@ class RingStrategy(RingParallel, ParallelStrategy):
             compression=self.compression,
             gradient_predivide_factor=self.gradient_predivide_factor,
             bucket_bytes=self.bucket_bytes,
+            zero=self.zero,
         )
         distributed._ringplug_sync_in_backward = True
+        if self.zero:
+            distributed.__class__ = _closure_first(type(distributed))
         for config in self.lr_scheduler_configs:
             if config.scheduler.optimizer is optimizer:
                 config.scheduler.optimizer = distributed
@@ -258,6 +295,18 @@ class RingStrategy(RingParallel, ParallelStrategy):
             raise SIGTERMException()
 
     # ------------------------------------------------------------------ steps
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step, which runs the closure (forward and backward) inside
+        ``optimizer.step``. A sharded optimizer must not average before the closure: the
+        closure's backward does (its end averages what is left), and with zero=2 an early
+        reduce-scatter would drop the gradients of the micro-batches accumulated so far
+        that this rank does not own."""
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        module = self.lightning_module
+        if isinstance(inner, _Sharded) and module is not None and module.automatic_optimization:
+            inner._ringplug_synchronized = True  # as after every step but the first
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer
         activity.set_position(epoch=trainer.current_epoch, step=trainer.global_step)
@@ -323,9 +372,21 @@ class RingStrategy(RingParallel, ParallelStrategy):
         if self.check_agreement and self.world_size > 1:
             check_agreement(
                 self.lightning_module,
-                self.optimizers,
+                # A sharded optimizer's state differs by rank: only the weights must agree.
+                [o for o in self.optimizers if not isinstance(o, _Sharded)],
                 where=f"at the checkpoint of step {checkpoint.get('global_step', '?')}",
             )
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state for a checkpoint. Sharded (zero=1, 2): every rank sends its
+        shard to rank 0, which returns the whole state (the dict a plain optimizer of the
+        same class gives, loadable on any number of ranks) and writes the checkpoint; the
+        other ranks return an empty dict, as for torch's ZeroRedundancyOptimizer."""
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if not isinstance(inner, _Sharded):
+            return super().optimizer_state(optimizer)
+        inner.consolidate_state_dict(to=0)
+        return inner.state_dict() if self.is_global_zero else {}
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce a tensor over ranks ("mean"/"avg", "sum", "max", "min" or a ReduceOp)."""
@@ -356,6 +417,57 @@ class RingStrategy(RingParallel, ParallelStrategy):
         activity.set_position()  # this fit's position ends with it
         self._stop_ring()
         super().teardown()
+
+
+class _ClosureFirst:
+    """Mixed into a sharded optimizer under RingStrategy: Lightning hands its closure (zero
+    the gradients, training step, backward, ``on_before_optimizer_step``, clipping) to
+    ``optimizer.step``; it runs with every parameter group whole, and then the step of this
+    rank's shard. (The sharded step narrows the groups to the owned parameters while the
+    wrapped optimizer steps: a closure run inside would zero only the owned gradients, and
+    with zero=1 the others would add up from step to step.)"""
+
+    def _ringplug_local_step(self, closure: Any) -> Any:
+        if closure is None:
+            return super()._ringplug_local_step(None)  # type: ignore[misc]
+        with torch.enable_grad():
+            loss = closure()
+        super()._ringplug_local_step(None)  # type: ignore[misc]
+        return loss
+
+
+def _closure_first(cls: type) -> type:
+    """`cls` (a sharded DistributedOptimizer's class) with `_ClosureFirst` mixed in, under
+    the same name (Lightning's messages name the user's optimizer class)."""
+    return type(cls.__name__, (_ClosureFirst, cls), {})
+
+
+def _check_zero(zero: Any, compression: Any) -> None:
+    """Refuse a stage that does not exist, or zero=2 with compressed gradients, when the
+    strategy is made (a LightningCLI config fails at once, not after the set-up)."""
+    if isinstance(zero, bool) or zero not in (0, 1, 2):
+        raise ValueError(
+            f"RingStrategy(zero=...) must be 0 (no sharding), 1 (optimizer state sharded) or 2 "
+            f"(optimizer state and gradients sharded), got {zero!r}."
+        )
+    if zero == 2 and Compression(compression) is not Compression.none:
+        raise ValueError(
+            "RingStrategy(zero=2) sends each gradient to its owner uncompressed; use zero=1 "
+            "with compression='fp16', or zero=2 with compression='none'."
+        )
+
+
+def _refuse_scaler_with_zero2(zero: int, precision_plugin: Any) -> None:
+    """zero=2 with a gradient scaler ("16-mixed" on GPUs) is refused: the scaler looks for
+    inf/NaN in the gradients this rank holds, its shard only, so the ranks would disagree on
+    which steps to skip and stop meeting in the same collectives."""
+    if zero == 2 and getattr(precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            "RingStrategy(zero=2) cannot run with a gradient scaler (precision='16-mixed'): "
+            "the scaler checks for inf/NaN only in the gradients a rank holds, with zero=2 "
+            "its shard, and the ranks would disagree on which steps to skip. Use zero=1, or "
+            "precision='bf16-mixed' (no scaler)."
+        )
 
 
 def _report_prepare_data(trainer: Any) -> None:
