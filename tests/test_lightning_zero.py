@@ -200,3 +200,15 @@ def test_zero2_with_a_gradient_scaler_is_refused_and_zero1_trains(alone):
     assert "cannot run with a gradient scaler" in alone["scaler_zero2"]
     assert "Use zero=1, or precision='bf16-mixed'" in alone["scaler_zero2"]
     assert alone["scaler_zero1"] is None
+
+
+def test_an_unregistered_ring_zero_name_gets_ringruns_hint():
+    # A config naming the stage while nothing imported ringplug: Lightning's own error says
+    # only that the name is unknown; ringrun's hint says how to name the class instead.
+    from ringplug.run.launch.hints import RING_NOT_REGISTERED, hint_for
+
+    for name in ("ring_zero1", "ring_zero2"):
+        line = f"ValueError: You selected an invalid strategy name: `strategy='{name}'`. It must"
+        assert hint_for(line) == RING_NOT_REGISTERED
+    assert "`zero: 1` or `2`" in RING_NOT_REGISTERED
+    assert hint_for("invalid strategy name: `strategy='ring_zero3'`. It must be") is None

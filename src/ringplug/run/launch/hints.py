@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import re
 
-_RING_NOT_REGISTERED = re.compile(r"invalid strategy name: `strategy='ring'`")
+# "ring", and the sharded stages' "ring_zero1" / "ring_zero2" (RingStrategy.zero_names).
+_RING_NOT_REGISTERED = re.compile(r"invalid strategy name: `strategy='ring(?:_zero[12])?'`")
 _CLASS_PATH_AS_NAME = re.compile(r"invalid strategy name: `strategy='ringplug\.[\w.]*'`")
 
 RING_NOT_REGISTERED = (
-    "Lightning did not know strategy='ring': nothing imported ringplug before the Trainer "
-    "(or Fabric) was made, and a name from a config file is looked up in Lightning's "
-    "registry, which ringplug fills when it is imported (Lightning has no entry point for "
-    "strategies). Name the class instead: in a Hydra config `strategy: {_target_: "
-    "ringplug.lightning.RingStrategy}`, in a LightningCLI config `strategy: {class_path: "
-    "ringplug.lightning.RingStrategy}`; in a script, `import ringplug` before the Trainer or "
-    "the Fabric. If the script imports it, the interpreter the ranks run may lack ringplug "
+    "Lightning did not know strategy='ring' (or 'ring_zero1', 'ring_zero2'): nothing imported "
+    "ringplug before the Trainer (or Fabric) was made, and a name from a config file is looked "
+    "up in Lightning's registry, which ringplug fills when it is imported (Lightning has no "
+    "entry point for strategies). Name the class instead: in a Hydra config `strategy: "
+    "{_target_: ringplug.lightning.RingStrategy}`, in a LightningCLI config `strategy: "
+    "{class_path: ringplug.lightning.RingStrategy}` (add `zero: 1` or `2` to its arguments "
+    "for the sharded stages); in a script, `import ringplug` before the Trainer or the "
+    "Fabric. If the script imports it, the interpreter the ranks run may lack ringplug "
     "(`python -c 'import ringplug'` with that python tells): install it there, "
     "`python -m pip install 'ringplug[lightning]'`."
 )
