@@ -45,6 +45,7 @@ import keras
 from ..elastic import HostsUpdatedInterrupt, ObjectState, State, check_commit_fits
 from ..elastic import run as run_fn
 from ._broadcast import broadcast_variables
+from .sharding import is_sharded
 
 __all__ = [
     "CommitStateCallback",
@@ -134,6 +135,13 @@ class KerasState(ObjectState):
             )
         if optimizer is None:
             optimizer = getattr(model, "optimizer", None)
+        if any(is_sharded(o) for o in (optimizer, *kwargs.values())):
+            raise ValueError(
+                "KerasState cannot keep a zero=1 (sharded) optimizer: each rank holds only "
+                "its share of the state, and after the ranks change the shares are dealt "
+                "anew. Use zero=0 in elastic jobs, or ringplug.keras.BackupAndRestore, which "
+                "resumes a sharded fit on another number of ranks."
+            )
         if isinstance(optimizer, keras.optimizers.Optimizer) and not optimizer.built:
             optimizer.build(model.trainable_variables)
         for name, value in kwargs.items():

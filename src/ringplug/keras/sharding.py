@@ -57,6 +57,7 @@ class _Shard:
     variables: list[Any] = dataclasses.field(default_factory=list)  # every trainable one
     owners: list[int] = dataclasses.field(default_factory=list)
     mine: list[int] = dataclasses.field(default_factory=list)  # positions this rank owns
+    others: list[int] = dataclasses.field(default_factory=list)  # and those it does not
     shared: list[Any] = dataclasses.field(default_factory=list)  # iterations, LR: everywhere
     groups: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)  # by dtype
     consolidated: list[np.ndarray] | None = None  # the whole state, on the rank it went to
@@ -80,7 +81,7 @@ def check_shardable(optimizer: Any) -> None:
         )
     custom = [
         name
-        for name in ("apply", "stateless_apply", "_backend_apply_gradients", "build")
+        for name in ("apply", "stateless_apply", "_backend_apply_gradients")
         if _defined_outside_keras(type(optimizer), name)
     ]
     if custom:
@@ -89,8 +90,15 @@ def check_shardable(optimizer: Any) -> None:
             f"{', '.join(custom)}, which may look at every variable at once, where a sharded "
             "optimizer is built on, and applied to, this rank's variables only. Use zero=0, "
             "or an optimizer that updates each variable on its own in update_step (SGD, Adam, "
-            "AdamW, ... or a subclass that overrides only update_step and build through "
-            "add_variable_from_reference)."
+            "AdamW, ... or a subclass that overrides only build, making its slots with "
+            "add_variable_from_reference, and update_step)."
+        )
+    if isinstance(optimizer, keras.optimizers.Adafactor):
+        raise ValueError(
+            "zero=1 cannot shard Adafactor: its factored moments are named after each "
+            "variable's short name ('kernel', 'bias'), so the shards of several layers cannot "
+            "be told apart when the whole state is saved or loaded. Use zero=0 with "
+            "Adafactor, or Adam/AdamW with zero=1."
         )
     if getattr(optimizer, "built", False):
         raise ValueError(
@@ -146,6 +154,14 @@ class ShardedApply:
     def build(self, variables: Any) -> None:
         if self.built:  # type: ignore[attr-defined]
             return
+        if keras.config.dtype_policy().name == "mixed_float16":
+            # compile() wraps this optimizer in a LossScaleOptimizer under this policy.
+            raise ValueError(
+                "zero=1 cannot run under the mixed_float16 policy: compile() wraps the "
+                "optimizer in a LossScaleOptimizer, whose inner update is skipped on a rank's "
+                "non-finite gradients. Use the 'mixed_bfloat16' policy (no loss scaling) with "
+                "zero=1, or zero=0 with mixed_float16."
+            )
         shard = self._ringplug_shard
         variables = list(variables)
         rank, size = core.rank(), core.size()
@@ -154,6 +170,7 @@ class ShardedApply:
             [int(np.prod(v.shape, dtype=np.int64)) * _itemsize(v.dtype) for v in variables], size
         )
         shard.mine = [i for i, owner in enumerate(shard.owners) if owner == rank]
+        shard.others = [i for i, owner in enumerate(shard.owners) if owner != rank]
         shard.shared = list(self.variables)  # type: ignore[attr-defined]
         groups: dict[str, list[int]] = {}
         for index, variable in enumerate(variables):
@@ -304,11 +321,10 @@ class ShardedApply:
     def _ringplug_gather(self, when: Any) -> None:
         """Every owner's current weights to every rank (inside the train step)."""
         shard = self._ringplug_shard
-        others = [i for i in range(len(shard.variables)) if i not in set(shard.mine)]
         owned = [shard.variables[i].value for i in shard.mine]
-        current = [shard.variables[i].value for i in others]
+        current = [shard.variables[i].value for i in shard.others]
         values = _gather(shard, self._ringplug.name, owned, current, when)
-        for index, value in zip(others, values, strict=True):
+        for index, value in zip(shard.others, values, strict=True):
             shard.variables[index].assign(value)
 
 
@@ -369,7 +385,9 @@ def _gather(shard: _Shard, name: str, owned: list[Any], current: list[Any], when
         ]
     if backend == "jax":
         return _gather_jax(shard, name, owned, current, when)
-    raise NotImplementedError(f"zero=1 supports the tensorflow, torch and jax backends, not {backend!r}.")
+    raise NotImplementedError(
+        f"zero=1 supports the tensorflow, torch and jax backends, not {backend!r}."
+    )
 
 
 def _gather_tensorflow(
@@ -402,7 +420,9 @@ def _gather_tensorflow(
     return list(tf.cond(when, gathered, lambda: [tf.identity(c) for c in current]))
 
 
-def _gather_jax(shard: _Shard, name: str, owned: list[Any], current: list[Any], when: Any) -> list[Any]:
+def _gather_jax(
+    shard: _Shard, name: str, owned: list[Any], current: list[Any], when: Any
+) -> list[Any]:
     import jax
     from jax.experimental import io_callback
 
@@ -413,7 +433,10 @@ def _gather_jax(shard: _Shard, name: str, owned: list[Any], current: list[Any], 
 
     def run(*arrays: Any) -> list[np.ndarray]:
         values = gather_numpy(shard, [np.asarray(a) for a in arrays[1:]], name)
-        return [np.zeros((1,), np.int32), *[np.asarray(v, s.dtype) for v, s in zip(values, shapes[1:], strict=True)]]
+        return [
+            np.zeros((1,), np.int32),
+            *[np.asarray(v, s.dtype) for v, s in zip(values, shapes[1:], strict=True)],
+        ]
 
     def gathered(values: list[Any]) -> list[Any]:
         return list(io_callback(run, shapes, token, *values, ordered=True))[1:]
@@ -427,8 +450,8 @@ def gather_eagerly(optimizer: Any) -> None:
     """Outside a train step (every rank calls it): every variable gets its owner's value."""
     shard = optimizer._ringplug_shard
     owned = [_numpy(shard.variables[i]) for i in shard.mine]
-    others = [i for i in range(len(shard.variables)) if i not in set(shard.mine)]
-    for index, value in zip(others, gather_numpy(shard, owned, optimizer._ringplug.name), strict=True):
+    values = gather_numpy(shard, owned, optimizer._ringplug.name)
+    for index, value in zip(shard.others, values, strict=True):
         shard.variables[index].assign(value)
 
 
@@ -440,6 +463,14 @@ def _plain_twin(optimizer: Any) -> Any:
     plain = type(optimizer).__bases__[-1]
     twin = plain.from_config(optimizer.get_config())
     twin.build(optimizer._ringplug_shard.variables)
+    paths = [v.path for v in twin.variables]
+    if len(set(paths)) != len(paths):
+        repeated = sorted({p for p in paths if paths.count(p) > 1})
+        raise ValueError(
+            f"{plain.__name__} gives several of its variables the same name "
+            f"({', '.join(repeated[:3])}), so a sharded state cannot be put together or "
+            "taken apart by name. Use zero=0 with this optimizer."
+        )
     return twin
 
 
@@ -463,12 +494,16 @@ def consolidate(optimizer: Any, to: int = 0) -> None:
     shard = inner._ringplug_shard
     shared = {id(v) for v in shard.shared}
     mine = {v.path: _numpy(v) for v in inner.variables if id(v) not in shared}
-    everyone = core.allgather_object(mine, name=f"{inner._ringplug.name}.consolidate")
+    everyone = core.allgather_object(
+        (bool(shard.mine), mine), name=f"{inner._ringplug.name}.consolidate"
+    )
     if core.rank() != to:
         shard.consolidated = None
         return
-    found: dict[str, np.ndarray] = {v.path: _numpy(v) for v in inner.variables}
-    for part in everyone:
+    found: dict[str, np.ndarray] = {v.path: _numpy(v) for v in shard.shared}
+    # Ranks that own variables first: a variable that is not a slot (Nadam's running
+    # product) moves only on the ranks that step.
+    for _, part in sorted(everyone, key=lambda entry: not entry[0]):
         for path, value in part.items():
             found.setdefault(path, value)
     twin = _plain_twin(inner)
