@@ -25,6 +25,13 @@ CASES = [
     *(f"adam-accumulate-zero{zero}" for zero in (1, 2)),
     *(f"adam-tiny-zero{zero}" for zero in (1, 2)),
     *(f"sgd-wide-zero{zero}" for zero in (1, 2)),
+    # zero_layout="flat"
+    *(f"adam-plain-zero{zero}-flat" for zero in (1, 2)),
+    "sgd-plain-zero2-flat",
+    "adamw-clip-zero2-flat",
+    "adam-accumulate-zero2-flat",
+    "adam-tiny-zero2-flat",
+    "sgd-wide-zero2-flat",
 ]
 
 
@@ -68,14 +75,14 @@ def test_each_rank_holds_its_share_of_the_optimizer_state(job, case, ranks):
     for report in job(ranks)[1]:
         result = report[case]
         assert 0 < result["state_bytes"] <= result["unsharded_state_bytes"] / ranks * 1.05
-        if case.endswith("zero2"):  # and of the averaged gradients
+        if "zero2" in case:  # and of the averaged gradients
             assert 0 < result["grad_bytes"] <= result["unsharded_grad_bytes"] / ranks * 1.05
         else:
             assert result["grad_bytes"] == result["unsharded_grad_bytes"]
 
 
 @pytest.mark.parametrize("ranks", [3, 2])
-@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("zero2")])
+@pytest.mark.parametrize("case", [c for c in CASES if "zero2" in c])
 def test_stage_2_gradients_keep_no_memory_beyond_their_own(job, case, ranks):
     # Not views into a reduce-scatter buffer of the whole bucket, which would keep all of it.
     for report in job(ranks)[1]:
@@ -117,6 +124,17 @@ def test_consolidated_state_dict_loads_into_a_plain_optimizer(job, ranks):
             assert torch.allclose(state[key], reference[index][key], rtol=1e-6, atol=1e-9)
     model(torch.zeros(1, 8)).sum().backward()
     plain.step()  # and it goes on
+
+
+@pytest.mark.parametrize("ranks", [3, 2])
+def test_flat_layout_state_consolidates_to_the_unsharded_state_and_loads_back(job, ranks):
+    for report in job(ranks)[1]:
+        assert report["flat_state"] == {
+            "consolidated_equals_unsharded": True,
+            "loads_whole_state": True,
+            "sharded_round_trip": True,
+            "whole_layout_refuses_flat_shard": True,
+        }
 
 
 def test_a_run_saved_on_3_ranks_resumes_on_2(job):

@@ -95,6 +95,7 @@ def train(
     steps: range = range(STEPS),
     model: torch.nn.Module | None = None,
     load: dict | None = None,
+    layout: str = "whole",
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
     """``zero=None``: one plain process on the whole batch; else DistributedOptimizer(zero)."""
     model = model or make_model(variant)
@@ -107,6 +108,7 @@ def train(
             named_parameters=model.named_parameters(),
             backward_passes_per_step=passes,
             zero=zero,
+            zero_layout=layout,
         )
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
     if load is not None:  # a checkpoint: {"optimizer": ..., "scheduler": ...}
@@ -157,24 +159,32 @@ def compare(model: torch.nn.Module, reference: torch.nn.Module) -> dict:
 
 
 CASES = [
-    *((name, zero, "plain") for name in OPTIMIZERS for zero in (1, 2)),
-    *(("adamw", zero, "clip") for zero in (1, 2)),
-    *(("adam", zero, "accumulate") for zero in (1, 2)),
-    *(("adam", zero, "tiny") for zero in (1, 2)),
-    *(("sgd", zero, "wide") for zero in (1, 2)),
+    *((name, zero, "plain", "whole") for name in OPTIMIZERS for zero in (1, 2)),
+    *(("adamw", zero, "clip", "whole") for zero in (1, 2)),
+    *(("adam", zero, "accumulate", "whole") for zero in (1, 2)),
+    *(("adam", zero, "tiny", "whole") for zero in (1, 2)),
+    *(("sgd", zero, "wide", "whole") for zero in (1, 2)),
+    # zero_layout="flat": each rank steps an equal slice of every bucket.
+    *(("adam", zero, "plain", "flat") for zero in (1, 2)),
+    ("sgd", 2, "plain", "flat"),
+    ("adamw", 2, "clip", "flat"),
+    ("adam", 2, "accumulate", "flat"),
+    ("adam", 2, "tiny", "flat"),
+    ("sgd", 2, "wide", "flat"),
 ]
 
 
 def cases(outdir: Path) -> dict:
     report: dict = {}
     references: dict = {}
-    for name, zero, variant in CASES:
+    for name, zero, variant, layout in CASES:
         if (name, variant) not in references:
             references[(name, variant)] = train(name, 0, variant)
         reference, plain_optimizer, plain = references[(name, variant)]
-        model, optimizer, facts = train(name, zero, variant)
+        model, optimizer, facts = train(name, zero, variant, layout=layout)
         del facts["scheduler"]
-        report[f"{name}-{variant}-zero{zero}"] = {
+        key = f"{name}-{variant}-zero{zero}" + ("-flat" if layout == "flat" else "")
+        report[key] = {
             **compare(model, reference),
             **facts,
             "unsharded_state_bytes": plain["state_bytes"],
@@ -183,9 +193,65 @@ def cases(outdir: Path) -> dict:
         }
         optimizer.detach_hooks()
         plain_optimizer.detach_hooks()
-        if (name, variant, zero) == ("adam", "plain", 2):
+        if (name, variant, zero, layout) == ("adam", "plain", 2, "whole"):
             consolidate(outdir, model, optimizer, plain_optimizer, report)
+        if (name, variant, zero, layout) == ("adam", "plain", 2, "flat"):
+            report["flat_state"] = flat_state(model, optimizer, plain_optimizer)
     return report
+
+
+def same_state(mine: dict, expected: dict) -> bool:
+    """Two optimizer state dicts' states equal (to 1e-6), each parameter's every value."""
+    return sorted(mine) == sorted(expected) and all(
+        torch.allclose(value, expected[index][key], rtol=1e-6, atol=1e-9)
+        for index, state in mine.items()
+        for key, value in state.items()
+    )
+
+
+def flat_state(model, optimizer, plain_optimizer) -> dict:
+    """The flat layout's state: consolidated on rank 0 it is zero=0's (and loads into a
+    plain Adam); zero=0's whole dict loads into a fresh flat optimizer as the same pieces;
+    a sharded dict round-trips."""
+    unsharded = plain_optimizer.state_dict()  # zero=0: the whole state on every rank
+    optimizer.consolidate_state_dict(to=0)
+    consolidated = True
+    if ringplug.rank() == 0:
+        whole = optimizer.state_dict()
+        consolidated = same_state(whole["state"], unsharded["state"])
+        consolidated &= whole["param_groups"] == unsharded["param_groups"]
+        torch.optim.Adam(make_model().parameters(), lr=0.01).load_state_dict(whole)
+    pieces = [(x.index, x.start, x.stop) for x in optimizer._ringplug_pieces]
+    again = rpt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01), zero=2, zero_layout="flat"
+    )
+    again.load_state_dict(unsharded)
+    loads_whole = len(again.state) == len(optimizer.state) == len(pieces) and all(
+        torch.allclose(again.state[b.tensor][key], optimizer.state[a.tensor][key], rtol=1e-6)
+        for a, b in zip(optimizer._ringplug_pieces, again._ringplug_pieces, strict=True)
+        for key in ("exp_avg", "exp_avg_sq", "step")
+    )
+    shard = optimizer.sharded_state_dict()
+    again.load_sharded_state_dict(shard)
+    round_trip = all(
+        torch.equal(again.state[b.tensor][key], optimizer.state[a.tensor][key])
+        for a, b in zip(optimizer._ringplug_pieces, again._ringplug_pieces, strict=True)
+        for key in ("exp_avg", "exp_avg_sq", "step")
+    )
+    again.detach_hooks()
+    try:  # a whole-layout shard is refused, saying why
+        rpt.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01), zero=2
+        ).load_sharded_state_dict(shard)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "consolidated_equals_unsharded": consolidated,
+        "loads_whole_state": loads_whole,
+        "sharded_round_trip": round_trip,
+        "whole_layout_refuses_flat_shard": "zero_layout='flat'" in refused,
+    }
 
 
 def consolidate(outdir: Path, model, optimizer, plain_optimizer, report: dict) -> None:

@@ -30,6 +30,7 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     module: torch.nn.Module | None = None,
     zero: int = 0,
+    zero_layout: str = "whole",
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that its gradients are averaged over every rank before each step.
 
@@ -57,6 +58,11 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
             optimizer state of its shard of the parameters only, steps it, and the updated
             weights are gathered back; ``2`` also keeps only its shard of the averaged
             gradients (reduced straight to their owners while backward runs).
+        zero_layout: how the parameters are shared out with ``zero=1|2``: ``"whole"``
+            (default) each parameter tensor has one owner, for every optimizer;
+            ``"flat"`` each rank steps an equal slice of each gradient bucket, cutting
+            tensors apart (faster collectives; only for optimizers that update each
+            element on its own, as SGD, Adam, AdamW, RMSprop, Adagrad; CPU only).
 
     Returns:
         An optimizer of a subclass of `optimizer`'s class, with the same parameter groups
@@ -73,7 +79,7 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
     if zero:
         from .zero import _Sharded, check_shardable  # imports this module
 
-        check_shardable(optimizer, zero, Compression(compression))
+        check_shardable(optimizer, zero, Compression(compression), zero_layout)
         mixin = _Sharded
     cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
     distributed = cls.__new__(cls)
@@ -90,7 +96,7 @@ def DistributedOptimizer(  # noqa: N802 - reads like a class, as in Horovod
         int(bucket_bytes),
     )
     if zero:
-        distributed._ringplug_shard(int(zero))
+        distributed._ringplug_shard(int(zero), zero_layout)
     if module is not None and runtime.size() > 1:
         sync = BufferSync(module, name="optimizer.buffers")
         if sync.buffers:

@@ -27,8 +27,10 @@ change, so nothing needs copying between a "local" optimizer and the wrapper.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,10 +56,14 @@ SHARD_KEY = "ringplug_shard"  # marks a dict from sharded_state_dict()
 _GATHERS_IN_FLIGHT = 1
 
 
-def check_shardable(optimizer: torch.optim.Optimizer, zero: int, compression: Compression) -> None:
+def check_shardable(
+    optimizer: torch.optim.Optimizer, zero: int, compression: Compression, layout: str = "whole"
+) -> None:
     """Refuse what cannot be sharded, with what to use instead."""
     if zero not in (0, 1, 2):
         raise ValueError(f"zero must be 0, 1 or 2, got {zero!r}.")
+    if layout not in ("whole", "flat"):
+        raise ValueError(f"zero_layout must be 'whole' or 'flat', got {layout!r}.")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "LBFGS cannot be sharded: its step treats every parameter of the model as one "
@@ -69,6 +75,12 @@ def check_shardable(optimizer: torch.optim.Optimizer, zero: int, compression: Co
             "zero=2 sends gradients to their owners uncompressed; use zero=1 with "
             "compression, or compression=Compression.none."
         )
+
+
+def _even_bounds(count: int, parts: int) -> list[int]:
+    """`count` elements cut into `parts` slices as equal as can be (earlier ones longer)."""
+    base, extra = divmod(count, parts)
+    return [r * base + min(r, extra) for r in range(parts + 1)]
 
 
 def partition(sizes: list[int], parts: int) -> list[int]:
@@ -86,9 +98,12 @@ class _Sharded(_Distributed):
     """Mixed into the user's optimizer class for ``zero=1`` and ``zero=2``."""
 
     # -------------------------------------------------------------- setup
-    def _ringplug_shard(self, stage: int) -> None:
+    def _ringplug_shard(self, stage: int, layout: str = "whole") -> None:
         self._ringplug_stage = stage
         rank, size = runtime.rank(), runtime.size()
+        # A world of one has no buckets: every parameter is its own, whole.
+        self._ringplug_layout = layout if size > 1 else "whole"
+        self._ringplug_pieces: list[_Piece] = []
         params = [p for group in self.param_groups for p in group["params"]]
         trainable = [p for p in params if p.requires_grad]
         owners = partition([p.numel() * p.element_size() for p in trainable], size)
@@ -107,10 +122,51 @@ class _Sharded(_Distributed):
             for p in bucket.params:
                 bucket.counts[self._ringplug_owner[id(p)]] += p.numel()
                 bucket.owned_tensors[self._ringplug_owner[id(p)]] += 1
+        self._ringplug_consolidated: dict[str, Any] | None = None
+        if self._ringplug_layout == "flat":
+            self._ringplug_cut(params)
+            return
         for p in list(self.state):  # state the optimizer had before wrapping, not ours
             if id(p) not in self._ringplug_mine:
                 del self.state[p]
-        self._ringplug_consolidated: dict[str, Any] | None = None
+
+    def _ringplug_cut(self, params: list[torch.nn.Parameter]) -> None:
+        """The flat layout: each bucket's elements, in its own order, cut into p equal
+        slices; this rank steps slice `rank` of each, through pieces that are views of the
+        parameters (an optimizer updating a piece updates the parameter)."""
+        rank, size = runtime.rank(), runtime.size()
+        index_of = {id(p): i for i, p in enumerate(params)}
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        self._ringplug_mine, self._ringplug_owned_indices = set(), set()
+        for bucket in self._ringplug_buckets:
+            if any(p.is_cuda or not p.is_contiguous() for p in bucket.params):
+                raise ValueError(
+                    "zero_layout='flat' needs contiguous parameters in host memory; use "
+                    "zero_layout='whole' (the default)."
+                )
+            bucket.by_owner = bucket.params
+            bounds = _even_bounds(sum(p.numel() for p in bucket.params), size)
+            bucket.counts = [bounds[r + 1] - bounds[r] for r in range(size)]
+            lo, hi, start = bounds[rank], bounds[rank + 1], 0
+            for p in bucket.params:
+                a, b = max(lo - start, 0), min(hi - start, p.numel())
+                if a < b:
+                    piece = _Piece(p, index_of[id(p)], group_of[id(p)], a, b)
+                    self._ringplug_pieces.append(piece)
+                    self._ringplug_owned_indices.add(piece.index)
+                    if piece.whole:
+                        self._ringplug_mine.add(id(p))
+                start += p.numel()
+        bucket_of = self._ringplug_bucket_of
+        for piece in self._ringplug_pieces:
+            bucket = bucket_of[id(piece.param)]
+            bucket.pieces = [*getattr(bucket, "pieces", []), piece]
+            if not piece.whole:
+                bucket.partly = {*getattr(bucket, "partly", set()), id(piece.param)}
+        self._ringplug_pieces.sort(key=lambda piece: piece.index)
+        before = super(_Distributed, self).state_dict()["state"]
+        self.state.clear()
+        self._ringplug_load_pieces(before)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError(
@@ -158,8 +214,9 @@ class _Sharded(_Distributed):
                 **scales,
             )
             bucket.handle = TensorHandle(handle, lambda _: None)
+        partly = getattr(bucket, "partly", ())
         for p in bucket.params:
-            if id(p) not in self._ringplug_mine:
+            if id(p) not in self._ringplug_mine and id(p) not in partly:
                 p.grad = None  # stage 2: sent to its owner, not kept
         # Finish the buckets already reduced (on the GPU path, each padded buffer is then
         # freed as soon as its reduce-scatter is done, not all of them at the end).
@@ -194,14 +251,28 @@ class _Sharded(_Distributed):
 
     def _ringplug_finish(self, bucket: _Bucket) -> int:
         if self._ringplug_stage == 1:
-            return super()._ringplug_finish(bucket)
-        if getattr(bucket, "reaped", False):
+            nbytes = super()._ringplug_finish(bucket)
+        elif getattr(bucket, "reaped", False):
             bucket.reaped = False
             return bucket.nbytes
-        bucket.handle.wait()
-        bucket.handle = None
-        bucket.pending = len(bucket.params)
-        return bucket.nbytes
+        else:
+            bucket.handle.wait()
+            bucket.handle = None
+            bucket.pending = len(bucket.params)
+            nbytes = bucket.nbytes
+        for piece in getattr(bucket, "pieces", ()):
+            grad = piece.param.grad
+            if grad.is_sparse:
+                raise RuntimeError(
+                    "zero_layout='flat' does not take sparse gradients; use "
+                    "zero_layout='whole' (the default)."
+                )
+            piece.tensor.grad = grad.view(-1)[piece.start : piece.stop]
+            if self._ringplug_stage == 2 and not piece.whole:
+                # Its own slice only: the rest of the parameter's gradient is another's.
+                piece.tensor.grad = piece.tensor.grad.clone()
+                piece.param.grad = None
+        return nbytes
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the averaged gradients so that their norm over every shard is at most
@@ -210,12 +281,15 @@ class _Sharded(_Distributed):
         of one number. Call it on every rank, between backward and `step()`."""
         if not self._ringplug_synchronized and not self._ringplug_skip:
             self.synchronize()
-        owned = [
-            p.grad
-            for group in self.param_groups
-            for p in group["params"]
-            if id(p) in self._ringplug_mine and p.grad is not None
-        ]
+        if self._ringplug_layout == "flat":
+            owned = [piece.tensor.grad for piece in self._ringplug_pieces]
+        else:
+            owned = [
+                p.grad
+                for group in self.param_groups
+                for p in group["params"]
+                if id(p) in self._ringplug_mine and p.grad is not None
+            ]
         norm_type = float(norm_type)
         local = torch.zeros((), dtype=torch.float32)
         if owned:
@@ -226,25 +300,44 @@ class _Sharded(_Distributed):
             local = allreduce(local.reshape(1), op, name=f"{self._ringplug_prefix}.norm")[0]
         total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:  # stage 1 keeps every gradient: keep them consistent
-                    p.grad.mul_(scale.to(p.grad.dtype))
+        if self._ringplug_layout == "flat" and self._ringplug_stage == 2:
+            kept = owned  # the pieces' gradients (views of the wholly owned ones' too)
+        else:  # stage 1 keeps every gradient (the pieces' are views): keep them consistent
+            kept = [p.grad for group in self.param_groups for p in group["params"]]
+        for grad in kept:
+            if grad is not None:
+                grad.mul_(scale.to(grad.dtype))
         return total
 
     # -------------------------------------------------------------- step
     def _ringplug_local_step(self, closure: Any) -> Any:
         self._ringplug_consolidated = None  # stale from now on
+        with self._ringplug_narrowed():
+            result = super()._ringplug_local_step(closure)
+        self._ringplug_gather()
+        return result
+
+    @contextlib.contextmanager
+    def _ringplug_narrowed(self) -> Iterator[None]:
+        """The parameter groups hold only what this rank steps (its parameters, or with the
+        flat layout its pieces) for the length of the block."""
         everything = [group["params"] for group in self.param_groups]
         try:
-            for group in self.param_groups:
-                group["params"] = [p for p in group["params"] if id(p) in self._ringplug_mine]
-            result = super()._ringplug_local_step(closure)
+            if self._ringplug_layout == "flat":
+                for g, group in enumerate(self.param_groups):
+                    group["params"] = [x.tensor for x in self._ringplug_pieces if x.group == g]
+            else:
+                for group in self.param_groups:
+                    group["params"] = [p for p in group["params"] if id(p) in self._ringplug_mine]
+            yield
         finally:
             for group, params in zip(self.param_groups, everything, strict=True):
                 group["params"] = params
-        self._ringplug_gather()
-        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for piece in self._ringplug_pieces:
+            piece.tensor.grad = None  # a view keeps the parameter's whole gradient alive
 
     def _ringplug_gather(self) -> None:
         """Every owner's updated weights to every rank, a bucket at a time."""
@@ -295,11 +388,22 @@ class _Sharded(_Distributed):
     # -------------------------------------------------------------- state dicts
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state, as torch numbers it (by position among
-        all the parameters), marked with the rank and world size it came from. Load it with
-        `load_sharded_state_dict` on the same rank of a run with as many ranks."""
-        state = super(_Distributed, self).state_dict()
-        state[SHARD_KEY] = {"rank": runtime.rank(), "size": runtime.size()}
+        all the parameters; with the flat layout, among this rank's pieces), marked with the
+        rank, world size and layout it came from. Load it with `load_sharded_state_dict` on
+        the same rank of a run with as many ranks and the same layout."""
+        if self._ringplug_layout == "flat":
+            with self._ringplug_narrowed():
+                state = super(_Distributed, self).state_dict()
+        else:
+            state = super(_Distributed, self).state_dict()
+        state[SHARD_KEY] = self._ringplug_origin()
         return state
+
+    def _ringplug_origin(self) -> dict[str, Any]:
+        origin: dict[str, Any] = {"rank": runtime.rank(), "size": runtime.size()}
+        if self._ringplug_layout == "flat":
+            origin["layout"] = "flat"
+        return origin
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what `sharded_state_dict` returned on this rank of a run of this size."""
@@ -309,26 +413,36 @@ class _Sharded(_Distributed):
                 "Not a sharded state dict (no 'ringplug_shard'); load a consolidated or plain "
                 "optimizer state dict with load_state_dict()."
             )
-        here = {"rank": runtime.rank(), "size": runtime.size()}
+        here = self._ringplug_origin()
         if origin != here:
+            layouts = (origin.get("layout", "whole"), here.get("layout", "whole"))
             raise ValueError(
-                f"This shard was saved by rank {origin['rank']} of {origin['size']}, but this is "
-                f"rank {here['rank']} of {here['size']}. To resume on another number of ranks, "
-                "save with consolidate_state_dict() + state_dict() and load that."
+                f"This shard was saved by rank {origin['rank']} of {origin['size']} "
+                f"(zero_layout={layouts[0]!r}), but this is rank {here['rank']} of "
+                f"{here['size']} (zero_layout={layouts[1]!r}). To resume on another number "
+                "of ranks or layout, save with consolidate_state_dict() + state_dict() and "
+                "load that."
             )
         state_dict = {k: v for k, v in state_dict.items() if k != SHARD_KEY}
-        super(_Distributed, self).load_state_dict(state_dict)
+        if self._ringplug_layout == "flat":  # saved over the groups of pieces
+            with self._ringplug_narrowed():
+                super(_Distributed, self).load_state_dict(state_dict)
+        else:
+            super(_Distributed, self).load_state_dict(state_dict)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collect every rank's shard on rank `to`, whose `state_dict()` then returns the
         whole state, loadable by a plain optimizer of the same class. Call it on every rank
         (each shard travels to every rank once, as an object allgather; other ranks drop
         what they receive)."""
-        shards = allgather_object(
-            super(_Distributed, self).state_dict(), name=f"{self._ringplug_prefix}.consolidate"
-        )
+        flat = self._ringplug_layout == "flat"
+        mine = self._ringplug_piece_states() if flat else super(_Distributed, self).state_dict()
+        shards = allgather_object(mine, name=f"{self._ringplug_prefix}.consolidate")
         if runtime.rank() != to:
             self._ringplug_consolidated = None
+            return
+        if flat:
+            self._ringplug_consolidated = self._ringplug_stitch(shards)
             return
         whole = dict(shards[to])
         whole["state"] = {}
@@ -358,8 +472,73 @@ class _Sharded(_Distributed):
             self.load_sharded_state_dict(state_dict)
             return
         state_dict = dict(state_dict)
+        whole_state = state_dict["state"]
         state_dict["state"] = {
-            k: v for k, v in state_dict["state"].items() if k in self._ringplug_owned_indices
+            k: v for k, v in whole_state.items() if k in self._ringplug_owned_indices
         }
-        super(_Distributed, self).load_state_dict(state_dict)
+        if self._ringplug_layout == "flat":  # the hyperparameters, then each piece's slice
+            super(_Distributed, self).load_state_dict({**state_dict, "state": {}})
+            self._ringplug_load_pieces(state_dict["state"])
+        else:
+            super(_Distributed, self).load_state_dict(state_dict)
         self._ringplug_consolidated = None
+
+    # -------------------------------------------------------------- flat layout's state
+    def _ringplug_piece_states(self) -> list[tuple[int, int, int, dict[str, Any]]]:
+        """(parameter index, start, stop, state) of each of this rank's pieces."""
+        return [
+            (x.index, x.start, x.stop, dict(self.state[x.tensor]))
+            for x in self._ringplug_pieces
+            if x.tensor in self.state
+        ]
+
+    def _ringplug_stitch(self, shards: list[Any]) -> dict[str, Any]:
+        """The whole state dict, as a plain optimizer's, from every rank's pieces: each
+        value shaped as its piece goes to its place in a tensor shaped as the parameter;
+        any other (Adam's step count) is the same in every piece and is taken once."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for index, start, stop, values in (entry for shard in shards for entry in shard):
+            param, into = params[index], state.setdefault(index, {})
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and value.shape == (stop - start,):
+                    if key not in into:
+                        into[key] = value.new_zeros(param.shape)
+                    into[key].view(-1)[start:stop] = value
+                else:
+                    into.setdefault(key, value)
+        groups, first = [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(first, first + len(group["params"])))
+            first += len(group["params"])
+            groups.append(packed)
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def _ringplug_load_pieces(self, whole_state: dict[Any, dict[str, Any]]) -> None:
+        """Each piece's slice of a whole state (keyed by parameter index or parameter)."""
+        for piece in self._ringplug_pieces:
+            values = whole_state.get(piece.index, whole_state.get(piece.param))
+            if values is None:
+                continue
+            self.state[piece.tensor] = {
+                key: (
+                    value.detach().reshape(-1)[piece.start : piece.stop].clone()
+                    if isinstance(value, torch.Tensor) and value.shape == piece.param.shape
+                    else value.clone()
+                    if isinstance(value, torch.Tensor)
+                    else value
+                )
+                for key, value in values.items()
+            }
+
+
+class _Piece:
+    """A slice of one parameter that this rank steps (the flat layout): a leaf tensor over
+    the parameter's own memory, which the optimizer updates in place."""
+
+    def __init__(self, param: torch.nn.Parameter, index: int, group: int, start: int, stop: int):
+        self.param, self.index, self.group = param, index, group
+        self.start, self.stop = start, stop
+        self.whole = start == 0 and stop == param.numel()
+        self.tensor = torch.nn.Parameter(param.detach().view(-1)[start:stop])
