@@ -2,12 +2,14 @@
 
 Run under the launcher: ``ringrun -np 2 ringplug-bench zero``. Every rank builds the same
 transformer-shaped model (token embedding, pre-norm encoder layers of width 512 with 8 heads
-and a 2048-wide feed-forward, a vocabulary head) three times, with
-``DistributedOptimizer(Adam, zero=0, 1 and 2)``, and times training steps (zero_grad,
-forward, backward, step) of the three side by side, interleaved in rounds. It reports, per
+and a 2048-wide feed-forward, a vocabulary head) once per stage, with
+``DistributedOptimizer(Adam, zero=0, 1 and 2)`` (1 and 2 with each ``zero_layout``), and
+times training steps (zero_grad, forward, backward, step) of them side by side, interleaved
+in rounds. It reports, per
 rank, the bytes the optimizer state holds and the gradient bytes held after a step (the
 largest over the ranks), and the median step time of the slowest rank, with ratios to
-``zero=0``. ``--params`` picks the number of layers nearest the wanted size.
+``zero=0``. ``--params`` picks the number of layers nearest the wanted size; ``--layout``
+builds zero=1 and 2 with whole tensors, flat slices or both.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=(0, 1, 2),
         help="build and time this stage alone, so that the peak resident memory printed "
         "(ru_maxrss, largest over the ranks) is that stage's own",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("whole", "flat", "both"),
+        default="both",
+        help="how zero=1 and 2 share out the parameters (zero_layout): whole tensors, flat "
+        "slices of each bucket, or both side by side (default)",
     )
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
@@ -81,6 +90,67 @@ def build(layers: int):  # -> torch.nn.Module
     return Transformer()
 
 
+def compare_layouts(optimizer, budget: float, rank: int, size: int) -> list[Record]:
+    """The reduce-scatter of one step's gradients (zero=2's buckets), each bucket cut by
+    owner (whole tensors, as built) and cut into equal slices (flat slices), side by side.
+
+    Everything else a step does costs the same in both layouts (each rank steps 1/p of the
+    elements, to within the deal's 1%, and the weight allgather moves the same bytes), so
+    this is where they differ."""
+    import torch
+
+    from ringplug.core.collectives import reducescatter_in_place_async
+    from ringplug.core.transport.ring import even_bounds
+
+    buckets = [
+        ([torch.zeros(p.numel()).numpy() for p in bucket.by_owner], bucket.counts)
+        for bucket in optimizer._ringplug_buckets
+    ]
+    cuts = {"whole": [owners for _, owners in buckets], "flat": []}
+    for _, owners in buckets:
+        bounds = even_bounds(sum(owners), size)
+        cuts["flat"].append([bounds[r + 1] - bounds[r] for r in range(size)])
+
+    def reduce_scatter(layout: str) -> None:
+        handles = [
+            reducescatter_in_place_async(arrays, counts, name=f"bench.{layout}.{index}")
+            for index, ((arrays, _), counts) in enumerate(zip(buckets, cuts[layout], strict=True))
+        ]
+        for handle in handles:
+            handle.wait()
+
+    runs = {"whole": lambda: reduce_scatter("whole"), "flat": lambda: reduce_scatter("flat")}
+    times = measure_side_by_side(runs, budget_s=budget / 3, min_iters=5, max_iters=400, warmup=2)
+    total = sum(sum(owners) for _, owners in buckets)
+    # The ring's time bound where the network, not memory, is the limit: each of its p-1
+    # steps takes as long as the longest block.
+    longest = sum(max(owners) for _, owners in buckets)
+    even = sum(-(-sum(owners) // size) for _, owners in buckets)
+    if rank == 0:
+        whole, flat = median(times["whole"]), median(times["flat"])
+        print(
+            f"# reduce-scatter of a step's gradients ({total * 4 / 1e6:.1f} MB, "
+            f"{len(buckets)} buckets): whole tensors {whole * 1e3:.1f} ms, flat slices "
+            f"{flat * 1e3:.1f} ms ({whole / flat:.3f}x); longest block whole/flat "
+            f"{longest / even:.3f}x (the time ratio where the network is the limit)"
+        )
+    return [
+        Record(
+            impl=f"reducescatter-{layout}",
+            op="reducescatter",
+            dtype="float32",
+            bytes=total * 4,
+            ranks=size,
+            time_s=median(times[layout]),
+            algbw_gbs=0.0,
+            busbw_gbs=0.0,
+            iterations=len(times[layout]),
+            extra={"longest_block_ratio": longest / even},
+        )
+        for layout in runs
+    ]
+
+
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -97,15 +167,19 @@ def run(args: argparse.Namespace) -> int:
     tokens = torch.randint(0, VOCABULARY, (args.batch, args.sequence), generator=generator)
     targets = torch.randint(0, VOCABULARY, (args.batch, args.sequence), generator=generator)
     setups = {}
-    stages = (0, 1, 2) if args.only is None else (args.only,)
-    for zero in stages:
+    layouts = ("whole", "flat") if args.layout == "both" else (args.layout,)
+    stages = [(0, "whole")] + [(zero, layout) for layout in layouts for zero in (1, 2)]
+    if args.only is not None:
+        stages = [(zero, layout) for zero, layout in stages if zero == args.only]
+    for zero, layout in stages:
         model = build(layers)
         optimizer = rpt.DistributedOptimizer(
             torch.optim.Adam(model.parameters(), lr=1e-4),
             named_parameters=model.named_parameters(),
             zero=zero,
+            zero_layout=layout,
         )
-        setups[f"zero={zero}"] = (model, optimizer)
+        setups[f"zero={zero}" + (" flat" if layout == "flat" else "")] = (model, optimizer)
 
     def step(model, optimizer) -> None:
         optimizer.zero_grad()
@@ -127,6 +201,12 @@ def run(args: argparse.Namespace) -> int:
             v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
         )
         grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+        # Flat layout, stage 2: the slices of gradients that other ranks own the rest of.
+        grads += _bytes(
+            x.tensor.grad
+            for x in getattr(optimizer, "_ringplug_pieces", [])
+            if x.param.grad is None and x.tensor.grad is not None
+        )
         weights = _bytes(model.parameters())
         held[name] = ringplug.allreduce(
             torch.tensor([state, grads, weights], dtype=torch.float64).numpy(), op=ringplug.Max
@@ -140,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
             f"batch {args.batch}x{args.sequence} tokens per rank; bytes: largest over ranks"
         )
         print(
-            f"{'impl':>8} {'step ms':>9} {'x ' + base:>9} {'state MB':>9} {'x ' + base:>9} "
+            f"{'impl':>11} {'step ms':>9} {'x ' + base:>9} {'state MB':>9} {'x ' + base:>9} "
             f"{'grads MB':>9} {'weights MB':>10} {'held MB':>8} {'iters':>6}"
         )
     records = []
@@ -149,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         seconds = median(times[name])
         if rank == 0:
             print(
-                f"{name:>8} {seconds * 1e3:9.1f} {seconds / base_time:9.3f} "
+                f"{name:>11} {seconds * 1e3:9.1f} {seconds / base_time:9.3f} "
                 f"{state / 1e6:9.1f} {state / base_state:9.3f} {grads / 1e6:9.1f} "
                 f"{weights / 1e6:10.1f} {(state + grads + weights) / 1e6:8.1f} "
                 f"{len(times[name]):6d}"
@@ -176,14 +256,18 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     if rank == 0:
-        built = "all stages built" if len(setups) == 3 else f"{base} alone"
+        built = "all stages built" if len(setups) > 1 else f"{base} alone"
         print(f"# peak resident memory of a rank (ru_maxrss, {built}): {peak / 1e6:.0f} MB")
-    if rank == 0 and len(setups) == 3:
-        ideal = held["zero=0"][0] / size
-        print(
-            f"# state per rank / (unsharded / {size}): zero=1 {held['zero=1'][0] / ideal:.3f}, "
-            f"zero=2 {held['zero=2'][0] / ideal:.3f} (whole tensors; target <= 1.05)"
+    if rank == 0 and any(name != "zero=0" for name in setups):
+        # Adam's unsharded state: two moments per element and a step count per tensor.
+        tensors = len(list(next(iter(setups.values()))[0].parameters()))
+        ideal = (8 * params + 4 * tensors) / size
+        shares = ", ".join(
+            f"{name} {held[name][0] / ideal:.3f}" for name in setups if name != "zero=0"
         )
+        print(f"# state per rank / (unsharded / {size}): {shares} (target <= 1.05)")
+    if "zero=2" in setups and size > 1:
+        records += compare_layouts(setups["zero=2"][1], args.budget, rank, size)
     if args.json and rank == 0:
         write_json(args.json, "zero", environment({"layers": layers}), records)
     for _, optimizer in setups.values():
