@@ -179,7 +179,7 @@ class ShardedApply:
         super().build([variables[i] for i in shard.mine])  # type: ignore[misc]
 
     # ------------------------------------------------------------------ step
-    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         shard = self._ringplug_shard
         if trainable_variables is not None and not self.built:  # type: ignore[attr-defined]
             with keras.name_scope(self.name, caller=self):  # type: ignore[attr-defined]
@@ -204,7 +204,6 @@ class ShardedApply:
             self._ringplug_idle_step()
         if core.size() > 1:
             self._ringplug_gather(when=self._ringplug_after_update())
-        return self._iterations  # type: ignore[attr-defined]
 
     def stateless_apply(
         self, optimizer_variables: Any, grads: Any, trainable_variables: Any
