@@ -128,11 +128,12 @@ def test_a_backup_of_3_ranks_restores_on_2_and_trains_on_as_unsharded(two):
         assert found["continued_relative_difference"] < 1e-6
 
 
-def test_a_consolidated_save_loads_in_one_process_with_the_whole_state(two):
+def test_a_consolidated_save_and_checkpoint_load_in_one_process_with_the_whole_state(two):
     first, *others = two["reports"]
     found = first["save_load"]
     assert found["plain_class"] and found["class"].startswith("keras.")
     assert found["state_relative_difference"] < 1e-6
+    assert found["checkpoint_state_relative_difference"] < 1e-6  # the last epoch's
     assert found["weights_relative_difference"] < 1e-6
     assert found["trained_on"] == 1 and found["loss_finite"]
     for report in two["reports"]:  # saving before consolidating is refused, saying why

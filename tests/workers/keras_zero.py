@@ -89,12 +89,14 @@ def slot_bytes(optimizer: keras.optimizers.Optimizer) -> int:
 
 
 def train(zero: int, kind: str, mode: str, model_seed: int = 5, epochs: int = 2,
-          make=make_model, callbacks=(), salt: int = 0) -> keras.Model:  # fmt: skip
+          make=make_model, callbacks=(), salt: int = 0, models=None) -> keras.Model:  # fmt: skip
     x, y = data(salt)
     if make is make_model and model_seed is not None:
         model = make(model_seed + ringplug.rank())  # RingBroadcast makes them rank 0's
     else:
         model = make(model_seed)
+    if models is not None:
+        models.append(model)  # for callbacks made before the model
     optimizer = rk.DistributedOptimizer(make_optimizer(kind, mode), zero=zero)
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0,
@@ -212,9 +214,17 @@ def scenario_backup_read(outdir: Path) -> dict:
 
 def scenario_save_load(outdir: Path) -> dict:
     """A sharded fit saved by rank 0 (after consolidate) loads in one process, with the
-    unsharded run's whole optimizer state, and trains on."""
+    unsharded run's whole optimizer state, and trains on; so does a ModelCheckpoint of rank
+    0 behind a callback that consolidates on every rank (docs/bigger-models.md's recipe)."""
     plain = train(0, "adamw", "plain")
     sharded = train(1, "adamw", "plain")
+    models: list = []
+    consolidating = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: rk.consolidate(models[0].optimizer)
+    )
+    checkpoint = outdir / "checkpoint.keras"
+    saving = rk.on_rank_zero(keras.callbacks.ModelCheckpoint(str(checkpoint)))
+    train(1, "adamw", "plain", callbacks=[consolidating, *saving], models=models)
     found: dict = {}
     try:  # without consolidating first: refused, saying what to do
         sharded.save(str(outdir / f"refused-{ringplug.rank()}.keras"))
@@ -237,6 +247,10 @@ def scenario_save_load(outdir: Path) -> dict:
         history = loaded.fit(x[:B], y[:B], batch_size=B, epochs=1, verbose=0)
         found["trained_on"] = int(keras.ops.convert_to_numpy(optimizer.iterations)) - before
         found["loss_finite"] = bool(np.isfinite(history.history["loss"][0]))
+        checkpointed = keras.models.load_model(str(checkpoint)).optimizer
+        found["checkpoint_state_relative_difference"] = relative(
+            flat(checkpointed.variables), expected_state
+        )
     ringplug.barrier()
     return found
 
