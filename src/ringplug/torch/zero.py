@@ -7,8 +7,13 @@ norm, as LAMB or Adafactor) then still sees whole tensors, which flat slices of 
 buckets would cut apart. Dealing over the whole model keeps the shards within 1% of 1/p on a
 transformer. Within a bucket the owners' blocks are then of unequal length; the collectives
 take blocks of any length in place (the core's ``reducescatter_in_place`` and
-``allgather_in_place``), so nothing is padded or copied, and unequal blocks cost only where
-the network rather than memory is the limit (docs/bigger-models.md, "Measured").
+``allgather_in_place``), so nothing is padded or copied. Each ring step still lasts as long
+as its longest block: a step's reduce-scatter took 1.35-1.41x that of equal slices (24 M
+parameters, 2 ranks), and the longest blocks are 1.18-1.53x equal ones at 100 M on 2-4
+ranks. ``zero_layout="flat"`` cuts each bucket into equal slices instead, stepped through
+views of the parameters (elementwise optimizers only); whole steps measured within noise of
+each other (``zero=2``: 0.70-1.03x of ``zero=0`` whole, 0.80-0.90x flat, in three runs),
+so whole tensors, right for every optimizer, stay the default (docs/bigger-models.md).
 
 Stage 1 averages every gradient as ``zero=0`` does (an allreduce of each bucket while backward
 runs), so every rank still holds full gradients for hooks and inspection; stage 2 reduces
@@ -50,9 +55,9 @@ from .collectives import (
 from .state import allgather_object
 
 SHARD_KEY = "ringplug_shard"  # marks a dict from sharded_state_dict()
-# Weight gathers in flight at once. Measured (24 M parameters, 2 ranks, zero=1 alone): with 2
-# the peak resident memory was 973-1008 MB against zero=0's 931 MB, with 1 it was 927 MB, and
-# the step no slower (the gathers are memory-bound on CPU; overlap bought nothing).
+# Weight gathers through a buffer (device memory) in flight at once. Measured on CPU before
+# the gather went in place (24 M parameters, 2 ranks, zero=1 alone): with 2 the peak resident
+# memory was 973-1008 MB against zero=0's 931 MB, with 1 it was 927 MB, the step no slower.
 _GATHERS_IN_FLIGHT = 1
 
 
