@@ -1,4 +1,6 @@
-"""One fused allreduce of a step's gradients, from inside whatever Keras's backend runs.
+"""The core's collectives on Keras values: one fused allreduce of a step's gradients, from
+inside whatever Keras's backend runs; and root's values into Keras variables on every rank
+(`broadcast_variables`, eager: RingBroadcast, BackupAndRestore and the elastic states).
 
 - TensorFlow: `ringplug.tensorflow`'s graph op (a ``tf.numpy_function(..., stateful=True)``)
   in the compiled train step. Stateful ops keep program order, so every rank reduces in
@@ -161,3 +163,19 @@ def _jax(grads: list[Any], op: ReduceOp, name: str, fp16: bool, when: Any) -> li
     if when is None:
         return reduced(grads)
     return jax.lax.cond(when, reduced, list, list(grads))
+
+
+def broadcast_variables(variables: list[Any], root_rank: int = 0, name: str = "keras") -> None:
+    """Assign root's values to `variables` on every rank (one broadcast per dtype)."""
+    values = [keras.ops.convert_to_numpy(v) for v in variables]
+    groups: dict[np.dtype, list[int]] = {}
+    for index, value in enumerate(values):
+        groups.setdefault(value.dtype, []).append(index)
+    for dtype, indices in groups.items():
+        flat = np.concatenate([values[i].reshape(-1) for i in indices])
+        core.broadcast(flat, root_rank, out=flat, name=f"{name}.broadcast.{dtype}")
+        offset = 0
+        for i in indices:
+            count = values[i].size
+            variables[i].assign(flat[offset : offset + count].reshape(values[i].shape))
+            offset += count

@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import core
 from . import _inputs, patches
-from ._broadcast import broadcast_variables
+from ._reduce import broadcast_variables
 from .sharding import consolidate, distribute_loaded, shared_variables
 
 logger = logging.getLogger(__name__)

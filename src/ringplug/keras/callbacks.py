@@ -16,7 +16,7 @@ import numpy as np
 from .. import core, diagnose
 from ..core import activity
 from . import _inputs
-from ._broadcast import broadcast_variables
+from ._reduce import broadcast_variables
 from .agreement import check_agreement
 from .optimizer import is_distributed, local_variable_keys, reduce_at_the_outermost, variable_key
 from .sharding import is_sharded, shared_variables

@@ -44,7 +44,7 @@ import keras
 
 from ..elastic import HostsUpdatedInterrupt, ObjectState, State, check_commit_fits
 from ..elastic import run as run_fn
-from ._broadcast import broadcast_variables
+from ._reduce import broadcast_variables
 from .sharding import is_sharded
 
 __all__ = [

@@ -17,7 +17,7 @@ import numpy as np
 from ... import core
 from ...compression import Compression, compressed
 from ...keras import DistributedOptimizer as _DistributedOptimizer
-from ...keras._broadcast import broadcast_variables as _broadcast_variables
+from ...keras._reduce import broadcast_variables as _broadcast_variables
 from ...keras.optimizer import set_local_variables as _set_local_variables
 from .. import _common
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
