@@ -250,8 +250,6 @@ class RingStrategy(RingParallel, ParallelStrategy):
             zero=self.zero,
         )
         distributed._ringplug_sync_in_backward = True
-        if self.zero:
-            distributed.__class__ = _closure_first(type(distributed))
         for config in self.lr_scheduler_configs:
             if config.scheduler.optimizer is optimizer:
                 config.scheduler.optimizer = distributed
@@ -417,29 +415,6 @@ class RingStrategy(RingParallel, ParallelStrategy):
         activity.set_position()  # this fit's position ends with it
         self._stop_ring()
         super().teardown()
-
-
-class _ClosureFirst:
-    """Mixed into a sharded optimizer under RingStrategy: Lightning hands its closure (zero
-    the gradients, training step, backward, ``on_before_optimizer_step``, clipping) to
-    ``optimizer.step``; it runs with every parameter group whole, and then the step of this
-    rank's shard. (The sharded step narrows the groups to the owned parameters while the
-    wrapped optimizer steps: a closure run inside would zero only the owned gradients, and
-    with zero=1 the others would add up from step to step.)"""
-
-    def _ringplug_local_step(self, closure: Any) -> Any:
-        if closure is None:
-            return super()._ringplug_local_step(None)  # type: ignore[misc]
-        with torch.enable_grad():
-            loss = closure()
-        super()._ringplug_local_step(None)  # type: ignore[misc]
-        return loss
-
-
-def _closure_first(cls: type) -> type:
-    """`cls` (a sharded DistributedOptimizer's class) with `_ClosureFirst` mixed in, under
-    the same name (Lightning's messages name the user's optimizer class)."""
-    return type(cls.__name__, (_ClosureFirst, cls), {})
 
 
 def _check_zero(zero: Any, compression: Any) -> None:

@@ -317,10 +317,18 @@ class _Sharded(_Distributed):
     # -------------------------------------------------------------- step
     def _ringplug_local_step(self, closure: Any) -> Any:
         self._ringplug_consolidated = None  # stale from now on
+        loss = None
+        if closure is not None:
+            # The closure (zero_grad, forward, backward: Lightning's, or a user's) runs with
+            # every parameter group whole: run inside the narrowed step it would clear only
+            # the owned gradients, and with zero=1 the others would add up step after step.
+            # LBFGS, the one torch optimizer that calls it more than once, is refused.
+            with torch.enable_grad():
+                loss = closure()
         with self._ringplug_narrowed():
-            result = super()._ringplug_local_step(closure)
+            super()._ringplug_local_step(None)
         self._ringplug_gather()
-        return result
+        return loss
 
     @contextlib.contextmanager
     def _ringplug_narrowed(self) -> Iterator[None]:
