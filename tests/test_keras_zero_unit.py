@@ -29,14 +29,6 @@ def make_model(seed: int = 3) -> keras.Model:
     )
 
 
-def test_the_deal_is_the_torch_zero_deal():
-    torch_zero = pytest.importorskip("ringplug.torch.zero")
-    rng = np.random.default_rng(0)
-    for parts in (1, 2, 3, 5):
-        sizes = [int(s) for s in rng.integers(1, 10_000, size=40)] + [64, 64, 64]
-        assert sharding.partition(sizes, parts) == torch_zero.partition(sizes, parts)
-
-
 def test_the_deal_balances_equal_tensors_and_leaves_ranks_empty_when_there_are_few():
     assert sharding.partition([100] * 6, 3) == [0, 1, 2, 0, 1, 2]
     assert sharding.partition([10, 1000], 3) == [1, 0]  # rank 2 owns nothing

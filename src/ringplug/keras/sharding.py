@@ -33,21 +33,8 @@ import numpy as np
 
 from .. import core
 from ..core.ops import ReduceOp
+from ..sharding import partition
 from ._reduce import reduce_gradients
-
-
-def partition(sizes: list[int], parts: int) -> list[int]:
-    """The owner of each item: largest first, each to the least-loaded part (ties: lowest).
-
-    The deal of ``ringplug.torch.zero.partition`` (tests/test_keras_zero_unit.py checks that
-    the two agree), here so that a Keras user on TensorFlow or JAX needs no torch."""
-    loads = [0] * parts
-    owners = [0] * len(sizes)
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        part = min(range(parts), key=lambda r: (loads[r], r))
-        owners[index] = part
-        loads[part] += sizes[index]
-    return owners
 
 
 @dataclasses.dataclass

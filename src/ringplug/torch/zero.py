@@ -44,6 +44,7 @@ from ..compression import Compression
 from ..core import collectives as core
 from ..core import runtime
 from ..core.ops import ReduceOp
+from ..sharding import partition
 from .averaging import _Bucket, _Distributed
 from .collectives import (
     TensorHandle,
@@ -86,17 +87,6 @@ def _even_bounds(count: int, parts: int) -> list[int]:
     """`count` elements cut into `parts` slices as equal as can be (earlier ones longer)."""
     base, extra = divmod(count, parts)
     return [r * base + min(r, extra) for r in range(parts + 1)]
-
-
-def partition(sizes: list[int], parts: int) -> list[int]:
-    """The owner of each item: largest first, each to the least-loaded part (ties: lowest)."""
-    loads = [0] * parts
-    owners = [0] * len(sizes)
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        part = min(range(parts), key=lambda r: (loads[r], r))
-        owners[index] = part
-        loads[part] += sizes[index]
-    return owners
 
 
 class _Sharded(_Distributed):
