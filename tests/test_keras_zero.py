@@ -134,6 +134,7 @@ def test_a_consolidated_save_and_checkpoint_load_in_one_process_with_the_whole_s
     assert found["plain_class"] and found["class"].startswith("keras.")
     assert found["state_relative_difference"] < 1e-6
     assert found["checkpoint_state_relative_difference"] < 1e-6  # the last epoch's
+    assert found["batches_checkpoint_state_relative_difference"] < 1e-6  # the 20th batch's
     assert found["weights_relative_difference"] < 1e-6
     assert found["trained_on"] == 1 and found["loss_finite"]
     for report in two["reports"]:  # saving before consolidating is refused, saying why

@@ -31,6 +31,7 @@ from ._devices import pin_local_gpu
 from .agreement import RanksDisagreeError, check_agreement
 from .backup import BackupAndRestore, Preempted
 from .callbacks import (
+    ConsolidateForCheckpoints,
     RingBroadcast,
     RingMetricAverage,
     RingWarmup,
@@ -91,8 +92,15 @@ def scale_lr(lr: float) -> float:
 
 def on_rank_zero(*callbacks: keras.callbacks.Callback) -> list[keras.callbacks.Callback]:
     """`callbacks` on rank 0, nothing elsewhere: for ModelCheckpoint, TensorBoard, CSVLogger
-    and anything else that should write once."""
-    return list(callbacks) if core.rank() == 0 else []
+    and anything else that should write once.
+
+    Among them, ModelCheckpoints get a callback on every rank in front of them that, with a
+    sharded optimizer (``DistributedOptimizer(..., zero=1)``), gathers the whole optimizer
+    state to rank 0 whenever they save (`ConsolidateForCheckpoints`): the checkpoint then
+    holds it, as without sharding."""
+    checkpoints = [c for c in callbacks if isinstance(c, keras.callbacks.ModelCheckpoint)]
+    first = [ConsolidateForCheckpoints(checkpoints)] if checkpoints else []
+    return first + (list(callbacks) if core.rank() == 0 else [])
 
 
 def verbose(level: int | str = "auto") -> Any:
@@ -103,6 +111,7 @@ def verbose(level: int | str = "auto") -> Any:
 __all__ = [
     "Average",
     "BackupAndRestore",
+    "ConsolidateForCheckpoints",
     "DistributedOptimizer",
     "Preempted",
     "RanksDisagreeError",

@@ -19,7 +19,7 @@ from . import _inputs
 from ._reduce import broadcast_variables
 from .agreement import check_agreement
 from .optimizer import is_distributed, local_variable_keys, reduce_at_the_outermost, variable_key
-from .sharding import is_sharded, shared_variables
+from .sharding import consolidate, is_sharded, shared_variables
 
 
 class RingBroadcast(keras.callbacks.Callback):
@@ -225,6 +225,50 @@ def _iterations(optimizer: Any) -> int:
     if optimizer is None or not getattr(optimizer, "built", False):
         return 0
     return int(keras.ops.convert_to_numpy(optimizer.iterations))
+
+
+class ConsolidateForCheckpoints(keras.callbacks.Callback):
+    """On every rank, before rank 0's ModelCheckpoints: whenever one of them saves, the
+    sharded (``zero=1``) optimizer state is gathered to rank 0 first, so that the file holds
+    the whole state. `ringplug.keras.on_rank_zero` puts it in front of the ModelCheckpoints
+    it is given; with an optimizer that is not sharded it does nothing.
+
+    A checkpoint saves at each epoch's end (``save_freq="epoch"``) or every ``save_freq``
+    batches; this callback counts the batches as ModelCheckpoint does, on every rank (the
+    ModelCheckpoints of the other ranks are not run, only read).
+    """
+
+    def __init__(self, checkpoints: list[keras.callbacks.ModelCheckpoint]) -> None:
+        super().__init__()
+        self._at_epochs = any(c.save_freq == "epoch" for c in checkpoints)
+        self._every = [c.save_freq for c in checkpoints if isinstance(c.save_freq, int)]
+        self._seen = [0] * len(self._every)  # batches since each one's last save
+        self._last_batch = -1
+
+    def _sharded(self) -> bool:
+        optimizer = getattr(self.model, "optimizer", None)
+        return optimizer is not None and is_sharded(
+            getattr(optimizer, "inner_optimizer", optimizer)
+        )
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if not self._every:
+            return
+        # A batch number that did not grow is a new epoch's: it counts batch + 1.
+        added = batch + 1 if batch <= self._last_batch else batch - self._last_batch
+        self._last_batch = batch
+        due = False
+        for i, every in enumerate(self._every):
+            self._seen[i] += added
+            if self._seen[i] >= every:
+                self._seen[i] = 0
+                due = True
+        if due and self._sharded():
+            consolidate(self.model.optimizer, to=0)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if self._at_epochs and self._sharded():
+            consolidate(self.model.optimizer, to=0)
 
 
 class RingMetricAverage(keras.callbacks.Callback):
