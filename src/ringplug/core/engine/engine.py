@@ -5,9 +5,10 @@ Callers (the user's thread, autograd hooks, a Keras step) submit requests and ge
 (the one thread talking to MPI at a time):
 
 1. take what was submitted since the last cycle;
-2. negotiate (`exchange`): send every other rank one message with what is ready here (a
-   bit vector for requests agreed before, name and signature for new ones) and receive
-   theirs; `negotiation.decide` turns the messages into the same plan on every rank;
+2. negotiate (`exchange`): every rank gets every rank's message, with what is ready there
+   (a bit vector for requests agreed before, name and signature for new ones), in
+   ceil(log2 p) rounds; `negotiation.decide` turns the messages into the same plan on
+   every rank;
 3. run the plan: every collective through its kind's object (`kinds.kind.kind_of`):
    consecutive requests of a kind that fuses (allreduce) in one batch (`batches`), every
    other one alone;
@@ -52,6 +53,7 @@ from ..errors import (
 from ..kinds.kind import SameEverywhere, check_joined, kind_of
 from ..timeline import Timeline
 from ..transport.host import Transport
+from ..transport.traffic import Traffic
 from ..transport.waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay, peer_failed_error
 from . import carried
 from .batches import batches
@@ -135,7 +137,7 @@ class Engine(ExpressCycles):
         # failing engine fails every handle here, including a batch it was running.
         self._in_flight: dict[str, Handle | None] = {}
         self.pending: dict[str, Request] = {}  # engine thread only
-        self._cache = Cache(_CACHE_CAPACITY, settings.eager_threshold if self.size > 1 else 0)
+        self._cache = Cache(_CACHE_CAPACITY, eager_threshold(settings, self.size))
         # This cycle's data carried in the messages: name -> every rank's copy (`carried`).
         self.carried_copies: dict[str, list[memoryview]] = {}
         self._cycle = 0
@@ -465,6 +467,8 @@ class Engine(ExpressCycles):
             if (ready or self._ctrl is not None) and (driving or self._mpi.acquire(blocking=False)):
                 if not ready:
                     ready = self._exchange.peer_started()
+                    if not (ready or driving) and time.perf_counter() >= spin_until:
+                        self.waiter.answer_waiting_peers()
                 if ready:
                     return True
                 if not driving:
@@ -880,6 +884,12 @@ class Engine(ExpressCycles):
         """What ended this engine for good (every later call raises it), or ``None``."""
         return self._failure
 
+    @property
+    def traffic(self) -> Traffic:
+        """What this rank's engine has sent (messages and bytes by purpose, MPI collectives
+        called), for tests and benchmarks."""
+        return self.waiter.traffic
+
     def fail_everything(self, error: BaseException) -> None:
         if self._in_flight and self.size > 1:  # a lone process has no one to part from
             self._last_words(f"{type(error).__name__}: {error}")
@@ -899,6 +909,19 @@ class Engine(ExpressCycles):
         if join is not None:
             join._finish(None, error)
         wake_waiters()
+
+
+def eager_threshold(settings: Settings, size: int) -> int:
+    """The bytes of small allreduces a negotiation message may carry on `size` ranks.
+
+    Carried data reaches every rank: (p - 1) n bytes sent per rank for n bytes of data,
+    where recursive doubling sends n ceil(log2 p). Ranks carry it only while that is at most
+    twice as much (p <= 7), and save the allreduce's own messages; beyond, a small allreduce
+    is a collective of its own.
+    """
+    if size < 2 or size - 1 > 2 * math.ceil(math.log2(size)):
+        return 0
+    return settings.eager_threshold
 
 
 def _mismatch_error(request: Request, message: str) -> BaseException:

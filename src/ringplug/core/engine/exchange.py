@@ -1,5 +1,5 @@
-"""The message exchange of a negotiation cycle: every rank sends every other rank its
-`Message` and receives theirs, on the engine's control communicator.
+"""The message exchange of a negotiation cycle: every rank gets every other rank's
+`Message`, on the engine's control communicator, in ceil(log2 p) rounds (`Exchange`).
 
 A rank that has something to run starts a cycle by sending; a rank that sees a message
 arrive (`peer_started`) joins the cycle. Every wait has the engine's deadline: a peer that
@@ -14,6 +14,7 @@ import struct
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
+from ..transport.traffic import NEGOTIATION
 from ..transport.waiting import Waiter
 from .negotiation import Message
 
@@ -139,13 +140,23 @@ def _phase(data: bytes | bytearray, start: int) -> tuple[str, float]:
 
 
 class Exchange:
-    """Messages among the ranks of one engine (its control communicator)."""
+    """Messages among the ranks of one engine (its control communicator).
+
+    Every rank gets every rank's message in ceil(log2 p) rounds (Bruck's allgather): in
+    round k a rank sends the messages it holds of itself and the next ranks (at most 2^k
+    of them) to rank - 2^k, and receives as many from rank + 2^k. A rank so sends
+    ceil(log2 p) messages per cycle, not p - 1, and polls one peer at a time. A rank whose
+    engine is idle joins the cycle when any peer's message reaches it (`peer_started`);
+    the round-0 messages alone pass the start around every rank.
+    """
 
     def __init__(self, comm: MPI.Comm | None, waiter: Waiter, rank: int, size: int) -> None:
         self.comm = comm
         self.waiter = waiter
         self.rank, self.size = rank, size
-        self._peers = [(rank + d) % size for d in range(1, size)]
+        # Per round: (the peer sent to, the peer received from, how many messages each
+        # carries).
+        self.rounds = rounds(rank, size)
         if comm is not None:
             from mpi4py import MPI
 
@@ -159,7 +170,7 @@ class Exchange:
     def exchange(
         self, cycle: int, own: Message, pending: Collection[str]
     ) -> tuple[list[Message], bool]:
-        """Send `own` to every peer and receive theirs (this cycle's, in rank order);
+        """Send `own` to the peers and receive theirs (this cycle's, in rank order);
         `pending` names this rank's requests, for the message of a long wait.
 
         Also returns whether every peer's message has `own`'s form (see `same_form`).
@@ -172,40 +183,93 @@ class Exchange:
     def send_and_receive(
         self, cycle: int, wire: bytes, pending: Collection[str]
     ) -> list[bytes | bytearray]:
-        """Send this rank's encoded message to every peer and receive theirs: every rank's
-        message as it came, in rank order (this rank's is `wire`)."""
-        received: list[bytes | bytearray | None] = [None] * self.size
-        received[self.rank] = wire
-        if self.size == 1:
+        """Every rank's encoded message as it was sent, in rank order (this rank's is
+        `wire`), in the rounds of `rounds`."""
+        size, rank = self.size, self.rank
+        received: list[bytes | bytearray | None] = [None] * size
+        received[rank] = wire
+        if size == 1:
             return received  # type: ignore[return-value]
-        ctrl, byte = self.comm, self._byte
-        payload = [wire, byte]
-        sends = [ctrl.Isend(payload, peer, CONTROL_TAG) for peer in self._peers]
-        waiting = list(self._peers)
-        status = self._status
-        probe = ctrl.Iprobe
+        ctrl, byte, status = self.comm, self._byte, self._status
+        probe, traffic = ctrl.Iprobe, self.waiter.traffic
+        plan = self.rounds
+        sends = []
+        payloads = []  # alive until their sends complete
+        at = [0]  # the round this rank waits in
+
+        def post(round_: int) -> None:
+            target, _, count = plan[round_]
+            payload = pack([received[(rank + i) % size] for i in range(count)])
+            payloads.append(payload)
+            sends.append(ctrl.Isend([payload, byte], target, CONTROL_TAG))
+            traffic.sent(NEGOTIATION, len(payload))
 
         def arrived() -> bool:
-            for peer in waiting:
-                if probe(peer, CONTROL_TAG, status):
-                    buffer = bytearray(status.Get_count(byte))
-                    ctrl.Recv([buffer, byte], peer, CONTROL_TAG)
-                    received[peer] = buffer
-            if len(waiting) > 1:
-                waiting[:] = [peer for peer in waiting if received[peer] is None]
-            elif received[waiting[0]] is not None:
-                waiting.clear()
-            return not waiting
+            while at[0] < len(plan):
+                _, source, count = plan[at[0]]
+                if not probe(source, CONTROL_TAG, status):
+                    return False
+                buffer = bytearray(status.Get_count(byte))
+                ctrl.Recv([buffer, byte], source, CONTROL_TAG)
+                for i, data in enumerate(unpack(buffer, count)):
+                    received[(source + i) % size] = data
+                at[0] += 1
+                if at[0] < len(plan):
+                    post(at[0])
+            return True
+
+        def missing() -> list[int]:
+            # The ranks whose messages have not come, and the peer this rank waits for now
+            # (a rank frozen after sending its own message still holds up the others').
+            lacking = {r for r in range(size) if received[r] is None}
+            if at[0] < len(plan):
+                lacking.add(plan[at[0]][1])
+            return sorted(lacking)
 
         self.waiter.begin(cycle, -1, "negotiation")
+        post(0)
         if not arrived():
-            # A rank that sent its message is alive: only the others can be the ones missing.
-            self.waiter.wait(
-                arrived, lambda: _pending_text(pending), missing=lambda: sorted(waiting)
-            )
+            self.waiter.wait(arrived, lambda: _pending_text(pending), missing=missing)
         if not self._testall(sends):
-            self.waiter.wait_requests(sends, "sending this rank's negotiation message")
+            self.waiter.wait_requests(sends, "sending this rank's negotiation messages")
         return received  # type: ignore[return-value]
+
+
+def rounds(rank: int, size: int) -> list[tuple[int, int, int]]:
+    """The rounds of `Exchange.send_and_receive` on `rank` of `size` ranks: (the peer sent
+    to, the peer received from, how many ranks' messages each round's message carries)."""
+    plan = []
+    distance = 1
+    while distance < size:
+        plan.append(
+            ((rank - distance) % size, (rank + distance) % size, min(distance, size - distance))
+        )
+        distance *= 2
+    return plan
+
+
+_LENGTH = struct.Struct("<I")
+
+
+def pack(blocks: Sequence[bytes | bytearray]) -> bytes | bytearray:
+    """One round's message: one rank's message as it is, or several, each after its length."""
+    if len(blocks) == 1:
+        return blocks[0]
+    lengths = struct.pack(f"<{len(blocks)}I", *(len(block) for block in blocks))
+    return b"".join((lengths, *blocks))
+
+
+def unpack(buffer: bytearray, count: int) -> list[bytearray]:
+    """The `count` ranks' messages of a round's message (see `pack`)."""
+    if count == 1:
+        return [buffer]
+    lengths = struct.unpack_from(f"<{count}I", buffer)
+    start = _LENGTH.size * count
+    found = []
+    for length in lengths:
+        found.append(buffer[start : start + length])
+        start += length
+    return found
 
 
 def same_form(wire: bytes, received: Sequence[bytes | bytearray]) -> int:

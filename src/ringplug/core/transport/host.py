@@ -19,7 +19,7 @@ import numpy as np
 from ...config import Settings
 from ..dtypes import DType
 from ..ops import ReduceOp
-from . import reduce, ring
+from . import doubling, reduce, ring
 from .waiting import Waiter
 
 if TYPE_CHECKING:
@@ -87,7 +87,21 @@ class Transport:
             return True
         return code not in _MPI_NATIVE or nbytes >= self.settings.ring_threshold
 
+    def uses_doubling(self, buf: np.ndarray | ring.Pieces, code: DType, op: ReduceOp) -> bool:
+        """Whether an allreduce of `buf` takes recursive doubling: a small one (below the
+        ring's threshold, where MPI's own Allreduce would take it) that MPI cannot reduce
+        (16-bit floats, or Max and Min of floats, see `uses_ring`). The ring would pay
+        2 (p - 1) steps of latency for it, doubling pays ceil(log2 p) (+2 when p is not a
+        power of two)."""
+        nbytes = buf.size * code.itemsize
+        return (
+            isinstance(buf, np.ndarray)
+            and nbytes < self.settings.ring_threshold
+            and self.uses_ring(nbytes, code, op)
+        )
+
     def _wait(self, request: MPI.Request, phase: str) -> None:
+        self.waiter.traffic.called(phase.split()[1])  # "MPI Iallreduce" -> "Iallreduce"
         self.waiter.wait_requests([request], phase)
 
     def allreduce(
@@ -100,6 +114,9 @@ class Transport:
         """
         if self.size == 1:
             self.last_path = "local"
+        elif self.uses_doubling(buf, code, op):
+            self.last_path = "doubling"
+            doubling.allreduce(self._comm, buf, ring_op(op), code, self.waiter)
         elif self.uses_ring(buf.size * code.itemsize, code, op):
             self.last_path = "ring"
             ring.allreduce(

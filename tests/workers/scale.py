@@ -1,0 +1,141 @@
+"""Multi-rank worker: the O(log p) control plane and small allreduces on any number of ranks.
+
+``python scale.py OUTDIR``: each rank
+- counts, by the engine's own counters, the messages and bytes of training-like steps of 8
+  named 4 KiB allreduces (submitted together, then waited for) and of a lone synchronous
+  4 KiB allreduce, once their names are agreed;
+- checks small allreduces that take recursive doubling (16-bit floats, Max and Min of
+  floats) against numpy, and that every rank got the same bits;
+- submits a tensor whose shape differs on the last rank and keeps the error;
+and writes OUTDIR/scale-<rank>.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import ringplug
+import ringplug.core.runtime
+from ringplug.core.dtypes import bfloat16_to_float32, float32_to_bfloat16
+from ringplug.core.transport.traffic import difference
+
+STEPS = 5
+TENSORS = 8
+ELEMENTS = 1024  # 4 KiB of float32
+
+
+def step(grads: list[np.ndarray]) -> None:
+    handles = [
+        ringplug.allreduce_async(g, op=ringplug.Sum, out=g, name=f"grad.{i}")
+        for i, g in enumerate(grads)
+    ]
+    for handle in handles:
+        ringplug.synchronize(handle)
+
+
+def per_step(run, steps: int) -> dict:
+    """The engine's traffic and cycles per call of `run`, over `steps` calls."""
+    engine = ringplug.core.runtime.engine()
+    before, cycles = engine.traffic.snapshot(), engine.cycles_run
+    for _ in range(steps):
+        run()
+    counts = difference(engine.traffic.snapshot(), before)
+    return {
+        "cycles": (engine.cycles_run - cycles) / steps,
+        "messages": {k: v / steps for k, v in counts["messages"].items()},
+        "bytes": {k: v / steps for k, v in counts["bytes"].items()},
+        "collectives": {k: v / steps for k, v in counts["collectives"].items()},
+    }
+
+
+def small_allreduces(rank: int, size: int) -> tuple[dict, str]:
+    """name -> (path taken, whether it matches numpy), and a digest of the random sums."""
+    engine = ringplug.core.runtime.engine()
+    rng = np.random.default_rng(1234)  # the same numbers on every rank: each takes its row
+    cases = {}
+    digest = hashlib.sha256()
+    for dtype in ("float16", "bfloat16", "float32"):
+        for op in ("sum", "max", "min"):
+            for length in (1, 7, 1000):
+                table = rng.integers(-8, 9, (size, length))  # exact in every dtype
+                if op != "sum" and length > 1:
+                    table = table.astype(np.float64)
+                    table[(length * 7) % size, length // 2] = np.nan  # Max and Min keep NaN
+                values = _array(table[rank], dtype)
+                ringplug.allreduce(
+                    values, op=op, out=values, name=f"{dtype}/{op}/{length}", dtype=_as(dtype)
+                )
+                expected = {"sum": np.sum, "max": np.max, "min": np.min}[op](table, axis=0)
+                got = _as_float(values, dtype)
+                cases[f"{dtype}/{op}/{length}"] = {
+                    "path": engine.transport.last_path,
+                    "ok": bool(np.array_equal(got, expected, equal_nan=True)),
+                }
+    for dtype in ("float16", "bfloat16"):
+        noise = _array(rng.standard_normal((size, 333))[rank], dtype)
+        ringplug.allreduce(noise, op="sum", out=noise, name=f"{dtype}/noise", dtype=_as(dtype))
+        digest.update(np.asarray(noise).tobytes())
+    return cases, digest.hexdigest()
+
+
+def _array(values: np.ndarray, dtype: str) -> np.ndarray:
+    """`values` in `dtype`; bfloat16 as raw 16-bit words."""
+    if dtype == "bfloat16":
+        words = np.empty(values.shape, np.uint16)
+        return float32_to_bfloat16(values.astype(np.float32), words)
+    return values.astype(dtype)
+
+
+def _as(dtype: str) -> str | None:
+    return "bfloat16" if dtype == "bfloat16" else None
+
+
+def _as_float(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return bfloat16_to_float32(values).astype(np.float64)
+    return np.asarray(values, np.float64)
+
+
+def mismatch(rank: int, size: int) -> str:
+    """The error of an allreduce whose shape differs on the last rank."""
+    shape = 4 if rank == size - 1 else 3
+    try:
+        ringplug.allreduce(np.ones(shape, np.float32), name="differs")
+    except ringplug.core.errors.RingplugError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def main(outdir: Path) -> None:
+    ringplug.init()
+    rank, size = ringplug.rank(), ringplug.size()
+    grads = [np.full(ELEMENTS, rank + 1, np.float32) for _ in range(TENSORS)]
+    lone = np.full(ELEMENTS, rank + 1, np.float32)
+    for _ in range(3):  # the names are agreed (cached) from here on
+        step(grads)
+        ringplug.allreduce(lone, op=ringplug.Sum, out=lone, name="lone")
+    report = {
+        "rank": rank,
+        "size": size,
+        "step": per_step(lambda: step(grads), STEPS),
+        "lone": per_step(
+            lambda: ringplug.allreduce(lone, op=ringplug.Sum, out=lone, name="lone"), STEPS
+        ),
+    }
+    expected = float(size * (size + 1) // 2) * size ** (3 + STEPS - 1)
+    report["ok"] = bool(
+        all(np.all(g == g[0]) for g in grads) and grads[0][0] == expected and lone[0] == expected
+    )
+    report["doubling"], report["digest"] = small_allreduces(rank, size)
+    report["mismatch"] = mismatch(rank, size)
+    (outdir / f"scale-{rank}.json").write_text(json.dumps(report))
+    ringplug.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
