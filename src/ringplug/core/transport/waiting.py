@@ -320,8 +320,9 @@ class Waiter:
         self, waited: float, phase: str | Callable[[], str], missing: Callable[[], list[int]] | None
     ) -> None:
         silent, alive = self._silent(missing)
-        # One rank speaks for all: the lowest one that is itself still taking part.
-        if min([self.rank, *alive]) != self.rank:
+        # One rank speaks for all: the lowest one that is itself still taking part, and
+        # waiting (an idle rank's answer says it is alive, but it warns of nothing).
+        if min([self.rank, *(r for r in alive if not self._heard[r].answer)]) != self.rank:
             return
         if silent:
             verdict = (
@@ -380,8 +381,17 @@ class Waiter:
                 f" ({_who(lacking)} did not answer this cycle)" if lacking else ""
             )
         others = [r for r in alive if r not in silent]
-        verb = "are" if len(others) > 1 else "is"
-        also = f"; {_who(others)} {verb} waiting too" if others and silent else ""
+        waiting = [r for r in others if not self._heard[r].answer]
+        idle = [r for r in others if self._heard[r].answer]
+        also = ""
+        if silent and waiting:
+            also += f"; {_who(waiting)} {'are' if len(waiting) > 1 else 'is'} waiting too"
+        if silent and idle:
+            also += (
+                f"; {_who(idle)} {'are' if len(idle) > 1 else 'is'} alive with nothing to run "
+                "(this cycle's messages reach "
+                f"{'them' if len(idle) > 1 else 'it'} through the ranks that stopped)"
+            )
         verdict = f"{self._where(waited, phase)}: {verdict}{also} ({self._limit_name()}={limit:g})."
         culprits = silent or (missing() if missing is not None else [])
         if give_up is not None:

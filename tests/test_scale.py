@@ -1,0 +1,95 @@
+"""What a rank pays per cycle as the job grows: the engine's own counts on 2, 3, 5 and 8
+ranks (oversubscribed), and the small allreduces of recursive doubling against numpy.
+
+One job per world size runs every scenario (tests/workers/scale.py): a training-like step
+of 8 named 4 KiB allreduces, a lone synchronous 4 KiB allreduce, allreduces that take
+recursive doubling, and a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import run_ringrun
+
+pytestmark = pytest.mark.multirank
+
+WORKER = str(Path(__file__).parent / "workers" / "scale.py")
+SIZES = [2, 3, 5, 8]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """size -> every rank's report (one job per size, run once for the module)."""
+    found = {}
+    for size in SIZES:
+        outdir = tmp_path_factory.mktemp(f"scale-{size}")
+        result = run_ringrun("-np", str(size), sys.executable, WORKER, str(outdir), timeout=240)
+        assert result.returncode == 0, result.stdout + result.stderr
+        found[size] = [
+            json.loads((outdir / f"scale-{rank}.json").read_text()) for rank in range(size)
+        ]
+    return found
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_an_agreed_cycle_costs_each_rank_ceil_log2_p_negotiation_messages(reports, size):
+    rounds = math.ceil(math.log2(size))
+    for report in reports[size]:
+        assert report["ok"]
+        for scenario in ("step", "lone"):
+            counts = report[scenario]
+            assert counts["cycles"] >= 1
+            per_cycle = counts["messages"]["negotiation"] / counts["cycles"]
+            # p - 1 (every peer) would be 7 at 8 ranks: the all-to-all this replaced.
+            assert per_cycle == rounds
+            # Nothing else is sent point to point: the allreduces are MPI's own or carried.
+            assert set(counts["messages"]) == {"negotiation"}
+
+
+def test_messages_per_cycle_grow_with_log_p_not_p(reports):
+    per_cycle = {
+        size: reports[size][0]["step"]["messages"]["negotiation"]
+        / reports[size][0]["step"]["cycles"]
+        for size in SIZES
+    }
+    assert per_cycle == {2: 1, 3: 2, 5: 3, 8: 3}
+    assert per_cycle[8] <= 2 * math.ceil(math.log2(8)) < 8 - 1
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_small_allreduce_sends_at_most_2n_ceil_log2_p_bytes(reports, size):
+    n = 4096
+    for report in reports[size]:
+        sent = report["lone"]["bytes"]["negotiation"]
+        # Up to 7 ranks the data rides in the negotiation ((p - 1) n bytes); beyond it is
+        # MPI's own allreduce, and the messages are a few bytes of form per rank.
+        assert sent <= 2 * n * math.ceil(math.log2(size)) + 64 * size
+        if size == 8:
+            assert sent < n  # no data in the messages
+            assert report["lone"]["collectives"] == {"Iallreduce": 1.0}
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_recursive_doubling_matches_numpy_bit_for_bit_on_every_rank(reports, size):
+    for report in reports[size]:
+        bad = {name: case for name, case in report["doubling"].items() if not case["ok"]}
+        assert bad == {}
+        paths = {name: case["path"] for name, case in report["doubling"].items()}
+        # 16-bit floats, and Max and Min of floats: MPI cannot reduce them (NaN kept).
+        assert paths["float16/sum/7"] == paths["bfloat16/max/1000"] == "doubling"
+        assert paths["float32/max/7"] == "doubling"
+        assert paths["float32/sum/7"] == "mpi"
+    assert len({report["digest"] for report in reports[size]}) == 1
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_mismatch_raises_on_every_rank_naming_the_tensor(reports, size):
+    for report in reports[size]:
+        assert report["mismatch"].startswith("MismatchError: 'differs' does not match across")
+        assert "shape (3,)" in report["mismatch"] and "shape (4,)" in report["mismatch"]
