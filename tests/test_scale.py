@@ -71,7 +71,8 @@ def test_a_small_allreduce_sends_at_most_2n_ceil_log2_p_bytes(reports, size):
         # MPI's own allreduce, and the messages are a few bytes of form per rank.
         assert sent <= 2 * n * math.ceil(math.log2(size)) + 64 * size
         if size == 8:
-            assert sent < n  # no data in the messages
+            # The ranks agree that every message has one form: a few bytes per round.
+            assert sent <= 64 * math.ceil(math.log2(size))
             assert report["lone"]["collectives"] == {"Iallreduce": 1.0}
 
 

@@ -40,6 +40,25 @@ def test_every_rank_gets_every_message_in_ceil_log2_p_rounds(size):
         assert held[rank] == {r: f"message of {r}".encode() * (r + 1) for r in range(size)}
 
 
+@pytest.mark.parametrize("size", SIZES)
+def test_the_rounds_tell_every_rank_whether_one_rank_sent_another_form(size):
+    # `Exchange.agree`: in round k each rank combines what it holds with what rank + 2^k
+    # held, into the form or the mark that two differed; after the rounds every rank's
+    # result stands for every rank.
+    plans = [rounds(rank, size) for rank in range(size)]
+    for odd in [None, *range(size)]:
+        state = [{rank} if rank != odd else set() for rank in range(size)]  # ranks seen
+        same = [rank != odd for rank in range(size)]
+        for round_ in range(len(plans[0])):
+            before = [(set(seen), ok) for seen, ok in zip(state, same, strict=True)]
+            for rank, plan in enumerate(plans):
+                _, source, _ = plan[round_]
+                state[rank] |= before[source][0] | {source}
+                same[rank] = same[rank] and before[source][1]
+        assert all(seen | {rank} == set(range(size)) for rank, seen in enumerate(state))
+        assert same == [odd is None] * size
+
+
 def simulate_doubling(values: list[np.ndarray], op: ReduceOp, code: DType) -> list[np.ndarray]:
     """Every rank's result of `doubling.allreduce`, its schedule run rank by rank."""
     size = len(values)
@@ -107,7 +126,9 @@ def test_recursive_doubling_sends_at_most_ceil_log2_p_plus_one_messages_per_rank
         assert len(partners) == (0 if sits_out else (1 << (size.bit_length() - 1)).bit_length() - 1)
 
 
-@pytest.mark.parametrize(("size", "carried"), [(1, 0), (2, 1), (3, 1), (7, 1), (8, 0), (64, 0)])
+@pytest.mark.parametrize(
+    ("size", "carried"), [(1, 0), (2, 1), (3, 1), (7, 1), (8, 0), (9, 0), (64, 0)]
+)
 def test_small_allreduces_ride_in_the_negotiation_only_while_that_costs_little(size, carried):
     # (p - 1) n bytes to every peer against n ceil(log2 p) for recursive doubling.
     assert bool(eager_threshold(Settings(), size)) == bool(carried)

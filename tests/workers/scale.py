@@ -29,7 +29,10 @@ TENSORS = 8
 ELEMENTS = 1024  # 4 KiB of float32
 
 
-def step(grads: list[np.ndarray]) -> None:
+def step(grads: list[np.ndarray], rank: int) -> None:
+    """One training-like step: 8 gradients (rank 0's ones, the others' zeros) summed."""
+    for g in grads:
+        g[...] = 1.0 if rank == 0 else 0.0
     handles = [
         ringplug.allreduce_async(g, op=ringplug.Sum, out=g, name=f"grad.{i}")
         for i, g in enumerate(grads)
@@ -114,23 +117,23 @@ def mismatch(rank: int, size: int) -> str:
 def main(outdir: Path) -> None:
     ringplug.init()
     rank, size = ringplug.rank(), ringplug.size()
-    grads = [np.full(ELEMENTS, rank + 1, np.float32) for _ in range(TENSORS)]
-    lone = np.full(ELEMENTS, rank + 1, np.float32)
-    for _ in range(3):  # the names are agreed (cached) from here on
-        step(grads)
+    grads = [np.empty(ELEMENTS, np.float32) for _ in range(TENSORS)]
+    lone = np.empty(ELEMENTS, np.float32)
+
+    def sum_lone() -> None:
+        lone[...] = 1.0 if rank == 0 else 0.0
         ringplug.allreduce(lone, op=ringplug.Sum, out=lone, name="lone")
+
+    for _ in range(3):  # the names are agreed (cached) from here on
+        step(grads, rank)
+        sum_lone()
     report = {
         "rank": rank,
         "size": size,
-        "step": per_step(lambda: step(grads), STEPS),
-        "lone": per_step(
-            lambda: ringplug.allreduce(lone, op=ringplug.Sum, out=lone, name="lone"), STEPS
-        ),
+        "step": per_step(lambda: step(grads, rank), STEPS),
+        "lone": per_step(sum_lone, STEPS),
     }
-    expected = float(size * (size + 1) // 2) * size ** (3 + STEPS - 1)
-    report["ok"] = bool(
-        all(np.all(g == g[0]) for g in grads) and grads[0][0] == expected and lone[0] == expected
-    )
+    report["ok"] = bool(all(np.all(g == 1.0) for g in grads) and np.all(lone == 1.0))
     report["doubling"], report["digest"] = small_allreduces(rank, size)
     report["mismatch"] = mismatch(rank, size)
     (outdir / f"scale-{rank}.json").write_text(json.dumps(report))

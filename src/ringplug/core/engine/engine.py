@@ -57,7 +57,7 @@ from ..transport.traffic import Traffic
 from ..transport.waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay, peer_failed_error
 from . import carried
 from .batches import batches
-from .exchange import Exchange
+from .exchange import Exchange, gathers_only
 from .express import ExpressCycles
 from .handles import Handle, Request, finish_each, wake_waiters
 from .negotiation import Cache, Plan, decide
@@ -574,7 +574,10 @@ class Engine(ExpressCycles):
     def _follow(self, messages: list[Message], alike: bool, cycle_start: float) -> bool:
         """Decide this cycle's plan from every rank's message and run it; True when the
         engine should stop."""
-        self._stalls.activities = [m.activity for m in messages]  # for the stall reports
+        if messages[0] is not messages[-1] or len(messages) == 1:
+            # For the stall reports (a cycle the ranks agreed on without gathering their
+            # messages left the peers' phases unknown: the last ones known stay).
+            self._stalls.activities = [m.activity for m in messages]
         if messages[0].report:  # rank 0 saw a stall: show where this rank is
             self.report_where("rank 0 saw it stall", self.rank in messages[0].report)
         plan = decide(messages, self._cache, alike)
@@ -912,14 +915,10 @@ class Engine(ExpressCycles):
 
 
 def eager_threshold(settings: Settings, size: int) -> int:
-    """The bytes of small allreduces a negotiation message may carry on `size` ranks.
-
-    Carried data reaches every rank: (p - 1) n bytes sent per rank for n bytes of data,
-    where recursive doubling sends n ceil(log2 p). Ranks carry it only while that is at most
-    twice as much (p <= 7), and save the allreduce's own messages; beyond, a small allreduce
-    is a collective of its own.
-    """
-    if size < 2 or size - 1 > 2 * math.ceil(math.log2(size)):
+    """The bytes of small allreduces a negotiation message may carry on `size` ranks: only
+    where the messages are gathered every cycle (`exchange.gathers_only`, up to 7 ranks);
+    beyond, a small allreduce is a collective of its own."""
+    if size < 2 or not gathers_only(size):
         return 0
     return settings.eager_threshold
 
