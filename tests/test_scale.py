@@ -45,21 +45,27 @@ def test_an_agreed_cycle_costs_each_rank_ceil_log2_p_negotiation_messages(report
         for scenario in ("step", "lone"):
             counts = report[scenario]
             assert counts["cycles"] >= 1
-            per_cycle = counts["messages"]["negotiation"] / counts["cycles"]
-            # p - 1 (every peer) would be 7 at 8 ranks: the all-to-all this replaced.
-            assert per_cycle == rounds
+            # Up to 7 ranks every cycle gathers the messages in the rounds; from 8 a cycle
+            # first agrees on their form in the rounds, and gathers only when they differ
+            # (under load, a cycle may start before every rank submitted the whole step).
+            passes = 2 * counts["cycles"] - counts["agreed"] if size >= 8 else counts["cycles"]
+            assert counts["messages"]["negotiation"] == pytest.approx(rounds * passes)
+            assert counts["messages"]["negotiation"] <= 2 * rounds * counts["cycles"]
             # Nothing else is sent point to point: the allreduces are MPI's own or carried.
             assert set(counts["messages"]) == {"negotiation"}
 
 
 def test_messages_per_cycle_grow_with_log_p_not_p(reports):
-    per_cycle = {
-        size: reports[size][0]["step"]["messages"]["negotiation"]
-        / reports[size][0]["step"]["cycles"]
-        for size in SIZES
-    }
-    assert per_cycle == {2: 1, 3: 2, 5: 3, 8: 3}
-    assert per_cycle[8] <= 2 * math.ceil(math.log2(8)) < 8 - 1
+    # p - 1 per cycle (every peer) was the all-to-all this replaced: 7 at 8 ranks.
+    per_pass = {}
+    for size in SIZES:
+        step = reports[size][0]["step"]
+        passes = 2 * step["cycles"] - step["agreed"] if size >= 8 else step["cycles"]
+        per_pass[size] = step["messages"]["negotiation"] / passes
+    assert per_pass == {2: 1, 3: 2, 5: 3, 8: 3}
+    # At 8 ranks some of the 10 measured cycles were agreed without a gather (a repeated
+    # step: every rank had the same requests ready).
+    assert reports[8][0]["step"]["agreed"] + reports[8][0]["lone"]["agreed"] > 0
 
 
 @pytest.mark.parametrize("size", SIZES)

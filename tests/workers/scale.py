@@ -45,11 +45,14 @@ def per_step(run, steps: int) -> dict:
     """The engine's traffic and cycles per call of `run`, over `steps` calls."""
     engine = ringplug.core.runtime.engine()
     before, cycles = engine.traffic.snapshot(), engine.cycles_run
+    agreed = engine._exchange.agreed_cycles
     for _ in range(steps):
         run()
     counts = difference(engine.traffic.snapshot(), before)
     return {
         "cycles": (engine.cycles_run - cycles) / steps,
+        # of those, cycles whose messages the ranks found alike without gathering them
+        "agreed": (engine._exchange.agreed_cycles - agreed) / steps,
         "messages": {k: v / steps for k, v in counts["messages"].items()},
         "bytes": {k: v / steps for k, v in counts["bytes"].items()},
         "collectives": {k: v / steps for k, v in counts["collectives"].items()},
