@@ -204,10 +204,31 @@ class Exchange:
         if self.size == 1:
             return [wire]
         self.waiter.begin(cycle, -1, "negotiation")
+        if self.size == 2:
+            return self._pair(wire, pending)
         if self.agrees_first and self.agree(wire, pending):
             self.agreed_cycles += 1
             return [wire] * self.size
         return self.gather(wire, pending)
+
+    def _pair(self, wire: bytes, pending: Collection[str]) -> list[bytes | bytearray]:
+        """`gather` on 2 ranks (one round: this rank's message for the peer's), without its
+        general machinery: a synchronous call's cycle on 2 ranks costs that much less."""
+        ctrl, byte, status = self.comm, self._byte, self._status
+        peer = 1 - self.rank
+        send = ctrl.Isend([wire, byte], peer, CONTROL_TAG)
+        self.waiter.traffic.sent(NEGOTIATION, len(wire))
+        if not ctrl.Iprobe(peer, CONTROL_TAG, status):
+            self.waiter.wait(
+                lambda: ctrl.Iprobe(peer, CONTROL_TAG, status),
+                lambda: _pending_text(pending),
+                missing=lambda: [peer],
+            )
+        buffer = bytearray(status.Get_count(byte))
+        ctrl.Recv([buffer, byte], peer, CONTROL_TAG)
+        if not send.Test():
+            self.waiter.wait_requests([send], "sending this rank's negotiation message")
+        return [wire, buffer] if peer else [buffer, wire]
 
     def agree(self, wire: bytes, pending: Collection[str]) -> bool:
         """Whether every rank's message has `wire`'s form (a dissemination allreduce of the
