@@ -210,13 +210,7 @@ class Engine(ExpressCycles):
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
             # A caller about to wait, with nothing else queued: its cycle runs here and now
             # (`_express`), without queueing it and waking anyone.
-            express = (
-                drive
-                and self._host_only
-                and not (self._queue or self._join_handle is not None)
-                and self.settings.cycle_time <= 0
-                and self._mpi.acquire(blocking=False)
-            )
+            express = drive and self._caller_may_run()
             if not express:
                 self._queue.append(request)
                 if self._sleeping and not (drive and self._host_only):
@@ -225,6 +219,23 @@ class Engine(ExpressCycles):
         if express:
             self._express_now(request)
         return request.handle
+
+    def _caller_may_run(self) -> bool:
+        """Whether a caller about to wait for its own collective may run its cycle on its
+        thread now (the caller holds `_mutex`): only host collectives so far (the GPU plane
+        keeps to the engine thread), nothing queued ahead of it, no join in progress, no
+        cycle time to gather more for fusion, and no other thread running a cycle. True
+        with `_mpi` taken: the caller releases it.
+
+        The one place that decides it, for `submit`'s express cycle and for `call_now`.
+        """
+        return (
+            self._host_only
+            and not self._queue
+            and self._join_handle is None
+            and self.settings.cycle_time <= 0
+            and self._mpi.acquire(blocking=False)
+        )
 
     def _express_now(self, request: Request) -> None:
         """Run `request`'s express cycle on the caller's thread, which holds `_mpi`, or

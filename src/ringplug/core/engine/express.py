@@ -126,11 +126,7 @@ class ExpressCycles:
                 self._failure is not None
                 or self._stop_requested
                 or name in self._in_flight
-                or not self._host_only
-                or self._queue
-                or self._join_handle is not None
-                or self.settings.cycle_time > 0
-                or not self._mpi.acquire(blocking=False)
+                or not self._caller_may_run()
             ):
                 return None
             self._in_flight[name] = None
