@@ -1,5 +1,6 @@
 """The express cycle: the cycle of a lone synchronous call of a form the ranks agreed on
-before, whose negotiation is one message each way, recognised by its bytes; and the
+before, whose negotiation is its message's form alone (one message each way on 2 ranks,
+ceil(log2 p) rounds on more, see `exchange`), recognised by its bytes; and the
 synchronous call that runs such a cycle without building a request (`call_now`, which the
 allreduce kind uses for its blocking form).
 
