@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,20 +22,58 @@ from launch import run_ringrun
 pytestmark = pytest.mark.multirank
 
 WORKER = str(Path(__file__).parent / "workers" / "scale.py")
+PROFILER = Path(__file__).parent / "pmpi" / "count_sends.c"
+STEPS = 5  # the worker's measured steps
+NEGOTIATION_TAGS = (7100, 7101)  # engine/exchange.py: CONTROL_TAG, GATHER_TAG
 SIZES = [2, 3, 5, 8]
+
+
+def build_profiler(where: Path) -> tuple[Path | None, str]:
+    """tests/pmpi/count_sends.c built against this virtualenv's MPI (the mpich wheel's
+    headers and library), or None and why not."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    include, lib = Path(sys.prefix) / "include", Path(sys.prefix) / "lib"
+    if compiler is None or not (include / "mpi.h").exists() or not (lib / "libmpi.so").exists():
+        return None, f"no C compiler or no MPI headers and library in {sys.prefix}"
+    built = where / "libcount_sends.so"
+    result = subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O2", f"-I{include}", "-o", str(built), str(PROFILER),
+         f"-L{lib}", f"-Wl,-rpath,{lib}", "-lmpi"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    if result.returncode != 0:
+        return None, f"the profiling library did not build: {result.stderr[-2000:]}"
+    return built, ""
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    """size -> every rank's report (one job per size, run once for the module)."""
+    """size -> every rank's report (one job per size, run once for the module), with the
+    sends an MPI profiling library counted in the measured steps when it could be built
+    ("pmpi": tag -> [messages, bytes]; "pmpi_missing": why not)."""
+    library, why = build_profiler(tmp_path_factory.mktemp("pmpi"))
     found = {}
     for size in SIZES:
         outdir = tmp_path_factory.mktemp(f"scale-{size}")
-        result = run_ringrun("-np", str(size), sys.executable, WORKER, str(outdir), timeout=240)
+        preload = []
+        if library is not None:
+            preload = ["env", f"LD_PRELOAD={library}", f"PMPI_COUNT_DIR={outdir}"]
+        result = run_ringrun(
+            "-np", str(size), *preload, sys.executable, WORKER, str(outdir), timeout=240
+        )
         assert result.returncode == 0, result.stdout + result.stderr
-        found[size] = [
-            json.loads((outdir / f"scale-{rank}.json").read_text()) for rank in range(size)
-        ]
+        found[size] = []
+        for rank in range(size):
+            report = json.loads((outdir / f"scale-{rank}.json").read_text())
+            if library is None:
+                report["pmpi_missing"] = why
+            else:
+                lines = (outdir / f"sends-{rank}.txt").read_text().split("\n")
+                report["pmpi"] = {
+                    int(tag): [int(m), int(b)]
+                    for tag, m, b in (line.split() for line in lines if line)
+                }
+            found[size].append(report)
     return found
 
 
@@ -100,3 +140,16 @@ def test_a_mismatch_raises_on_every_rank_naming_the_tensor(reports, size):
     for report in reports[size]:
         assert report["mismatch"].startswith("MismatchError: 'differs' does not match across")
         assert "shape (3,)" in report["mismatch"] and "shape (4,)" in report["mismatch"]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_the_engines_counts_are_what_an_mpi_profiling_library_counts(reports, size):
+    for report in reports[size]:
+        if "pmpi_missing" in report:
+            pytest.skip(report["pmpi_missing"])
+        step = report["step"]
+        counted = [report["pmpi"].get(tag, [0, 0]) for tag in NEGOTIATION_TAGS]
+        assert sum(m for m, _ in counted) == step["messages"]["negotiation"] * STEPS
+        assert sum(b for _, b in counted) == step["bytes"]["negotiation"] * STEPS
+        # Nothing else was sent point to point in those steps.
+        assert set(report["pmpi"]) <= set(NEGOTIATION_TAGS)
