@@ -208,7 +208,7 @@ class Exchange:
             return self._pair(wire, pending)
         if self.agrees_first and self.agree(wire, pending):
             self.agreed_cycles += 1
-            return [wire] * self.size
+            return Alike([wire]) * self.size
         return self.gather(wire, pending)
 
     def _pair(self, wire: bytes, pending: Collection[str]) -> list[bytes | bytearray]:
@@ -378,12 +378,21 @@ def unpack(buffer: bytearray, count: int) -> list[bytearray]:
     return found
 
 
+class Alike(list):
+    """`wire` in every rank's place: what `Exchange.send_and_receive` returns when the ranks
+    agreed that every message has its form (`same_form` and `messages` then need not look
+    at p of them)."""
+
+    def __mul__(self, count: int) -> Alike:  # type: ignore[override]
+        return Alike(list.__mul__(self, count))
+
+
 def same_form(wire: bytes, received: Sequence[bytes | bytearray]) -> int:
     """The length of the form (see `encode`) that every message in `received` shares with
     this rank's `wire`, or 0 when one differs or `wire` is pickled: a repeated step on every
     rank, with the same requests ready everywhere and no news."""
     length = form_length(wire)
-    if length:
+    if length and not isinstance(received, Alike):
         form = wire[:length]
         for data in received:
             if data is not wire and not data.startswith(form):
@@ -397,6 +406,8 @@ def messages(
     """Every rank's message from what `send_and_receive` returned; `length` is the form
     they all share with `own` (`same_form`; 0: none), and then the peers' messages are
     `own`'s with their own eager data and phase, without decoding the rest."""
+    if isinstance(received, Alike):
+        return [own] * len(received)
     if length:
         return [own if d is wire else _alike(own, d, length) for d in received]
     return [own if d is wire else decode(d) for d in received]
