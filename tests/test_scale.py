@@ -25,6 +25,9 @@ WORKER = str(Path(__file__).parent / "workers" / "scale.py")
 PROFILER = Path(__file__).parent / "pmpi" / "count_sends.c"
 STEPS = 5  # the worker's measured steps
 NEGOTIATION_TAGS = (7100, 7101)  # engine/exchange.py: CONTROL_TAG, GATHER_TAG
+# The stall is named after 2 s and ends the collectives after 8 (no other wait of the job
+# comes near that, even oversubscribed).
+STALL_SETTINGS = {"RINGPLUG_STALL_CHECK_SECONDS": "2", "RINGPLUG_STALL_SHUTDOWN_SECONDS": "8"}
 SIZES = [2, 3, 5, 8]
 
 
@@ -58,8 +61,18 @@ def reports(tmp_path_factory):
         preload = []
         if library is not None:
             preload = ["env", f"LD_PRELOAD={library}", f"PMPI_COUNT_DIR={outdir}"]
+        # At 8 ranks (where a cycle agrees before it gathers) the job ends in a stall.
+        stall = ["--stall"] if size == 8 else []
         result = run_ringrun(
-            "-np", str(size), *preload, sys.executable, WORKER, str(outdir), timeout=240
+            "-np",
+            str(size),
+            *preload,
+            sys.executable,
+            WORKER,
+            str(outdir),
+            *stall,
+            extra_env=STALL_SETTINGS if stall else {},
+            timeout=240,
         )
         assert result.returncode == 0, result.stdout + result.stderr
         found[size] = []
@@ -153,3 +166,27 @@ def test_the_engines_counts_are_what_an_mpi_profiling_library_counts(reports, si
         assert sum(b for _, b in counted) == step["bytes"]["negotiation"] * STEPS
         # Nothing else was sent point to point in those steps.
         assert set(report["pmpi"]) <= set(NEGOTIATION_TAGS)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_joined_ranks_add_nothing_and_everyone_learns_the_last_to_join(reports, size):
+    last = max(rank for rank in range(size) if rank % 3 == 2) if size > 2 else size - 1
+    for rank, report in enumerate(reports[size]):
+        joined = report["join"]
+        # Batch b is summed over the ranks that have it: those with more than b batches.
+        expected = [[float(sum(1 for r in range(size) if r % 3 >= b))] * 2 for b in range(3)]
+        assert joined["sums"] == expected[: rank % 3 + 1]
+        assert joined["last"] == last
+        assert joined["after"] == [float(size)] * 2
+
+
+def test_the_stall_inspector_names_who_lacks_what_when_ranks_agree_before_gathering(reports):
+    reports_8 = reports[8]
+    for report in reports_8:
+        stall = report["stall"]
+        assert stall["type"] == "StallError", stall
+        assert (
+            "'everyone-but-the-last' is ready on rank(s) 0, 1, 2, 3, 4, 5, 6 but not on rank(s) 7"
+            in stall["error"]
+        )
+        assert "rank 7 waits in a different collective ('only-the-last')" in stall["error"]

@@ -1,12 +1,14 @@
 """Multi-rank worker: the O(log p) control plane and small allreduces on any number of ranks.
 
-``python scale.py OUTDIR``: each rank
+``python scale.py OUTDIR [--stall]``: each rank
 - counts, by the engine's own counters, the messages and bytes of training-like steps of 8
   named 4 KiB allreduces (submitted together, then waited for) and of a lone synchronous
   4 KiB allreduce, once their names are agreed;
 - checks small allreduces that take recursive doubling (16-bit floats, Max and Min of
   floats) against numpy, and that every rank got the same bits;
 - submits a tensor whose shape differs on the last rank and keeps the error;
+- joins after a number of batches that differs by rank;
+- with ``--stall``, waits for a tensor that one rank never submits (the stall inspector);
 and writes OUTDIR/scale-<rank>.json.
 """
 
@@ -126,7 +128,7 @@ def mismatch(rank: int, size: int) -> str:
     return "no error"
 
 
-def main(outdir: Path) -> None:
+def main(outdir: Path, stall: bool = False) -> None:
     ringplug.init()
     rank, size = ringplug.rank(), ringplug.size()
     grads = [np.empty(ELEMENTS, np.float32) for _ in range(TENSORS)]
@@ -148,9 +150,36 @@ def main(outdir: Path) -> None:
     report["ok"] = bool(all(np.all(g == 1.0) for g in grads) and np.all(lone == 1.0))
     report["doubling"], report["digest"] = small_allreduces(rank, size)
     report["mismatch"] = mismatch(rank, size)
+    report["join"] = join(rank)
+    if stall:
+        report["stall"] = stalled(rank)  # last: the stall ends the engine
     (outdir / f"scale-{rank}.json").write_text(json.dumps(report))
     ringplug.shutdown()
 
 
+def join(rank: int) -> dict:
+    """Rank r has r % 3 + 1 batches of a sum, then joins; the last to join is the highest
+    rank with 3 batches."""
+    sums = []
+    for _batch in range(rank % 3 + 1):
+        sums.append(ringplug.allreduce(np.full(2, 1.0), op="sum", name="joined-sum").tolist())
+    last = ringplug.join()
+    after = ringplug.allreduce(np.ones(2), op="sum", name="after-join").tolist()
+    return {"sums": sums, "last": last, "after": after}
+
+
+def stalled(rank: int) -> dict:
+    """Every rank but the last submits 'everyone-but-the-last'; the last rank submits
+    'only-the-last': the stall inspector names who lacks what, then ends both."""
+    size = ringplug.size()
+    name = "only-the-last" if rank == size - 1 else "everyone-but-the-last"
+    handle = ringplug.allreduce_async(np.ones(4), name=name)
+    try:
+        handle.wait(timeout=120)
+    except ringplug.core.errors.RingplugError as exc:
+        return {"type": type(exc).__name__, "error": str(exc)}
+    return {"type": None, "error": ""}
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), stall="--stall" in sys.argv[2:])
