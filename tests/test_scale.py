@@ -145,6 +145,8 @@ def test_recursive_doubling_matches_numpy_bit_for_bit_on_every_rank(reports, siz
         assert paths["float16/sum/7"] == paths["bfloat16/max/1000"] == "doubling"
         assert paths["float32/max/7"] == "doubling"
         assert paths["float32/sum/7"] == "mpi"
+        assert paths["reducescatter/float16/sum"] == paths["reducescatter/float16/max"]
+        assert paths["reducescatter/float16/sum"] == "doubling"
     assert len({report["digest"] for report in reports[size]}) == 1
 
 

@@ -93,6 +93,20 @@ def small_allreduces(rank: int, size: int) -> tuple[dict, str]:
                     "path": engine.transport.last_path,
                     "ok": bool(np.array_equal(got, expected, equal_nan=True)),
                 }
+    for op in ("sum", "max"):
+        # A small reduce-scatter MPI cannot reduce: recursive doubling, then this rank's
+        # rows (rows split as evenly as they go; the first ranks get one more).
+        rows = 2 * size + 1
+        table = rng.integers(-8, 9, (size, rows, 3))
+        block = ringplug.reducescatter(table[rank].astype(np.float16), op=op)
+        full = {"sum": np.sum, "max": np.max}[op](table, axis=0)
+        base, extra = divmod(rows, size)
+        start = rank * base + min(rank, extra)
+        mine = full[start : start + base + (1 if rank < extra else 0)]
+        cases[f"reducescatter/float16/{op}"] = {
+            "path": engine.transport.last_path,
+            "ok": bool(np.array_equal(np.asarray(block, np.float64), mine)),
+        }
     for dtype in ("float16", "bfloat16"):
         noise = _array(rng.standard_normal((size, 333))[rank], dtype)
         ringplug.allreduce(noise, op="sum", out=noise, name=f"{dtype}/noise", dtype=_as(dtype))

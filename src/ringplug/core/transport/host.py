@@ -44,7 +44,8 @@ class Transport:
         self.rank = self._comm.Get_rank() if self._comm is not None else 0
         self.size = self._comm.Get_size() if self._comm is not None else 1
         self._scratch = np.empty(settings.ring_segment, np.uint8)
-        self.last_path = ""  # which path the last allreduce took (tests and benchmarks read it)
+        # which path the last allreduce or reducescatter took (tests and benchmarks read it)
+        self.last_path = ""
         # The engine gives its own, which also carries notices between the ranks.
         self.waiter = Waiter(None, settings, self.rank, self.size)
         self._mpi_ops: dict[ReduceOp, MPI.Op] = {}
@@ -171,7 +172,11 @@ class Transport:
         work = np.array(send.reshape(-1), copy=True)
         reduce.scale(work, prescale, code)
         if self.size > 1:
-            if self.uses_ring(send.nbytes, code, op):
+            if self.uses_doubling(work, code, op):  # small, and MPI cannot reduce it
+                self.last_path = "doubling"
+                doubling.allreduce(self._comm, work, ring_op(op), code, self.waiter)
+            elif self.uses_ring(send.nbytes, code, op):
+                self.last_path = "ring"
                 bounds = [b * row_elems for b in rows]
                 ring.reduce_scatter(
                     self._comm,
@@ -184,6 +189,7 @@ class Transport:
                     waiter=self.waiter,
                 )
             else:  # small: MPI's Allreduce, then keep this rank's rows
+                self.last_path = "mpi"
                 self._mpi_allreduce(work, op, code)
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
         return work[lo:hi].reshape((rows[self.rank + 1] - rows[self.rank], *send.shape[1:]))
