@@ -94,6 +94,38 @@ def test_a_frozen_rank_is_reported_then_ends_the_job_and_is_named(scenario, rank
 
 
 @pytest.mark.multirank
+def test_a_rank_frozen_where_the_negotiation_relays_is_named_and_an_idle_rank_is_not():
+    # Rank 2 waits in a negotiation whose messages reach rank 0 only through rank 1, frozen;
+    # rank 0 computes, its engine idle, and answers rank 2's notice that it is alive.
+    result, output = run_scenario("stop-behind-idle", 3)
+    assert result.returncode == 1, output
+    assert "Stall: rank 2 has waited" in output
+    assert "rank 1 stopped taking part: it sent no notice of waiting" in output
+    fatal = [line for line in output.splitlines() if "FATAL" in line]
+    assert fatal, output
+    for line in fatal:
+        assert "ringplug[2] FATAL: rank 2 has waited" in line
+        assert "rank 1 stopped answering: it neither did its part nor said it was waiting" in line
+        assert "rank 0 is alive with nothing to run" in line
+    assert "ringrun: rank 1 stopped taking part in the job (named by rank 2)" in result.stderr
+
+
+@pytest.mark.multirank
+def test_a_frozen_rank_is_named_by_every_other_rank_of_eight_that_agree_before_gathering():
+    # From 8 ranks a cycle first agrees on the messages' form (exchange.gathers_only).
+    result, output = run_scenario("stop-negotiation", 8)
+    assert result.returncode == 1, output
+    assert "Stall: rank 0 has waited" in output
+    assert "rank 1 stopped taking part: it sent no notice of waiting" in output
+    fatal = [line for line in output.splitlines() if "FATAL" in line]
+    assert fatal, output
+    for line in fatal:
+        assert "in negotiation (pending here: 'stuck')" in line
+        assert "rank 1 stopped answering: it neither did its part nor said it was waiting" in line
+    assert "ringrun: rank 1 stopped taking part in the job (named by ranks 0, 2" in result.stderr
+
+
+@pytest.mark.multirank
 def test_a_killed_rank_is_named_with_its_signal_on_two_ranks():
     result, output = run_scenario("kill", 2)
     assert result.returncode == 137

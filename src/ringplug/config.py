@@ -244,11 +244,14 @@ EAGER_THRESHOLD = Variable(
     "RINGPLUG_EAGER_THRESHOLD",
     BYTES,
     64 << 10,
-    "most bytes of small allreduces carried inside one negotiation message (0: none)",
+    "most bytes of small allreduces carried inside one negotiation message, on up to 7 ranks "
+    "(0: none)",
     field="eager_threshold",
 )
 """Allreduces of forms agreed before travel inside the negotiation message, and each rank
-reduces them itself. Measured on the 2-core CI machine, 2 ranks: up to 64 KiB it saves MPI's
+reduces them itself. Only on up to 7 ranks: carried data reaches every rank, (p - 1) n
+bytes per rank where recursive doubling sends n ceil(log2 p) (`engine.exchange.gathers_only`).
+Measured on the 2-core CI machine, 2 ranks: up to 64 KiB it saves MPI's
 Allreduce after the negotiation (a 4 KiB synchronous allreduce, medians of 3 runs: 46
 against 52 us); from 256 KiB the copies cost more than that Allreduce (1M: 609 against
 269 us)."""

@@ -10,6 +10,8 @@ them, from inside the victim (no timer, no outside signal racing the job):
   stop-ring         SIGSTOP inside the ring's exchange of a large allreduce
   stop-mpi          SIGSTOP inside MPI's Iallreduce of a small one (after posting it)
   stop-user         SIGSTOP in user code, between collectives
+  stop-behind-idle  SIGSTOP in user code while rank 0 computes (its engine idle) and rank 2
+                    waits in an allreduce: rank 0 hears of the cycle only through rank 1
   gil               stuck in C code that holds the GIL (libc sleep through ctypes.PyDLL)
   kill              SIGKILL
   engine-errors     a MemoryError while allgather runs, and a read-only `out=`; the job
@@ -44,6 +46,9 @@ import numpy as np
 import ringplug
 from ringplug.core import runtime
 from ringplug.core.transport import ring
+
+# Longer than any scenario's job lasts (the test's bound is 40 s).
+JOB_BOUND_SECONDS = 60.0
 
 
 def fault(label: str) -> None:
@@ -112,6 +117,14 @@ def main(scenario: str, extra: list[str]) -> None:
                 return original(requests, phase)
 
             waiter.wait_requests = frozen_wait
+        forever(small)
+    if scenario == "stop-behind-idle":
+        if rank == 1:
+            fault("user code")
+            freeze()
+        if rank == 0:
+            threading.Event().wait(JOB_BOUND_SECONDS)  # computing: the job ends before
+            raise AssertionError("the job should have ended while rank 0 computed")
         forever(small)
     if scenario == "stop-user":
         if rank == 1:

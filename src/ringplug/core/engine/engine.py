@@ -5,9 +5,10 @@ Callers (the user's thread, autograd hooks, a Keras step) submit requests and ge
 (the one thread talking to MPI at a time):
 
 1. take what was submitted since the last cycle;
-2. negotiate (`exchange`): send every other rank one message with what is ready here (a
-   bit vector for requests agreed before, name and signature for new ones) and receive
-   theirs; `negotiation.decide` turns the messages into the same plan on every rank;
+2. negotiate (`exchange`): every rank gets every rank's message, with what is ready there
+   (a bit vector for requests agreed before, name and signature for new ones), in
+   ceil(log2 p) rounds; `negotiation.decide` turns the messages into the same plan on
+   every rank;
 3. run the plan: every collective through its kind's object (`kinds.kind.kind_of`):
    consecutive requests of a kind that fuses (allreduce) in one batch (`batches`), every
    other one alone;
@@ -52,10 +53,11 @@ from ..errors import (
 from ..kinds.kind import SameEverywhere, check_joined, kind_of
 from ..timeline import Timeline
 from ..transport.host import Transport
+from ..transport.traffic import Traffic
 from ..transport.waiting import IDLE_SLEEP_SECONDS, Waiter, next_delay, peer_failed_error
 from . import carried
 from .batches import batches
-from .exchange import Exchange
+from .exchange import Exchange, gathers_only
 from .express import ExpressCycles
 from .handles import Handle, Request, finish_each, wake_waiters
 from .negotiation import Cache, Plan, decide
@@ -135,7 +137,7 @@ class Engine(ExpressCycles):
         # failing engine fails every handle here, including a batch it was running.
         self._in_flight: dict[str, Handle | None] = {}
         self.pending: dict[str, Request] = {}  # engine thread only
-        self._cache = Cache(_CACHE_CAPACITY, settings.eager_threshold if self.size > 1 else 0)
+        self._cache = Cache(_CACHE_CAPACITY, eager_threshold(settings, self.size))
         # This cycle's data carried in the messages: name -> every rank's copy (`carried`).
         self.carried_copies: dict[str, list[memoryview]] = {}
         self._cycle = 0
@@ -208,13 +210,7 @@ class Engine(ExpressCycles):
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
             # A caller about to wait, with nothing else queued: its cycle runs here and now
             # (`_express`), without queueing it and waking anyone.
-            express = (
-                drive
-                and self._host_only
-                and not (self._queue or self._join_handle is not None)
-                and self.settings.cycle_time <= 0
-                and self._mpi.acquire(blocking=False)
-            )
+            express = drive and self._caller_may_run()
             if not express:
                 self._queue.append(request)
                 if self._sleeping and not (drive and self._host_only):
@@ -223,6 +219,23 @@ class Engine(ExpressCycles):
         if express:
             self._express_now(request)
         return request.handle
+
+    def _caller_may_run(self) -> bool:
+        """Whether a caller about to wait for its own collective may run its cycle on its
+        thread now (the caller holds `_mutex`): only host collectives so far (the GPU plane
+        keeps to the engine thread), nothing queued ahead of it, no join in progress, no
+        cycle time to gather more for fusion, and no other thread running a cycle. True
+        with `_mpi` taken: the caller releases it.
+
+        The one place that decides it, for `submit`'s express cycle and for `call_now`.
+        """
+        return (
+            self._host_only
+            and not self._queue
+            and self._join_handle is None
+            and self.settings.cycle_time <= 0
+            and self._mpi.acquire(blocking=False)
+        )
 
     def _express_now(self, request: Request) -> None:
         """Run `request`'s express cycle on the caller's thread, which holds `_mpi`, or
@@ -465,6 +478,8 @@ class Engine(ExpressCycles):
             if (ready or self._ctrl is not None) and (driving or self._mpi.acquire(blocking=False)):
                 if not ready:
                     ready = self._exchange.peer_started()
+                    if not (ready or driving) and time.perf_counter() >= spin_until:
+                        self.waiter.answer_waiting_peers()
                 if ready:
                     return True
                 if not driving:
@@ -570,7 +585,10 @@ class Engine(ExpressCycles):
     def _follow(self, messages: list[Message], alike: bool, cycle_start: float) -> bool:
         """Decide this cycle's plan from every rank's message and run it; True when the
         engine should stop."""
-        self._stalls.activities = [m.activity for m in messages]  # for the stall reports
+        if messages[0] is not messages[-1] or len(messages) == 1:
+            # For the stall reports (a cycle the ranks agreed on without gathering their
+            # messages left the peers' phases unknown: the last ones known stay).
+            self._stalls.activities = [m.activity for m in messages]
         if messages[0].report:  # rank 0 saw a stall: show where this rank is
             self.report_where("rank 0 saw it stall", self.rank in messages[0].report)
         plan = decide(messages, self._cache, alike)
@@ -880,6 +898,12 @@ class Engine(ExpressCycles):
         """What ended this engine for good (every later call raises it), or ``None``."""
         return self._failure
 
+    @property
+    def traffic(self) -> Traffic:
+        """What this rank's engine has sent (messages and bytes by purpose, MPI collectives
+        called), for tests and benchmarks."""
+        return self.waiter.traffic
+
     def fail_everything(self, error: BaseException) -> None:
         if self._in_flight and self.size > 1:  # a lone process has no one to part from
             self._last_words(f"{type(error).__name__}: {error}")
@@ -899,6 +923,15 @@ class Engine(ExpressCycles):
         if join is not None:
             join._finish(None, error)
         wake_waiters()
+
+
+def eager_threshold(settings: Settings, size: int) -> int:
+    """The bytes of small allreduces a negotiation message may carry on `size` ranks: only
+    where the messages are gathered every cycle (`exchange.gathers_only`, up to 7 ranks);
+    beyond, a small allreduce is a collective of its own."""
+    if size < 2 or not gathers_only(size):
+        return 0
+    return settings.eager_threshold
 
 
 def _mismatch_error(request: Request, message: str) -> BaseException:

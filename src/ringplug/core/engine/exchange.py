@@ -1,5 +1,5 @@
-"""The message exchange of a negotiation cycle: every rank sends every other rank its
-`Message` and receives theirs, on the engine's control communicator.
+"""The message exchange of a negotiation cycle: every rank gets every other rank's
+`Message`, on the engine's control communicator, in ceil(log2 p) rounds (`Exchange`).
 
 A rank that has something to run starts a cycle by sending; a rank that sees a message
 arrive (`peer_started`) joins the cycle. Every wait has the engine's deadline: a peer that
@@ -11,9 +11,10 @@ from __future__ import annotations
 import itertools
 import pickle
 import struct
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
+from ..transport.traffic import NEGOTIATION
 from ..transport.waiting import Waiter
 from .negotiation import Message
 
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 CONTROL_TAG = 7100
+GATHER_TAG = 7101
+# See `gathers_only`.
+GATHER_ONLY_UP_TO = 7
 
 # A message without new requests goes as a few bytes: a marker, then its form (the cycle,
 # the joined cycle, the flags, the lengths of the bit vector, the numbered list and the
@@ -34,6 +38,8 @@ _FORM = struct.Struct("<qqBHHI")  # at most 65535 bytes of bits: 4096 slots fit
 _PHASE = struct.Struct("<fB")  # a phase is a short phrase: at most 255 bytes are sent
 _PAIR = struct.Struct("<qq")
 _SHUTDOWN, _RENEW = 1, 2
+# A mark that two ranks' forms differ (a form starts with a zero byte): see `Exchange.agree`.
+_DIFFERENT = b"\x01"
 _ALIGN = 16
 _PADDING = [bytes(n) for n in range(_ALIGN)]
 
@@ -139,13 +145,32 @@ def _phase(data: bytes | bytearray, start: int) -> tuple[str, float]:
 
 
 class Exchange:
-    """Messages among the ranks of one engine (its control communicator)."""
+    """Messages among the ranks of one engine (its control communicator).
+
+    Every rank gets every rank's message in ceil(log2 p) rounds (Bruck's allgather,
+    `gather`): in round k a rank sends the messages it holds of itself and the next ranks
+    (at most 2^k of them) to rank - 2^k, and receives as many from rank + 2^k. A rank so
+    sends ceil(log2 p) messages per cycle, not p - 1, and polls one peer at a time.
+
+    On more ranks than `gathers_only` allows (8 and more), a cycle first finds out, in
+    the same rounds, whether every rank's message has the same form (`agree`: each round
+    passes on one form, or a mark that two differed): a repeated training step is then
+    negotiated, with ceil(log2 p) messages of a few bytes each, and no rank decodes p
+    messages. Only when the forms differ are the messages gathered.
+
+    A rank whose engine is idle joins the cycle when any peer's message reaches it
+    (`peer_started`); the round-0 messages alone pass the start around every rank.
+    """
 
     def __init__(self, comm: MPI.Comm | None, waiter: Waiter, rank: int, size: int) -> None:
         self.comm = comm
         self.waiter = waiter
         self.rank, self.size = rank, size
-        self._peers = [(rank + d) % size for d in range(1, size)]
+        # Per round: (the peer sent to, the peer received from, how many messages each
+        # carries).
+        self.rounds = rounds(rank, size)
+        self.agrees_first = not gathers_only(size)
+        self.agreed_cycles = 0  # cycles whose messages all had one form (`agree`)
         if comm is not None:
             from mpi4py import MPI
 
@@ -159,7 +184,7 @@ class Exchange:
     def exchange(
         self, cycle: int, own: Message, pending: Collection[str]
     ) -> tuple[list[Message], bool]:
-        """Send `own` to every peer and receive theirs (this cycle's, in rank order);
+        """Send `own` to the peers and receive theirs (this cycle's, in rank order);
         `pending` names this rank's requests, for the message of a long wait.
 
         Also returns whether every peer's message has `own`'s form (see `same_form`).
@@ -172,40 +197,194 @@ class Exchange:
     def send_and_receive(
         self, cycle: int, wire: bytes, pending: Collection[str]
     ) -> list[bytes | bytearray]:
-        """Send this rank's encoded message to every peer and receive theirs: every rank's
-        message as it came, in rank order (this rank's is `wire`)."""
-        received: list[bytes | bytearray | None] = [None] * self.size
-        received[self.rank] = wire
+        """Every rank's encoded message, in rank order (this rank's is `wire`); when every
+        message has `wire`'s form and the ranks found that out without gathering them
+        (`agree`), `wire` in every place (their eager data and phases stay unknown: only
+        a job that `gathers_only` carries eager data)."""
         if self.size == 1:
-            return received  # type: ignore[return-value]
-        ctrl, byte = self.comm, self._byte
-        payload = [wire, byte]
-        sends = [ctrl.Isend(payload, peer, CONTROL_TAG) for peer in self._peers]
-        waiting = list(self._peers)
-        status = self._status
-        probe = ctrl.Iprobe
+            return [wire]
+        self.waiter.begin(cycle, -1, "negotiation")
+        if self.size == 2:
+            return self._pair(wire, pending)
+        if self.agrees_first and self.agree(wire, pending):
+            self.agreed_cycles += 1
+            return Alike([wire]) * self.size
+        return self.gather(wire, pending)
+
+    def _pair(self, wire: bytes, pending: Collection[str]) -> list[bytes | bytearray]:
+        """`gather` on 2 ranks (one round: this rank's message for the peer's), without its
+        general machinery: a synchronous call's cycle on 2 ranks costs that much less."""
+        ctrl, byte, status = self.comm, self._byte, self._status
+        peer = 1 - self.rank
+        send = ctrl.Isend([wire, byte], peer, CONTROL_TAG)
+        self.waiter.traffic.sent(NEGOTIATION, len(wire))
+        if not ctrl.Iprobe(peer, CONTROL_TAG, status):
+            self.waiter.wait(
+                lambda: ctrl.Iprobe(peer, CONTROL_TAG, status),
+                lambda: _pending_text(pending),
+                missing=lambda: [peer],
+            )
+        buffer = bytearray(status.Get_count(byte))
+        ctrl.Recv([buffer, byte], peer, CONTROL_TAG)
+        if not send.Test():
+            self.waiter.wait_requests([send], "sending this rank's negotiation message")
+        return [wire, buffer] if peer else [buffer, wire]
+
+    def agree(self, wire: bytes, pending: Collection[str]) -> bool:
+        """Whether every rank's message has `wire`'s form (a dissemination allreduce of the
+        forms: each round combines two into one, or into the mark that they differ, which
+        is the same whichever ranks a form stands for, so that no rank counts twice)."""
+        size, rank = self.size, self.rank
+        length = form_length(wire)
+        state = [bytes(wire[:length]) if length else _DIFFERENT]
+        covered = [1]  # the ranks from this one up that `state` stands for
+
+        def take(round_: int, buffer: bytearray) -> None:
+            if state[0] != buffer:
+                state[0] = _DIFFERENT
+            covered[0] = min(2 * covered[0], size)
+
+        def missing() -> set[int]:
+            return {(rank + i) % size for i in range(covered[0], size)}
+
+        self._rounds(CONTROL_TAG, lambda _: state[0], take, missing, pending)
+        return state[0] != _DIFFERENT
+
+    def gather(self, wire: bytes, pending: Collection[str]) -> list[bytes | bytearray]:
+        """Every rank's message as it was sent, in rank order (this rank's is `wire`), in
+        the rounds of `rounds`."""
+        size, rank = self.size, self.rank
+        received: list[bytes | bytearray | None] = [None] * size
+        received[rank] = wire
+        plan = self.rounds
+
+        def payload(round_: int) -> bytes | bytearray:
+            count = plan[round_][2]
+            return pack([received[(rank + i) % size] for i in range(count)])
+
+        def take(round_: int, buffer: bytearray) -> None:
+            _, source, count = plan[round_]
+            for i, data in enumerate(unpack(buffer, count)):
+                received[(source + i) % size] = data
+
+        def missing() -> set[int]:
+            return {r for r in range(size) if received[r] is None}
+
+        # The first round of a cycle that agrees first went on CONTROL_TAG already: the
+        # gather has its own tag, so that an idle rank never takes it for a new cycle.
+        tag = GATHER_TAG if self.agrees_first else CONTROL_TAG
+        self._rounds(tag, payload, take, missing, pending)
+        return received  # type: ignore[return-value]
+
+    def _rounds(
+        self,
+        tag: int,
+        payload: Callable[[int], bytes | bytearray],
+        take: Callable[[int, bytearray], None],
+        missing: Callable[[], set[int]],
+        pending: Collection[str],
+    ) -> None:
+        """Run the rounds of `rounds`: send `payload(k)` in round k, once round k - 1's
+        message is `take`n; every wait with the engine's deadline, naming the ranks
+        `missing()` says were not heard from, and the peer waited for."""
+        ctrl, byte, status = self.comm, self._byte, self._status
+        probe, traffic = ctrl.Iprobe, self.waiter.traffic
+        plan = self.rounds
+        sends = []
+        payloads = []  # alive until their sends complete
+        at = [0]  # the round this rank waits in
+
+        def post(round_: int) -> None:
+            data = payload(round_)
+            payloads.append(data)
+            sends.append(ctrl.Isend([data, byte], plan[round_][0], tag))
+            traffic.sent(NEGOTIATION, len(data))
 
         def arrived() -> bool:
-            for peer in waiting:
-                if probe(peer, CONTROL_TAG, status):
-                    buffer = bytearray(status.Get_count(byte))
-                    ctrl.Recv([buffer, byte], peer, CONTROL_TAG)
-                    received[peer] = buffer
-            if len(waiting) > 1:
-                waiting[:] = [peer for peer in waiting if received[peer] is None]
-            elif received[waiting[0]] is not None:
-                waiting.clear()
-            return not waiting
+            while at[0] < len(plan):
+                source = plan[at[0]][1]
+                if not probe(source, tag, status):
+                    return False
+                buffer = bytearray(status.Get_count(byte))
+                ctrl.Recv([buffer, byte], source, tag)
+                take(at[0], buffer)
+                at[0] += 1
+                if at[0] < len(plan):
+                    post(at[0])
+            return True
 
-        self.waiter.begin(cycle, -1, "negotiation")
+        def lacking() -> list[int]:
+            # A rank frozen after its own message went on still holds up the others': the
+            # peer this rank waits for now is named too.
+            found = missing()
+            if at[0] < len(plan):
+                found.add(plan[at[0]][1])
+            return sorted(found)
+
+        post(0)
         if not arrived():
-            # A rank that sent its message is alive: only the others can be the ones missing.
-            self.waiter.wait(
-                arrived, lambda: _pending_text(pending), missing=lambda: sorted(waiting)
-            )
+            self.waiter.wait(arrived, lambda: _pending_text(pending), missing=lacking)
         if not self._testall(sends):
-            self.waiter.wait_requests(sends, "sending this rank's negotiation message")
-        return received  # type: ignore[return-value]
+            self.waiter.wait_requests(sends, "sending this rank's negotiation messages")
+
+
+def gathers_only(size: int) -> bool:
+    """Whether a job of `size` ranks gathers every cycle's messages without agreeing on
+    their form first (see `Exchange`), and may carry small allreduces' data in them: up to
+    `GATHER_ONLY_UP_TO` ranks.
+
+    Gathered messages cost each rank p - 1 forms, and with carried data (p - 1) n bytes for
+    n bytes of data where recursive doubling sends n ceil(log2 p): up to 7 ranks that is at
+    most twice as much (p - 1 <= 2 ceil(log2 p)), and a repeated step needs one pass
+    instead of two.
+    """
+    return size <= GATHER_ONLY_UP_TO
+
+
+def rounds(rank: int, size: int) -> list[tuple[int, int, int]]:
+    """The rounds of `Exchange.send_and_receive` on `rank` of `size` ranks: (the peer sent
+    to, the peer received from, how many ranks' messages each round's message carries)."""
+    plan = []
+    distance = 1
+    while distance < size:
+        plan.append(
+            ((rank - distance) % size, (rank + distance) % size, min(distance, size - distance))
+        )
+        distance *= 2
+    return plan
+
+
+_LENGTH = struct.Struct("<I")
+
+
+def pack(blocks: Sequence[bytes | bytearray]) -> bytes | bytearray:
+    """One round's message: one rank's message as it is, or several, each after its length."""
+    if len(blocks) == 1:
+        return blocks[0]
+    lengths = struct.pack(f"<{len(blocks)}I", *(len(block) for block in blocks))
+    return b"".join((lengths, *blocks))
+
+
+def unpack(buffer: bytearray, count: int) -> list[bytearray]:
+    """The `count` ranks' messages of a round's message (see `pack`)."""
+    if count == 1:
+        return [buffer]
+    lengths = struct.unpack_from(f"<{count}I", buffer)
+    start = _LENGTH.size * count
+    found = []
+    for length in lengths:
+        found.append(buffer[start : start + length])
+        start += length
+    return found
+
+
+class Alike(list):
+    """`wire` in every rank's place: what `Exchange.send_and_receive` returns when the ranks
+    agreed that every message has its form (`same_form` and `messages` then need not look
+    at p of them)."""
+
+    def __mul__(self, count: int) -> Alike:  # type: ignore[override]
+        return Alike(list.__mul__(self, count))
 
 
 def same_form(wire: bytes, received: Sequence[bytes | bytearray]) -> int:
@@ -213,7 +392,7 @@ def same_form(wire: bytes, received: Sequence[bytes | bytearray]) -> int:
     this rank's `wire`, or 0 when one differs or `wire` is pickled: a repeated step on every
     rank, with the same requests ready everywhere and no news."""
     length = form_length(wire)
-    if length:
+    if length and not isinstance(received, Alike):
         form = wire[:length]
         for data in received:
             if data is not wire and not data.startswith(form):
@@ -227,6 +406,8 @@ def messages(
     """Every rank's message from what `send_and_receive` returned; `length` is the form
     they all share with `own` (`same_form`; 0: none), and then the peers' messages are
     `own`'s with their own eager data and phase, without decoding the rest."""
+    if isinstance(received, Alike):
+        return [own] * len(received)
     if length:
         return [own if d is wire else _alike(own, d, length) for d in received]
     return [own if d is wire else decode(d) for d in received]

@@ -1,5 +1,6 @@
 """The express cycle: the cycle of a lone synchronous call of a form the ranks agreed on
-before, whose negotiation is one message each way, recognised by its bytes; and the
+before, whose negotiation is its message's form alone (one message each way on 2 ranks,
+ceil(log2 p) rounds on more, see `exchange`), recognised by its bytes; and the
 synchronous call that runs such a cycle without building a request (`call_now`, which the
 allreduce kind uses for its blocking form).
 
@@ -13,7 +14,7 @@ object or the callables a caller passes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ...wire import GPU, UNNAMED, Response, Signature, numbered
@@ -53,18 +54,11 @@ class ExpressCycles:
         kind = kind_of(request.signature.kind) if carried else None
         request.announced = cycle_start
         self.pending[request.name] = request
-        self._cycle += 1
-        wire = compact(
-            self._cycle,
-            bits,
-            pairs,
-            kind.carried_pieces(request) if kind is not None else (),
-            activity.current(),
+        wire, received, length = self._negotiate_alone(
+            bits, pairs, kind.carried_pieces(request) if kind is not None else (), self.pending
         )
-        received = self._exchange.send_and_receive(self._cycle, wire, self.pending)
-        length = same_form(wire, received)
         if not length:
-            return self._follow(messages(decode(wire), wire, received, 0), False, cycle_start)
+            return self._follow_in_full(wire, received, cycle_start)
         self.cycles_run += 1
         self.express_cycles += 1
         if kind is not None:
@@ -79,6 +73,29 @@ class ExpressCycles:
         wake_waiters()
         self._last_activity = time.perf_counter()
         return False
+
+    def _negotiate_alone(
+        self,
+        bits: int,
+        pairs: Sequence[tuple[int, int]],
+        carried: Sequence[bytes | memoryview],
+        pending: Collection[str],
+    ) -> tuple[bytes, list[bytes | bytearray], int]:
+        """The next cycle's negotiation of this rank's lone request of an agreed form (its
+        cached `bits` or numbered `pairs`, and the data its message `carried`): this rank's
+        message, every rank's, and the length of the form they all share (0: a peer sent
+        something else; `_follow_in_full` then runs the cycle)."""
+        self._cycle += 1
+        wire = compact(self._cycle, bits, pairs, carried, activity.current())
+        received = self._exchange.send_and_receive(self._cycle, wire, pending)
+        return wire, received, same_form(wire, received)
+
+    def _follow_in_full(
+        self, wire: bytes, received: list[bytes | bytearray], cycle_start: float
+    ) -> bool:
+        """Run a cycle of `_negotiate_alone` in which a peer sent something else as any
+        cycle's, from every rank's message; True when the engine should stop."""
+        return self._follow(messages(decode(wire), wire, received, 0), False, cycle_start)
 
     def _express_ruled_out(self) -> bool:
         """Whether this cycle needs the general path whatever its request: something else is
@@ -126,11 +143,7 @@ class ExpressCycles:
                 self._failure is not None
                 or self._stop_requested
                 or name in self._in_flight
-                or not self._host_only
-                or self._queue
-                or self._join_handle is not None
-                or self.settings.cycle_time > 0
-                or not self._mpi.acquire(blocking=False)
+                or not self._caller_may_run()
             ):
                 return None
             self._in_flight[name] = None
@@ -145,14 +158,13 @@ class ExpressCycles:
                 return None
             bits, pairs, signature, carried = form
             start = time.perf_counter()
-            self._cycle += 1
-            wire = compact(self._cycle, bits, pairs, (data,) if carried else (), activity.current())
             try:
-                received = self._exchange.send_and_receive(self._cycle, wire, (name,))
-                length = same_form(wire, received)
+                wire, received, length = self._negotiate_alone(
+                    bits, pairs, (data,) if carried else (), (name,)
+                )
                 if not length:  # a peer sent something else: the full negotiation
                     request = self._adopt(name, cacheable, build, start)
-                    if self._follow(messages(decode(wire), wire, received, 0), False, start):
+                    if self._follow_in_full(wire, received, start):
                         self._ended = True
             except BaseException as exc:  # noqa: BLE001 - as `_guarded_cycle`
                 if request is None:

@@ -1,12 +1,13 @@
 """How ranks agree on what to run: a pure function from every rank's message to one plan.
 
-Each engine cycle, every rank sends every other rank one message: the requests it has
-ready. Requests the ranks have agreed on before are named by their slot in a cache that
-is identical on every rank, so a training step whose tensors repeat costs a bit vector
-per cycle, with no coordinator and no per-tensor round trip. Requests named by their place
-in call order ("noname.12", "torch.default#7"), new names each time, go as their number
-and the slot of their prefix and signature once the ranks have agreed on one of that
-form. New requests carry their name and signature (kind, dtype, op, root, shape).
+Each engine cycle, every rank gets every other rank's message (in ceil(log2 p) rounds,
+see `exchange`): the requests it has ready. Requests the ranks have agreed on before are
+named by their slot in a cache that is identical on every rank, so a training step whose
+tensors repeat costs a bit vector per cycle, with no coordinator and no per-tensor round
+trip. Requests named by their place in call order ("noname.12", "torch.default#7"), new
+names each time, go as their number and the slot of their prefix and signature once the
+ranks have agreed on one of that form. New requests carry their name and signature (kind,
+dtype, op, root, shape).
 
 Every rank runs `decide` on the same messages and gets the same plan: which requests run,
 in which order (the order of the lowest-ranked active rank), which fail because their

@@ -19,7 +19,7 @@ import numpy as np
 from ...config import Settings
 from ..dtypes import DType
 from ..ops import ReduceOp
-from . import reduce, ring
+from . import doubling, reduce, ring
 from .waiting import Waiter
 
 if TYPE_CHECKING:
@@ -44,7 +44,8 @@ class Transport:
         self.rank = self._comm.Get_rank() if self._comm is not None else 0
         self.size = self._comm.Get_size() if self._comm is not None else 1
         self._scratch = np.empty(settings.ring_segment, np.uint8)
-        self.last_path = ""  # which path the last allreduce took (tests and benchmarks read it)
+        # which path the last allreduce or reducescatter took (tests and benchmarks read it)
+        self.last_path = ""
         # The engine gives its own, which also carries notices between the ranks.
         self.waiter = Waiter(None, settings, self.rank, self.size)
         self._mpi_ops: dict[ReduceOp, MPI.Op] = {}
@@ -87,7 +88,21 @@ class Transport:
             return True
         return code not in _MPI_NATIVE or nbytes >= self.settings.ring_threshold
 
+    def uses_doubling(self, buf: np.ndarray | ring.Pieces, code: DType, op: ReduceOp) -> bool:
+        """Whether an allreduce of `buf` takes recursive doubling: a small one (below the
+        ring's threshold, where MPI's own Allreduce would take it) that MPI cannot reduce
+        (16-bit floats, or Max and Min of floats, see `uses_ring`). The ring would pay
+        2 (p - 1) steps of latency for it, doubling pays ceil(log2 p) (+2 when p is not a
+        power of two)."""
+        nbytes = buf.size * code.itemsize
+        return (
+            isinstance(buf, np.ndarray)
+            and nbytes < self.settings.ring_threshold
+            and self.uses_ring(nbytes, code, op)
+        )
+
     def _wait(self, request: MPI.Request, phase: str) -> None:
+        self.waiter.traffic.called(phase.split()[1])  # "MPI Iallreduce" -> "Iallreduce"
         self.waiter.wait_requests([request], phase)
 
     def allreduce(
@@ -100,6 +115,9 @@ class Transport:
         """
         if self.size == 1:
             self.last_path = "local"
+        elif self.uses_doubling(buf, code, op):
+            self.last_path = "doubling"
+            doubling.allreduce(self._comm, buf, ring_op(op), code, self.waiter)
         elif self.uses_ring(buf.size * code.itemsize, code, op):
             self.last_path = "ring"
             ring.allreduce(
@@ -154,7 +172,11 @@ class Transport:
         work = np.array(send.reshape(-1), copy=True)
         reduce.scale(work, prescale, code)
         if self.size > 1:
-            if self.uses_ring(send.nbytes, code, op):
+            if self.uses_doubling(work, code, op):  # small, and MPI cannot reduce it
+                self.last_path = "doubling"
+                doubling.allreduce(self._comm, work, ring_op(op), code, self.waiter)
+            elif self.uses_ring(send.nbytes, code, op):
+                self.last_path = "ring"
                 bounds = [b * row_elems for b in rows]
                 ring.reduce_scatter(
                     self._comm,
@@ -167,6 +189,7 @@ class Transport:
                     waiter=self.waiter,
                 )
             else:  # small: MPI's Allreduce, then keep this rank's rows
+                self.last_path = "mpi"
                 self._mpi_allreduce(work, op, code)
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
         return work[lo:hi].reshape((rows[self.rank + 1] - rows[self.rank], *send.shape[1:]))

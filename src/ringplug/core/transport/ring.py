@@ -17,6 +17,7 @@ import numpy as np
 from ..dtypes import DType
 from ..ops import ReduceOp
 from .reduce import combine, scale
+from .traffic import DATA
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -91,6 +92,7 @@ def _exchange(
     if waiter is None:
         MPI.Request.Waitall(requests)
     else:
+        waiter.traffic.sent(DATA, sum(part.nbytes for part in outgoing), len(outgoing))
         waiter.wait_requests(requests, f"{phase}: receiving from rank {left}, sending to {right}")
 
 

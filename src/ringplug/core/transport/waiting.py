@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ...config import Settings
 from .. import log
 from ..errors import PeerEngineFailedError, PeerFailedError
+from .traffic import NOTICES, Traffic
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -103,6 +104,8 @@ class Notice:
         what: the collective, e.g. ``allreduce 'grad'``.
         text: for a failure, the error ("MemoryError: ..."); empty for a waiting notice.
         final: the sender's engine has ended for good: it takes part in nothing any more.
+        answer: the sender is alive and idle, answering a peer's waiting notice (see
+            `Waiter.answer_waiting_peers`).
     """
 
     rank: int
@@ -111,6 +114,7 @@ class Notice:
     what: str
     text: str = ""
     final: bool = False
+    answer: bool = False
 
     @property
     def failed(self) -> bool:
@@ -135,6 +139,7 @@ class Waiter:
         self.index = -1
         self.what = "negotiation"
         self._heard: dict[int, Notice] = {}  # rank -> its latest waiting notice
+        self._asked: set[int] = set()  # ranks whose waiting notice no answer has gone to
         self._failures: list[Notice] = []  # failure notices of this cycle and later
         self._sends: list[Any] = []  # notice sends still in flight
         self._payloads: list[bytearray] = []
@@ -143,6 +148,8 @@ class Waiter:
         self.spin_seconds = _SPIN_SECONDS
         self.pause: Callable[[], None] = _sleep_zero  # one yield of the core between tests
         self.abandoned: list[Any] = []  # requests of collectives given up (see wait_requests)
+        # What this engine sends (its exchange, ring and transport count there too).
+        self.traffic = Traffic()
         if comm is not None:  # looked up once: every collective reads the notices
             from mpi4py import MPI
 
@@ -313,8 +320,9 @@ class Waiter:
         self, waited: float, phase: str | Callable[[], str], missing: Callable[[], list[int]] | None
     ) -> None:
         silent, alive = self._silent(missing)
-        # One rank speaks for all: the lowest one that is itself still taking part.
-        if min([self.rank, *alive]) != self.rank:
+        # One rank speaks for all: the lowest one that is itself still taking part, and
+        # waiting (an idle rank's answer says it is alive, but it warns of nothing).
+        if min([self.rank, *(r for r in alive if not self._heard[r].answer)]) != self.rank:
             return
         if silent:
             verdict = (
@@ -373,8 +381,17 @@ class Waiter:
                 f" ({_who(lacking)} did not answer this cycle)" if lacking else ""
             )
         others = [r for r in alive if r not in silent]
-        verb = "are" if len(others) > 1 else "is"
-        also = f"; {_who(others)} {verb} waiting too" if others and silent else ""
+        waiting = [r for r in others if not self._heard[r].answer]
+        idle = [r for r in others if self._heard[r].answer]
+        also = ""
+        if silent and waiting:
+            also += f"; {_who(waiting)} {'are' if len(waiting) > 1 else 'is'} waiting too"
+        if silent and idle:
+            also += (
+                f"; {_who(idle)} {'are' if len(idle) > 1 else 'is'} alive with nothing to run "
+                "(this cycle's messages reach "
+                f"{'them' if len(idle) > 1 else 'it'} through the ranks that stopped)"
+            )
         verdict = f"{self._where(waited, phase)}: {verdict}{also} ({self._limit_name()}={limit:g})."
         culprits = silent or (missing() if missing is not None else [])
         if give_up is not None:
@@ -384,16 +401,17 @@ class Waiter:
         )
 
     # ------------------------------------------------------------------ notices
-    def _send(self, notice: Notice) -> None:
+    def _send(self, notice: Notice, to: Sequence[int] | None = None) -> None:
         if self._comm is None or self.size == 1:
             return
         from mpi4py import MPI
 
         payload = bytearray(pickle.dumps(notice, protocol=pickle.HIGHEST_PROTOCOL))
         self._payloads.append(payload)  # alive until its sends complete
-        for peer in range(self.size):
-            if peer != self.rank:
-                self._sends.append(self._comm.Isend([payload, MPI.BYTE], peer, NOTICE_TAG))
+        peers = [peer for peer in range(self.size) if peer != self.rank] if to is None else to
+        for peer in peers:
+            self._sends.append(self._comm.Isend([payload, MPI.BYTE], peer, NOTICE_TAG))
+        self.traffic.sent(NOTICES, len(payload) * len(peers), len(peers))
 
     def _reap_sends(self) -> None:
         if self._sends:
@@ -415,6 +433,20 @@ class Waiter:
                     self._failures.append(notice)
             else:
                 self._heard[notice.rank] = notice
+                if not notice.answer:
+                    self._asked.add(notice.rank)
+
+    def answer_waiting_peers(self) -> None:
+        """On a rank whose engine is idle: tell the peers that said they wait long that this
+        rank is alive. A negotiation passes messages on through other ranks (see
+        `Exchange`): behind a frozen rank, a healthy one may never have heard of the cycle
+        its peers wait in, and without an answer they would name it as frozen too."""
+        if self._comm is None:
+            return
+        self._read_notices()
+        if self._asked:
+            asked, self._asked = sorted(self._asked), set()
+            self._send(Notice(self.rank, self.cycle, -1, "nothing: idle", answer=True), asked)
 
 
 def peer_failed_error(notice: Notice, current: str) -> PeerFailedError:
