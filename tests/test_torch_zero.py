@@ -151,6 +151,15 @@ def test_lbfgs_is_refused_with_what_to_use_instead(job, ranks):
 
 
 @pytest.mark.parametrize("ranks", [3, 2])
+def test_broadcasting_a_sharded_optimizers_state_is_refused_on_every_rank(job, ranks):
+    for report in job(ranks)[1]:
+        for label in ("core", "horovod"):
+            said = report[f"broadcast_refused_{label}"]
+            assert said is not None and "sharded optimizer" in said
+            assert "load_state_dict" in said
+
+
+@pytest.mark.parametrize("ranks", [3, 2])
 def test_torch_zero_redundancy_optimizer_trains_on_the_ringplug_backend(job, ranks):
     for report in job(ranks)[1]:
         result = report["torch_zero_redundancy"]

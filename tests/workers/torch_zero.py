@@ -344,8 +344,23 @@ def refusals() -> dict:
     try:
         rpt.DistributedOptimizer(torch.optim.LBFGS(model.parameters()), zero=1)
     except ValueError as error:
-        return {"lbfgs_refused": str(error)}
-    return {"lbfgs_refused": None}
+        found = {"lbfgs_refused": str(error)}
+    else:
+        found = {"lbfgs_refused": None}
+    # Broadcasting a sharded optimizer's state: refused on every rank, none left waiting.
+    import ringplug.horovod.torch as hvd
+
+    for label, broadcast in (("core", rpt.broadcast_optimizer_state),
+                             ("horovod", hvd.broadcast_optimizer_state)):  # fmt: skip
+        sharded = rpt.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(), zero=1
+        )
+        try:
+            broadcast(sharded, root_rank=0)
+            found[f"broadcast_refused_{label}"] = None
+        except ValueError as error:
+            found[f"broadcast_refused_{label}"] = str(error)
+    return found
 
 
 def torch_zero_redundancy() -> dict:

@@ -15,6 +15,7 @@ from ..elastic import HostsUpdatedInterrupt, ObjectState, State, run
 from ..torch import averaging as _optimizer
 from ..torch import elastic as _torch
 from ..torch.state import broadcast_optimizer_state as _broadcast_optimizer_state
+from ..torch.state import refuse_sharded
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
 
@@ -42,6 +43,7 @@ def broadcast_optimizer_state(
             "broadcast_optimizer_state cannot broadcast torch.optim.LBFGS state; "
             "build it the same way on every rank instead."
         )
+    refuse_sharded(optimizer)  # before the step that would create its state
     if not optimizer.state:
         _create_state(optimizer, _sparse_parameters(model))
     _broadcast_optimizer_state(optimizer, root_rank)

@@ -90,8 +90,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
     The state travels as one pickled object (an initialisation-time cost), and is loaded
     with ``load_state_dict``, so every rank must have built the same optimizer over the
-    same parameters.
+    same parameters. A sharded optimizer (``DistributedOptimizer(..., zero=1|2)``) is
+    refused on every rank: each rank's state is its own shard.
     """
+    refuse_sharded(optimizer)
     state = core.broadcast_object(
         optimizer.state_dict() if runtime.rank() == root_rank else None,
         root_rank,
@@ -99,6 +101,19 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     )
     if runtime.rank() != root_rank:
         optimizer.load_state_dict(state)
+
+
+def refuse_sharded(optimizer: torch.optim.Optimizer) -> None:
+    """Raise, on every rank (each decides alone: no rank is left waiting in a broadcast),
+    when `optimizer` shards its state over the ranks."""
+    if getattr(optimizer, "_ringplug_stage", 0):
+        raise ValueError(
+            "broadcast_optimizer_state does not apply to a sharded optimizer "
+            "(DistributedOptimizer(..., zero=1|2)): each rank holds the state of its own "
+            "parameters only, and a fresh one needs no broadcast. To resume from a "
+            "checkpoint, call optimizer.load_state_dict(whole_state) on every rank (each "
+            "keeps its shard); see docs/bigger-models.md."
+        )
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, *, name: str | None = None) -> Any:
