@@ -71,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds of timed iterations per case and implementation on the bed",
     )
     parser.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
+    parser.add_argument(
+        "--measured",
+        metavar="PATH",
+        help="take the counts and the bed from an earlier run's --json instead of measuring "
+        "them again (to fit and print the model)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,22 +87,27 @@ def run(args: argparse.Namespace) -> int:
     sizes = sorted({int(p) for p in args.ranks.split(",") if p.strip()})
     sizes = [p for p in sizes if 2 <= p <= args.max_ranks]
     document: dict = {"bench": "scale", "env": _environment(), "parts": parts}
+    if args.measured:
+        earlier = json.loads(Path(args.measured).read_text())
+        document.update({k: earlier[k] for k in ("counts", "bed", "pmpi") if k in earlier})
+        document["measured"] = {"from": args.measured, "env": earlier.get("env")}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-scale-") as tmp:
         workdir = Path(tmp)
-        if "counts" in parts or "cpu" in parts or "model" in parts:
+        if ("counts" in parts or "cpu" in parts or "model" in parts) and not args.measured:
             library, why = build_profiler(workdir)
             document["pmpi"] = str(PROFILER) if library else f"not used: {why}"
             document["counts"] = {
                 str(p): count_job(p, args.steps, workdir / f"counts-{p}", library) for p in sizes
             }
-            if "counts" in parts:
-                print_counts(document["counts"], document["pmpi"])
-            if "cpu" in parts:
-                print_cpu(document["counts"])
+        if "counts" in parts and "counts" in document:
+            print_counts(document["counts"], document["pmpi"])
+        if "cpu" in parts and "counts" in document:
+            print_cpu(document["counts"])
         if "bed" in parts:
-            document["bed"] = bed_jobs(args, workdir)
-            print_bed(document["bed"])
+            if not args.measured:
+                document["bed"] = bed_jobs(args, workdir)
+            print_bed(document.get("bed", {"skipped": "not in the earlier run"}))
         if "model" in parts:
             fit = fit_points(document)
             document["model"] = print_model(fit)
@@ -213,7 +224,7 @@ def print_counts(jobs: dict, pmpi: str) -> None:
     header = (
         f"#{'p':>4} | {'8x4K msgs':>10} {'bytes':>9} {'cycles':>6} {'pmpi':>13} "
         f"{'MPI coll':>8} | {'old msgs':>8} {'old bytes':>9} | {'1M msgs':>7} {'bytes':>9} "
-        f"{'old':>4} | {'16M msgs':>8} {'bytes':>10} | log2p"
+        f"{'old':>4} | {'16M msgs':>8} {'bytes':>10} | 8x4K msgs/cycle (target 2 ceil(log2 p))"
     )
     print(header)
     for key, job in jobs.items():
@@ -233,7 +244,8 @@ def print_counts(jobs: dict, pmpi: str) -> None:
             f"{_total(step, 'collectives'):>8.1f} | {old_msgs:>8} {old_bytes:>9} | "
             f"{_total(medium, 'messages'):>7.1f} {_total(medium, 'bytes'):>9.0f} "
             f"{old_medium:>4} | {_total(large, 'messages'):>8.1f} "
-            f"{_total(large, 'bytes'):>10.0f} | {scale_model.rounds(p)}"
+            f"{_total(large, 'bytes'):>10.0f} | "
+            f"{_total(step, 'messages') / step['cycles']:.1f} ({2 * scale_model.rounds(p)})"
         )
 
 
@@ -353,25 +365,24 @@ def engine_point(label: str, counts: dict, ranks: int, nbytes: int, tensors: int
 
 
 def cpu_points(document: dict) -> list[Point]:
-    """The CPU fit's points: each phase's CPU per step outside the engine's waits, by p
-    (median over ranks), against the messages and bytes the engine sent (a byte sent is a
-    byte reduced or copied) and its Python calls (the tensors submitted, the cycles, the MPI
-    collectives called)."""
+    """The CPU fit's points: the 8 x 4 KiB step's CPU outside the engine's waits, by p
+    (median over ranks), against the messages and bytes the engine sent and its Python calls
+    (the tensors submitted, the cycles, the MPI collectives called). The 1 MiB and 16 MiB
+    phases are left out: their CPU is the data plane's (copies and sums), not the cycle's."""
     points: list[Point] = []
     for key, job in document.get("counts", {}).items():
-        for phase in STEP_TENSORS:
-            rows = [r["phases"][phase] for r in job["reports"]]
-            counts = rows[0]
-            calls = STEP_TENSORS[phase] + counts["cycles"] + _total(counts, "collectives")
-            points.append(
-                Point(
-                    f"cpu {phase} p={key}",
-                    _total(counts, "messages"),
-                    _total(counts, "bytes"),
-                    calls,
-                    _median([_work_cpu(r) for r in rows]),
-                )  # fmt: skip
-            )
+        rows = [r["phases"]["8x4K"] for r in job["reports"]]
+        counts = rows[0]
+        calls = STEP_TENSORS["8x4K"] + counts["cycles"] + _total(counts, "collectives")
+        points.append(
+            Point(
+                f"cpu 8x4K p={key}",
+                _total(counts, "messages"),
+                _total(counts, "bytes"),
+                calls,
+                _median([_work_cpu(r) for r in rows]),
+            )  # fmt: skip
+        )
     return points
 
 

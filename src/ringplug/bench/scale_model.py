@@ -196,13 +196,15 @@ def engine_cpu_per_cycle(cpu: Fit, ranks: int) -> float:
 def predict(
     wall: Fit, cpu: Fit, model: Model, network: Network, ranks: int, setting: str
 ) -> Prediction:
-    """A step of `model` on `ranks` workers: ringplug's control plane (the wall fit's alpha
-    per negotiation message, the CPU fit's cost of a cycle), and the data plane of
-    `network` (NCCL's, or ringplug's ring with the wall fit's alpha when its latency is 0)."""
+    """A step of `model` on `ranks` workers: ringplug's control plane (per cycle, the CPU
+    fit's cost of the cycle and ceil(log2 p) message latencies) and the data plane of
+    `network`. A network with a latency of its own (NCCL's) gives the messages' latency;
+    one without (ringplug's ring) takes the wall fit's alpha for both."""
     buffers = math.ceil(model.gradient_bytes / FUSION_BYTES)
     cycles = buffers + 1
     cpu_per_cycle = engine_cpu_per_cycle(cpu, ranks)
-    control = cycles * (wall.alpha * rounds(ranks) + cpu_per_cycle)
+    message_s = network.latency_s if network.latency_s > 0 else wall.alpha
+    control = cycles * (message_s * rounds(ranks) + cpu_per_cycle)
     share = 2 * (ranks - 1) / ranks * model.gradient_bytes
     if network.latency_s > 0:  # NCCL: trees for the latency, the ring's bandwidth
         latency = buffers * 2 * rounds(ranks) * network.latency_s
