@@ -173,14 +173,13 @@ def count_job(ranks: int, steps: int, outdir: Path, library: Path | None) -> dic
     _run_job(command, f"the counts job on {ranks} ranks")
     reports = [json.loads((outdir / f"counts-{rank}.json").read_text()) for rank in range(ranks)]
     for report in reports:
-        for phase, counts in report["phases"].items():
-            sends = outdir / f"pmpi-{phase}" / f"sends-{report['rank']}.txt"
-            if library and sends.exists():
-                lines = [line.split() for line in sends.read_text().splitlines() if line]
-                counts["pmpi"] = {
-                    "messages": sum(int(m) for _, m, _ in lines) / report["steps"],
-                    "bytes": sum(int(b) for _, _, b in lines) / report["steps"],
-                }
+        sends = outdir / f"sends-{report['rank']}.txt"
+        if library and sends.exists():
+            lines = [line.split() for line in sends.read_text().splitlines() if line]
+            report["pmpi"] = {
+                "messages": sum(int(m) for _, m, _ in lines),
+                "bytes": sum(int(b) for _, _, b in lines),
+            }
     print(f"# counts job on {ranks} ranks: {time.perf_counter() - started:.1f} s", flush=True)
     return {"ranks": ranks, "reports": reports}
 
@@ -211,18 +210,33 @@ def _total(counts: dict, group: str) -> float:
     return sum(counts[group].values())
 
 
+def _profiled(reports: list[dict]) -> str:
+    """Whether the profiling library counted, on every rank, the sends the engine counted
+    over the same window (every phase): "same" or the first difference."""
+    if not all("pmpi" in report for report in reports):
+        return "-"
+    for report in reports:
+        engine = {group: sum(report["window"][group].values()) for group in ("messages", "bytes")}
+        if engine != report["pmpi"]:
+            return f"r{report['rank']} {report['pmpi']['messages']}!={engine['messages']}"
+    return "same"
+
+
 def print_counts(jobs: dict, pmpi: str) -> None:
     print(
         "# counts: per rank per step, rank 0 (max over ranks in brackets); engine's own "
         "counts (Engine.traffic), point-to-point sends"
     )
-    print(f"# MPI profiling library: {pmpi}")
+    print(
+        f"# MPI profiling library: {pmpi}; pmpi: its count of every phase's sends against "
+        "the engine's, every rank"
+    )
     print(
         "# old: the all-to-all negotiation's sends and bytes at the same step (issue 44; "
         "~: its p-1 extrapolated)"
     )
     header = (
-        f"#{'p':>4} | {'8x4K msgs':>10} {'bytes':>9} {'cycles':>6} {'pmpi':>13} "
+        f"#{'p':>4} | {'8x4K msgs':>10} {'bytes':>9} {'cycles':>6} {'pmpi':>6} "
         f"{'MPI coll':>8} | {'old msgs':>8} {'old bytes':>9} | {'1M msgs':>7} {'bytes':>9} "
         f"{'old':>4} | {'16M msgs':>8} {'bytes':>10} | 8x4K msgs/cycle (target 2 ceil(log2 p))"
     )
@@ -232,15 +246,14 @@ def print_counts(jobs: dict, pmpi: str) -> None:
         reports = job["reports"]
         step, medium, large = (reports[0]["phases"][phase] for phase in ("8x4K", "1M", "16M"))
         most = max(_total(r["phases"]["8x4K"], "messages") for r in reports)
-        pmpi = step.get("pmpi")
-        pmpi_text = f"{pmpi['messages']:.0f}/{pmpi['bytes']:.0f}" if pmpi else "-"
+        pmpi_text = _profiled(reports)
         old = ALL_TO_ALL.get(p)
         old_msgs = f"{old[0]}" if old else f"~{p - 1}"
         old_bytes = f"{old[1] / 1e3:.0f}K" if old else f"~{(p - 1) * 32.8:.0f}K"
         old_medium = f"{old[2]}" if old else "-"
         print(
             f" {p:>4} | {_total(step, 'messages'):>4.1f} [{most:>3.0f}] "
-            f"{_total(step, 'bytes'):>9.0f} {step['cycles']:>6.1f} {pmpi_text:>13} "
+            f"{_total(step, 'bytes'):>9.0f} {step['cycles']:>6.1f} {pmpi_text:>6} "
             f"{_total(step, 'collectives'):>8.1f} | {old_msgs:>8} {old_bytes:>9} | "
             f"{_total(medium, 'messages'):>7.1f} {_total(medium, 'bytes'):>9.0f} "
             f"{old_medium:>4} | {_total(large, 'messages'):>8.1f} "

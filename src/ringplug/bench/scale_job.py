@@ -6,7 +6,8 @@
 engine's own counts (`Engine.traffic`: messages and bytes by purpose, MPI collectives
 called), its cycles, and the CPU time of its thread and of the whole process. An MPI
 profiling library preloaded into the rank (tests/pmpi/count_sends.c) writes its own count of
-each phase's sends to OUTDIR/pmpi-<phase>/sends-<rank>.txt.
+the sends of all phases (one window) to OUTDIR/sends-<rank>.txt, and the report has the
+engine's counts over the same window.
 
 ``python scale_job.py bed OUTDIR BUDGET``: ringplug, MPI's own Allreduce (mpi4py) and torch
 gloo side by side on 4 KiB, 1 MiB and 64 MiB of float32 and on ResNet-50's gradients (one
@@ -59,15 +60,8 @@ class WaitClock:
             self.seconds += time.thread_time() - start
 
 
-def _counted(
-    run: Callable[[], object],
-    calls: int,
-    pmpi_dir: Path | None = None,
-    clock: WaitClock | None = None,
-) -> dict:
+def _counted(run: Callable[[], object], calls: int, clock: WaitClock | None = None) -> dict:
     """What the engine did per call of `run`, over `calls` calls."""
-    from mpi4py import MPI
-
     from ringplug.core.transport.traffic import difference
 
     engine = _engine()
@@ -76,14 +70,8 @@ def _counted(
     cycles, by_callers = engine.cycles_run, engine.cycles_by_callers
     thread = engine._thread
     thread_cpu, process_cpu, wall = _thread_cpu(thread), time.process_time(), time.perf_counter()
-    if pmpi_dir is not None:
-        pmpi_dir.mkdir(parents=True, exist_ok=True)
-        os.environ["PMPI_COUNT_DIR"] = str(pmpi_dir)  # read by the library at Pcontrol(0)
-        MPI.Pcontrol(1)
     for _ in range(calls):
         run()
-    if pmpi_dir is not None:
-        MPI.Pcontrol(0)
     thread_cpu = _thread_cpu(thread) - thread_cpu
     process_cpu = time.process_time() - process_cpu
     wall = time.perf_counter() - wall
@@ -104,7 +92,10 @@ def _counted(
 
 
 def counts(outdir: Path, steps: int) -> None:
+    from mpi4py import MPI
+
     import ringplug
+    from ringplug.core.transport.traffic import difference
 
     ringplug.init()
     rank = ringplug.rank()
@@ -127,13 +118,23 @@ def counts(outdir: Path, steps: int) -> None:
     }
     clock = WaitClock(_engine().waiter)
     report: dict = {"rank": rank, "size": ringplug.size(), "steps": steps, "phases": {}}
-    for phase, run in runs.items():
+    for run in runs.values():
         for _ in range(2):  # the names are agreed (cached) from here on
             run()
+    ringplug.barrier()
+    # One window of the profiling library around every phase (its counts are the window's
+    # total), checked against the engine's counts over the same window.
+    engine = _engine()
+    before = engine.traffic.snapshot()
+    os.environ["PMPI_COUNT_DIR"] = str(outdir)  # read by the library at Pcontrol(0)
+    MPI.Pcontrol(1)
+    for phase, run in runs.items():
+        report["phases"][phase] = _counted(run, steps, clock)
+        report["phases"][phase]["path"] = engine.transport.last_path
         ringplug.barrier()
-        report["phases"][phase] = _counted(run, steps, outdir / f"pmpi-{phase}", clock)
-        report["phases"][phase]["path"] = _engine().transport.last_path
-        ringplug.barrier()
+    MPI.Pcontrol(0)
+    window = difference(engine.traffic.snapshot(), before)
+    report["window"] = {"messages": window["messages"], "bytes": window["bytes"]}
     (outdir / f"counts-{rank}.json").write_text(json.dumps(report))
     ringplug.shutdown()
 
