@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -348,10 +349,11 @@ def print_bed(bed: dict) -> None:
     for job in bed["jobs"]:
         for row in job["rows"]:
             t = row["median_s"]
+            gloo = t.get("gloo", math.nan)  # nan: no torch on the ranks
             print(
                 f" {job['ranks']:>3}x{job['per_host']} {row['case']:>9} | "
-                f"{t['ringplug'] * 1e3:>11.3f} {t['mpi'] * 1e3:>9.3f} {t['gloo'] * 1e3:>9.3f} | "
-                f"{t['mpi'] / t['ringplug']:>12.2f} {t['gloo'] / t['ringplug']:>13.2f} | "
+                f"{t['ringplug'] * 1e3:>11.3f} {t['mpi'] * 1e3:>9.3f} {gloo * 1e3:>9.3f} | "
+                f"{t['mpi'] / t['ringplug']:>12.2f} {gloo / t['ringplug']:>13.2f} | "
                 f"{row['path']}"
             )
 
@@ -464,6 +466,10 @@ def _print_fit(name: str, fit: Fit) -> None:
     )
     for label, error in fit.errors.items():
         print(f"#   {label:<36} {error:+.0%}")
+    if len(fit.errors) <= 3:
+        print(
+            "#   (no more points than terms: the fit is underdetermined, not a test of the model)"
+        )
 
 
 def print_model(fits: tuple[Fit, Fit]) -> dict:

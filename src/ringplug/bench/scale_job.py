@@ -154,15 +154,15 @@ def resnet50_buffers() -> list[np.ndarray]:
     return [np.zeros(shape, np.float32) for shape in shapes]
 
 
-def _bed_runners(name: str, buffers: list[np.ndarray]) -> dict[str, Callable[[], object]]:
-    import torch
-    import torch.distributed as dist
+def _bed_runners(
+    name: str, buffers: list[np.ndarray], gloo: bool
+) -> dict[str, Callable[[], object]]:
+    """ringplug, MPI and (with `gloo`) torch gloo, each reducing every one of `buffers`."""
     from mpi4py import MPI
 
     import ringplug
 
     comm = MPI.COMM_WORLD
-    tensors = [torch.from_numpy(b) for b in buffers]
     names = [f"{name}.{i}" for i in range(len(buffers))]
 
     def ring() -> None:
@@ -176,11 +176,19 @@ def _bed_runners(name: str, buffers: list[np.ndarray]) -> dict[str, Callable[[],
     def mpi() -> None:
         MPI.Request.Waitall([comm.Iallreduce(MPI.IN_PLACE, b, MPI.SUM) for b in buffers])
 
-    def gloo() -> None:
-        for work in [dist.all_reduce(t, async_op=True) for t in tensors]:
-            work.wait()
+    runs = {"ringplug": ring, "mpi": mpi}
+    if gloo:
+        import torch
+        import torch.distributed as dist
 
-    return {"ringplug": ring, "mpi": mpi, "gloo": gloo}
+        tensors = [torch.from_numpy(b) for b in buffers]
+
+        def torch_gloo() -> None:
+            for work in [dist.all_reduce(t, async_op=True) for t in tensors]:
+                work.wait()
+
+        runs["gloo"] = torch_gloo
+    return runs
 
 
 def bed(outdir: Path, budget: float) -> None:
@@ -190,14 +198,18 @@ def bed(outdir: Path, budget: float) -> None:
     from .common import measure_side_by_side, median
 
     ringplug.init()
-    _gloo_group()
+    try:
+        _gloo_group()
+        gloo = True
+    except ImportError:  # without torch, ringplug and MPI only
+        gloo = False
     from mpi4py import MPI
 
     cases = {label: [np.zeros(size // 4, np.float32)] for label, size in BED_SIZES.items()}
     cases[RESNET50] = resnet50_buffers()
     rows = []
     for label, buffers in cases.items():
-        runs = _bed_runners(label, buffers)
+        runs = _bed_runners(label, buffers, gloo)
         times = measure_side_by_side(runs, budget_s=budget, min_iters=3, max_iters=200, warmup=2)
         ringplug.barrier()
         engine = _counted(runs["ringplug"], 2)
@@ -218,9 +230,10 @@ def bed(outdir: Path, budget: float) -> None:
         document = {"ranks": ringplug.size(), "hosts": hosts, "rows": rows}
         (outdir / "bed.json").write_text(json.dumps(document))
     ringplug.barrier()
-    import torch.distributed as dist
+    if gloo:
+        import torch.distributed as dist
 
-    dist.destroy_process_group()
+        dist.destroy_process_group()
     ringplug.shutdown()
 
 
