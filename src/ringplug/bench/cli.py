@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import allreduce, fusion, keras_compare, lightning_compare, sampler, zero
+from . import allreduce, fusion, keras_compare, lightning_compare, sampler, scale, zero
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
             "and step time on a transformer-shaped model",
         )
     )
+    scale.add_arguments(
+        commands.add_parser(
+            "scale",
+            help="messages, bytes and engine CPU per step by number of ranks, a multi-host "
+            "bed, and a fitted cost model's predictions; starts every job itself",
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "allreduce":
         return allreduce.run(args)
@@ -65,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return sampler.run(args)
     if args.command == "zero":
         return zero.run(args)
+    if args.command == "scale":
+        return scale.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,0 +1,519 @@
+"""`ringplug-bench scale`: what a rank pays per step as the job grows, measured and modelled.
+
+It starts every job itself (run it as a plain command, not under ringrun) and has four parts
+(``--parts``):
+
+- ``counts``: jobs of p ranks on this machine (oversubscribed; p up to ``--max-ranks``) run
+  a training-like step (8 named 4 KiB allreduces, then a 1 MiB and a 16 MiB allreduce) and
+  report, per rank per step, the messages and bytes the engine sent (`Engine.traffic`) and,
+  where a C compiler and MPI's headers are at hand, what an MPI profiling library preloaded
+  into the ranks counted (tests/pmpi/count_sends.c, built here); next to them, the figures
+  of the all-to-all negotiation this replaced (its p - 1 sends, quoted from issue 44).
+- ``cpu``: from the same jobs, the CPU time per engine cycle: of the engine's thread, and of
+  the whole process (a waiting caller runs cycles too), in the 8 x 4 KiB step.
+- ``bed``: a multi-host bed (`ringplug.bench.netbed`: network namespaces with sshd, links
+  shaped with ``tc``) of ``--hosts`` hosts, one rank each, then two; ringplug, MPI's own
+  Allreduce and torch gloo side by side on 4 KiB, 1 MiB, 64 MiB and ResNet-50's gradients.
+  It needs root; without it the part is skipped, saying why.
+- ``model``: an alpha-beta-gamma model (`ringplug.bench.scale_model`) fitted to the points
+  of the other parts, its error on each, and what it predicts at 64, 512 and 4096 ranks for
+  Horovod's 512-GPU benchmark setting and for a CPU job.
+
+Example:
+    ringplug-bench scale --max-ranks 16 --parts counts,cpu,model --json scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import scale_model
+from .netbed import BedUnavailable, NetBed, Shape, uniform_hosts
+from .scale_model import Fit, Point
+
+PARTS = ("counts", "cpu", "bed", "model")
+# Issue 44's measurement of the all-to-all negotiation (rank 0, an MPI profiling library):
+# p -> (sends per 8 x 4 KiB step, bytes sent per step, sends per 1 MiB allreduce).
+ALL_TO_ALL = {2: (1, 33e3, 3), 4: (3, 98e3, 9), 8: (7, 230e3, 21), 16: (16, 527e3, 60)}
+PROFILER = Path(__file__).resolve().parents[3] / "tests" / "pmpi" / "count_sends.c"
+STEP_TENSORS = {"8x4K": 8, "1M": 1, "16M": 1}
+STEP_BYTES = {"8x4K": 8 * 4096, "1M": 1 << 20, "16M": 16 << 20}
+JOB_TIMEOUT_S = 420
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}"
+    )
+    parser.add_argument(
+        "--ranks", default="2,4,8,16,32", help="world sizes of the counts jobs (default 2..32)"
+    )
+    parser.add_argument("--max-ranks", type=int, default=32, help="leave out larger sizes")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per phase")
+    parser.add_argument("--hosts", type=int, default=8, help="hosts of the bed (default 8)")
+    parser.add_argument(
+        "--per-host", default="1,2", help="ranks per host of the bed's jobs (default 1,2)"
+    )
+    parser.add_argument("--delay-us", type=float, default=25.0, help="link delay each way")
+    parser.add_argument("--rate-gbit", type=float, default=10.0, help="link rate, Gbit/s")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.3,
+        help="seconds of timed iterations per case and implementation on the bed",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
+    parser.add_argument(
+        "--measured",
+        metavar="PATH",
+        help="take the counts and the bed from an earlier run's --json instead of measuring "
+        "them again (to fit and print the model)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"ringplug-bench scale: unknown parts {unknown}; choose from {PARTS}")
+    sizes = sorted({int(p) for p in args.ranks.split(",") if p.strip()})
+    sizes = [p for p in sizes if 2 <= p <= args.max_ranks]
+    document: dict = {"bench": "scale", "env": _environment(), "parts": parts}
+    if args.measured:
+        earlier = json.loads(Path(args.measured).read_text())
+        document.update({k: earlier[k] for k in ("counts", "bed", "pmpi") if k in earlier})
+        document["measured"] = {"from": args.measured, "env": earlier.get("env")}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ringplug-bench-scale-") as tmp:
+        workdir = Path(tmp)
+        if ("counts" in parts or "cpu" in parts or "model" in parts) and not args.measured:
+            library, why = build_profiler(workdir)
+            document["pmpi"] = str(PROFILER) if library else f"not used: {why}"
+            document["counts"] = {
+                str(p): count_job(p, args.steps, workdir / f"counts-{p}", library) for p in sizes
+            }
+        if "counts" in parts and "counts" in document:
+            print_counts(document["counts"], document["pmpi"])
+        if "cpu" in parts and "counts" in document:
+            print_cpu(document["counts"])
+        if "bed" in parts:
+            if not args.measured:
+                document["bed"] = bed_jobs(args, workdir)
+            print_bed(document.get("bed", {"skipped": "not in the earlier run"}))
+        if "model" in parts:
+            fit = fit_points(document)
+            document["model"] = print_model(fit)
+    document["seconds"] = round(time.perf_counter() - started, 1)
+    print(f"# ringplug-bench scale took {document['seconds']} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+        print(f"# wrote {args.json}")
+    return 0
+
+
+def _environment() -> dict:
+    from importlib import metadata
+
+    load = os.getloadavg()
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "load": [round(x, 2) for x in load],
+        "python": sys.version.split()[0],
+        "mpich": _version(metadata, "mpich"),
+        "mpi4py": _version(metadata, "mpi4py"),
+        "torch": _version(metadata, "torch"),
+    }
+
+
+def _version(metadata, name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# ------------------------------------------------------------------------------ counts
+def build_profiler(where: Path) -> tuple[Path | None, str]:
+    """The MPI profiling library built against this virtualenv's MPI, or None and why not."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    include, lib = Path(sys.prefix) / "include", Path(sys.prefix) / "lib"
+    if not PROFILER.exists():
+        return None, f"{PROFILER} is not here (a source checkout has it)"
+    if compiler is None or not (include / "mpi.h").exists() or not (lib / "libmpi.so").exists():
+        return None, f"no C compiler, or no MPI headers and library in {sys.prefix}"
+    built = where / "libcount_sends.so"
+    result = subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O2", f"-I{include}", "-o", str(built), str(PROFILER),
+         f"-L{lib}", f"-Wl,-rpath,{lib}", "-lmpi"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    if result.returncode != 0:
+        return None, f"the profiling library did not build: {result.stderr[-500:]}"
+    return built, ""
+
+
+def count_job(ranks: int, steps: int, outdir: Path, library: Path | None) -> dict:
+    """One job of `ranks` ranks on this machine: every rank's counts, and the profiling
+    library's (tag -> [messages, bytes] per phase) where it was preloaded."""
+    outdir.mkdir(parents=True)
+    preload = ["env", f"LD_PRELOAD={library}"] if library else []
+    command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *preload,
+               sys.executable, "-m", "ringplug.bench.scale_job", "counts", str(outdir),
+               str(steps)]  # fmt: skip
+    started = time.perf_counter()
+    _run_job(command, f"the counts job on {ranks} ranks")
+    reports = [json.loads((outdir / f"counts-{rank}.json").read_text()) for rank in range(ranks)]
+    for report in reports:
+        sends = outdir / f"sends-{report['rank']}.txt"
+        if library and sends.exists():
+            lines = [line.split() for line in sends.read_text().splitlines() if line]
+            report["pmpi"] = {
+                "messages": sum(int(m) for _, m, _ in lines),
+                "bytes": sum(int(b) for _, _, b in lines),
+            }
+    print(f"# counts job on {ranks} ranks: {time.perf_counter() - started:.1f} s", flush=True)
+    return {"ranks": ranks, "reports": reports}
+
+
+def _run_job(command: list[str], what: str, env: dict | None = None) -> None:
+    try:
+        result = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=JOB_TIMEOUT_S,
+            check=False,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as error:
+        raise SystemExit(
+            f"ringplug-bench scale: {what} did not end within {JOB_TIMEOUT_S} s:\n"
+            f"{(error.stderr or b'')[-3000:].decode(errors='replace')}"
+        ) from None
+    if result.returncode != 0:
+        raise SystemExit(
+            f"ringplug-bench scale: {what} failed ({result.returncode}):\n"
+            f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        )
+
+
+def _total(counts: dict, group: str) -> float:
+    return sum(counts[group].values())
+
+
+def _profiled(reports: list[dict]) -> str:
+    """Whether the profiling library counted, on every rank, the sends the engine counted
+    over the same window (every phase): "same" or the first difference."""
+    if not all("pmpi" in report for report in reports):
+        return "-"
+    for report in reports:
+        engine = {group: sum(report["window"][group].values()) for group in ("messages", "bytes")}
+        if engine != report["pmpi"]:
+            return f"r{report['rank']} {report['pmpi']['messages']}!={engine['messages']}"
+    return "same"
+
+
+def print_counts(jobs: dict, pmpi: str) -> None:
+    print(
+        "# counts: per rank per step, rank 0 (max over ranks in brackets); engine's own "
+        "counts (Engine.traffic), point-to-point sends"
+    )
+    print(
+        f"# MPI profiling library: {pmpi}; pmpi: its count of every phase's sends against "
+        "the engine's, every rank"
+    )
+    print(
+        "# old: the all-to-all negotiation's sends and bytes at the same step (issue 44; "
+        "~: its p-1 extrapolated)"
+    )
+    header = (
+        f"#{'p':>4} | {'8x4K msgs':>10} {'bytes':>9} {'cycles':>6} {'pmpi':>6} "
+        f"{'MPI coll':>8} | {'old msgs':>8} {'old bytes':>9} | {'1M msgs':>7} {'bytes':>9} "
+        f"{'old':>4} | {'16M msgs':>8} {'bytes':>10} | 8x4K msgs/cycle (target 2 ceil(log2 p))"
+    )
+    print(header)
+    for key, job in jobs.items():
+        p = int(key)
+        reports = job["reports"]
+        step, medium, large = (reports[0]["phases"][phase] for phase in ("8x4K", "1M", "16M"))
+        most = max(_total(r["phases"]["8x4K"], "messages") for r in reports)
+        pmpi_text = _profiled(reports)
+        old = ALL_TO_ALL.get(p)
+        old_msgs = f"{old[0]}" if old else f"~{p - 1}"
+        old_bytes = f"{old[1] / 1e3:.0f}K" if old else f"~{(p - 1) * 32.8:.0f}K"
+        old_medium = f"{old[2]}" if old else "-"
+        print(
+            f" {p:>4} | {_total(step, 'messages'):>4.1f} [{most:>3.0f}] "
+            f"{_total(step, 'bytes'):>9.0f} {step['cycles']:>6.1f} {pmpi_text:>6} "
+            f"{_total(step, 'collectives'):>8.1f} | {old_msgs:>8} {old_bytes:>9} | "
+            f"{_total(medium, 'messages'):>7.1f} {_total(medium, 'bytes'):>9.0f} "
+            f"{old_medium:>4} | {_total(large, 'messages'):>8.1f} "
+            f"{_total(large, 'bytes'):>10.0f} | "
+            f"{_total(step, 'messages') / step['cycles']:.1f} ({2 * scale_model.rounds(p)})"
+        )
+
+
+def print_cpu(jobs: dict) -> None:
+    print(
+        "# cpu: CPU time per engine cycle in the 8 x 4 KiB step (submissions included), "
+        "median over ranks; waiting: polling MPI in the engine's waits (most of it where "
+        "ranks outnumber cores); work = process - waiting"
+    )
+    print(
+        f"#{'p':>4} | {'cycles/step':>11} {'by callers':>10} | {'engine thread us':>16} "
+        f"{'process us':>10} {'waiting us':>10} {'work us':>8} | {'wall/step ms':>12}"
+    )
+    for key, job in jobs.items():
+        rows = [r["phases"]["8x4K"] for r in job["reports"]]
+        cycles = _median([r["cycles"] for r in rows])
+        thread = _median([r["engine_thread_cpu_s"] / max(r["cycles"], 1e-9) for r in rows])
+        process = _median([r["process_cpu_s"] / max(r["cycles"], 1e-9) for r in rows])
+        waiting = _median([r["wait_cpu_s"] / max(r["cycles"], 1e-9) for r in rows])
+        work = _median([_work_cpu(r) / max(r["cycles"], 1e-9) for r in rows])
+        callers = _median([r["cycles_by_callers"] for r in rows])
+        print(
+            f" {int(key):>4} | {cycles:>11.2f} {callers:>10.2f} "
+            f"| {thread * 1e6:>16.1f} {process * 1e6:>10.1f} {waiting * 1e6:>10.1f} "
+            f"{work * 1e6:>8.1f} | "
+            f"{_median([r['wall_s'] for r in rows]) * 1e3:>12.2f}"
+        )
+
+
+def _work_cpu(phase: dict) -> float:
+    """The process's CPU per step outside the engine's waits: the step's own work."""
+    return max(phase["process_cpu_s"] - phase["wait_cpu_s"], 0.0)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+# ------------------------------------------------------------------------------ bed
+def bed_jobs(args: argparse.Namespace, workdir: Path) -> dict:
+    """The side-by-side jobs on a bed of `args.hosts` shaped hosts, or why there are none."""
+    bed = NetBed(uniform_hosts(args.hosts), Shape(args.delay_us, args.rate_gbit))
+    try:
+        bed.start()
+    except BedUnavailable as error:
+        bed.stop()
+        print(f"# bed: skipped, the multi-host bed is unavailable here: {error}")
+        return {"skipped": str(error)}
+    found: dict = {"hosts": args.hosts, "shaping": bed.shaping, "jobs": []}
+    try:
+        for per_host in [int(n) for n in args.per_host.split(",") if n.strip()]:
+            outdir = workdir / f"bed-{per_host}"
+            outdir.mkdir()
+            spec = ",".join(f"{bed.address(h.key)}:{per_host}" for h in bed.hosts)
+            command = bed.command(
+                bed.hosts[0].key,
+                [sys.executable, "-m", "ringplug.run.cli", "--ssh-config-file",
+                 str(bed.ssh_config), "-H", spec, "-np", str(per_host * args.hosts),
+                 # Over the bed's links, not the shared memory of the one real machine.
+                 "-x", "UCX_TLS=tcp,self", "-x", "OMP_NUM_THREADS=1",
+                 sys.executable, "-m", "ringplug.bench.scale_job", "bed", str(outdir),
+                 str(args.budget)],
+            )  # fmt: skip
+            env = {k: v for k, v in os.environ.items() if k != "RINGPLUG_MPIEXEC"}
+            started = time.perf_counter()
+            _run_job(command, f"the bed job with {per_host} rank(s) per host", env)
+            result = json.loads((outdir / "bed.json").read_text())
+            result["per_host"] = per_host
+            result["seconds"] = round(time.perf_counter() - started, 1)
+            found["jobs"].append(result)
+            print(f"# bed job, {per_host} per host: {result['seconds']} s", flush=True)
+    finally:
+        bed.stop()
+    return found
+
+
+def print_bed(bed: dict) -> None:
+    if "skipped" in bed:
+        return
+    print(f"# bed: {bed['hosts']} hosts, links: {bed['shaping']}; median of the slowest rank")
+    print(
+        f"#{'ranks':>6} {'case':>9} | {'ringplug ms':>11} {'mpi ms':>9} {'gloo ms':>9} | "
+        f"{'mpi/ringplug':>12} {'gloo/ringplug':>13} | path"
+    )
+    for job in bed["jobs"]:
+        for row in job["rows"]:
+            t = row["median_s"]
+            gloo = t.get("gloo", math.nan)  # nan: no torch on the ranks
+            print(
+                f" {job['ranks']:>3}x{job['per_host']} {row['case']:>9} | "
+                f"{t['ringplug'] * 1e3:>11.3f} {t['mpi'] * 1e3:>9.3f} {gloo * 1e3:>9.3f} | "
+                f"{t['mpi'] / t['ringplug']:>12.2f} {gloo / t['ringplug']:>13.2f} | "
+                f"{row['path']}"
+            )
+
+
+# ------------------------------------------------------------------------------ model
+def mpi_collective(nbytes: float, ranks: int) -> tuple[float, float]:
+    """Messages and bytes one rank sends in MPI's own allreduce of `nbytes` (modelled, not
+    counted: MPI's internal sends bypass the profiling interface): recursive halving and
+    doubling, 2 ceil(log2 p) messages and 2 n (p - 1) / p bytes."""
+    return 2 * scale_model.rounds(ranks), 2 * nbytes * (ranks - 1) / ranks
+
+
+def engine_point(label: str, counts: dict, ranks: int, nbytes: int, tensors: int,
+                 seconds: float) -> Point:  # fmt: skip
+    """A point from the engine's counts of one operation (per call)."""
+    messages, sent = _total(counts, "messages"), _total(counts, "bytes")
+    collectives = _total(counts, "collectives")
+    if collectives:
+        extra_messages, extra_bytes = mpi_collective(nbytes / collectives, ranks)
+        messages += collectives * extra_messages
+        sent += collectives * extra_bytes
+    calls = tensors + counts["cycles"] + _total(counts, "messages") + collectives
+    return Point(label, messages, sent, calls, seconds)
+
+
+def cpu_points(document: dict) -> list[Point]:
+    """The CPU fit's points: the 8 x 4 KiB step's CPU outside the engine's waits, by p
+    (median over ranks), against the messages and bytes the engine sent and its Python calls
+    (the tensors submitted, the cycles, the MPI collectives called). The 1 MiB and 16 MiB
+    phases are left out: their CPU is the data plane's (copies and sums), not the cycle's."""
+    points: list[Point] = []
+    for key, job in document.get("counts", {}).items():
+        rows = [r["phases"]["8x4K"] for r in job["reports"]]
+        counts = rows[0]
+        calls = STEP_TENSORS["8x4K"] + counts["cycles"] + _total(counts, "collectives")
+        points.append(
+            Point(
+                f"cpu 8x4K p={key}",
+                _total(counts, "messages"),
+                _total(counts, "bytes"),
+                calls,
+                _median([_work_cpu(r) for r in rows]),
+            )  # fmt: skip
+        )
+    return points
+
+
+def model_points(document: dict) -> list[Point]:
+    """The wall-time fit's points: the counts jobs' phases where the ranks fit the cores,
+    and every ringplug and MPI row of the bed."""
+    points: list[Point] = []
+    cores = os.cpu_count() or 1
+    for key, job in document.get("counts", {}).items():
+        p = int(key)
+        if p <= cores:
+            for phase in ("8x4K", "1M", "16M"):
+                counts = job["reports"][0]["phases"][phase]
+                wall = _median([r["phases"][phase]["wall_s"] for r in job["reports"]])
+                points.append(
+                    engine_point(
+                        f"wall {phase} p={p}",
+                        counts,
+                        p,
+                        STEP_BYTES[phase],
+                        STEP_TENSORS[phase],
+                        wall,
+                    )  # fmt: skip
+                )
+    for job in document.get("bed", {}).get("jobs", []):
+        p = job["ranks"]
+        for row in job["rows"]:
+            where = f"bed {row['case']} {p // job['per_host']}x{job['per_host']}"
+            points.append(
+                engine_point(
+                    f"{where} ringplug",
+                    row["ringplug_engine"],
+                    p,
+                    row["bytes"],
+                    row["tensors"],
+                    row["median_s"]["ringplug"],
+                )  # fmt: skip
+            )
+            messages, sent = mpi_collective(row["bytes"] / row["tensors"], p)
+            points.append(
+                Point(
+                    f"{where} mpi",
+                    messages * row["tensors"],
+                    sent * row["tensors"],
+                    row["tensors"],
+                    row["median_s"]["mpi"],
+                )  # fmt: skip
+            )
+    return points
+
+
+def fit_points(document: dict) -> tuple[Fit, Fit]:
+    """The wall-time fit and the CPU fit."""
+    wall, cpu = model_points(document), cpu_points(document)
+    if not wall or not cpu:
+        raise SystemExit("ringplug-bench scale: the model needs the counts part's points")
+    return scale_model.fit_model(wall), scale_model.fit_model(cpu)
+
+
+def _print_fit(name: str, fit: Fit) -> None:
+    rate = f"{1 / fit.beta / 1e9:.2f} GB/s" if fit.beta else "no cost per byte"
+    print(
+        f"# {name}: alpha = {fit.alpha * 1e6:.2f} us/message, beta = {fit.beta * 1e9:.3f} "
+        f"ns/byte ({rate}), gamma = {fit.gamma * 1e6:.2f} us/call; error on its points "
+        f"(predicted / measured - 1), rms {fit.rms_error:.0%}:"
+    )
+    for label, error in fit.errors.items():
+        print(f"#   {label:<36} {error:+.0%}")
+    if len(fit.errors) <= 3:
+        print(
+            "#   (no more points than terms: the fit is underdetermined, not a test of the model)"
+        )
+
+
+def print_model(fits: tuple[Fit, Fit]) -> dict:
+    wall, cpu = fits
+    print(
+        "# model: seconds = alpha * messages + beta * bytes + gamma * Python calls, least "
+        "squares of the relative error, coefficients >= 0"
+    )
+    _print_fit("wall-time fit", wall)
+    _print_fit("CPU fit (CPU outside the engine's waits)", cpu)
+    found = scale_model.predictions(wall, cpu)
+    print(
+        "# predicted (modelled, not measured): per step; efficiency = compute / (compute + "
+        "overhead), the data plane overlapping the backward pass except its last buffer"
+    )
+    print(
+        f"# {'setting':<44} {'p':>5} | {'engine cpu/cycle us':>19} {'control ms':>10} "
+        f"{'data ms':>8} {'overhead ms':>11} | {'efficiency':>10} {'no overlap':>10}"
+    )
+    for row in found:
+        print(
+            f"  {row.setting:<44} {row.ranks:>5} | {row.engine_cpu_per_cycle_s * 1e6:>19.1f} "
+            f"{row.control_s * 1e3:>10.2f} {row.data_s * 1e3:>8.1f} "
+            f"{row.step_overhead_s * 1e3:>11.1f} | {row.efficiency:>10.1%} "
+            f"{row.efficiency_no_overlap:>10.1%}"
+        )
+    print(
+        f"# Horovod's published: {scale_model.HOROVOD_EFFICIENCY:.0%} at 512 GPUs "
+        "(ResNet-101, Inception V3)"
+    )
+    for model in (*scale_model.HOROVOD_MODELS, scale_model.CPU_JOB):
+        print(
+            f"#   {model.name}: {model.parameters:,} parameters, {model.compute_s * 1e3:.0f} "
+            f"ms compute per step ({model.source})"
+        )
+    for network in (scale_model.ROCE, scale_model.CPU_LINK):
+        print(f"#   {network.name}: {network.source}")
+    return {
+        name: {
+            "alpha_s": fit.alpha,
+            "beta_s_per_byte": fit.beta,
+            "gamma_s": fit.gamma,
+            "errors": fit.errors,
+            "rms_error": fit.rms_error,
+        }
+        for name, fit in (("wall", wall), ("cpu", cpu))
+    } | {"predictions": [row.__dict__ for row in found]}

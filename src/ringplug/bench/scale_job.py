@@ -1,0 +1,245 @@
+"""The ranks of `ringplug-bench scale` (started by it under ringrun; not a command of its own).
+
+``python scale_job.py counts OUTDIR STEPS``: every rank runs a training-like step (8 named
+4 KiB allreduces submitted together, then waited for), a 1 MiB and a 16 MiB allreduce,
+``STEPS`` times each after a warm-up, and writes OUTDIR/counts-<rank>.json: per step, the
+engine's own counts (`Engine.traffic`: messages and bytes by purpose, MPI collectives
+called), its cycles, and the CPU time of its thread and of the whole process. An MPI
+profiling library preloaded into the rank (tests/pmpi/count_sends.c) writes its own count of
+the sends of all phases (one window) to OUTDIR/sends-<rank>.txt, and the report has the
+engine's counts over the same window.
+
+``python scale_job.py bed OUTDIR BUDGET``: ringplug, MPI's own Allreduce (mpi4py) and torch
+gloo side by side on 4 KiB, 1 MiB and 64 MiB of float32 and on ResNet-50's gradients (one
+allreduce per parameter), timed as `ringplug-bench allreduce` times them; rank 0 writes
+OUTDIR/bed.json with the medians, and what ringplug's engine sent per call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+PHASES = ("8x4K", "1M", "16M")
+BED_SIZES = {"4K": 4 << 10, "1M": 1 << 20, "64M": 64 << 20}
+RESNET50 = "resnet50"
+
+
+def _engine():
+    import ringplug.core.runtime
+
+    return ringplug.core.runtime.engine()
+
+
+def _thread_cpu(thread) -> float:
+    """CPU seconds `thread` (a running threading.Thread) has used so far."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+class WaitClock:
+    """CPU seconds every thread spent inside the engine's waits (`Waiter.wait`: polling MPI
+    until peers answer), so that the CPU of a cycle's own work can be told from waiting:
+    on a machine with fewer cores than ranks the waits are most of it."""
+
+    def __init__(self, waiter) -> None:
+        self.seconds = 0.0
+        self._wait = waiter.wait
+        waiter.wait = self._timed
+
+    def _timed(self, *args, **kwargs):
+        start = time.thread_time()
+        try:
+            return self._wait(*args, **kwargs)
+        finally:
+            self.seconds += time.thread_time() - start
+
+
+def _counted(run: Callable[[], object], calls: int, clock: WaitClock | None = None) -> dict:
+    """What the engine did per call of `run`, over `calls` calls."""
+    from ringplug.core.transport.traffic import difference
+
+    engine = _engine()
+    waited = clock.seconds if clock else 0.0
+    before = engine.traffic.snapshot()
+    cycles, by_callers = engine.cycles_run, engine.cycles_by_callers
+    thread = engine._thread
+    thread_cpu, process_cpu, wall = _thread_cpu(thread), time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        run()
+    thread_cpu = _thread_cpu(thread) - thread_cpu
+    process_cpu = time.process_time() - process_cpu
+    wall = time.perf_counter() - wall
+    waited = (clock.seconds - waited) if clock else 0.0
+    counts = difference(engine.traffic.snapshot(), before)
+    return {
+        "calls": calls,
+        "cycles": (engine.cycles_run - cycles) / calls,
+        "cycles_by_callers": (engine.cycles_by_callers - by_callers) / calls,
+        "messages": {k: v / calls for k, v in counts["messages"].items()},
+        "bytes": {k: v / calls for k, v in counts["bytes"].items()},
+        "collectives": {k: v / calls for k, v in counts["collectives"].items()},
+        "engine_thread_cpu_s": thread_cpu / calls,
+        "process_cpu_s": process_cpu / calls,
+        "wait_cpu_s": waited / calls,  # of the process's: inside the engine's waits
+        "wall_s": wall / calls,
+    }
+
+
+def counts(outdir: Path, steps: int) -> None:
+    from mpi4py import MPI
+
+    import ringplug
+    from ringplug.core.transport.traffic import difference
+
+    ringplug.init()
+    rank = ringplug.rank()
+    grads = [np.zeros(1024, np.float32) for _ in range(8)]
+    medium = np.zeros(1 << 18, np.float32)
+    large = np.zeros(1 << 22, np.float32)
+
+    def small_step() -> None:
+        handles = [
+            ringplug.allreduce_async(g, op=ringplug.Sum, out=g, name=f"grad.{i}")
+            for i, g in enumerate(grads)
+        ]
+        for handle in handles:
+            ringplug.synchronize(handle)
+
+    runs = {
+        "8x4K": small_step,
+        "1M": lambda: ringplug.allreduce(medium, op=ringplug.Sum, out=medium, name="1M"),
+        "16M": lambda: ringplug.allreduce(large, op=ringplug.Sum, out=large, name="16M"),
+    }
+    clock = WaitClock(_engine().waiter)
+    report: dict = {"rank": rank, "size": ringplug.size(), "steps": steps, "phases": {}}
+    for run in runs.values():
+        for _ in range(2):  # the names are agreed (cached) from here on
+            run()
+    ringplug.barrier()
+    # One window of the profiling library around every phase (its counts are the window's
+    # total), checked against the engine's counts over the same window.
+    engine = _engine()
+    before = engine.traffic.snapshot()
+    os.environ["PMPI_COUNT_DIR"] = str(outdir)  # read by the library at Pcontrol(0)
+    MPI.Pcontrol(1)
+    for phase, run in runs.items():
+        report["phases"][phase] = _counted(run, steps, clock)
+        report["phases"][phase]["path"] = engine.transport.last_path
+        ringplug.barrier()
+    MPI.Pcontrol(0)
+    window = difference(engine.traffic.snapshot(), before)
+    report["window"] = {"messages": window["messages"], "bytes": window["bytes"]}
+    (outdir / f"counts-{rank}.json").write_text(json.dumps(report))
+    ringplug.shutdown()
+
+
+def resnet50_buffers() -> list[np.ndarray]:
+    """One float32 buffer per parameter of ResNet-50: torchvision's model where it is
+    installed, else the shapes written out from its architecture (the same list)."""
+    try:
+        import torchvision
+
+        model = torchvision.models.resnet50()
+        shapes = [tuple(p.shape) for p in model.parameters()]
+    except ImportError:
+        from .fusion import resnet50_shapes
+
+        shapes = [shape for _, shape in resnet50_shapes()]
+    return [np.zeros(shape, np.float32) for shape in shapes]
+
+
+def _bed_runners(
+    name: str, buffers: list[np.ndarray], gloo: bool
+) -> dict[str, Callable[[], object]]:
+    """ringplug, MPI and (with `gloo`) torch gloo, each reducing every one of `buffers`."""
+    from mpi4py import MPI
+
+    import ringplug
+
+    comm = MPI.COMM_WORLD
+    names = [f"{name}.{i}" for i in range(len(buffers))]
+
+    def ring() -> None:
+        handles = [
+            ringplug.allreduce_async(b, op=ringplug.Sum, out=b, name=n)
+            for b, n in zip(buffers, names, strict=True)
+        ]
+        for handle in handles:
+            ringplug.synchronize(handle)
+
+    def mpi() -> None:
+        MPI.Request.Waitall([comm.Iallreduce(MPI.IN_PLACE, b, MPI.SUM) for b in buffers])
+
+    runs = {"ringplug": ring, "mpi": mpi}
+    if gloo:
+        import torch
+        import torch.distributed as dist
+
+        tensors = [torch.from_numpy(b) for b in buffers]
+
+        def torch_gloo() -> None:
+            for work in [dist.all_reduce(t, async_op=True) for t in tensors]:
+                work.wait()
+
+        runs["gloo"] = torch_gloo
+    return runs
+
+
+def bed(outdir: Path, budget: float) -> None:
+    import ringplug
+
+    from .allreduce import _gloo_group
+    from .common import measure_side_by_side, median
+
+    ringplug.init()
+    try:
+        _gloo_group()
+        gloo = True
+    except ImportError:  # without torch, ringplug and MPI only
+        gloo = False
+    from mpi4py import MPI
+
+    cases = {label: [np.zeros(size // 4, np.float32)] for label, size in BED_SIZES.items()}
+    cases[RESNET50] = resnet50_buffers()
+    rows = []
+    for label, buffers in cases.items():
+        runs = _bed_runners(label, buffers, gloo)
+        times = measure_side_by_side(runs, budget_s=budget, min_iters=3, max_iters=200, warmup=2)
+        ringplug.barrier()
+        engine = _counted(runs["ringplug"], 2)
+        rows.append(
+            {
+                "case": label,
+                "bytes": sum(b.nbytes for b in buffers),
+                "tensors": len(buffers),
+                "median_s": {impl: median(t) for impl, t in times.items()},
+                "iterations": {impl: len(t) for impl, t in times.items()},
+                "ringplug_engine": engine,
+                "path": _engine().transport.last_path,
+            }
+        )
+        ringplug.barrier()
+    hosts = len(set(ringplug.allgather_object(MPI.Get_processor_name())))
+    if ringplug.rank() == 0:
+        document = {"ranks": ringplug.size(), "hosts": hosts, "rows": rows}
+        (outdir / "bed.json").write_text(json.dumps(document))
+    ringplug.barrier()
+    if gloo:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    ringplug.shutdown()
+
+
+if __name__ == "__main__":
+    mode, where, number = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    if mode == "counts":
+        counts(where, int(number))
+    else:
+        bed(where, float(number))

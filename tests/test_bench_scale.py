@@ -1,0 +1,83 @@
+"""`ringplug-bench scale`: its counts on a few ranks, and its cost model on points whose
+answer is known. Nothing here asserts how fast anything was."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ringplug.bench import scale_model
+from ringplug.bench.scale_model import Fit, Point, fit_model
+
+
+@pytest.mark.multirank
+def test_counts_on_2_and_3_ranks_are_ceil_log2_p_messages_a_cycle_as_profiled(tmp_path):
+    output = tmp_path / "scale.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "ringplug.bench.cli", "scale", "--ranks", "2,3",
+         "--parts", "counts,cpu,model", "--steps", "2", "--json", str(output)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads(output.read_text())
+    for size in (2, 3):
+        reports = document["counts"][str(size)]["reports"]
+        assert [report["rank"] for report in reports] == list(range(size))
+        for report in reports:
+            step = report["phases"]["8x4K"]
+            # Up to 7 ranks every cycle gathers the messages in ceil(log2 p) rounds.
+            rounds = math.ceil(math.log2(size))
+            assert step["messages"]["negotiation"] == rounds * step["cycles"]
+            if "pmpi" in report:  # the profiling library built here: the same counts
+                assert report["pmpi"]["messages"] == sum(report["window"]["messages"].values())
+                assert report["pmpi"]["bytes"] == sum(report["window"]["bytes"].values())
+    # A row per size in the counts table, then in the CPU table.
+    sizes = [line.split()[0] for line in result.stdout.splitlines() if line[:6].strip().isdigit()]
+    assert sizes == ["2", "3", "2", "3"]
+    predicted = document["model"]["predictions"]
+    assert {row["ranks"] for row in predicted} == {64, 512, 4096}
+    assert all(0 < row["efficiency"] <= 1 for row in predicted)
+
+
+def test_the_fit_recovers_the_coefficients_that_made_the_points():
+    alpha, beta, gamma = 7e-6, 0.4e-9, 3e-6
+    shapes = [(1, 4096, 10), (3, 1 << 20, 12), (18, 16 << 20, 20), (5, 0, 9), (40, 2e6, 60)]
+    points = [
+        Point(f"p{i}", m, b, c, alpha * m + beta * b + gamma * c)
+        for i, (m, b, c) in enumerate(shapes)
+    ]
+    fit = fit_model(points)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-9)
+    assert fit.beta == pytest.approx(beta, rel=1e-9)
+    assert fit.gamma == pytest.approx(gamma, rel=1e-9)
+    assert fit.rms_error == pytest.approx(0, abs=1e-9)
+
+
+def test_the_fit_keeps_every_coefficient_at_least_zero_and_reports_its_error():
+    # Time falls as messages grow: unconstrained least squares would give a negative alpha.
+    points = [Point("a", 1, 0, 1, 3e-6), Point("b", 2, 0, 1, 2e-6), Point("c", 4, 0, 1, 1e-6)]
+    fit = fit_model(points)
+    assert fit.alpha == 0 and fit.beta == 0 and fit.gamma > 0
+    assert set(fit.errors) == {"a", "b", "c"}
+    assert fit.errors["a"] < 0 < fit.errors["c"]
+
+
+def test_with_python_free_the_prediction_is_nccls_data_plane_and_latency():
+    free = Fit(0.0, 0.0, 0.0, {})
+    model, network = scale_model.HOROVOD_MODELS[0], scale_model.ROCE
+    row = scale_model.predict(free, free, model, network, 512, "free")
+    buffers = math.ceil(model.gradient_bytes / scale_model.FUSION_BYTES)
+    data = 2 * 511 / 512 * model.gradient_bytes / network.busbw_bytes_s
+    data += buffers * 2 * 9 * network.latency_s
+    # What is left of the control plane: NCCL's latency for each negotiation message.
+    assert row.engine_cpu_per_cycle_s == 0
+    assert row.control_s == pytest.approx((buffers + 1) * 9 * network.latency_s)
+    assert row.data_s == pytest.approx(data)
+    control = row.control_s
+    assert row.efficiency_no_overlap == pytest.approx(
+        model.compute_s / (model.compute_s + control + data)
+    )
