@@ -24,6 +24,8 @@ static void count(MPI_Count n, MPI_Datatype type, int tag) {
     if (i == used) {
         if (used == TAGS) return;
         tags[used++] = tag;
+        messages[i] = 0; /* a slot of an earlier window starts again from nothing */
+        bytes[i] = 0;
     }
     messages[i] += 1;
     bytes[i] += (long long)n * size;
