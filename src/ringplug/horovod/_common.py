@@ -59,7 +59,8 @@ Product = ReduceOp.PRODUCT
 
 
 class _Adasum:
-    """Horovod's Adasum op, which ringplug does not implement (`resolve_op` refuses it)."""
+    """Horovod's Adasum op: the allreduces and DistributedOptimizer of the torch and
+    TensorFlow modules take it (`resolve_op`, which the other reductions use, refuses it)."""
 
     def __repr__(self) -> str:
         return "Adasum"
@@ -116,8 +117,8 @@ def resolve_op(average: bool | None, op: Any) -> ReduceOp:
     """Horovod's (average, op) pair -> one op; Average when neither is given."""
     if op is Adasum:
         raise NotImplementedError(
-            "ringplug does not implement Adasum; use op=hvd.Average (with the linear "
-            "scaling rule and LR warmup) or hvd.Sum."
+            "op=hvd.Adasum is taken by allreduce, grouped_allreduce and DistributedOptimizer "
+            "(torch and TensorFlow) only; use op=hvd.Sum or hvd.Average here."
         )
     if op is not None and average is not None:
         raise ValueError("give either op= or the deprecated average=, not both.")
