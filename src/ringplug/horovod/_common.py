@@ -28,6 +28,7 @@ __all__ = [
     "ddl_built",
     "global_process_set",
     "gloo_built",
+    "gpu_available",
     "gloo_enabled",
     "init",
     "is_homogeneous",
@@ -173,6 +174,12 @@ def nccl_built() -> int:
 def cuda_built() -> bool:
     """Whether CUDA tensors can be reduced here (an NCCL library is found)."""
     return nccl_built() > 0
+
+
+def gpu_available(ext_base_name: str = "", verbose: bool = False) -> bool:
+    """Whether GPU tensors can be reduced here (Horovod's: its extension for
+    `ext_base_name` was built with GPU support); ringplug's answer is `cuda_built()`."""
+    return cuda_built()
 
 
 def is_homogeneous() -> bool:
