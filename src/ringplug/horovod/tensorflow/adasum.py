@@ -55,6 +55,7 @@ def _check(tensors: Sequence[Any]) -> None:
                 "Adasum does not reduce tf.IndexedSlices; pass sparse_as_dense=True, or "
                 "tf.convert_to_tensor() them first."
             )
+    for tensor in tensors:
         if tf.as_dtype(tensor.dtype) not in _TYPES:
             raise TypeError(
                 f"Adasum reduces float16, float32 or float64 tensors, got {tensor.dtype.name}; "
@@ -68,8 +69,8 @@ def grouped_adasum(
     """The Adasum of each of `tensors` over every rank (each its own dot products and
     norms), as new tensors; differentiable. NotImplementedError on every rank when the
     number of ranks is not a power of two, or for ``tf.IndexedSlices``."""
-    tensors = [t if isinstance(t, tf.IndexedSlices) else tf.convert_to_tensor(t) for t in tensors]
     _check(tensors)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
     kind = "Adasum"
 
     def reduce(values: Sequence[Any], request: str | None, scales: tuple) -> list[Any]:
@@ -87,6 +88,7 @@ def reduce_compressed(
     tensors: Sequence[Any], compression: Any, pre: float, post: float, name: str | None
 ) -> list[Any]:
     """`grouped_adasum` of `tensors` as `compression` sends them."""
+    _check(tensors)
     packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     reduced = grouped_adasum([c for c, _ in packed], pre, post, name)
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed, strict=True)]
