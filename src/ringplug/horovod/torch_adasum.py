@@ -17,9 +17,7 @@ import torch
 
 from ..core import collectives as core_collectives
 from ..core.kinds.adasum import check_size
-from ..torch.collectives import TensorHandle
-
-_TYPES = (torch.float16, torch.float32, torch.float64)
+from ..torch.collectives import TensorHandle, as_numpy
 
 
 def adasum_async(
@@ -32,14 +30,9 @@ def adasum_async(
     """Start the Adasum of each of `tensors` over every rank (each with its own dot products
     and norms); `wait()` returns the list of results (`tensors` themselves when
     `in_place`). Raises NotImplementedError on every rank when the number of ranks is not a
-    power of two, TypeError for a dtype other than float16, float32 or float64."""
+    power of two; a dtype other than float16, float32 or float64 fails the handle with
+    TypeError here and PeerArgumentError on the other ranks."""
     check_size()
-    for tensor in tensors:
-        if tensor.dtype not in _TYPES:
-            raise TypeError(
-                f"Adasum reduces float16, float32 or float64 tensors, got {tensor.dtype}; "
-                "cast it first, or use op=hvd.Sum or hvd.Average."
-            )
     works, handles = [], []
     for index, tensor in enumerate(tensors):
         # The core reads and writes host memory: a CPU copy unless the tensor can be used
@@ -48,10 +41,11 @@ def adasum_async(
         work = tensor.detach() if direct else tensor.detach().to("cpu", copy=True).contiguous()
         if prescale_factor != 1.0:
             work.mul_(prescale_factor)
-        array = work.numpy()
+        # bfloat16 and integers reach the core, which refuses them on every rank at once.
+        array, dtype = as_numpy(work)
         member = name if name is None or len(tensors) == 1 else f"{name}.{index}"
         works.append(work)
-        handles.append(core_collectives.adasum_async(array, out=array, name=member))
+        handles.append(core_collectives.adasum_async(array, out=array, name=member, dtype=dtype))
 
     def finish(_: Any) -> list[torch.Tensor]:
         results = []

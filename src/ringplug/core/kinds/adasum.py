@@ -45,15 +45,17 @@ def adasum_async(
     """Start the Adasum of `array` over every rank; the handle's `wait()` returns the
     result (`out` when given: `array` itself reduces it in place).
 
-    `array`: float16, float32 or float64, the same shape and dtype on every rank. Raises
-    NotImplementedError on every rank at once when the number of ranks is not a power of
-    two.
+    `array`: float16, float32 or float64, the same shape and dtype on every rank (another
+    dtype fails the handle with TypeError here and `PeerArgumentError` on the other ranks;
+    a shape or dtype that differs between ranks, `MismatchError` naming the tensor on every
+    rank). Raises NotImplementedError on every rank at once, before anything is sent, when
+    the number of ranks is not a power of two.
     """
     check_size()
-    source = as_array(array)
-    code = classify(source, dtype)
 
     def build(request_name: str) -> Request:
+        source = as_array(array)
+        code = classify(source, dtype)
         if code not in _TYPES:
             raise TypeError(
                 f"Adasum reduces float16, float32 or float64 tensors, got {code.label}; "

@@ -21,8 +21,6 @@ from ...core.kinds.adasum import check_size
 from ...tensorflow import _ops
 from ...tensorflow.tape import DistributedGradientTape
 
-_TYPES = (tf.float16, tf.float32, tf.float64)
-
 
 def _starter(pre: float, post: float) -> _ops.Starter:
     """Adasum of several arrays, one request each (they run fused)."""
@@ -54,12 +52,6 @@ def _check(tensors: Sequence[Any]) -> None:
             raise NotImplementedError(
                 "Adasum does not reduce tf.IndexedSlices; pass sparse_as_dense=True, or "
                 "tf.convert_to_tensor() them first."
-            )
-    for tensor in tensors:
-        if tf.as_dtype(tensor.dtype) not in _TYPES:
-            raise TypeError(
-                f"Adasum reduces float16, float32 or float64 tensors, got {tensor.dtype.name}; "
-                "cast it first, or use op=hvd.Sum or hvd.Average."
             )
 
 
