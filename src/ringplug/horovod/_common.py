@@ -118,8 +118,9 @@ def resolve_op(average: bool | None, op: Any) -> ReduceOp:
     """Horovod's (average, op) pair -> one op; Average when neither is given."""
     if op is Adasum:
         raise NotImplementedError(
-            "op=hvd.Adasum is taken by allreduce, grouped_allreduce and DistributedOptimizer "
-            "(torch and TensorFlow) only; use op=hvd.Sum or hvd.Average here."
+            "op=hvd.Adasum is taken by allreduce and grouped_allreduce (torch and "
+            "TensorFlow), torch's DistributedOptimizer and TensorFlow's "
+            "DistributedGradientTape only; use op=hvd.Sum or hvd.Average here."
         )
     if op is not None and average is not None:
         raise ValueError("give either op= or the deprecated average=, not both.")
