@@ -107,11 +107,11 @@ def test_horovod_semantics_where_they_differ_from_ringplug_torch(run, ranks):
 def test_adasum_matches_the_papers_pairwise_tree_on_a_power_of_two_ranks(run, ranks):
     # The core on numpy arrays and every hvd.allreduce form (float16/32/64), a fused burst
     # keeping each tensor's own norms, the sum/average limits, a zero vector, autograd,
-    # results identical on every rank, mismatches naming the tensor, and
+    # results identical on every rank, mismatches naming the tensor, a joined rank, and
     # DistributedOptimizer(op=Adasum)'s delta step; against a numpy tree in the worker.
     reports = run("hvd_adasum.py", ranks)
     for checks in reports:
-        assert len(checks) >= 55
+        assert len(checks) >= 56
         assert [name for name, ok in checks.items() if not ok] == []
 
 

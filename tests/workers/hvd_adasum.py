@@ -219,6 +219,19 @@ def supported(check, rank: int, size: int) -> None:
             "" if rank else "float16, float32 or float64",
         ),
     )
+    # A joined rank has no tensor to combine: the others' Adasum fails, naming it.
+    if rank == size - 1:
+        check("join-with-adasum-pending", lambda: hvd.join() in range(size))
+    else:
+        check(
+            "adasum-refused-while-a-rank-has-joined",
+            lambda: raises(
+                lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum, name="joined"),
+                RuntimeError,
+                f"rank(s) {size - 1} have joined",
+            ),
+        )
+        hvd.join()
     check(
         "reducescatter-refuses-adasum",
         lambda: raises(
