@@ -134,8 +134,8 @@ def _partial_sums(
         start, stop = max(bounds[index], lo) - lo, min(bounds[index + 1], hi) - lo
         if start >= stop:
             continue
-        x = a[start:stop].astype(np.float64)
-        y = b[start:stop].astype(np.float64)
+        x = a[start:stop].astype(np.float64, copy=False)
+        y = b[start:stop].astype(np.float64, copy=False)
         sums[index] = (np.dot(x, y), np.dot(x, x), np.dot(y, y))
     return sums
 
@@ -158,8 +158,8 @@ def _combine_tensors(
         if not lower:  # this rank's piece is `b`
             a_factor, b_factor = b_factor, a_factor
         # In float64, rounded once to the tensor's dtype.
-        wide = a_factor * mine[start:stop].astype(np.float64)
-        wide += b_factor * theirs[start:stop].astype(np.float64)
+        wide = a_factor * mine[start:stop].astype(np.float64, copy=False)
+        wide += b_factor * theirs[start:stop].astype(np.float64, copy=False)
         np.copyto(mine[start:stop], wide, casting="unsafe")
 
 
