@@ -23,6 +23,8 @@ WORKERS = Path(__file__).parent / "workers"
 # is imported once per rank instead of once per script. Each writes PREFIX-RANK.json.
 PREFIXES = {
     "hvd_collectives.py": "hvd",
+    "hvd_adasum.py": "adasum",
+    "hvd_tf_adasum.py": "tf_adasum",
     "hvd_semantics.py": "semantics",
     "hvd_mnist.py": "mnist",
     "hvd_resume.py": "resume",
@@ -34,10 +36,17 @@ PREFIXES = {
 # keep a job each: what hvd_keras.py leaves in a process (its automatic collective names
 # differ between the ranks) makes the next script's ranks call collectives of other names.
 JOBS = {
-    ("torch", 2): ["hvd_collectives.py", "hvd_semantics.py", "hvd_mnist.py", "hvd_resume.py"],
-    ("torch", 3): ["hvd_collectives.py", "hvd_semantics.py", "hvd_resume.py"],
+    ("torch", 2): [
+        "hvd_collectives.py",
+        "hvd_adasum.py",
+        "hvd_semantics.py",
+        "hvd_mnist.py",
+        "hvd_resume.py",
+    ],
+    ("torch", 3): ["hvd_collectives.py", "hvd_adasum.py", "hvd_semantics.py", "hvd_resume.py"],
+    ("torch", 4): ["hvd_adasum.py"],  # Adasum's tree two levels deep
     ("keras", 2): ["hvd_keras.py"],
-    ("tf", 2): ["hvd_tf.py"],
+    ("tf", 2): ["hvd_tf.py", "hvd_tf_adasum.py"],
     ("tf1", 2): ["hvd_tf1_hook.py"],
 }
 TENSORFLOW = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -94,6 +103,25 @@ def test_horovod_semantics_where_they_differ_from_ringplug_torch(run, ranks):
         assert [name for name, ok in checks.items() if not ok] == []
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_adasum_matches_the_papers_pairwise_tree_on_a_power_of_two_ranks(run, ranks):
+    # The core on numpy arrays and every hvd.allreduce form (float16/32/64), a fused burst
+    # keeping each tensor's own norms, the sum/average limits, a zero vector, autograd,
+    # results identical on every rank, mismatches naming the tensor, a joined rank, and
+    # DistributedOptimizer(op=Adasum)'s delta step; against a numpy tree in the worker.
+    reports = run("hvd_adasum.py", ranks)
+    for checks in reports:
+        assert len(checks) >= 56
+        assert [name for name, ok in checks.items() if not ok] == []
+
+
+def test_adasum_on_three_ranks_is_refused_on_every_rank_and_the_job_goes_on(run):
+    reports = run("hvd_adasum.py", 3)
+    for checks in reports:
+        assert len(checks) == 6
+        assert [name for name, ok in checks.items() if not ok] == []
+
+
 def test_an_mnist_style_hvd_torch_script_trains_and_keeps_ranks_identical(run):
     for report in run("hvd_mnist.py"):
         assert report["ranks_identical"]  # broadcast + DistributedOptimizer (passes_per_step=2)
@@ -142,6 +170,15 @@ def test_horovod_tensorflow_eagerly_in_tf_function_and_in_a_graph_session(run):
     reports = run("hvd_tf.py")
     for checks in reports:
         assert len(checks) >= 32
+        assert [name for name, ok in checks.items() if not ok] == []
+
+
+def test_horovod_tensorflow_adasum_eagerly_in_tf_function_in_a_graph_and_in_the_tape(run):
+    # Against a numpy tree in the worker; grouped tensors keep their own norms; IndexedSlices
+    # and Keras optimizers refused as Horovod refuses them.
+    pytest.importorskip("tensorflow")
+    for checks in run("hvd_tf_adasum.py"):
+        assert len(checks) >= 9
         assert [name for name, ok in checks.items() if not ok] == []
 
 

@@ -31,6 +31,7 @@ class Kind(enum.IntEnum):
     BARRIER = 6
     BROADCAST_OBJECT = 7
     ALLGATHER_OBJECT = 8
+    ADASUM = 9
 
     @property
     def label(self) -> str:

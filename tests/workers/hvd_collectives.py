@@ -205,10 +205,13 @@ def main(outdir: Path) -> None:
             return words in str(exc)
         return False
 
+    # Adasum reduces with allreduce only (its own checks: hvd_adasum.py).
     check(
-        "adasum-refused",
+        "adasum-refused-by-reducescatter",
         lambda: refused(
-            lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum), NotImplementedError, "Adasum"
+            lambda: hvd.reducescatter(torch.ones(size), op=hvd.Adasum),
+            NotImplementedError,
+            "Adasum",
         ),
     )
     # Mismatched shapes, dtypes and roots raise on every rank; so does a name in flight twice.

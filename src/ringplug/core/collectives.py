@@ -18,6 +18,7 @@ from . import runtime
 from .engine.handles import Handle
 
 # The adapters (ringplug.torch, the Horovod layer) reach every kind through this module.
+from .kinds.adasum import adasum, adasum_async, grouped_adasum_async
 from .kinds.allgather import allgather, allgather_async, allgather_in_place_async
 from .kinds.allreduce import (
     allreduce,

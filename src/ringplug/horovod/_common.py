@@ -28,6 +28,7 @@ __all__ = [
     "ddl_built",
     "global_process_set",
     "gloo_built",
+    "gpu_available",
     "gloo_enabled",
     "init",
     "is_homogeneous",
@@ -59,7 +60,8 @@ Product = ReduceOp.PRODUCT
 
 
 class _Adasum:
-    """Horovod's Adasum op, which ringplug does not implement (`resolve_op` refuses it)."""
+    """Horovod's Adasum op: the allreduces and DistributedOptimizer of the torch and
+    TensorFlow modules take it (`resolve_op`, which the other reductions use, refuses it)."""
 
     def __repr__(self) -> str:
         return "Adasum"
@@ -116,8 +118,9 @@ def resolve_op(average: bool | None, op: Any) -> ReduceOp:
     """Horovod's (average, op) pair -> one op; Average when neither is given."""
     if op is Adasum:
         raise NotImplementedError(
-            "ringplug does not implement Adasum; use op=hvd.Average (with the linear "
-            "scaling rule and LR warmup) or hvd.Sum."
+            "op=hvd.Adasum is taken by allreduce and grouped_allreduce (torch and "
+            "TensorFlow), torch's DistributedOptimizer and TensorFlow's "
+            "DistributedGradientTape only; use op=hvd.Sum or hvd.Average here."
         )
     if op is not None and average is not None:
         raise ValueError("give either op= or the deprecated average=, not both.")
@@ -172,6 +175,12 @@ def nccl_built() -> int:
 def cuda_built() -> bool:
     """Whether CUDA tensors can be reduced here (an NCCL library is found)."""
     return nccl_built() > 0
+
+
+def gpu_available(ext_base_name: str = "", verbose: bool = False) -> bool:
+    """Whether GPU tensors can be reduced here (Horovod's: its extension for
+    `ext_base_name` was built with GPU support); ringplug's answer is `cuda_built()`."""
+    return cuda_built()
 
 
 def is_homogeneous() -> bool:

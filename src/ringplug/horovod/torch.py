@@ -6,7 +6,8 @@ this module adds is where Horovod's semantics differ from ``ringplug.torch``'s:
 allgather's and broadcast's gradients are the average of the ranks' gradients (ringplug's
 are the sum) and reducescatter's ``size`` times ringplug's; allgather and broadcast fail
 while a rank has joined; an async operation's name stays taken until its handle is
-synchronized. Adasum and process sets other than the global one are refused.
+synchronized. Adasum (``op=hvd.Adasum``, on a power of two ranks) is in `torch_adasum`;
+process sets other than the global one are refused.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from ..torch import optimizer as _optimizer
 from ..torch import state as _state
 from ..torch.state import broadcast_parameters
 from ..torch.sync_batchnorm import SyncBatchNorm
+from . import torch_adasum
 from . import torch_elastic as elastic  # Horovod's hvd.elastic
 from ._common import *  # noqa: F403 - Horovod's basics, re-exported
-from ._common import _SET, Average, barrier, check_process_set, resolve_op
+from ._common import _SET, Adasum, Average, barrier, check_process_set, resolve_op
 from ._common import __all__ as _BASICS
 from .torch_elastic import broadcast_optimizer_state
 
@@ -93,6 +95,26 @@ def _reduction(
     }
 
 
+def _adasum_handle(
+    kind: str,
+    tensors: _Tensors,
+    name: str | None,
+    in_place: bool,
+    process_set: Any,
+    prescale: float,
+    postscale: float,
+    single: bool = False,
+) -> Handle:
+    """Horovod's handle on an Adasum reduction (`single`: its result is one tensor)."""
+    check_process_set(process_set)
+
+    def begin() -> Any:
+        handle = torch_adasum.adasum_async(list(tensors), name, in_place, prescale, postscale)
+        return rt.TensorHandle(handle, (lambda results: results[0]) if single else list)
+
+    return Handle(kind, name, begin)
+
+
 class _ScaledGradient(torch.autograd.Function):
     """The identity, whose gradient is multiplied by `times` and divided by `over`: where
     Horovod's gradient of a collective is a multiple of ringplug.torch's."""
@@ -131,6 +153,13 @@ def allreduce(
     process_set: Any = _SET,
 ) -> torch.Tensor:
     """The reduction of `tensor` over every rank, as a new tensor (differentiable)."""
+    if op is Adasum:
+        check_process_set(process_set)
+        return compressed(
+            compression,
+            [tensor],
+            lambda sent: torch_adasum.adasum(sent, name, prescale_factor, postscale_factor),
+        )[0]
     kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
     return compressed(compression, [tensor], lambda sent: [rt.allreduce(*sent, **kwargs)])[0]
 
@@ -145,6 +174,10 @@ def allreduce_async(
     process_set: Any = _SET,
 ) -> Handle:
     """Start `allreduce`; `synchronize(handle)` returns the result (the input is not changed)."""
+    if op is Adasum:
+        return _adasum_handle(
+            "allreduce", [tensor], name, False, process_set, prescale_factor, postscale_factor, True
+        )
     kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
     return Handle("allreduce", name, lambda: rt.allreduce_async(tensor, **kwargs))
 
@@ -174,6 +207,10 @@ def allreduce_async_(
     process_set: Any = _SET,
 ) -> Handle:
     """Start `allreduce_` (in place); `synchronize(handle)` returns `tensor`."""
+    if op is Adasum:
+        return _adasum_handle(
+            "allreduce", [tensor], name, True, process_set, prescale_factor, postscale_factor, True
+        )
     kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
     return Handle("allreduce", name, lambda: rt.allreduce_async_(tensor, **kwargs))
 
@@ -189,6 +226,13 @@ def grouped_allreduce(
     process_set: Any = _SET,
 ) -> list[torch.Tensor]:
     """Several tensors reduced as one request; returns new tensors (differentiable)."""
+    if op is Adasum:
+        check_process_set(process_set)
+        return compressed(
+            compression,
+            tensors,
+            lambda sent: torch_adasum.adasum(sent, name, prescale_factor, postscale_factor),
+        )
     kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
     return compressed(compression, tensors, lambda sent: rt.grouped_allreduce(sent, **kwargs))
 
@@ -203,6 +247,16 @@ def grouped_allreduce_async(
     process_set: Any = _SET,
 ) -> Handle:
     """Start `grouped_allreduce`; `synchronize(handle)` returns the new tensors."""
+    if op is Adasum:
+        return _adasum_handle(
+            "grouped_allreduce",
+            tensors,
+            name,
+            False,
+            process_set,
+            prescale_factor,
+            postscale_factor,
+        )
     kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
     return Handle("grouped_allreduce", name, lambda: rt.grouped_allreduce_async(tensors, **kwargs))
 
@@ -232,6 +286,10 @@ def grouped_allreduce_async_(
     process_set: Any = _SET,
 ) -> Handle:
     """Start `grouped_allreduce_` (in place); `synchronize(handle)` returns `tensors`."""
+    if op is Adasum:
+        return _adasum_handle(
+            "grouped_allreduce", tensors, name, True, process_set, prescale_factor, postscale_factor
+        )
     kwargs = _reduction(average, op, process_set, name, prescale_factor, postscale_factor)
     return Handle("grouped_allreduce", name, lambda: rt.grouped_allreduce_async_(tensors, **kwargs))
 
@@ -496,6 +554,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     `skip_synchronize()`). `num_groups`/`groups` are accepted and not needed: ringplug
     buckets by size. Sparse gradients are reduced as dense and handed back sparse."""
     check_process_set(process_set)
+    if op is Adasum:
+        return torch_adasum.DistributedOptimizer(
+            optimizer, named_parameters, backward_passes_per_step
+        )
     named = None if named_parameters is None else list(named_parameters)
     distributed = _optimizer.DistributedOptimizer(
         optimizer,

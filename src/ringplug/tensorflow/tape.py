@@ -167,18 +167,22 @@ class DistributedGradientTape:
         flat = tf.nest.flatten(grads)
         local = [self._is_local(s) for s in flat_sources]
         shared = [None if is_local else g for g, is_local in zip(flat, local, strict=True)]
-        reduced = reduce_gradients(
-            shared,
-            self._op,
-            compression=self._compression,
-            sparse_as_dense=self._sparse_as_dense,
-            gradient_predivide_factor=self._predivide,
-        )
+        reduced = self._reduce(shared)
         merged = [
             self._scaled_local(g) if is_local else r
             for g, r, is_local in zip(flat, reduced, local, strict=True)
         ]
         return tf.nest.pack_sequence_as(grads, merged)
+
+    def _reduce(self, grads: list[Any]) -> list[Any]:
+        """The shared gradients reduced over every rank (None stays None)."""
+        return reduce_gradients(
+            grads,
+            self._op,
+            compression=self._compression,
+            sparse_as_dense=self._sparse_as_dense,
+            gradient_predivide_factor=self._predivide,
+        )
 
     def get_local_and_global_gradients(
         self, target: Any, sources: Any, output_gradients: Any = None, **kwargs: Any

@@ -19,7 +19,7 @@ import numpy as np
 from ...config import Settings
 from ..dtypes import DType
 from ..ops import ReduceOp
-from . import doubling, reduce, ring
+from . import adasum, doubling, reduce, ring
 from .waiting import Waiter
 
 if TYPE_CHECKING:
@@ -193,6 +193,12 @@ class Transport:
                 self._mpi_allreduce(work, op, code)
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
         return work[lo:hi].reshape((rows[self.rank + 1] - rows[self.rank], *send.shape[1:]))
+
+    def adasum(self, buf: np.ndarray, bounds: list[int]) -> None:
+        """buf <- the Adasum of every rank's buf, tensor by tensor (tensor i in
+        [bounds[i], bounds[i + 1])), in place; see `adasum`."""
+        self.last_path = "adasum"
+        adasum.allreduce(self._comm, buf, bounds, self.waiter)
 
     def allgather_in_place(self, arrays: list[np.ndarray], counts: list[int]) -> None:
         """Every rank's block of the concatenation of `arrays` (`counts[r]` elements for

@@ -22,6 +22,7 @@ from .. import _common
 from .._common import *  # noqa: F403 - Horovod's basics, re-exported
 from .._common import (
     _SET,
+    Adasum,
     Average,
     allgather_object,
     barrier,
@@ -31,6 +32,7 @@ from .._common import (
     resolve_op,
 )
 from .._common import __all__ as _BASICS
+from . import adasum as _adasum
 from . import util
 from .util import _executing_eagerly  # noqa: F401 - hvd._executing_eagerly, as Horovod
 
@@ -58,9 +60,11 @@ def allreduce(
     ignore_name_scope: bool = False,
 ) -> Any:
     """The reduction of `tensor` (or ``tf.IndexedSlices``) over every rank; Average when no
-    op is given. Differentiable."""
+    op is given (op=hvd.Adasum: on a power of two ranks). Differentiable."""
     check_process_set(process_set)
     scales = (prescale_factor, postscale_factor)
+    if op is Adasum:
+        return _adasum.reduce_compressed([tensor], compression, *scales, name)[0]
     return reduce_compressed([tensor], resolve_op(average, op), compression, *scales, name)[0]
 
 
@@ -80,6 +84,8 @@ def grouped_allreduce(
     """Several tensors reduced together; returns them in order. Differentiable."""
     check_process_set(process_set)
     scales = (prescale_factor, postscale_factor)
+    if op is Adasum:
+        return _adasum.reduce_compressed(list(tensors), compression, *scales, name)
     return reduce_compressed(list(tensors), resolve_op(average, op), compression, *scales, name)
 
 
@@ -278,6 +284,17 @@ def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
     """`DistributedGradientTape` that leaves the gradients of `local_layers`' variables
     local (model parallelism: each rank trains its own copy of those layers)."""
     check_process_set(process_set)
+    if op is Adasum:
+        if gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor applies to op=hvd.Average only.")
+        _adasum.check_size()
+        return _adasum.AdasumGradientTape(
+            gradtape,
+            compression=compression,
+            sparse_as_dense=sparse_as_dense,
+            local_variables=local_layers_variables(local_layers),
+            scale_local_gradients=scale_local_gradients,
+        )
     return _tf.DistributedGradientTape(
         gradtape,
         op=resolve_op(None, op),
@@ -308,6 +325,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     """A Keras optimizer averaging its gradients over every rank (``ringplug.keras``'s
     DistributedOptimizer); ``tf.compat.v1.train`` optimizers are refused."""
     check_process_set(process_set)
+    if op is Adasum:
+        raise ValueError(
+            "op=hvd.Adasum is not taken by Keras optimizers (nor by Horovod's); use "
+            "hvd.DistributedGradientTape(tape, op=hvd.Adasum) in a custom training loop, "
+            "or op=hvd.Average."
+        )
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise NotImplementedError(
             "ringplug.horovod.tensorflow wraps Keras optimizers only; for a "
