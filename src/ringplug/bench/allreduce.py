@@ -33,7 +33,11 @@ from .common import (
     write_json,
 )
 
-IMPLS = ("ringplug", "mpi", "gloo", "python", "memory")
+IMPLS = ("ringplug", "ringplug-norecord", "mpi", "gloo", "python", "memory")
+DEFAULT_IMPLS = ("ringplug", "mpi", "gloo", "python", "memory")
+# Sizes up to this get the "ringplug-norecord" row (the flight record's cost is a cost
+# per call, which shows on small calls and hides on large ones).
+NORECORD_UP_TO = 64 << 10
 FLOOR_TAG = 7300
 CUDA_IMPLS = ("ringplug", "nccl", "memory")
 
@@ -51,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--impls",
         default=None,
-        help=f"comma-separated subset of {','.join(IMPLS)} (gloo needs torch; default all), "
+        help=f"comma-separated subset of {','.join(IMPLS)} (gloo needs torch; default "
+        f"{','.join(DEFAULT_IMPLS)}; ringplug-norecord: ringplug with its flight record off, "
+        f"in the same engine, up to {NORECORD_UP_TO >> 10}K), "
         f"or with --device cuda of {','.join(CUDA_IMPLS)}",
     )
     parser.add_argument(
@@ -79,7 +85,9 @@ def _gloo_group():
 
 def _runners(impls: list[str], buf: np.ndarray) -> dict[str, Callable[[], object]]:
     runners: dict[str, Callable[[], object]] = {}
-    if "ringplug" in impls:
+    if "ringplug-norecord" in impls and buf.nbytes <= NORECORD_UP_TO:
+        runners.update(_with_and_without_record(buf, "ringplug" in impls))
+    elif "ringplug" in impls:
         runners["ringplug"] = lambda: ringplug.allreduce(buf, op=ringplug.Sum, out=buf)
     if "mpi" in impls:
         from mpi4py import MPI
@@ -105,6 +113,35 @@ def _runners(impls: list[str], buf: np.ndarray) -> dict[str, Callable[[], object
             np.copyto(buf[half:], peer[half:])  # copy S/2 out
 
         runners["memory"] = local_work
+    return runners
+
+
+def _with_and_without_record(buf: np.ndarray, with_record: bool) -> dict[str, Callable[[], object]]:
+    """The "ringplug" row and the "ringplug-norecord" row: the same call in the same engine,
+    with its flight record (as RINGPLUG_FLIGHT_RECORD says) and with none (as
+    RINGPLUG_FLIGHT_RECORD=0), interleaved like any two rows. The record is the engine's
+    `flight`, read on every call: each row puts its own there when the other's is, a
+    comparison and a store that both rows pay alike."""
+    from ..core import runtime
+    from ..forensics.flight import FlightRecorder
+
+    engine = runtime.engine()
+    recorded, unrecorded = engine.flight, FlightRecorder(0)
+
+    def recording() -> object:
+        if engine.flight is not recorded:
+            engine.flight = recorded
+        return ringplug.allreduce(buf, op=ringplug.Sum, out=buf)
+
+    def not_recording() -> object:
+        if engine.flight is not unrecorded:
+            engine.flight = unrecorded
+        return ringplug.allreduce(buf, op=ringplug.Sum, out=buf)
+
+    runners: dict[str, Callable[[], object]] = {}
+    if with_record:
+        runners["ringplug"] = recording
+    runners["ringplug-norecord"] = not_recording
     return runners
 
 
@@ -189,7 +226,8 @@ def _verify(dtype: np.dtype, count: int, impls: list[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     ringplug.init()
     known = CUDA_IMPLS if args.device == "cuda" else IMPLS
-    impls = [name.strip() for name in (args.impls or ",".join(known)).split(",") if name.strip()]
+    chosen = args.impls or ",".join(CUDA_IMPLS if args.device == "cuda" else DEFAULT_IMPLS)
+    impls = [name.strip() for name in chosen.split(",") if name.strip()]
     unknown = sorted(set(impls) - set(known))
     if unknown:
         raise SystemExit(f"ringplug-bench: unknown impls {unknown}; choose from {known}")
@@ -219,12 +257,20 @@ def run(args: argparse.Namespace) -> int:
             else "# memory = one rank's unavoidable local work in a 2-rank ring "
             "(copy S/2 in, add S/2, copy S/2 out)"
         )
+        if "ringplug-norecord" in impls:
+            print(
+                "# ringplug-norecord = ringplug with its flight record off (as with "
+                "RINGPLUG_FLIGHT_RECORD=0), in the same engine, interleaved with the ringplug "
+                f"row; up to {human_bytes(NORECORD_UP_TO)}; record = the record's cost"
+            )
         if "python" in impls:
             print(
                 "# python = the floor of an allreduce in Python: each rank sends its buffer to "
                 "every other (mpi4py) and adds the copies (numpy); no negotiation, no checks"
             )
-        header = f"#{'size':>7} " + "".join(f"| {name + ' us':>13} {'busbw':>6} " for name in impls)
+        header = f"#{'size':>7} " + "".join(
+            f"| {name + ' us':>{_width(name)}} {'busbw':>6} " for name in impls
+        )
         header += "| busbw ratios (ringplug / other)"
         print(header)
     records = _measure_sizes(args, impls, dtype, sizes, bus_factor, leader)
@@ -286,19 +332,37 @@ def _measure_sizes(
             )
         records.extend(row.values())
         if leader:
-            line = f"{human_bytes(nbytes):>8} "
-            line += "".join(
-                f"| {row[name].time_s * 1e6:13.1f} {row[name].busbw_gbs:6.2f} " for name in impls
-            )
-            if "ringplug" in row:
-                ratios = [
-                    f"{name} {row['ringplug'].busbw_gbs / row[name].busbw_gbs:.2f}x"
-                    for name in impls
-                    if name != "ringplug"
-                ]
-                line += "| " + "  ".join(ratios)
-            print(line, flush=True)
+            print(_table_row(nbytes, impls, row), flush=True)
     return records
+
+
+def _width(name: str) -> int:
+    """The width of `name`'s time column (its heading, at least 13)."""
+    return max(13, len(name) + 3)
+
+
+def _table_row(nbytes: int, impls: list[str], row: dict[str, Record]) -> str:
+    """One size's line of the table: time and busbw of each implementation ("-" where one
+    was not run at this size), then ringplug's busbw ratios, and the flight record's cost
+    when the ringplug-norecord row ran beside it."""
+    line = f"{human_bytes(nbytes):>8} "
+    for name in impls:
+        width = _width(name)
+        if name in row:
+            line += f"| {row[name].time_s * 1e6:{width}.1f} {row[name].busbw_gbs:6.2f} "
+        else:
+            line += f"| {'-':>{width}} {'-':>6} "
+    if "ringplug" in row:
+        ratios = [
+            f"{name} {row['ringplug'].busbw_gbs / row[name].busbw_gbs:.2f}x"
+            for name in impls
+            if name != "ringplug" and name in row
+        ]
+        if "ringplug-norecord" in row:
+            cost = row["ringplug"].time_s / row["ringplug-norecord"].time_s - 1
+            ratios.append(f"record {cost * 100:+.1f}%")
+        line += "| " + "  ".join(ratios)
+    return line
 
 
 def _start_cuda(impls: list[str]) -> None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from ...forensics import flight
 from ...wire import GPU, UNNAMED, Response, Signature, numbered
 from .. import activity
 from ..errors import CommunicatorFailed
@@ -137,7 +138,7 @@ class ExpressCycles:
         Returns the result; the handle to wait for when the cycle needed more; or None,
         before anything was sent, when the call cannot run here (submit it as usual).
         """
-        label = kind_of(signature.kind).label
+        record = self.flight
         with self._mutex:
             if (
                 self._failure is not None
@@ -146,29 +147,40 @@ class ExpressCycles:
                 or not self._caller_may_run()
             ):
                 return None
-            self._in_flight[name] = None
-            self.flight.note_site(name)
-            self.flight.add(name, (label, nbytes), time.perf_counter(), track=True)
-        request: Request | None = None
-        try:
-            form = self._agreed_form(name, cacheable, signature, number)
+            # This thread holds `_mpi` now: nothing else runs a cycle (or changes the cache).
+            try:
+                form = self._agreed_form(name, cacheable, signature, number)
+            except BaseException:
+                self._mpi.release()
+                raise
             if form is None:
-                with self._mutex:
-                    self.flight.forget(name)  # the caller submits it as usual
-                return None
-            bits, pairs, signature, carried = form
+                self._mpi.release()
+                if self._queue:
+                    self._lock.notify_all()  # submitted meanwhile by another thread
+                return None  # the caller submits it as usual
+            self._in_flight[name] = None
             start = time.perf_counter()
+            # Recorded before anything is sent: a hang in this cycle shows it pending. The
+            # entry stays with this call (no lookup by name). Its site is found once per
+            # name, or each time for an unnamed call, from the frame that called the kind's
+            # function (4 up from `enter`: this one, the kind's `_now` and its function lie
+            # between, ringplug's own; each frame looked at costs a frame object).
+            entry = record.enter(name, signature, start, cacheable, 4) if record.capacity else None
+        request: Request | None = None
+        done_at = 0.0
+        try:
+            bits, pairs, signature, carried = form
             try:
                 wire, received, length = self._negotiate_alone(
                     bits, pairs, (data,) if carried else (), (name,)
                 )
                 if not length:  # a peer sent something else: the full negotiation
-                    request = self._adopt(name, cacheable, build, start)
+                    request = self._adopt(name, cacheable, build, start, entry)
                     if self._follow_in_full(wire, received, start):
                         self._ended = True
             except BaseException as exc:  # noqa: BLE001 - as `_guarded_cycle`
                 if request is None:
-                    request = self._adopt(name, cacheable, build, start)
+                    request = self._adopt(name, cacheable, build, start, entry)
                 self._cycle_failed(exc)
             self.cycles_by_callers += 1
             if request is not None:
@@ -181,29 +193,29 @@ class ExpressCycles:
                 # The same copies on every rank: an error here is raised alike everywhere.
                 result = from_copies(received, length)
                 self.calls_now += 1
-                self._last_activity = time.perf_counter()
+                self._last_activity = done_at = time.perf_counter()
                 return result
             try:
                 result, request = self._run_now(
                     name,
                     signature,
-                    label,
                     run,
-                    lambda: self._adopt(name, cacheable, build, start, pending=False),
+                    lambda: self._adopt(name, cacheable, build, start, entry, pending=False),
                 )
             except BaseException as exc:  # noqa: BLE001 - as `_guarded_cycle`
-                request = self._adopt(name, cacheable, build, start)
+                request = self._adopt(name, cacheable, build, start, entry)
                 self._cycle_failed(exc)
             if request is not None:
                 return request.handle
             self.calls_now += 1
-            self._last_activity = time.perf_counter()
+            self._last_activity = done_at = time.perf_counter()
             return result
         finally:
             if request is None:
+                if entry is not None:
+                    flight.finish(entry, start, done_at or time.perf_counter())
                 with self._mutex:
                     self._in_flight.pop(name, None)
-                    self.flight.finish_named(name)
             self._mpi.release()
             if request is not None:
                 self._after_driving(request.handle)
@@ -215,7 +227,6 @@ class ExpressCycles:
         self,
         name: str,
         signature: Signature,
-        label: str,
         run: Callable[[], Any],
         adopt: Callable[[], Request],
     ) -> tuple[Any, Request | None]:
@@ -225,7 +236,7 @@ class ExpressCycles:
         the usual path's would, and is returned. A communicator failure raises."""
         self._failed_here, self._position = None, 0
         response = Response.everywhere(name, signature, self.size)
-        skipped = self.begin_collective(label, [response])
+        skipped = self.begin_collective(kind_of(signature.kind).label, [response])
         if skipped is not None:
             request = adopt()
             self.complete_each([request], error=skipped)
@@ -278,17 +289,19 @@ class ExpressCycles:
         cacheable: bool,
         build: Callable[[str], Request],
         start: float,
+        entry: list[Any] | None,
         pending: bool = True,
     ) -> Request:
         """The request of a `call_now` whose cycle needs the usual path, `pending` as
-        if it had been submitted (else it is about to be completed)."""
+        if it had been submitted (else it is about to be completed); it takes over the
+        call's flight record `entry`."""
         request = build(name)
         request.cacheable = cacheable
         request.submitted = request.announced = start
         request.handle._engine = self  # its waiter may run the cycles (see `drive`)
+        request.flight = entry
         with self._mutex:
             self._in_flight[name] = request.handle
-            request.flight = self.flight.tracked(name)
         if pending:
             self.pending[name] = request
         return request
