@@ -10,43 +10,23 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from launch import run_ringrun
+from ringplug.bench.scale import build_profiler  # the bench builds the same library
 
 pytestmark = pytest.mark.multirank
 
 WORKER = str(Path(__file__).parent / "workers" / "scale.py")
-PROFILER = Path(__file__).parent / "pmpi" / "count_sends.c"
 STEPS = 5  # the worker's measured steps
 NEGOTIATION_TAGS = (7100, 7101)  # engine/exchange.py: CONTROL_TAG, GATHER_TAG
 # The stall is named after 2 s and ends the collectives after 8 (no other wait of the job
 # comes near that, even oversubscribed).
 STALL_SETTINGS = {"RINGPLUG_STALL_CHECK_SECONDS": "2", "RINGPLUG_STALL_SHUTDOWN_SECONDS": "8"}
 SIZES = [2, 3, 5, 8]
-
-
-def build_profiler(where: Path) -> tuple[Path | None, str]:
-    """tests/pmpi/count_sends.c built against this virtualenv's MPI (the mpich wheel's
-    headers and library), or None and why not."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    include, lib = Path(sys.prefix) / "include", Path(sys.prefix) / "lib"
-    if compiler is None or not (include / "mpi.h").exists() or not (lib / "libmpi.so").exists():
-        return None, f"no C compiler or no MPI headers and library in {sys.prefix}"
-    built = where / "libcount_sends.so"
-    result = subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O2", f"-I{include}", "-o", str(built), str(PROFILER),
-         f"-L{lib}", f"-Wl,-rpath,{lib}", "-lmpi"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    if result.returncode != 0:
-        return None, f"the profiling library did not build: {result.stderr[-2000:]}"
-    return built, ""
 
 
 @pytest.fixture(scope="module")
