@@ -9,6 +9,7 @@ error saying what to install instead of silently training alone.
 from __future__ import annotations
 
 import atexit
+import contextvars
 import dataclasses
 import logging
 import os
@@ -64,6 +65,15 @@ class _State:
 
 
 _state = _State()
+
+# The process set whose engine this thread's collectives go to while a set's method runs
+# (`process_sets.ProcessSet`); None: the world's. The request builders ask `engine()`,
+# `rank()` and `size()` at build time, so one variable points them all at the set.
+scope: contextvars.ContextVar[Engine | None] = contextvars.ContextVar(
+    "ringplug_process_set", default=None
+)
+# Called by `shutdown()` before the world's engine stops (the process sets' engines).
+before_shutdown: list = []
 
 
 def launcher_world_size() -> tuple[int, str] | None:
@@ -357,6 +367,9 @@ def shutdown() -> None:
     ranks fail with an error saying ringplug was shut down. `init()` may be called again
     later (MPI itself stays initialised until the process exits).
     """
+    if _state.engine is not None:
+        for stop in list(before_shutdown):
+            stop()
     with _state.lock:
         engine, _state.engine = _state.engine, None
         _state.topology = None
@@ -373,12 +386,12 @@ def is_initialized() -> bool:
 
 def current_engine() -> Engine | None:
     """The engine, or None before `init()` (for callers that take another path then)."""
-    return _state.engine
+    return scope.get() or _state.engine
 
 
 def engine() -> Engine:
-    """The engine; raises if `init()` has not been called."""
-    current = _state.engine
+    """The engine (a process set's inside its methods); raises before `init()`."""
+    current = scope.get() or _state.engine
     if current is None:
         raise NotInitializedError("Call ringplug.init() before using ringplug's collectives.")
     return current
@@ -396,14 +409,24 @@ def settings() -> Settings:
     return engine().settings
 
 
+def world_engine() -> Engine:
+    """The world's engine, whatever process set this thread's calls go to."""
+    current = _state.engine
+    if current is None:
+        raise NotInitializedError("Call ringplug.init() before using ringplug's collectives.")
+    return current
+
+
 def rank() -> int:
-    """This process's rank in the job, 0..size()-1."""
-    return topology().rank
+    """This process's rank in the job, 0..size()-1 (in the set, inside a set's methods)."""
+    scoped = scope.get()
+    return topology().rank if scoped is None else scoped.rank
 
 
 def size() -> int:
-    """Number of ranks in the job."""
-    return topology().size
+    """Number of ranks in the job (in the set, inside a set's methods)."""
+    scoped = scope.get()
+    return topology().size if scoped is None else scoped.size
 
 
 def local_rank() -> int:

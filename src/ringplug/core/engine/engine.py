@@ -106,14 +106,27 @@ class Engine(ExpressCycles):
     """Negotiates, fuses and runs the collectives of one process, on its own thread."""
 
     def __init__(
-        self, comm: MPI.Comm | None, settings: Settings, local_rank: int = 0, local_size: int = 1
+        self,
+        comm: MPI.Comm | None,
+        settings: Settings,
+        local_rank: int = 0,
+        local_size: int = 1,
+        ranks: tuple[int, ...] | None = None,
     ) -> None:
+        """`ranks`: for a process set's engine (`comm` holds its members only), the world's
+        rank of each member, by which its errors, stall reports and records name them."""
         self.settings = settings
+        self.ranks = ranks
         self._idle_period = self._idle_cycle_period(settings)
         self.local_rank = local_rank
         self._gpu: GpuPlane | None = None  # made at the first GPU collective
         self.transport = Transport(comm, settings)
         self.rank, self.size = self.transport.rank, self.transport.size
+        self.world_rank = ranks[self.rank] if ranks is not None else self.rank
+        # The process sets' engines, which write to this engine's timeline (`process_sets`).
+        self.followers: list[Engine] = []
+        # What this engine's mismatch errors add: which process set (empty for the world).
+        self.scope_text = ""
         self._ctrl = comm.Dup() if comm is not None else None
         # Every wait of this engine (negotiation, ring, MPI collectives) has its deadline.
         self.waiter = Waiter(self._ctrl, settings, self.rank, self.size)
@@ -154,7 +167,7 @@ class Engine(ExpressCycles):
         # call_now's agreed forms: (name or prefix, signature) -> the cache's signature of
         # it and its slot.
         self._agreed: dict[tuple[Any, ...], tuple[Signature, int]] = {}
-        self._stalls = StallInspector(settings, self.rank, self.size)
+        self._stalls = StallInspector(settings, self.rank, self.size, ranks)
         # The last collectives of this rank, for stall reports (`forensics.flight`).
         self.flight = FlightRecorder(settings.flight_record)
         self._flight_written = False  # after a failure, once
@@ -357,9 +370,13 @@ class Engine(ExpressCycles):
             if self.timeline is not None:
                 self.timeline.stop()
             self.timeline = Timeline(path, self.rank)
+            for follower in self.followers:
+                follower.timeline = self.timeline
 
     def stop_timeline(self) -> None:
         with self._timeline_lock:
+            for follower in self.followers:
+                follower.timeline = None
             if self.timeline is not None:
                 self.timeline.stop()
                 self.timeline = None
@@ -591,7 +608,7 @@ class Engine(ExpressCycles):
             self._stalls.activities = [m.activity for m in messages]
         if messages[0].report:  # rank 0 saw a stall: show where this rank is
             self.report_where("rank 0 saw it stall", self.rank in messages[0].report)
-        plan = decide(messages, self._cache, alike)
+        plan = decide(messages, self._cache, alike, self.ranks)
         self.carried_copies = carried.received(messages, self._cache, plan.repeated)
         self.cycles_run += 1
         if plan.shutdown_by is not None:
@@ -662,7 +679,7 @@ class Engine(ExpressCycles):
         for name, message in plan.errors.items():
             request = self.pending.pop(name, None)
             if request is not None:
-                self.complete(request, error=_mismatch_error(request, message))
+                self.complete(request, error=_mismatch_error(request, message + self.scope_text))
         self._failed_here = None
         self._position = 0
         for item in self._batches(plan.responses):
@@ -868,23 +885,25 @@ class Engine(ExpressCycles):
         written = time.time()
         sent = log.event(
             wire.FLIGHT,
-            rank=self.rank,
+            rank=self.world_rank,
             host=host,
             reason=reason,
             written=written,
             records=records,
         )
         if not sent and records:
-            path = flight.write_own(self.rank, host, reason, records)
-            logger.error("flight record of rank %d (%s): %s", self.rank, reason, path)
+            path = flight.write_own(self.world_rank, host, reason, records)
+            logger.error("flight record of rank %d (%s): %s", self.world_rank, reason, path)
         if stacks:
             report = own_stacks()
             if not log.event(
-                wire.STACKS, rank=self.rank, host=host, reason=reason, report=report.to_dict()
+                wire.STACKS, rank=self.world_rank, host=host, reason=reason, report=report.to_dict()
             ):
                 log.say(
-                    self.rank,
-                    report_lines(f"stacks of rank {self.rank} on host {host} ({reason})", report),
+                    self.world_rank,
+                    report_lines(
+                        f"stacks of rank {self.world_rank} on host {host} ({reason})", report
+                    ),
                 )
 
     def _last_words(self, message: str) -> None:
@@ -892,6 +911,11 @@ class Engine(ExpressCycles):
         if not self._flight_written:
             self._flight_written = True
             self.report_where(message[:300])
+
+    def in_flight_names(self) -> list[str]:
+        """The names of this rank's collectives submitted and not complete, sorted."""
+        with self._mutex:
+            return sorted(self._in_flight)
 
     @property
     def failure(self) -> BaseException | None:

@@ -155,9 +155,15 @@ class Cache:
         return len(self.slots) - 1
 
 
-def decide(messages: Sequence[Message], cache: Cache, alike: bool = False) -> Plan:
+def decide(
+    messages: Sequence[Message],
+    cache: Cache,
+    alike: bool = False,
+    ranks: Sequence[int] | None = None,
+) -> Plan:
     """The plan for one cycle; every rank computes the same one from the same messages
-    (`alike`: the exchange found every message of the same form, see `Exchange.exchange`)."""
+    (`alike`: the exchange found every message of the same form, see `Exchange.exchange`;
+    `ranks`: the world's ranks of a process set's members, which its errors name)."""
     first = messages[0]
     if (alike and not (first.new or first.joined_cycle or first.shutdown)) or all(
         m.cached == first.cached
@@ -201,7 +207,7 @@ def decide(messages: Sequence[Message], cache: Cache, alike: bool = False) -> Pl
             continue
         signatures = {r: ready[r][name][0] for r in range(len(messages)) if name in ready[r]}
         if len(set(signatures.values())) > 1:
-            plan.errors[name] = mismatch_message(name, signatures)
+            plan.errors[name] = mismatch_message(name, signatures, ranks)
             continue
         plan.responses.append(
             Response(
@@ -267,8 +273,13 @@ def _items(message: Message, cache: Cache) -> dict[str, tuple[Signature, int]]:
     return items
 
 
-def mismatch_message(name: str, signatures: dict[int, Signature]) -> str:
-    """Say which ranks submitted what under one name, and what to do about it."""
+def mismatch_message(
+    name: str, signatures: dict[int, Signature], ranks: Sequence[int] | None = None
+) -> str:
+    """Say which ranks submitted what under one name, and what to do about it (`ranks`: the
+    world's rank of each member of a process set, as the ranks are named)."""
+    if ranks is not None:
+        signatures = {ranks[r]: s for r, s in signatures.items()}
     if any(s.kind is Kind.ERROR for s in signatures.values()):
         culprits = ", ".join(str(r) for r, s in signatures.items() if s.kind is Kind.ERROR)
         return (

@@ -28,9 +28,13 @@ logger = logging.getLogger(__name__)
 class StallInspector:
     """Tracks since when each partly submitted request has waited, on one rank."""
 
-    def __init__(self, settings: Settings, rank: int, size: int) -> None:
+    def __init__(
+        self, settings: Settings, rank: int, size: int, ranks: tuple[int, ...] | None = None
+    ) -> None:
         self.settings = settings
         self.rank, self.size = rank, size
+        # How the ranks are named: a process set's members by their rank in the world.
+        self._world = ranks if ranks is not None else tuple(range(size))
         self._partial_since: dict[str, float] = {}
         self._warned: set[str] = set()
         self._abort: list[str] = []  # rank 0's verdict, for its next message
@@ -98,15 +102,15 @@ class StallInspector:
             missing = [r for r in range(self.size) if r not in plan.partial[name]]
             kind = pending[name].signature.kind.label
             log.end_job(
-                self.rank,
-                f"rank {self.rank} waited {now - self._partial_since[name]:.0f} s in {kind} "
-                f"{name!r} for rank(s) {ranks_text(missing)}, which never submitted it "
+                self._world[self.rank],
+                f"rank {self._world[self.rank]} waited {now - self._partial_since[name]:.0f} s "
+                f"in {kind} {name!r} for rank(s) {self._names(missing)}, which never submitted it "
                 f"(RINGPLUG_TIMEOUT={self.settings.timeout:g})"
                 f"{_then(activity.describe(missing, self.activities, plan.partial))}. Ending "
                 "the job: MPI cannot cancel a collective. Look at what the missing ranks were "
                 "doing (a stuck data loader, an uneven number of batches, a branch only some "
                 "ranks take).",
-                culprits=missing,
+                culprits=[self._world[r] for r in missing],
             )
         if self.rank != 0:
             return None
@@ -131,11 +135,15 @@ class StallInspector:
         missing = [r for r in range(self.size) if r not in plan.partial.get(name, [])]
         doing = activity.describe(missing, self.activities, plan.partial)
         return BarrierTimeoutError(
-            f"rank {self.rank} waited {waited:.0f} s in {request.signature.kind.label} "
-            f"{name!r} (its timeout: {request.timeout:g} s) for rank(s) "
-            f"{ranks_text(missing)}, which never called it{_then(doing)}.",
-            caused_by=tuple(missing),
+            f"rank {self._world[self.rank]} waited {waited:.0f} s in "
+            f"{request.signature.kind.label} {name!r} (its timeout: {request.timeout:g} s) for "
+            f"rank(s) {self._names(missing)}, which never called it{_then(doing)}.",
+            caused_by=tuple(self._world[r] for r in missing),
         )
+
+    def _names(self, ranks: Any) -> str:
+        """`ranks` (the engine's own numbers) as the world's ranks, as messages list them."""
+        return ranks_text(self._world[r] for r in ranks)
 
     def _text(self, plan: Plan, names: list[str], now: float) -> str:
         active = range(self.size)
@@ -146,8 +154,8 @@ class StallInspector:
             waited = now - self._partial_since.get(name, now)
             doing = activity.describe(missing, self.activities, plan.partial)
             parts.append(
-                f"{name!r} is ready on rank(s) {ranks_text(holders)} but not on rank(s) "
-                f"{ranks_text(missing)} (for {waited:.0f} s{_then(doing)})"
+                f"{name!r} is ready on rank(s) {self._names(holders)} but not on rank(s) "
+                f"{self._names(missing)} (for {waited:.0f} s{_then(doing)})"
             )
         return (
             "Stalled collectives: " + "; ".join(parts) + ". The missing ranks are elsewhere in "

@@ -1,0 +1,412 @@
+"""Process sets: collectives over some of the world's ranks, each set with an engine of its own.
+
+Design. A process set is an `Engine` over a communicator that holds its members only, made
+collectively by every rank of the world. The set's engine is the world's engine in every
+respect, because it is the same class: its own negotiation (ceil(log2 k) rounds for a set of
+k ranks, over its own communicator, so a set of 4 inside 32 ranks pays for 4), its own cache of
+agreed requests, fusion, ordering, names ("noname.N" counts per set), express cycles and
+algorithm table, and its own join. What it shares with the world comes from the process:
+the settings (deadlines, stall times, thresholds: the world's, agreed at `init()`), every wait's
+deadline (`Waiter`, per engine), the stall inspector and the errors naming ranks by their rank
+in the world (`Engine.ranks`), stacks (process-wide), the flight record written under the
+world's rank, and rank 0's timeline (the world engine's, shared with its followers).
+
+Why an engine per set rather than one engine scheduling every set's cycles: sets cannot
+deadlock each other by construction. Each set has its own communicator (so no message of one
+set matches another's) and its own cycle on its own thread, so a rank that is in sets A and B
+never blocks B's peers while it waits for A's (the rows and columns of a 2-D mesh, overlapping
+sets). One scheduler for several sets would have to interleave their negotiations without
+ever waiting in one, which is the engine's whole cycle written again with a second level of
+state. The cost is a thread per set this rank is in, asleep when the set is idle (it polls
+for peers with the same growing interval as the world's engine), and two communicators per
+set (the negotiation's and the data plane's). Creating a set costs one allgather of the
+proposed ranks on the world (through the world's engine, so with its deadline and stall
+inspector) and MPI_Comm_create_group among the members only.
+
+Creation is collective: every rank of the world calls `add_process_set` with the same ranks,
+in the same order of calls; the ranks compare what each passed before any communicator is
+made, so duplicate ranks, ranks outside the world and ranks that disagree are the same clear
+error on every rank. Removal is collective too, and refused on every rank while any member
+has a collective of the set in flight. A rank that is not in a set gets a `ProcessSet` whose
+collectives refuse at once (`included()` says whether to call them).
+
+Inside a set, ranks are the set's own: `ps.rank()` is 0..k-1 in the order of the world's
+ranks, and `root_rank` of a broadcast counts in the set, as for an MPI sub-communicator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import collectives, log, runtime
+from .engine.engine import Engine
+from .errors import MismatchError, RingplugError
+from .kinds.objects import allgather_object
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["ProcessSet", "add_process_set", "process_sets", "remove_process_set"]
+
+
+class _Sets:
+    """This process's sets: those it made (members or not), and the next id."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_id: dict[int, ProcessSet] = {}
+        self.next_id = 1  # 0 is the world, as in Horovod
+        self.hooked = False
+
+
+_sets = _Sets()
+
+
+class ProcessSet:
+    """Some of the world's ranks, running collectives among themselves.
+
+    Made by `add_process_set` on every rank; its collectives are methods with the core's
+    signatures (``ps.allreduce(array)``, ``ps.broadcast_async(array, root_rank=0)``, ...),
+    called on its members only. Ranks inside a set are the set's own (`rank()`, root ranks).
+
+    Example:
+        ```python
+        evens = ringplug.core.add_process_set(range(0, ringplug.size(), 2))
+        if evens.included():
+            total = evens.allreduce(np.ones(4), op=ringplug.Sum)  # size of the set, each
+        ringplug.core.remove_process_set(evens)
+        ```
+    """
+
+    def __init__(
+        self, set_id: int, ranks: tuple[int, ...], engine: Engine | None, comm: MPI.Comm | None
+    ) -> None:
+        self.process_set_id = set_id
+        self.ranks = ranks
+        self._engine = engine
+        self._comm = comm
+        self._removed = False
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={list(self.ranks)})"
+
+    def describe(self) -> str:
+        """The set as errors name it: "process set 1 (world ranks 0, 2, 3)"."""
+        return f"process set {self.process_set_id} (world ranks {_ranks_text(self.ranks)})"
+
+    def included(self) -> bool:
+        """Whether this rank is a member (only members call the set's collectives)."""
+        return self._engine is not None
+
+    def rank(self) -> int:
+        """This rank's place in the set, 0..size()-1 (in the order of the world's ranks)."""
+        return self._member_engine("rank").rank
+
+    def size(self) -> int:
+        """The number of ranks in the set."""
+        return len(self.ranks)
+
+    def in_flight(self) -> list[str]:
+        """The names of this rank's collectives on the set that have not completed."""
+        engine = self._engine
+        return [] if engine is None else engine.in_flight_names()
+
+    def _member_engine(self, what: str) -> Engine:
+        if self._removed:
+            raise RingplugError(
+                f"{self.describe()} was removed; {what} needs a set that exists. Make a new "
+                "one with add_process_set."
+            )
+        engine = self._engine
+        if engine is None:
+            raise ValueError(
+                f"{what} on {self.describe()}: rank {runtime.world_engine().rank} is not in "
+                "this set, so it cannot take part in its collectives. Call them on its "
+                "members only (`if process_set.included(): ...`)."
+            )
+        return engine
+
+
+def _on_set(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` (a core collective) as a method that runs it among the set's members."""
+
+    @functools.wraps(function)
+    def call(self: ProcessSet, *args: Any, **kwargs: Any) -> Any:
+        token = runtime.scope.set(self._member_engine(function.__name__))
+        try:
+            return function(*args, **kwargs)
+        finally:
+            runtime.scope.reset(token)
+
+    call.__doc__ = (
+        f"`ringplug.{function.__name__}` among this set's members (root ranks count in "
+        f"the set).\n\n{function.__doc__ or ''}"
+    )
+    return call
+
+
+_METHODS = (
+    "adasum",
+    "adasum_async",
+    "allgather",
+    "allgather_async",
+    "allgather_in_place_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_async",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "barrier_async",
+    "broadcast",
+    "broadcast_async",
+    "broadcast_object",
+    "grouped_adasum_async",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "join",
+    "reducescatter",
+    "reducescatter_async",
+    "reducescatter_in_place_async",
+)
+for _name in _METHODS:
+    setattr(ProcessSet, _name, _on_set(getattr(collectives, _name)))
+del _name
+
+
+def add_process_set(ranks: Iterable[int]) -> ProcessSet:
+    """Make a process set of `ranks` (ranks of the world); every rank of the world calls it.
+
+    Collective over the world: every rank passes the same ranks (in any order; duplicates
+    and ranks outside the world are refused), in the same order of calls as its other
+    collectives. Ranks that are not in the set get a `ProcessSet` too, whose `included()`
+    is False.
+
+    Args:
+        ranks: the world's ranks in the set, at least one.
+
+    Returns:
+        The set, with the same `process_set_id` on every rank.
+
+    Raises:
+        ValueError: on every rank, when any rank passed duplicates, a rank outside the world
+            or something that is not a list of ranks.
+        MismatchError: on every rank, when ranks passed different sets.
+    """
+    world = runtime.world_engine()
+    _check_threads(world)
+    proposal = _proposal(ranks)
+    token = runtime.scope.set(None)  # agreed among the whole world, even inside a set's call
+    try:
+        with _sets.lock:
+            set_id = _sets.next_id
+        proposals = allgather_object(proposal, name=f"ringplug.add_process_set.{set_id}")
+    finally:
+        runtime.scope.reset(token)
+    members = agreed_ranks(proposals, world.size, set_id)
+    with _sets.lock:
+        _sets.next_id = set_id + 1
+        if not _sets.hooked:
+            runtime.before_shutdown.append(_stop_all)
+            _sets.hooked = True
+    engine = comm = None
+    if world.rank in members:
+        comm = _communicator(members, set_id, world) if world.size > 1 else None
+        engine = Engine(
+            comm,
+            dataclasses.replace(world.settings, timeline=None),
+            local_rank=runtime.local_rank(),
+            local_size=runtime.local_size(),
+            ranks=members,
+        )
+    process_set = ProcessSet(set_id, members, engine, comm)
+    if engine is not None:
+        engine.scope_text = f" This was in {process_set.describe()}."
+        engine.timeline = world.timeline
+        world.followers.append(engine)
+    with _sets.lock:
+        _sets.by_id[set_id] = process_set
+    return process_set
+
+
+def remove_process_set(process_set: ProcessSet) -> None:
+    """Remove `process_set`; every rank of the world calls it, once nothing is in flight.
+
+    Refused on every rank (RingplugError naming the ranks and their collectives) while any
+    member has a collective of the set that has not completed: wait for them first.
+    """
+    world = runtime.world_engine()
+    busy = process_set.in_flight()
+    token = runtime.scope.set(None)
+    try:
+        reports = allgather_object(
+            (process_set.process_set_id, len(busy), busy[:3]),
+            name=f"ringplug.remove_process_set.{process_set.process_set_id}",
+        )
+    finally:
+        runtime.scope.reset(token)
+    ids = {report[0] for report in reports}
+    if len(ids) > 1:
+        raise MismatchError(
+            "Ranks removed different process sets in the same call: "
+            + "; ".join(f"rank {r} process set {report[0]}" for r, report in enumerate(reports))
+            + ". Every rank must remove the same sets in the same order."
+        )
+    pending = [(r, report[1], report[2]) for r, report in enumerate(reports) if report[1]]
+    if pending:
+        raise RingplugError(
+            f"Cannot remove {process_set.describe()}: collectives on it are still in flight ("
+            + "; ".join(
+                f"rank {r}: {count} ({', '.join(repr(n) for n in names)})"
+                for r, count, names in pending
+            )
+            + "). Wait for their handles on every member, then remove it."
+        )
+    _close(process_set, world)
+
+
+def process_sets() -> list[ProcessSet]:
+    """The process sets made and not removed since `init()`, by id."""
+    with _sets.lock:
+        return [_sets.by_id[i] for i in sorted(_sets.by_id)]
+
+
+def _proposal(ranks: Iterable[int]) -> tuple[Any, ...]:
+    """What this rank passed, as the ranks compare it: its ranks, or ("unusable", text)."""
+    try:
+        given = list(ranks)
+        if not all(isinstance(r, int) or hasattr(r, "__index__") for r in given):
+            raise TypeError
+        return tuple(int(r) for r in given)
+    except TypeError:
+        return ("unusable", repr(ranks)[:80])
+
+
+def agreed_ranks(
+    proposals: Sequence[tuple[Any, ...]], world_size: int, set_id: int
+) -> tuple[int, ...]:
+    """The set's ranks (sorted) from every rank's proposal; the same error on every rank when
+    any is wrong or they differ."""
+    problems = []
+    for rank, proposal in enumerate(proposals):
+        problem = _problem(proposal, world_size)
+        if problem:
+            problems.append(f"rank {rank} {problem}")
+    if problems:
+        raise ValueError(
+            f"add_process_set (process set {set_id}) refused: " + "; ".join(problems) + ". "
+            f"Pass distinct ranks of the world (0..{world_size - 1}), the same on every rank."
+        )
+    sets: dict[tuple[int, ...], list[int]] = {}
+    for rank, proposal in enumerate(proposals):
+        sets.setdefault(tuple(sorted(proposal)), []).append(rank)
+    if len(sets) > 1:
+        raise MismatchError(
+            f"Ranks disagree on process set {set_id}: "
+            + "; ".join(
+                f"rank{'s' if len(who) > 1 else ''} {_ranks_text(who)} passed "
+                f"[{_ranks_text(members)}]"
+                for members, who in sets.items()
+            )
+            + ". Every rank of the world must call add_process_set with the same ranks, in "
+            "the same order of calls."
+        )
+    return next(iter(sets))
+
+
+def _problem(proposal: tuple[Any, ...], world_size: int) -> str:
+    """What is wrong with one rank's proposal, or ""."""
+    if proposal[:1] == ("unusable",):
+        return f"passed {proposal[1]}, which is not a list of ranks"
+    if not proposal:
+        return "passed no ranks"
+    outside = sorted({r for r in proposal if not 0 <= r < world_size})
+    if outside:
+        return (
+            f"passed rank{'s' if len(outside) > 1 else ''} {_ranks_text(outside)}, outside "
+            f"the world of {world_size}"
+        )
+    twice = sorted({r for r in proposal if proposal.count(r) > 1})
+    if twice:
+        return f"passed rank{'s' if len(twice) > 1 else ''} {_ranks_text(twice)} more than once"
+    return ""
+
+
+def _check_threads(world: Engine) -> None:
+    """Refuse sets where MPI cannot take calls from several threads at once (each set's
+    engine has a thread of its own); the same on every rank, as they share the library."""
+    if world.size == 1:
+        return
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RingplugError(
+            "Process sets need MPI at thread level MULTIPLE (each set's engine runs on a "
+            f"thread of its own), but this MPI gives level {MPI.Query_thread()}. Use an MPI "
+            "built with thread support (the mpich wheel from PyPI has it)."
+        )
+
+
+def _communicator(members: tuple[int, ...], set_id: int, world: Engine) -> MPI.Comm:
+    """MPI_Comm_create_group among the members (the others do not take part), within the
+    timeout: a member that agreed and never arrives ends the job naming the wait."""
+    from mpi4py import MPI
+
+    done = threading.Event()
+    timeout = world.settings.timeout
+
+    def watchdog() -> None:
+        if not done.wait(timeout):
+            log.end_job(
+                world.rank,
+                f"rank {world.rank} waited {timeout:g} s (RINGPLUG_TIMEOUT) for the other "
+                f"members of process set {set_id} (world ranks {_ranks_text(members)}) to "
+                "make its communicator, after every rank agreed on it; a member is stuck or "
+                "gone.",
+            )
+
+    threading.Thread(target=watchdog, name="ringplug-process-set", daemon=True).start()
+    try:
+        everyone = MPI.COMM_WORLD.Get_group()
+        group = everyone.Incl(list(members))
+        comm = MPI.COMM_WORLD.Create_group(group, tag=set_id)
+        group.Free()
+        everyone.Free()
+        return comm
+    finally:
+        done.set()
+
+
+def _close(process_set: ProcessSet, world: Engine | None) -> None:
+    """Stop the set's engine (its members agree on it in its last cycle) and free its
+    communicator."""
+    with _sets.lock:
+        _sets.by_id.pop(process_set.process_set_id, None)
+    process_set._removed = True
+    engine, process_set._engine = process_set._engine, None
+    if engine is None:
+        return
+    if world is not None and engine in world.followers:
+        world.followers.remove(engine)
+    engine.stop()
+    comm, process_set._comm = process_set._comm, None
+    if comm is not None:
+        comm.Free()
+
+
+def _stop_all() -> None:
+    """At `shutdown()`: stop every set's engine before the world's, and forget the sets."""
+    world = runtime.current_engine()
+    for process_set in process_sets():
+        _close(process_set, world)
+    with _sets.lock:
+        _sets.by_id.clear()
+        _sets.next_id = 1
+
+
+def _ranks_text(ranks: Iterable[int]) -> str:
+    return ", ".join(map(str, ranks))
