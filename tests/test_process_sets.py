@@ -1,0 +1,120 @@
+"""Process sets in the core: collectives over some of the world's ranks.
+
+One ringrun job per world size (3 and 4 ranks) runs every scenario of
+tests/workers/process_sets.py; each test reads the ranks' reports of that job.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import run_ringrun
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from process_sets import KINDS, expected_case_names  # noqa: E402
+
+from ringplug.core.errors import MismatchError  # noqa: E402
+from ringplug.core.process_sets import agreed_ranks  # noqa: E402
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """``reports(ranks)``: each rank's report of the job on `ranks` ranks (run once)."""
+    jobs: dict[int, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def read(ranks: int) -> list[dict]:
+        if ranks not in jobs:
+            outdir = tmp_path_factory.mktemp(f"process-sets-{ranks}")
+            result = run_ringrun(
+                "-np",
+                str(ranks),
+                sys.executable,
+                str(WORKERS / "process_sets.py"),
+                str(outdir),
+                timeout=240,
+            )
+            jobs[ranks] = (result, outdir)
+        result, outdir = jobs[ranks]
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        return [json.loads((outdir / f"sets-{r}.json").read_text()) for r in range(ranks)]
+
+    return read
+
+
+def _failed(report: dict, prefix: str = "") -> dict:
+    return {n: c["detail"] for n, c in report.items() if n.startswith(prefix) and not c["ok"]}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_every_rank_reports_every_scenario_of_its_sets(reports, ranks):
+    for rank, report in enumerate(reports(ranks)):
+        assert sorted(report) == sorted(expected_case_names(rank, ranks)), rank
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_every_collective_kind_on_a_set_matches_numpy(reports, ranks):
+    for rank, report in enumerate(reports(ranks)):
+        kinds = {n: c for n, c in report.items() if n.split("/", 1)[-1] in KINDS or n == "C/adasum"}
+        assert kinds, rank
+        assert not _failed(kinds), f"rank {rank}: {_failed(kinds)}"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_overlapping_sets_and_the_world_run_with_work_in_flight_at_once(reports, ranks):
+    for rank, report in enumerate(reports(ranks)):
+        case = report["overlapping-sets-in-flight"]
+        assert case["ok"], f"rank {rank}: {case['detail']}"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_bad_sets_fail_alike_on_every_rank_and_the_world_goes_on(reports, ranks):
+    for rank, report in enumerate(reports(ranks)):
+        assert not _failed(report, "bad/"), f"rank {rank}: {_failed(report, 'bad/')}"
+        assert not _failed(report, "world-"), f"rank {rank}: {_failed(report, 'world-')}"
+        assert report["ids-agree"]["ok"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_a_non_member_is_refused_and_errors_name_world_ranks_and_the_set(reports, ranks):
+    for rank, report in enumerate(reports(ranks)):
+        named = {
+            n: c
+            for n, c in report.items()
+            if n.endswith(("refused-on-a-non-member", "names-tensor-and-set", "names-world-rank"))
+        }
+        assert not _failed(named), f"rank {rank}: {_failed(named)}"
+    # Rank 1 is in set B, whose other member is the last rank.
+    assert "B/mismatch-names-tensor-and-set" in reports(ranks)[1]
+
+
+def test_ranks_given_in_any_order_make_one_set():
+    assert agreed_ranks([(2, 0), (0, 2), (2, 0)], 3, 1) == (0, 2)
+
+
+def test_every_wrong_proposal_is_named_before_any_disagreement():
+    with pytest.raises(ValueError, match=r"rank 1 passed rank 5, outside the world of 3") as info:
+        agreed_ranks([(0, 1), (0, 5), (1, 1)], 3, 7)
+    assert "rank 2 passed rank 1 more than once" in str(info.value)
+    assert "process set 7" in str(info.value)
+
+
+def test_ranks_that_disagree_are_grouped_by_what_they_passed():
+    with pytest.raises(MismatchError, match=r"ranks 0, 2 passed \[0, 1\]; rank 1 passed \[1, 2\]"):
+        agreed_ranks([(0, 1), (1, 2), (1, 0)], 3, 1)
+
+
+def test_an_empty_set_is_refused():
+    with pytest.raises(ValueError, match="rank 0 passed no ranks"):
+        agreed_ranks([()], 1, 1)

@@ -1,0 +1,341 @@
+"""Multi-rank worker: process sets in the core (every kind against numpy, overlapping sets in
+flight at once, the bad inputs), in one job per world size.
+
+Run as ``ringrun -np N python tests/workers/process_sets.py OUTDIR`` (N >= 3); each rank
+writes OUTDIR/sets-<rank>.json: {case: {"ok": bool, "detail": str}}. The sets, for a world of
+p ranks: A = 0..p-2 (not a power of two on 4 ranks), B = {1, p-1} (passed as [p-1, 1]; it
+overlaps A at rank 1), C = {0, p-1} (two ranks, for Adasum).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+import ringplug
+from ringplug.core import process_sets as sets
+
+
+def set_ranks(size: int) -> dict[str, list[int]]:
+    return {"A": list(range(size - 1)), "B": [1, size - 1], "C": [0, size - 1]}
+
+
+KINDS = (
+    "allreduce-sum",
+    "allreduce-average-large",
+    "allreduce-max",
+    "unnamed-allreduces",
+    "grouped-allreduce",
+    "allgather",
+    "broadcast",
+    "reducescatter",
+    "alltoall",
+    "barrier",
+    "allgather-object",
+    "broadcast-object",
+    "rank-and-size",
+)
+
+
+def expected_case_names(rank: int, size: int) -> list[str]:
+    """What rank `rank` must report, so that a test notices cases that vanished."""
+    names = ["ids-agree"]
+    for label, members in set_ranks(size).items():
+        if rank in members:
+            names += [f"{label}/{kind}" for kind in KINDS]
+        else:
+            names.append(f"{label}/refused-on-a-non-member")
+    if rank in set_ranks(size)["C"]:
+        names.append("C/adasum")
+    names += ["overlapping-sets-in-flight"]
+    names += [
+        "bad/duplicate-ranks",
+        "bad/rank-outside-the-world",
+        "bad/not-a-list-of-ranks",
+        "bad/ranks-disagree",
+        "bad/remove-with-work-pending",
+        "bad/removed-set-refused",
+        "world-still-works",
+    ]
+    if rank in set_ranks(size)["B"]:
+        names += ["B/mismatch-names-tensor-and-set", "B/barrier-timeout-names-world-rank"]
+    return names
+
+
+def data(world_rank: int, count: int, salt: int) -> np.ndarray:
+    return (np.arange(count, dtype=np.float64) % 97) * (world_rank + 1) + salt
+
+
+def run_kinds(check, ps, label: str, rank: int) -> None:
+    members = list(ps.ranks)
+    k = len(members)
+    me = members.index(rank)
+
+    def reduce(op, count, salt):
+        stacked = np.stack([data(r, count, salt) for r in members])
+        return {"sum": stacked.sum(0), "average": stacked.mean(0), "max": stacked.max(0)}[op]
+
+    check(
+        f"{label}/allreduce-sum",
+        lambda: np.allclose(
+            ps.allreduce(data(rank, 1001, 1), op=ringplug.Sum, name="s"), reduce("sum", 1001, 1)
+        ),
+    )
+    # 4 MiB of float32: ringplug's ring among the set's members.
+    big = data(rank, 1 << 20, 2).astype(np.float32)
+    check(
+        f"{label}/allreduce-average-large",
+        lambda: np.allclose(ps.allreduce(big, name="big"), reduce("average", 1 << 20, 2), 1e-5),
+    )
+    check(
+        f"{label}/allreduce-max",
+        lambda: np.array_equal(
+            ps.allreduce(data(rank, 7, 3), op=ringplug.Max, name="m"), reduce("max", 7, 3)
+        ),
+    )
+
+    def unnamed():
+        results = [ps.allreduce(data(rank, 5, salt), op=ringplug.Sum) for salt in (4, 5, 6)]
+        return all(
+            np.allclose(r, reduce("sum", 5, s)) for r, s in zip(results, (4, 5, 6), strict=True)
+        )
+
+    check(f"{label}/unnamed-allreduces", unnamed)
+
+    def grouped():
+        results = ps.grouped_allreduce(
+            [data(rank, 3, 7), data(rank, 11, 8)], op=ringplug.Sum, name="g"
+        )
+        return np.allclose(results[0], reduce("sum", 3, 7)) and np.allclose(
+            results[1], reduce("sum", 11, 8)
+        )
+
+    check(f"{label}/grouped-allreduce", grouped)
+
+    def allgather():
+        mine = np.full((me + 1, 2), float(rank))
+        expected = np.concatenate([np.full((i + 1, 2), float(r)) for i, r in enumerate(members)])
+        return np.array_equal(ps.allgather(mine, name="ag"), expected)
+
+    check(f"{label}/allgather", allgather)
+    # The root counts in the set: its last member.
+    check(
+        f"{label}/broadcast",
+        lambda: np.array_equal(
+            ps.broadcast(data(rank, 9, 9), root_rank=k - 1, name="b"), data(members[-1], 9, 9)
+        ),
+    )
+
+    def reducescatter():
+        rows = 5
+        full = reduce("sum", rows * 3, 10).reshape(rows, 3)
+        block = ps.reducescatter(data(rank, rows * 3, 10).reshape(rows, 3), op=ringplug.Sum)
+        base, extra = divmod(rows, k)
+        start = me * base + min(me, extra)
+        return np.allclose(block, full[start : start + base + (1 if me < extra else 0)])
+
+    check(f"{label}/reducescatter", reducescatter)
+
+    def alltoall():
+        # Member s sends d + 1 rows of (10 * world rank of s + d) to member d.
+        rows = np.concatenate([np.full((d + 1, 2), 10.0 * rank + d) for d in range(k)])
+        received, counts = ps.alltoall(rows, splits=[d + 1 for d in range(k)], name="a2a")
+        expected = np.concatenate([np.full((me + 1, 2), 10.0 * r + me) for r in members])
+        return np.array_equal(received, expected) and list(counts) == [me + 1] * k
+
+    check(f"{label}/alltoall", alltoall)
+    check(f"{label}/barrier", lambda: ps.barrier(name="bar") is None or True)
+    check(
+        f"{label}/allgather-object",
+        lambda: ps.allgather_object(("w", rank)) == [("w", r) for r in members],
+    )
+    check(
+        f"{label}/broadcast-object",
+        lambda: ps.broadcast_object({"from": rank}, root_rank=0) == {"from": members[0]},
+    )
+    check(f"{label}/rank-and-size", lambda: (ps.rank(), ps.size()) == (me, k))
+
+
+def adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    dot = float(np.dot(a, b))
+    return (1 - dot / (2 * float(np.dot(a, a)))) * a + (1 - dot / (2 * float(np.dot(b, b)))) * b
+
+
+def raises(error_type, *fragments):
+    """A check that `call` raises `error_type` with every fragment in its message."""
+
+    def verdict(call):
+        try:
+            call()
+        except error_type as exc:
+            text = str(exc)
+            missing = [f for f in fragments if f not in text]
+            return (not missing, f"{type(exc).__name__}: {text}; missing {missing}")
+        except Exception as exc:  # noqa: BLE001 - the detail names it
+            return (False, f"raised {type(exc).__name__} instead: {exc}")
+        return (False, "did not raise")
+
+    return verdict
+
+
+def main(outdir: str) -> None:
+    ringplug.init()
+    rank, size = ringplug.rank(), ringplug.size()
+    report: dict[str, dict] = {}
+
+    def check(name, call, judge=None):
+        try:
+            if judge is not None:
+                ok, detail = judge(call)
+            else:
+                result = call()
+                ok, detail = (
+                    (result[0], str(result[1]))
+                    if isinstance(result, tuple)
+                    else (
+                        bool(result),
+                        "",
+                    )
+                )
+        except Exception:  # noqa: BLE001 - recorded, and the job goes on
+            ok, detail = False, traceback.format_exc()[-2000:]
+        report[name] = {"ok": bool(ok), "detail": detail}
+
+    wanted = set_ranks(size)
+    made = {label: sets.add_process_set(members) for label, members in wanted.items()}
+    ids = ringplug.allgather_object([made[label].process_set_id for label in "ABC"])
+    check("ids-agree", lambda: all(i == [1, 2, 3] for i in ids))
+
+    for label, ps in made.items():
+        if ps.included():
+            run_kinds(check, ps, label, rank)
+        else:
+            check(
+                f"{label}/refused-on-a-non-member",
+                lambda ps=ps: ps.allreduce(np.ones(3)),
+                raises(
+                    ValueError,
+                    f"rank {rank} is not in this set",
+                    f"process set {ps.process_set_id}",
+                ),
+            )
+    pair = made["C"]
+    if pair.included():
+
+        def vector(r):
+            return data(r, 17, 11) * (1.0 if r == 0 else -0.5) + np.eye(17)[r % 17]
+
+        mine, first, second = vector(rank), vector(0), vector(size - 1)
+        check(
+            "C/adasum",
+            lambda: np.allclose(pair.adasum(mine, name="ada"), adasum_pair(first, second)),
+        )
+
+    # Every set this rank is in, and the world, with work in flight at once under the same
+    # name (names are per set); waited for in the reverse order.
+    def overlapping():
+        count = 1 << 19
+        own = data(rank, count, 12).astype(np.float32)
+        handles = [(None, ringplug.allreduce_async(own, op=ringplug.Sum, name="overlap"))]
+        handles += [
+            (ps, ps.allreduce_async(own, op=ringplug.Sum, name="overlap"))
+            for ps in made.values()
+            if ps.included()
+        ]
+        for ps, handle in reversed(handles):
+            members = range(size) if ps is None else ps.ranks
+            expected = sum(data(r, count, 12).astype(np.float32) for r in members)
+            if not np.allclose(handle.wait(), expected, rtol=1e-5):
+                return False, f"wrong sum on {ps}"
+        return True, f"{len(handles)} in flight"
+
+    check("overlapping-sets-in-flight", overlapping)
+
+    # Bad input: the same error on every rank, and nobody left waiting.
+    check(
+        "bad/duplicate-ranks",
+        lambda: sets.add_process_set([0, 0, 1]),
+        raises(ValueError, "rank 0 passed rank 0 more than once", "process set 4"),
+    )
+    check(
+        "bad/rank-outside-the-world",
+        lambda: sets.add_process_set([0, size] if rank == 0 else [0, 1]),
+        raises(ValueError, f"rank 0 passed rank {size}, outside the world of {size}"),
+    )
+    check(
+        "bad/not-a-list-of-ranks",
+        lambda: sets.add_process_set("ab" if rank == 1 else [0, 1]),
+        raises(ValueError, "rank 1 passed 'ab', which is not a list of ranks"),
+    )
+    check(
+        "bad/ranks-disagree",
+        lambda: sets.add_process_set([0, 1] if rank == 0 else [0, 2]),
+        raises(ringplug.MismatchError, "rank 0 passed [0, 1]", "passed [0, 2]"),
+    )
+    members_b = made["B"].ranks
+    if made["B"].included():
+        shape = 3 if rank == members_b[0] else 4
+        check(
+            "B/mismatch-names-tensor-and-set",
+            lambda: made["B"].allreduce(np.ones(shape), name="w"),
+            raises(
+                ringplug.MismatchError,
+                "'w'",
+                f"rank {members_b[0]} submitted",
+                f"rank {members_b[1]} submitted",
+                f"process set 2 (world ranks {members_b[0]}, {members_b[1]})",
+            ),
+        )
+        if rank == members_b[0]:
+            check(
+                "B/barrier-timeout-names-world-rank",
+                lambda: made["B"].barrier(name="lonely", timeout=1.0),
+                raises(ringplug.BarrierTimeoutError, f"rank(s) {members_b[1]}, which never"),
+            )
+        # The other member never calls "lonely": it learns the outcome from the world.
+        verdicts = ringplug.allgather_object(
+            report.get("B/barrier-timeout-names-world-rank", {}).get("ok")
+        )
+        if rank == members_b[1]:
+            report["B/barrier-timeout-names-world-rank"] = {
+                "ok": verdicts[members_b[0]] is True,
+                "detail": "its peer's verdict",
+            }
+    else:
+        ringplug.allgather_object(None)
+
+    # Removing C while its rank 0 has a collective in flight on it: refused everywhere.
+    late = pair.allreduce_async(np.ones(2), op=ringplug.Sum, name="late") if rank == 0 else None
+    check(
+        "bad/remove-with-work-pending",
+        lambda: sets.remove_process_set(pair),
+        raises(ringplug.RingplugError, "Cannot remove process set 3", "rank 0: 1 ('late')"),
+    )
+    if rank == size - 1:
+        pair.allreduce(np.ones(2), op=ringplug.Sum, name="late")
+    if late is not None:
+        late.wait()
+    sets.remove_process_set(pair)
+    check(
+        "bad/removed-set-refused",
+        lambda: pair.allreduce(np.ones(2)),
+        raises(ringplug.RingplugError, "process set 3", "was removed"),
+    )
+    sets.remove_process_set(made["A"])
+    sets.remove_process_set(made["B"])
+    check(
+        "world-still-works",
+        lambda: (
+            np.array_equal(ringplug.allreduce(np.ones(2), op=ringplug.Sum), [size, size])
+            and sets.process_sets() == []
+        ),
+    )
+    Path(outdir, f"sets-{rank}.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
