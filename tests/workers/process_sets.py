@@ -331,7 +331,7 @@ def main(outdir: str) -> None:
         "world-still-works",
         lambda: (
             np.array_equal(ringplug.allreduce(np.ones(2), op=ringplug.Sum), [size, size])
-            and sets.process_sets() == []
+            and sets.all_process_sets() == []
         ),
     )
     Path(outdir, f"sets-{rank}.json").write_text(json.dumps(report, indent=1))

@@ -33,6 +33,7 @@ from .kinds.broadcast import broadcast, broadcast_async
 from .kinds.objects import allgather_object, broadcast_object
 from .kinds.reducescatter import reducescatter, reducescatter_async
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
+from .process_sets import ProcessSet, add_process_set, remove_process_set
 from .runtime import (
     cross_rank,
     cross_size,

@@ -50,7 +50,7 @@ from .kinds.objects import allgather_object
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["ProcessSet", "add_process_set", "process_sets", "remove_process_set"]
+__all__ = ["ProcessSet", "add_process_set", "all_process_sets", "remove_process_set"]
 
 
 class _Sets:
@@ -269,7 +269,7 @@ def remove_process_set(process_set: ProcessSet) -> None:
     _close(process_set, world)
 
 
-def process_sets() -> list[ProcessSet]:
+def all_process_sets() -> list[ProcessSet]:
     """The process sets made and not removed since `init()`, by id."""
     with _sets.lock:
         return [_sets.by_id[i] for i in sorted(_sets.by_id)]
@@ -401,7 +401,7 @@ def _close(process_set: ProcessSet, world: Engine | None) -> None:
 def _stop_all() -> None:
     """At `shutdown()`: stop every set's engine before the world's, and forget the sets."""
     world = runtime.current_engine()
-    for process_set in process_sets():
+    for process_set in all_process_sets():
         _close(process_set, world)
     with _sets.lock:
         _sets.by_id.clear()
