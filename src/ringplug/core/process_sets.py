@@ -392,6 +392,7 @@ def _close(process_set: ProcessSet, world: Engine | None) -> None:
         return
     if world is not None and engine in world.followers:
         world.followers.remove(engine)
+    engine.timeline = None  # the world's: stopping the set's engine must not close it
     engine.stop()
     comm, process_set._comm = process_set._comm, None
     if comm is not None:

@@ -129,7 +129,7 @@ class Engine(ExpressCycles):
         self.scope_text = ""
         self._ctrl = comm.Dup() if comm is not None else None
         # Every wait of this engine (negotiation, ring, MPI collectives) has its deadline.
-        self.waiter = Waiter(self._ctrl, settings, self.rank, self.size)
+        self.waiter = Waiter(self._ctrl, settings, self.rank, self.size, ranks)
         self.transport.waiter = self.waiter
         self._exchange = Exchange(self._ctrl, self.waiter, self.rank, self.size)
         if local_size <= _cores():
@@ -736,9 +736,9 @@ class Engine(ExpressCycles):
             cause = exc
         else:
             text = f"{type(exc).__name__}: {exc}"
-            logger.error("rank %d failed %s: %s", self.rank, self.waiter.what, text)
+            logger.error("rank %d failed %s: %s", self.world_rank, self.waiter.what, text)
             self.waiter.announce_failure(text)
-            cause = PeerFailedError(f"rank {self.rank} failed {self.waiter.what}: {text}")
+            cause = PeerFailedError(f"rank {self.world_rank} failed {self.waiter.what}: {text}")
         self._renew = True  # its operations may still be posted: leave the communicator
         self._failed_here = cause
         self.complete_each(requests, error=exc)
@@ -860,6 +860,7 @@ class Engine(ExpressCycles):
                 )
             )
             return
+        by = self.ranks[by] if self.ranks is not None else by  # as the world names it
         waiting = sorted(self.pending)
         what = (
             f" while this rank waited in {', '.join(repr(n) for n in waiting[:5])}"

@@ -106,6 +106,8 @@ class Notice:
         final: the sender's engine has ended for good: it takes part in nothing any more.
         answer: the sender is alive and idle, answering a peer's waiting notice (see
             `Waiter.answer_waiting_peers`).
+        named: the sender as errors name it: its rank in the world (a process set's engine
+            numbers its members from 0); -1 until sent.
     """
 
     rank: int
@@ -115,10 +117,16 @@ class Notice:
     text: str = ""
     final: bool = False
     answer: bool = False
+    named: int = -1
 
     @property
     def failed(self) -> bool:
         return bool(self.text)
+
+    @property
+    def shown(self) -> int:
+        """The sender's rank as messages name it (the world's)."""
+        return self.named if self.named >= 0 else self.rank
 
 
 class Waiter:
@@ -128,13 +136,24 @@ class Waiter:
         comm: the communicator notices travel on (the engine's control communicator), or
             ``None`` for a world of one.
         settings: the timeouts.
-        rank, size: this rank and the job's size.
+        rank, size: this rank and the job's size (a process set's: its own numbering).
+        ranks: for a process set, the world's rank of each member, by which messages and
+            culprits name them.
     """
 
-    def __init__(self, comm: MPI.Comm | None, settings: Settings, rank: int, size: int) -> None:
+    def __init__(
+        self,
+        comm: MPI.Comm | None,
+        settings: Settings,
+        rank: int,
+        size: int,
+        ranks: tuple[int, ...] | None = None,
+    ) -> None:
         self._comm = comm
         self.settings = settings
         self.rank, self.size = rank, size
+        self._world = ranks if ranks is not None else tuple(range(size))
+        self.world_rank = self._world[rank]
         self.cycle = 0
         self.index = -1
         self.what = "negotiation"
@@ -314,7 +333,14 @@ class Waiter:
         if callable(phase):
             phase = phase()
         where = f"{self.what}" + (f" ({phase})" if phase else "")
-        return f"rank {self.rank} has waited {waited:.0f} s in {where}, engine cycle {self.cycle}"
+        return (
+            f"rank {self.world_rank} has waited {waited:.0f} s in {where}, engine cycle "
+            f"{self.cycle}"
+        )
+
+    def _who(self, ranks: Sequence[int]) -> str:
+        """`_who` of the world's ranks of `ranks` (this engine's numbering)."""
+        return _who([self._world[r] for r in ranks])
 
     def _warn(
         self, waited: float, phase: str | Callable[[], str], missing: Callable[[], list[int]] | None
@@ -326,8 +352,8 @@ class Waiter:
             return
         if silent:
             verdict = (
-                f"{_who(silent)} stopped taking part: {_they(silent)} sent no notice of waiting "
-                "(frozen: stopped, stuck in C code holding the GIL, swapping, or dead)"
+                f"{self._who(silent)} stopped taking part: {_they(silent)} sent no notice of "
+                "waiting (frozen: stopped, stuck in C code holding the GIL, swapping, or dead)"
             )
         else:
             verdict = "every rank is still taking part (a slow peer, or one still computing)"
@@ -370,7 +396,7 @@ class Waiter:
         elif silent:
             plural = len(silent) > 1
             verdict = (
-                f"{_who(silent)} stopped answering: {_they(silent)} neither did "
+                f"{self._who(silent)} stopped answering: {_they(silent)} neither did "
                 f"{'their' if plural else 'its'} part nor said {_they(silent)} "
                 f"{'were' if plural else 'was'} waiting (frozen: stopped, stuck in C code "
                 "holding the GIL, swapping, or dead)"
@@ -378,18 +404,18 @@ class Waiter:
         else:
             lacking = missing() if missing is not None else []
             verdict = "every other rank says it is waiting too" + (
-                f" ({_who(lacking)} did not answer this cycle)" if lacking else ""
+                f" ({self._who(lacking)} did not answer this cycle)" if lacking else ""
             )
         others = [r for r in alive if r not in silent]
         waiting = [r for r in others if not self._heard[r].answer]
         idle = [r for r in others if self._heard[r].answer]
         also = ""
         if silent and waiting:
-            also += f"; {_who(waiting)} {'are' if len(waiting) > 1 else 'is'} waiting too"
+            also += f"; {self._who(waiting)} {'are' if len(waiting) > 1 else 'is'} waiting too"
         if silent and idle:
             also += (
-                f"; {_who(idle)} {'are' if len(idle) > 1 else 'is'} alive with nothing to run "
-                "(this cycle's messages reach "
+                f"; {self._who(idle)} {'are' if len(idle) > 1 else 'is'} alive with nothing to "
+                "run (this cycle's messages reach "
                 f"{'them' if len(idle) > 1 else 'it'} through the ranks that stopped)"
             )
         verdict = f"{self._where(waited, phase)}: {verdict}{also} ({self._limit_name()}={limit:g})."
@@ -397,7 +423,9 @@ class Waiter:
         if give_up is not None:
             give_up(verdict, culprits)
         log.end_job(
-            self.rank, f"{verdict} Ending the job: MPI cannot cancel a collective.", culprits
+            self.world_rank,
+            f"{verdict} Ending the job: MPI cannot cancel a collective.",
+            [self._world[r] for r in culprits],
         )
 
     # ------------------------------------------------------------------ notices
@@ -406,6 +434,7 @@ class Waiter:
             return
         from mpi4py import MPI
 
+        notice.named = self.world_rank
         payload = bytearray(pickle.dumps(notice, protocol=pickle.HIGHEST_PROTOCOL))
         self._payloads.append(payload)  # alive until its sends complete
         peers = [peer for peer in range(self.size) if peer != self.rank] if to is None else to
@@ -453,20 +482,20 @@ def peer_failed_error(notice: Notice, current: str) -> PeerFailedError:
     """The error that a peer's failure `notice` ends this rank's `current` wait with."""
     if notice.final:
         return PeerEngineFailedError(
-            f"{current} cannot complete: rank {notice.rank}'s ringplug engine failed for good "
+            f"{current} cannot complete: rank {notice.shown}'s ringplug engine failed for good "
             f"(in {notice.what}, engine cycle {notice.cycle}): {notice.text}. Every rank must "
             "take part in every collective, so this rank cannot go on either; the cause is in "
-            f"rank {notice.rank}'s log.",
-            caused_by=(notice.rank,),
+            f"rank {notice.shown}'s log.",
+            caused_by=(notice.shown,),
         )
     if notice.what == current:
-        text = f"rank {notice.rank} failed {notice.what}: {notice.text}"
+        text = f"rank {notice.shown} failed {notice.what}: {notice.text}"
     else:
         text = (
-            f"{current} did not run: rank {notice.rank} failed {notice.what} earlier in the "
+            f"{current} did not run: rank {notice.shown} failed {notice.what} earlier in the "
             f"same engine cycle ({notice.text})"
         )
-    return PeerFailedError(text, caused_by=(notice.rank,))
+    return PeerFailedError(text, caused_by=(notice.shown,))
 
 
 def _who(ranks: Sequence[int]) -> str:
