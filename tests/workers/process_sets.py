@@ -10,6 +10,7 @@ overlaps A at rank 1), C = {0, p-1} (two ranks, for Adasum).
 from __future__ import annotations
 
 import json
+import math
 import sys
 import traceback
 from pathlib import Path
@@ -18,6 +19,8 @@ import numpy as np
 
 import ringplug
 from ringplug.core import process_sets as sets
+from ringplug.core import runtime
+from ringplug.core.transport.traffic import difference
 
 
 def set_ranks(size: int) -> dict[str, list[int]]:
@@ -38,6 +41,7 @@ KINDS = (
     "allgather-object",
     "broadcast-object",
     "rank-and-size",
+    "negotiation-grows-with-the-set",
 )
 
 
@@ -158,6 +162,26 @@ def run_kinds(check, ps, label: str, rank: int) -> None:
         lambda: ps.broadcast_object({"from": rank}, root_rank=0) == {"from": members[0]},
     )
     check(f"{label}/rank-and-size", lambda: (ps.rank(), ps.size()) == (me, k))
+
+    def counted():
+        # A repeated small allreduce: ceil(log2 k) negotiation messages per call on this
+        # rank (its data rides in them up to 7 ranks), none through the world's engine.
+        calls = 20
+        ps.allreduce(np.ones(4), name="counted")
+        world = runtime.world_engine()
+        before, world_before = ps._engine.traffic.snapshot(), world.traffic.snapshot()
+        for _ in range(calls):
+            ps.allreduce(np.ones(4), name="counted")
+        sent = difference(ps._engine.traffic.snapshot(), before)
+        world_sent = difference(world.traffic.snapshot(), world_before)
+        rounds = math.ceil(math.log2(k))
+        negotiation = sent.get("messages", {}).get("negotiation", 0)
+        return (
+            0 < negotiation <= calls * rounds and not world_sent.get("messages"),
+            f"set of {k}: {sent}; world: {world_sent}",
+        )
+
+    check(f"{label}/negotiation-grows-with-the-set", counted)
 
 
 def adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
