@@ -11,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import ringplug
 from launch import run_ringrun
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -118,6 +120,19 @@ def test_a_peers_failure_is_named_by_its_rank_in_the_world():
     error = peer_failed_error(notice, "allreduce 'x'")
     assert str(error).startswith("rank 3 failed allreduce 'x'")
     assert error.caused_by == (3,)
+
+
+def test_a_world_of_one_makes_runs_and_removes_a_set_of_its_one_rank():
+    ringplug.init()
+    try:
+        process_set = ringplug.add_process_set([0])
+        assert (process_set.included(), process_set.rank(), process_set.size()) == (True, 0, 1)
+        assert process_set.allreduce(np.arange(3.0), op=ringplug.Sum).tolist() == [0, 1, 2]
+        ringplug.remove_process_set(process_set)
+        with pytest.raises(ringplug.RingplugError, match="process set 1 .* was removed"):
+            process_set.allreduce(np.ones(1))
+    finally:
+        ringplug.shutdown()
 
 
 def test_ranks_given_in_any_order_make_one_set():

@@ -42,6 +42,7 @@ KINDS = (
     "broadcast-object",
     "rank-and-size",
     "negotiation-grows-with-the-set",
+    "join",
 )
 
 
@@ -182,6 +183,20 @@ def run_kinds(check, ps, label: str, rank: int) -> None:
         )
 
     check(f"{label}/negotiation-grows-with-the-set", counted)
+
+    def join():
+        # The set's last member joins at once; the others reduce once more without it.
+        if me == k - 1:
+            last = ps.join()
+        else:
+            total = ps.allreduce(np.full(2, float(rank)), op=ringplug.Sum, name="after-join")
+            last = ps.join()
+            if total.tolist() != [float(sum(members[:-1]))] * 2:
+                return False, f"sum without the joined member: {total}"
+        seen = ps.allgather_object(last)
+        return len(set(seen)) == 1 and last in range(k), f"last to join: {seen}"
+
+    check(f"{label}/join", join)
 
 
 def adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
