@@ -332,7 +332,7 @@ def main(outdir: str) -> None:
         if rank == members_b[0]:
             check(
                 "B/barrier-timeout-names-world-rank",
-                lambda: made["B"].barrier(name="lonely", timeout=1.0),
+                lambda: made["B"].barrier(name="lonely", timeout=2.0),
                 raises(ringplug.BarrierTimeoutError, f"rank(s) {members_b[1]}, which never"),
             )
         # The other member never calls "lonely": it learns the outcome from the world.

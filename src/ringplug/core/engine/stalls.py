@@ -119,7 +119,10 @@ class StallInspector:
         fresh = [n for n in late if n not in self._warned]
         if fresh:
             self._warned.update(fresh)
-            logger.warning("%s", self._text(plan, late, now))
+            # At WARNING on the world's rank 0 only: other ranks log errors only (`log`), and
+            # a process set's rank 0 may be any rank of the world.
+            level = logging.WARNING if self._world[self.rank] == 0 else logging.ERROR
+            logger.log(level, "%s", self._text(plan, late, now))
             holders = [set(plan.partial.get(name, ())) for name in fresh]
             self._report = sorted(set().union(*(set(range(self.size)) - h for h in holders)))
         if shutdown > 0:

@@ -359,7 +359,7 @@ class Waiter:
             verdict = "every rank is still taking part (a slow peer, or one still computing)"
         limit = self._limit()
         logger.log(
-            logging.WARNING if self.rank == 0 else logging.ERROR,
+            logging.WARNING if self.world_rank == 0 else logging.ERROR,
             "Stall: %s; %s. The job ends after %g s of waiting (RINGPLUG_STALL_CHECK_SECONDS="
             "%g, %s=%g).",
             self._where(waited, phase),
