@@ -36,10 +36,11 @@ ranks, and `root_rank` of a broadcast counts in the set, as for an MPI sub-commu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import collectives, log, runtime
@@ -215,14 +216,16 @@ def add_process_set(ranks: Iterable[int]) -> ProcessSet:
             _sets.hooked = True
     engine = comm = None
     if world.rank in members:
-        comm = _communicator(members, set_id, world) if world.size > 1 else None
-        engine = Engine(
-            comm,
-            dataclasses.replace(world.settings, timeline=None),
-            local_rank=runtime.local_rank(),
-            local_size=runtime.local_size(),
-            ranks=members,
-        )
+        with _within_timeout(members, set_id, world):
+            comm = _communicator(members, set_id) if world.size > 1 else None
+            engine = Engine(  # duplicates `comm` twice, among the members
+                comm,
+                dataclasses.replace(world.settings, timeline=None),
+                local_rank=runtime.local_rank(),
+                local_size=runtime.local_size(),
+                ranks=members,
+                thread_name=f"ringplug-engine-set{set_id}",
+            )
     process_set = ProcessSet(set_id, members, engine, comm)
     if engine is not None:
         engine.scope_text = f" This was in {process_set.describe()}."
@@ -351,11 +354,10 @@ def _check_threads(world: Engine) -> None:
         )
 
 
-def _communicator(members: tuple[int, ...], set_id: int, world: Engine) -> MPI.Comm:
-    """MPI_Comm_create_group among the members (the others do not take part), within the
-    timeout: a member that agreed and never arrives ends the job naming the wait."""
-    from mpi4py import MPI
-
+@contextlib.contextmanager
+def _within_timeout(members: tuple[int, ...], set_id: int, world: Engine) -> Iterator[None]:
+    """Bound the members' MPI calls that make a set (they have no deadline of their own):
+    a member that agreed and never arrives ends the job naming the wait."""
     done = threading.Event()
     timeout = world.settings.timeout
 
@@ -365,20 +367,28 @@ def _communicator(members: tuple[int, ...], set_id: int, world: Engine) -> MPI.C
                 world.rank,
                 f"rank {world.rank} waited {timeout:g} s (RINGPLUG_TIMEOUT) for the other "
                 f"members of process set {set_id} (world ranks {_ranks_text(members)}) to "
-                "make its communicator, after every rank agreed on it; a member is stuck or "
+                "make its communicators, after every rank agreed on it; a member is stuck or "
                 "gone.",
             )
 
     threading.Thread(target=watchdog, name="ringplug-process-set", daemon=True).start()
     try:
-        everyone = MPI.COMM_WORLD.Get_group()
-        group = everyone.Incl(list(members))
-        comm = MPI.COMM_WORLD.Create_group(group, tag=set_id)
-        group.Free()
-        everyone.Free()
-        return comm
+        yield
     finally:
         done.set()
+
+
+def _communicator(members: tuple[int, ...], set_id: int) -> MPI.Comm:
+    """MPI_Comm_create_group among the members (the others do not take part)."""
+    from mpi4py import MPI
+
+    everyone = MPI.COMM_WORLD.Get_group()
+    group = everyone.Incl(list(members))
+    try:
+        return MPI.COMM_WORLD.Create_group(group, tag=set_id)
+    finally:
+        group.Free()
+        everyone.Free()
 
 
 def _close(process_set: ProcessSet, world: Engine | None) -> None:

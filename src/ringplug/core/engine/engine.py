@@ -112,6 +112,7 @@ class Engine(ExpressCycles):
         local_rank: int = 0,
         local_size: int = 1,
         ranks: tuple[int, ...] | None = None,
+        thread_name: str = "ringplug-engine",
     ) -> None:
         """`ranks`: for a process set's engine (`comm` holds its members only), the world's
         rank of each member, by which its errors, stall reports and records name them."""
@@ -189,7 +190,7 @@ class Engine(ExpressCycles):
         self._handoff = False  # a driving caller left work in flight for the engine thread
         self._host_only = True  # no GPU collective yet: callers may drive
         self._ended = False  # a cycle shut the engine down (on whichever thread ran it)
-        self._thread = threading.Thread(target=self._main, name="ringplug-engine", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=thread_name, daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ callers' side
