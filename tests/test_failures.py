@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -88,17 +89,43 @@ def test_the_cause_reaches_ringrun_when_the_program_captures_its_own_stderr():
     assert processes_matching(marker) == []
 
 
+def where_they_are(marker: str) -> str:
+    """What each process of a job that overran its bound is doing: its state, and its
+    Python stacks (taken through the stack handler every rank installs, in a temporary
+    folder of its own under plain mpiexec), for the failure."""
+    from ringplug.forensics import stacks
+
+    lines = []
+    for line in processes_matching(marker):
+        pid = int(line.split()[0])
+        handlers = list(Path(tempfile.gettempdir()).glob(f"ringplug-stacks-*/{pid}.stacks"))
+        folder = handlers[0].parent if handlers else None
+        report = stacks.outside(pid, folder, children=False)
+        lines += [line, *stacks.report_lines(f"pid {pid}", report)]
+    return "\n".join(lines) or "no process of the job is left"
+
+
 def test_an_exception_under_plain_mpiexec_aborts_instead_of_hanging():
     # Without ringrun, hydra alone would leave the other rank waiting forever; ringplug's
     # exception hook aborts the MPI job.
     marker = unique_marker("plain-mpiexec")
-    result = subprocess.run(
+    job = subprocess.Popen(
         [MPIEXEC, "-n", "2", sys.executable, WORKER, "exception", marker],
-        capture_output=True,
-        text=True,
-        timeout=JOB_BOUND_S,
-        check=False,
-    )
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = job.communicate(timeout=JOB_BOUND_S)
+    except subprocess.TimeoutExpired:
+        found = where_they_are(marker)
+        job.kill()
+        stdout, stderr = job.communicate(timeout=10)
+        for line in processes_matching(marker):  # no rank outlives the test
+            subprocess.run(["kill", "-9", line.split()[0]], check=False, timeout=10)
+        pytest.fail(
+            f"the job was not over within {JOB_BOUND_S} s; where its processes were:\n{found}"
+            f"\n--- stdout:\n{stdout}\n--- stderr:\n{stderr}"
+        )
+    result = subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert (
