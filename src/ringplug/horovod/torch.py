@@ -23,6 +23,7 @@ import torch
 
 from .. import core
 from ..compression import Compression, compressed
+from ..torch import averaging as _averaging
 from ..torch import collectives as rt
 from ..torch import optimizer as _optimizer
 from ..torch import state as _state
@@ -618,7 +619,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         )
     if op is Adasum:
         return torch_adasum.DistributedOptimizer(
-            optimizer, named_parameters, backward_passes_per_step
+            optimizer, named, backward_passes_per_step
         )
     return _distributed(
         optimizer, named, compression, backward_passes_per_step, op, gradient_predivide_factor
@@ -668,6 +669,9 @@ class _LocalSteps:
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer, named: Any) -> torch.optim.Optimizer:
+    # Takes its number among the optimizers as the members' does, so that the optimizers
+    # every rank builds next name their gradients alike.
+    next(_averaging._OPTIMIZER_IDS)
     cls = optimizer.__class__
     local = cls.__new__(type(cls.__name__, (_LocalSteps, cls), {}))
     local.__dict__.update(optimizer.__dict__)  # same param_groups, state and hooks
