@@ -618,9 +618,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             process_set,
         )
     if op is Adasum:
-        return torch_adasum.DistributedOptimizer(
-            optimizer, named, backward_passes_per_step
-        )
+        return torch_adasum.DistributedOptimizer(optimizer, named, backward_passes_per_step)
     return _distributed(
         optimizer, named, compression, backward_passes_per_step, op, gradient_predivide_factor
     )
