@@ -399,6 +399,11 @@ def process_sets(check, rank: int, size: int) -> None:
         "ps-duplicate-refused",
         lambda: raises(lambda: hvd.add_process_set(range(size)), ValueError, "duplicate"),
     )
+    # Ranks that pass different sets: the same error on every rank, none left waiting.
+    check(
+        "ps-ranks-disagree-refused",
+        lambda: raises(lambda: hvd.add_process_set([rank]), hvd.HorovodInternalError, "disagree"),
+    )
     mine_t = torch.tensor([float(rank + 1)])
     check(
         "ps-allreduce-sum",

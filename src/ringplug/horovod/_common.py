@@ -169,15 +169,18 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    existing = [global_process_set, *_registered.values()]
-    if process_set.ranks == list(range(core.size())) or any(
-        process_set.ranks == other.ranks for other in existing[1:]
+    # Made before the duplicate check, so that ranks that passed different sets get the
+    # core's MismatchError together instead of some waiting for the others; the ranks
+    # then agree on the set, and each finds the same duplicate in the same registry.
+    made = core.add_process_set(process_set.ranks or ())
+    if list(made.ranks) == list(range(core.size())) or any(
+        list(made.ranks) == other.ranks for other in _registered.values()
     ):
+        core.remove_process_set(made)
         raise ValueError(
             f"Attempted to add a duplicate process set: {process_set} has the ranks of a "
             "set that is registered already; use that one (or remove it first)."
         )
-    made = core.add_process_set(process_set.ranks or ())
     process_set._core = made
     process_set.process_set_id = made.process_set_id
     _registered[made.process_set_id] = process_set
