@@ -44,7 +44,8 @@ JOBS = {
         "hvd_resume.py",
     ],
     ("torch", 3): ["hvd_collectives.py", "hvd_adasum.py", "hvd_semantics.py", "hvd_resume.py"],
-    ("torch", 4): ["hvd_adasum.py"],  # Adasum's tree two levels deep
+    # Adasum's tree two levels deep; process sets of two ranks each (hvd_semantics.py)
+    ("torch", 4): ["hvd_adasum.py", "hvd_semantics.py"],
     ("keras", 2): ["hvd_keras.py"],
     ("tf", 2): ["hvd_tf.py", "hvd_tf_adasum.py"],
     ("tf1", 2): ["hvd_tf1_hook.py"],
@@ -92,7 +93,7 @@ def test_every_hvd_collective_matches_numpy_on_every_rank(run, ranks):
     assert reports[0].keys() == reports[-1].keys()
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_horovod_semantics_where_they_differ_from_ringplug_torch(run, ranks):
     # Integer Average/scaling, alltoall forms and gradients, allgather's averaged gradient,
     # grouped collectives with autograd, join refusing allgather/broadcast, unnamed calls
