@@ -44,7 +44,8 @@ JOBS = {
         "hvd_resume.py",
     ],
     ("torch", 3): ["hvd_collectives.py", "hvd_adasum.py", "hvd_semantics.py", "hvd_resume.py"],
-    ("torch", 4): ["hvd_adasum.py"],  # Adasum's tree two levels deep
+    # Adasum's tree two levels deep; process sets of two ranks each (hvd_semantics.py)
+    ("torch", 4): ["hvd_adasum.py", "hvd_semantics.py"],
     ("keras", 2): ["hvd_keras.py"],
     ("tf", 2): ["hvd_tf.py", "hvd_tf_adasum.py"],
     ("tf1", 2): ["hvd_tf1_hook.py"],
@@ -92,14 +93,17 @@ def test_every_hvd_collective_matches_numpy_on_every_rank(run, ranks):
     assert reports[0].keys() == reports[-1].keys()
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_horovod_semantics_where_they_differ_from_ringplug_torch(run, ranks):
     # Integer Average/scaling, alltoall forms and gradients, allgather's averaged gradient,
     # grouped collectives with autograd, join refusing allgather/broadcast, unnamed calls
-    # in step after a mismatch, a join and a re-init, optimizer state and names, sparse.
+    # in step after a mismatch, a join and a re-init, optimizer state and names, sparse,
+    # and process sets (even and odd ranks: every collective, world root ranks, the
+    # optimizer on one set, non-members refused, init(process_sets=...)).
     reports = run("hvd_semantics.py", ranks)
     for rank, checks in enumerate(reports):
-        assert len(checks) >= (49 if rank else 47)
+        assert len(checks) >= (48 if rank else 46) + 29
+        assert sum(name.startswith("ps-") for name in checks) == 29
         assert [name for name, ok in checks.items() if not ok] == []
 
 
@@ -184,7 +188,7 @@ def test_horovod_tensorflow_adasum_eagerly_in_tf_function_in_a_graph_and_in_the_
 
 def test_unsupported_horovod_features_say_so():
     hvd = pytest.importorskip("ringplug.horovod.torch")
-    with pytest.raises(NotImplementedError, match="process sets"):
+    with pytest.raises(ValueError, match="must be a hvd.ProcessSet"):
         hvd.allreduce(__import__("torch").ones(1), process_set=object())
     with pytest.raises(NotImplementedError, match="communicator"):
         hvd.init(comm=[0, 1])

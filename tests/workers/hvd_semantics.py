@@ -366,15 +366,174 @@ def main(outdir: Path) -> None:
     check("is-homogeneous", lambda: hvd.is_homogeneous() is True)
     check("elastic-there", lambda: callable(hvd.elastic.run) and callable(hvd.elastic.TorchState))
     check(
-        "process-set-refused",
-        lambda: raises(lambda: hvd.ProcessSet([0]), NotImplementedError, "process sets"),
-    )
-    check(
         "internal-error-is-runtime-error",
         lambda: issubclass(hvd.HorovodInternalError, RuntimeError),
     )
 
+    process_sets(check, rank, size)
+
     (outdir / f"semantics-{rank}.json").write_text(json.dumps(checks))
+
+
+def process_sets(check, rank: int, size: int) -> None:
+    """Horovod's process sets: even and odd ranks, each set's collectives against numpy,
+    root ranks counted in the world, non-members refused, the optimizer on one set."""
+    loose = hvd.ProcessSet([0])
+    check("ps-unregistered", lambda: loose.process_set_id is None and loose.size() is None)
+    evens = hvd.add_process_set(range(0, size, 2))
+    odds = hvd.add_process_set(hvd.ProcessSet(range(1, size, 2)))
+    mine, other = (evens, odds) if rank % 2 == 0 else (odds, evens)
+    members = list(mine.ranks)
+    check("ps-ids", lambda: (evens.process_set_id, odds.process_set_id) == (1, 2))
+    check(
+        "ps-rank-size-included",
+        lambda: (
+            mine.rank() == members.index(rank)
+            and mine.size() == len(members)
+            and mine.included() is True
+            and other.included() is False
+        ),
+    )
+    check("ps-rank-outside-refused", lambda: raises(other.rank, ValueError, "not part"))
+    check(
+        "ps-duplicate-refused",
+        lambda: raises(lambda: hvd.add_process_set(range(size)), ValueError, "duplicate"),
+    )
+    # Ranks that pass different sets: the same error on every rank, none left waiting.
+    check(
+        "ps-ranks-disagree-refused",
+        lambda: raises(lambda: hvd.add_process_set([rank]), hvd.HorovodInternalError, "disagree"),
+    )
+    mine_t = torch.tensor([float(rank + 1)])
+    check(
+        "ps-allreduce-sum",
+        lambda: (
+            hvd.allreduce(mine_t, op=hvd.Sum, process_set=mine).item()
+            == sum(r + 1 for r in members)
+        ),
+    )
+    check(
+        "ps-allreduce-average",
+        lambda: hvd.allreduce(mine_t, process_set=mine).item() == np.mean([r + 1 for r in members]),
+    )
+    check(
+        "ps-nonmember-refused",
+        lambda: raises(lambda: hvd.allreduce(mine_t, process_set=other), ValueError, "member"),
+    )
+    check(
+        "ps-grouped-allreduce-async",
+        lambda: (
+            [
+                t.tolist()
+                for t in hvd.synchronize(
+                    hvd.grouped_allreduce_async(
+                        [mine_t, 2 * mine_t], op=hvd.Sum, process_set=mine, name="ps.grouped"
+                    )
+                )
+            ]
+            == [[sum(r + 1 for r in members)], [2 * sum(r + 1 for r in members)]]
+        ),
+    )
+    # The same name in flight on the set and on the world at once.
+    on_set = hvd.allreduce_async(torch.ones(1), op=hvd.Sum, name="ps.same", process_set=mine)
+    on_world = hvd.allreduce_async(torch.ones(1), op=hvd.Sum, name="ps.same")
+    check(
+        "ps-same-name-on-set-and-world",
+        lambda: (
+            (hvd.synchronize(on_set).item(), hvd.synchronize(on_world).item())
+            == (len(members), size)
+        ),
+    )
+    # Horovod's root_rank is a world rank: the set's last member (world rank 2 of {0, 2}).
+    root = members[-1]
+    check(
+        "ps-broadcast-world-root",
+        lambda: hvd.broadcast(torch.tensor([float(rank)]), root, process_set=mine).item() == root,
+    )
+    check(
+        "ps-broadcast-inplace-world-root",
+        lambda: hvd.broadcast_(torch.tensor([float(rank)]), root, process_set=mine).item() == root,
+    )
+    check(
+        "ps-broadcast-root-outside-refused",
+        lambda: raises(
+            lambda: hvd.broadcast(mine_t, other.ranks[0], process_set=mine),
+            ValueError,
+            "invalid root rank",
+        ),
+    )
+    check(
+        "ps-allgather",
+        lambda: hvd.allgather(torch.tensor([rank]), process_set=mine).tolist() == members,
+    )
+    # Allgather's gradient: each rank's rows get the average over the set's members.
+    gathered_from = torch.ones(1, requires_grad=True)
+    weight = float((rank + 1) ** 2)
+    (hvd.allgather(gathered_from, process_set=mine) * weight).sum().backward()
+    check(
+        "ps-allgather-gradient-averaged-over-the-set",
+        lambda: gathered_from.grad.item() == np.mean([(r + 1) ** 2 for r in members]),
+    )
+    check(
+        "ps-reducescatter",
+        lambda: (
+            hvd.reducescatter(
+                torch.full((2 * len(members),), rank + 1.0), op=hvd.Sum, process_set=mine
+            ).tolist()
+            == [float(sum(r + 1 for r in members))] * 2
+        ),
+    )
+    check(
+        "ps-alltoall",
+        lambda: (
+            hvd.alltoall(torch.tensor([rank] * len(members)), process_set=mine).tolist() == members
+        ),
+    )
+    check(
+        "ps-broadcast-object",
+        lambda: hvd.broadcast_object({"r": rank}, root_rank=root, process_set=mine) == {"r": root},
+    )
+    check("ps-allgather-object", lambda: hvd.allgather_object(rank, process_set=mine) == members)
+    params = {"w": torch.tensor([float(rank)])}
+    hvd.broadcast_parameters(params, root_rank=root, process_set=mine)
+    check("ps-broadcast-parameters", lambda: params["w"].item() == root)
+    check("ps-barrier", lambda: hvd.barrier(process_set=mine) is None)
+
+    # DistributedOptimizer on the even ranks: they step on their average; the odd ranks on
+    # their own gradient (as Horovod: a rank outside the set does not reduce).
+    w = torch.nn.Parameter(torch.ones(2))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)], process_set=evens
+    )
+    optimizer.zero_grad()
+    (w * (rank + 1)).sum().backward()
+    optimizer.step()
+    evens_mean = np.mean([r + 1 for r in evens.ranks])
+    expected = 1 - (evens_mean if evens.included() else rank + 1)
+    check("ps-optimizer", lambda: w.tolist() == [expected] * 2)
+
+    check("ps-remove", lambda: hvd.remove_process_set(odds) and odds.process_set_id is None)
+    check(
+        "ps-removed-refused",
+        lambda: raises(lambda: hvd.allreduce(mine_t, process_set=odds), ValueError, "registered"),
+    )
+    check(
+        "ps-remove-global-is-false", lambda: hvd.remove_process_set(hvd.global_process_set) is False
+    )
+    hvd.remove_process_set(evens)
+    given, rest = hvd.ProcessSet([0]), hvd.ProcessSet(range(1, size))
+    hvd.init(process_sets=[given, rest])
+    check(
+        "ps-init-process-sets",
+        lambda: (
+            given.process_set_id is not None
+            and hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=given).item() == 1
+            if rank == 0
+            else given.included() is False
+        ),
+    )
+    check("ps-init-dynamic", lambda: hvd.init(process_sets="dynamic") is None)
+    check("ps-remove-both", lambda: hvd.remove_process_set(given) and hvd.remove_process_set(rest))
 
 
 if __name__ == "__main__":

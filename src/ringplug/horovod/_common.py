@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import core
+from ..core import runtime
 from ..core.errors import RingplugError
 from ..core.ops import ReduceOp, as_op
 
@@ -69,49 +73,195 @@ class _Adasum:
 
 Adasum = _Adasum()
 
-_NO_PROCESS_SETS = (
-    "ringplug has no process sets: every collective runs over all ranks. Leave "
-    "process_set at its default (hvd.global_process_set)."
-)
-
 
 class ProcessSet:
-    """Horovod's process sets: ringplug has one, `global_process_set` (all ranks), and
-    refuses to make others."""
+    """Horovod's process set: some of the world's ranks, for `process_set=` arguments.
 
-    process_set_id = 0
+    Made from a list of the world's ranks (kept sorted), then registered on every rank with
+    `add_process_set` or `init(process_sets=[...])`, which give it its `process_set_id`.
+    As in Horovod, root ranks of a set's broadcasts are world ranks; `rank()` is this
+    rank's place in the set (0..size()-1), for reading the result of an allgather.
 
-    def __init__(self, ranks: Any = None) -> None:
-        raise NotImplementedError(_NO_PROCESS_SETS)
+    Args:
+        ranks_or_comm: the world's ranks in the set. (An mpi4py communicator, which Horovod
+            also takes, is refused: pass ``comm`` translated to the world's ranks.)
 
-    def size(self) -> int:
-        return core.size()
+    Example:
+        ```python
+        evens = hvd.add_process_set(range(0, hvd.size(), 2))  # every rank calls it
+        if evens.included():
+            total = hvd.allreduce(t, op=hvd.Sum, process_set=evens)
+        hvd.remove_process_set(evens)  # every rank, once nothing is in flight on it
+        ```
+    """
 
-    def rank(self) -> int:
-        return core.rank()
+    process_set_id: int | None = None
+    ranks: list[int] | None = None
+    mpi_comm: Any = None
+    _core: Any = None  # ringplug.core's ProcessSet, once registered (None for the world)
 
-    def included(self) -> bool:
-        return True
+    def __init__(self, ranks_or_comm: Any) -> None:
+        try:
+            ranks = list(ranks_or_comm)
+        except TypeError:
+            raise ValueError(
+                f"ProcessSet takes a list of the world's ranks, not {ranks_or_comm!r} "
+                "(ringplug does not make sets from MPI communicators)."
+            ) from None
+        if not all(isinstance(r, int) for r in ranks):
+            raise ValueError(
+                f"ProcessSet takes a list of the world's ranks (ints), not {ranks_or_comm!r}."
+            )
+        self.ranks = sorted(ranks)
+
+    def size(self) -> int | None:
+        """The number of ranks in the set; None while it is not registered."""
+        if self.process_set_id is None:
+            return None
+        return core.size() if self.process_set_id == 0 else len(self.ranks or ())
+
+    def rank(self) -> int | None:
+        """This rank's place in the set; None while it is not registered. ValueError on a
+        rank outside the set."""
+        if self.process_set_id is None:
+            return None
+        if self.process_set_id == 0:
+            return core.rank()
+        if not self.included():
+            raise ValueError(f"Rank {core.rank()} is not part of {self}, so it has no rank in it.")
+        return self._core.rank()
+
+    def included(self) -> bool | None:
+        """Whether this rank is in the set; None while it has no ranks."""
+        if self.process_set_id == 0:
+            return True
+        if self.ranks is None:
+            return None
+        return core.rank() in self.ranks
+
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+        self._core = None
 
     def __repr__(self) -> str:
-        return "ProcessSet(global)"
+        return (
+            f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+            f"mpi_comm={self.mpi_comm})"
+        )
 
 
-global_process_set = object.__new__(ProcessSet)  # the one there is, not made by __init__
+global_process_set = object.__new__(ProcessSet)  # all ranks; its ranks are set by init()
+global_process_set.process_set_id = 0
 _SET = global_process_set  # the default of every process_set
+_registered: dict[int, ProcessSet] = {}  # this process's sets, by id (the world's not in it)
 
 
-def add_process_set(process_set: Any) -> None:
-    """Refused: ringplug has no process sets."""
-    raise NotImplementedError(_NO_PROCESS_SETS)
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set (a `ProcessSet` or a list of the world's ranks) and return it.
+
+    Collective over the world: every rank calls it with the same ranks, in the same order
+    of calls as its collectives. Unlike Horovod, no ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` or
+    ``init(process_sets="dynamic")`` is needed first.
+
+    Raises:
+        ValueError: a set of the same ranks is registered already (the world's included),
+            or the ranks are duplicated or outside the world (on every rank).
+    """
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    # Made before the duplicate check, so that ranks that passed different sets get the
+    # core's MismatchError together instead of some waiting for the others; the ranks
+    # then agree on the set, and each finds the same duplicate in the same registry.
+    made = core.add_process_set(process_set.ranks or ())
+    if list(made.ranks) == list(range(core.size())) or any(
+        list(made.ranks) == other.ranks for other in _registered.values()
+    ):
+        core.remove_process_set(made)
+        raise ValueError(
+            f"Attempted to add a duplicate process set: {process_set} has the ranks of a "
+            "set that is registered already; use that one (or remove it first)."
+        )
+    process_set._core = made
+    process_set.process_set_id = made.process_set_id
+    _registered[made.process_set_id] = process_set
+    return process_set
 
 
-remove_process_set = add_process_set
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Remove a registered process set; every rank calls it, once nothing is in flight on
+    the set (else RingplugError on every rank). Returns False, as Horovod, for the global
+    set or a set that is not registered."""
+    if process_set.process_set_id in (None, 0) or process_set._core is None:
+        return False
+    core.remove_process_set(process_set._core)
+    _registered.pop(process_set.process_set_id, None)
+    process_set._invalidate()
+    return True
 
 
 def check_process_set(process_set: Any) -> None:
+    """What remains for functions decorated with `on_process_set`: the world's set."""
     if process_set is not global_process_set and process_set is not None:
-        raise NotImplementedError(_NO_PROCESS_SETS)
+        raise NotImplementedError(
+            f"process_set={process_set}: process sets other than hvd.global_process_set "
+            "are taken by ringplug.horovod.torch only so far; leave process_set at its "
+            "default here."
+        )
+
+
+def _member_engine(process_set: Any, what: str) -> Any:
+    """The core engine of a registered set this rank is in; ValueError otherwise."""
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"hvd.{what}: process_set must be a hvd.ProcessSet, not {process_set!r}.")
+    if process_set.process_set_id is None or process_set._core is None:
+        raise ValueError(
+            f"hvd.{what}: {process_set} is not registered (or was removed); register it "
+            "with hvd.add_process_set() or hvd.init(process_sets=[...]) on every rank."
+        )
+    if not process_set.included():
+        raise ValueError(
+            f"hvd.{what}: Rank {core.rank()} is not a member of the provided process set "
+            f"{process_set}; call its collectives on its members only "
+            "(`if process_set.included(): ...`)."
+        )
+    return process_set._core._member_engine(what)
+
+
+def _set_root(process_set: ProcessSet, root_rank: int, what: str) -> int:
+    """A world root rank (Horovod's numbering) as the set's own (the core's)."""
+    ranks = process_set.ranks or []
+    if root_rank not in ranks:
+        raise ValueError(
+            f"hvd.{what} received invalid root rank {root_rank} for provided process set "
+            f"{process_set}: root ranks are world ranks of the set's members ({ranks})."
+        )
+    return ranks.index(root_rank)
+
+
+def on_process_set(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` (which takes `process_set`, and maybe `root_rank`) run on the set's core
+    engine when `process_set` is not the world's, with its world root rank made the set's."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        process_set = bound.arguments.get("process_set", global_process_set)
+        if process_set is global_process_set or process_set is None:
+            return function(*args, **kwargs)
+        engine = _member_engine(process_set, function.__name__)
+        bound.apply_defaults()
+        bound.arguments["process_set"] = global_process_set
+        if "root_rank" in bound.arguments:
+            root = bound.arguments["root_rank"]
+            bound.arguments["root_rank"] = _set_root(process_set, root, function.__name__)
+        token = runtime.scope.set(engine)
+        try:
+            return function(*bound.args, **bound.kwargs)
+        finally:
+            runtime.scope.reset(token)
+
+    return call
 
 
 def resolve_op(average: bool | None, op: Any) -> ReduceOp:
@@ -130,16 +280,40 @@ def resolve_op(average: bool | None, op: Any) -> ReduceOp:
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Start ringplug (MPI) on all ranks; `comm` and `process_sets` are not supported."""
-    if comm is not None or process_sets not in (None, []):
+    """Start ringplug (MPI) on all ranks, and register `process_sets` on every rank.
+
+    Args:
+        comm: not supported (ringplug runs over MPI's world); leave it None.
+        process_sets: None (default), ``"dynamic"`` (the same: ringplug always lets
+            `add_process_set` be called later), or a list of `ProcessSet` objects or
+            lists of ranks, registered in order; hold on to the `ProcessSet` objects to
+            pass them as ``process_set=``.
+    """
+    if comm is not None:
         raise NotImplementedError(
-            "ringplug.horovod.init() runs over MPI's world; it takes no "
-            "communicator or process sets."
+            "ringplug.horovod.init() runs over MPI's world; it takes no communicator."
         )
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f'process_sets={process_sets!r}: pass a list of sets or "dynamic".')
+        process_sets = []
     core.init()
+    global_process_set.ranks = list(range(core.size()))
+    for index, process_set in enumerate(process_sets or []):
+        try:
+            add_process_set(process_set)
+        except ValueError as error:
+            raise ValueError(f"init(process_sets=...) entry number {index}: {error}") from None
 
 
-shutdown = core.shutdown
+def shutdown() -> None:
+    """Leave the job (every rank); the registered process sets are removed with it."""
+    for process_set in list(_registered.values()):
+        process_set._invalidate()
+    _registered.clear()
+    core.shutdown()
+
+
 is_initialized = core.is_initialized
 size = core.size
 rank = core.rank
@@ -196,9 +370,10 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 stop_timeline = core.stop_timeline
 
 
+@on_process_set
 def barrier(process_set: Any = _SET) -> None:
-    """Wait until every rank has called barrier (torch's and TensorFlow's, not Keras's)."""
-    check_process_set(process_set)
+    """Wait until every rank of `process_set` (all of them by default) has called barrier
+    (torch's and TensorFlow's, not Keras's)."""
     core.barrier()
 
 

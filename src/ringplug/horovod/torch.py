@@ -6,12 +6,14 @@ this module adds is where Horovod's semantics differ from ``ringplug.torch``'s:
 allgather's and broadcast's gradients are the average of the ranks' gradients (ringplug's
 are the sum) and reducescatter's ``size`` times ringplug's; allgather and broadcast fail
 while a rank has joined; an async operation's name stays taken until its handle is
-synchronized. Adasum (``op=hvd.Adasum``, on a power of two ranks) is in `torch_adasum`;
-process sets other than the global one are refused.
+synchronized. Adasum (``op=hvd.Adasum``, on a power of two ranks) is in `torch_adasum`.
+``process_set=`` runs an operation on a set's own engine (`on_process_set`), with root
+ranks counted in the world, as Horovod.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,17 +23,24 @@ import torch
 
 from .. import core
 from ..compression import Compression, compressed
+from ..torch import averaging as _averaging
 from ..torch import collectives as rt
 from ..torch import optimizer as _optimizer
 from ..torch import state as _state
-from ..torch.state import broadcast_parameters
 from ..torch.sync_batchnorm import SyncBatchNorm
-from . import torch_adasum
+from . import torch_adasum, torch_elastic
 from . import torch_elastic as elastic  # Horovod's hvd.elastic
 from ._common import *  # noqa: F403 - Horovod's basics, re-exported
-from ._common import _SET, Adasum, Average, barrier, check_process_set, resolve_op
+from ._common import (
+    _SET,
+    Adasum,
+    Average,
+    barrier,
+    check_process_set,
+    on_process_set,
+    resolve_op,
+)
 from ._common import __all__ as _BASICS
-from .torch_elastic import broadcast_optimizer_state
 
 _Tensors = Sequence[torch.Tensor]
 
@@ -106,13 +115,23 @@ def _adasum_handle(
     single: bool = False,
 ) -> Handle:
     """Horovod's handle on an Adasum reduction (`single`: its result is one tensor)."""
-    check_process_set(process_set)
+    _refuse_adasum_on_set()
 
     def begin() -> Any:
         handle = torch_adasum.adasum_async(list(tensors), name, in_place, prescale, postscale)
         return rt.TensorHandle(handle, (lambda results: results[0]) if single else list)
 
     return Handle(kind, name, begin)
+
+
+def _refuse_adasum_on_set() -> None:
+    """As Horovod: Adasum runs over all ranks only (`on_process_set` has entered a set's
+    scope when process_set= named one)."""
+    if core.runtime.scope.get() is not None:
+        raise NotImplementedError(
+            "Adasum does not support non-global process sets yet: leave process_set at "
+            "hvd.global_process_set with op=hvd.Adasum, or use op=hvd.Average on the set."
+        )
 
 
 class _ScaledGradient(torch.autograd.Function):
@@ -142,6 +161,7 @@ def _graded(tensors: list, times: int = 1, over: int = 1) -> list:
 
 
 # ---------------------------------------------------------------------------- allreduce
+@on_process_set
 def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -154,7 +174,7 @@ def allreduce(
 ) -> torch.Tensor:
     """The reduction of `tensor` over every rank, as a new tensor (differentiable)."""
     if op is Adasum:
-        check_process_set(process_set)
+        _refuse_adasum_on_set()
         return compressed(
             compression,
             [tensor],
@@ -164,6 +184,7 @@ def allreduce(
     return compressed(compression, [tensor], lambda sent: [rt.allreduce(*sent, **kwargs)])[0]
 
 
+@on_process_set
 def allreduce_async(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -182,6 +203,7 @@ def allreduce_async(
     return Handle("allreduce", name, lambda: rt.allreduce_async(tensor, **kwargs))
 
 
+@on_process_set
 def allreduce_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -197,6 +219,7 @@ def allreduce_(
     ).wait()
 
 
+@on_process_set
 def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -215,6 +238,7 @@ def allreduce_async_(
     return Handle("allreduce", name, lambda: rt.allreduce_async_(tensor, **kwargs))
 
 
+@on_process_set
 def grouped_allreduce(
     tensors: _Tensors,
     average: bool | None = None,
@@ -227,7 +251,7 @@ def grouped_allreduce(
 ) -> list[torch.Tensor]:
     """Several tensors reduced as one request; returns new tensors (differentiable)."""
     if op is Adasum:
-        check_process_set(process_set)
+        _refuse_adasum_on_set()
         return compressed(
             compression,
             tensors,
@@ -237,6 +261,7 @@ def grouped_allreduce(
     return compressed(compression, tensors, lambda sent: rt.grouped_allreduce(sent, **kwargs))
 
 
+@on_process_set
 def grouped_allreduce_async(
     tensors: _Tensors,
     average: bool | None = None,
@@ -261,6 +286,7 @@ def grouped_allreduce_async(
     return Handle("grouped_allreduce", name, lambda: rt.grouped_allreduce_async(tensors, **kwargs))
 
 
+@on_process_set
 def grouped_allreduce_(
     tensors: _Tensors,
     average: bool | None = None,
@@ -276,6 +302,7 @@ def grouped_allreduce_(
     ).wait()
 
 
+@on_process_set
 def grouped_allreduce_async_(
     tensors: _Tensors,
     average: bool | None = None,
@@ -294,6 +321,7 @@ def grouped_allreduce_async_(
     return Handle("grouped_allreduce", name, lambda: rt.grouped_allreduce_async_(tensors, **kwargs))
 
 
+@on_process_set
 def sparse_allreduce_async(
     tensor: torch.Tensor, name: str, op: Any, process_set: Any = _SET
 ) -> Callable[[], torch.Tensor]:
@@ -305,6 +333,7 @@ def sparse_allreduce_async(
 
 
 # ---------------------------------------------------------------------------- allgather
+@on_process_set
 def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: Any = _SET
 ) -> torch.Tensor:
@@ -315,6 +344,7 @@ def allgather(
     return rt.allgather(graded, name=name, refuse_joined=True)
 
 
+@on_process_set
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: Any = _SET
 ) -> Handle:
@@ -325,6 +355,7 @@ def allgather_async(
     )
 
 
+@on_process_set
 def grouped_allgather(
     tensors: _Tensors, name: str | None = None, process_set: Any = _SET
 ) -> list[torch.Tensor]:
@@ -335,6 +366,7 @@ def grouped_allgather(
     return rt.grouped_allgather(graded, name=name, refuse_joined=True)
 
 
+@on_process_set
 def grouped_allgather_async(
     tensors: _Tensors, name: str | None = None, process_set: Any = _SET
 ) -> Handle:
@@ -348,6 +380,7 @@ def grouped_allgather_async(
 
 
 # ---------------------------------------------------------------------------- broadcast
+@on_process_set
 def broadcast(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = _SET
 ) -> torch.Tensor:
@@ -358,6 +391,7 @@ def broadcast(
     return rt.broadcast(graded, root_rank, name=name, refuse_joined=True)
 
 
+@on_process_set
 def broadcast_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = _SET
 ) -> torch.Tensor:
@@ -365,6 +399,7 @@ def broadcast_(
     return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
+@on_process_set
 def broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = _SET
 ) -> Handle:
@@ -377,6 +412,7 @@ def broadcast_async(
     )
 
 
+@on_process_set
 def broadcast_async_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = _SET
 ) -> Handle:
@@ -394,6 +430,7 @@ def _int32_counts(result: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tens
     return result[0], result[1].to(torch.int32)
 
 
+@on_process_set
 def alltoall(
     tensor: torch.Tensor,
     splits: Sequence[int] | torch.Tensor | None = None,
@@ -408,6 +445,7 @@ def alltoall(
     return received if splits is None else (received, counts)
 
 
+@on_process_set
 def alltoall_async(
     tensor: torch.Tensor,
     splits: Sequence[int] | torch.Tensor | None = None,
@@ -424,6 +462,7 @@ def alltoall_async(
 
 
 # ---------------------------------------------------------------------------- reducescatter
+@on_process_set
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -443,6 +482,7 @@ def reducescatter(
     return compressed(compression, [tensor], reduce)[0]
 
 
+@on_process_set
 def reducescatter_async(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -456,6 +496,7 @@ def reducescatter_async(
     return Handle("reducescatter", name, lambda: rt.reducescatter_async(tensor, **kwargs))
 
 
+@on_process_set
 def grouped_reducescatter(
     tensors: _Tensors,
     name: str | None = None,
@@ -475,6 +516,7 @@ def grouped_reducescatter(
     return compressed(compression, tensors, reduce)
 
 
+@on_process_set
 def grouped_reducescatter_async(
     tensors: _Tensors,
     name: str | None = None,
@@ -491,6 +533,7 @@ def grouped_reducescatter_async(
 
 
 # ---------------------------------------------------------------------------- the rest
+@on_process_set
 def broadcast_object(
     obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = _SET
 ) -> Any:
@@ -499,6 +542,7 @@ def broadcast_object(
     return _state.broadcast_object(obj, root_rank, name=name)
 
 
+@on_process_set
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = _SET) -> list[Any]:
     """Every rank's picklable `obj`, as a list in rank order."""
     check_process_set(process_set)
@@ -552,13 +596,45 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     """Horovod's DistributedOptimizer: `ringplug.torch.DistributedOptimizer` underneath
     (gradients reduced in fused buckets while backward runs; `synchronize()` and
     `skip_synchronize()`). `num_groups`/`groups` are accepted and not needed: ringplug
-    buckets by size. Sparse gradients are reduced as dense and handed back sparse."""
-    check_process_set(process_set)
-    if op is Adasum:
-        return torch_adasum.DistributedOptimizer(
-            optimizer, named_parameters, backward_passes_per_step
-        )
+    buckets by size. Sparse gradients are reduced as dense and handed back sparse.
+
+    With `process_set`, gradients are reduced among the set's ranks only (averaged over
+    its size); on a rank outside the set, the optimizer steps on its own gradients, as in
+    Horovod."""
     named = None if named_parameters is None else list(named_parameters)
+    if process_set is not _SET and process_set is not None:
+        if op is Adasum:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        if not process_set.included():
+            return _local_optimizer(optimizer, named)
+        scoped = on_process_set(_distributed)  # built, and later reducing, on the set
+        return scoped(
+            optimizer,
+            named,
+            compression,
+            backward_passes_per_step,
+            op,
+            gradient_predivide_factor,
+            process_set,
+        )
+    if op is Adasum:
+        return torch_adasum.DistributedOptimizer(optimizer, named, backward_passes_per_step)
+    return _distributed(
+        optimizer, named, compression, backward_passes_per_step, op, gradient_predivide_factor
+    )
+
+
+def _distributed(
+    optimizer: torch.optim.Optimizer,
+    named: Any,
+    compression: Any,
+    backward_passes_per_step: int,
+    op: Any,
+    gradient_predivide_factor: float,
+    process_set: Any = _SET,
+) -> torch.optim.Optimizer:
+    """ringplug.torch's DistributedOptimizer with Horovod's steps, on the current engine
+    (a process set's inside its scope: the optimizer keeps reducing on it)."""
     distributed = _optimizer.DistributedOptimizer(
         optimizer,
         named_parameters=named,
@@ -576,6 +652,51 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     params = [p for group in distributed.param_groups for p in group["params"]]
     distributed._parameter_names = {p: names[id(p)] for p in params if id(p) in names}
     return distributed
+
+
+class _LocalSteps:
+    """Horovod's DistributedOptimizer on a rank outside its process set: steps on the
+    rank's own gradients; `synchronize()` has nothing to reduce."""
+
+    def synchronize(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Any:
+        yield
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer, named: Any) -> torch.optim.Optimizer:
+    # Takes its number among the optimizers as the members' does, so that the optimizers
+    # every rank builds next name their gradients alike.
+    next(_averaging._OPTIMIZER_IDS)
+    cls = optimizer.__class__
+    local = cls.__new__(type(cls.__name__, (_LocalSteps, cls), {}))
+    local.__dict__.update(optimizer.__dict__)  # same param_groups, state and hooks
+    names = {id(p): n for n, p in named} if named is not None else {}
+    params = [p for group in local.param_groups for p in group["params"]]
+    local._parameter_names = {p: names.get(id(p), f"param.{i}") for i, p in enumerate(params)}
+    return local
+
+
+@on_process_set
+def broadcast_parameters(params: Any, root_rank: int, process_set: Any = _SET) -> None:
+    """Overwrite every rank's parameters (a ``state_dict()`` or ``named_parameters()``)
+    with root's, in place; with `process_set`, among its members (root: a world rank)."""
+    _state.broadcast_parameters(params, root_rank)
+
+
+@on_process_set
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    root_rank: int,
+    model: torch.nn.Module | None = None,
+    process_set: Any = _SET,
+) -> None:
+    """Root's optimizer state and hyperparameters on every rank (`torch_elastic`'s, which
+    says what it does on an optimizer that has not stepped); with `process_set`, among its
+    members (root: a world rank)."""
+    torch_elastic.broadcast_optimizer_state(optimizer, root_rank, model)
 
 
 __all__ = [

@@ -79,6 +79,10 @@ class _Distributed:
                 )
             names = {id(p): given[id(p)] for p in params}
         self._ringplug_names = names
+        # The engine current when the optimizer is built (a process set's, inside its
+        # scope): its gradients are reduced among that engine's ranks, whichever thread
+        # or scope backward and step() run in.
+        self._ringplug_scope = runtime.scope.get()
         # Every rank builds its optimizers in the same order, so this names them alike.
         self._ringplug_prefix = f"gradients.{next(_OPTIMIZER_IDS)}"
         self._ringplug_passes = backward_passes_per_step
@@ -128,6 +132,13 @@ class _Distributed:
 
     def _ringplug_start(self, bucket: _Bucket) -> None:
         """Start the bucket's allreduce: in place on the gradients, or on a float16 copy."""
+        token = runtime.scope.set(getattr(self, "_ringplug_scope", None))
+        try:
+            self._ringplug_submit(bucket)
+        finally:
+            runtime.scope.reset(token)
+
+    def _ringplug_submit(self, bucket: _Bucket) -> None:
         for index, p in enumerate(bucket.params):
             if p.grad is None:  # no gradient this step: reduced as zeros, like every rank's
                 p.grad = torch.zeros_like(p)

@@ -22,8 +22,9 @@ through them in the same order.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -472,15 +473,44 @@ def _tracks_grad(tensors: Sequence[Any]) -> bool:
     )
 
 
+def _remembers_scope(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective's forward that remembers the engine it ran on (a process set's, inside
+    its scope), so that its backward runs on the same ranks."""
+
+    @functools.wraps(forward)
+    def run(ctx: Any, *args: Any) -> Any:
+        ctx.ringplug_scope = runtime.scope.get()
+        return forward(ctx, *args)
+
+    return run
+
+
+def _in_forward_scope(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective's backward, run on the engine its forward ran on (autograd calls it
+    outside the forward's scope)."""
+
+    @functools.wraps(backward)
+    def run(ctx: Any, *grads: Any) -> Any:
+        token = runtime.scope.set(getattr(ctx, "ringplug_scope", None))
+        try:
+            return backward(ctx, *grads)
+        finally:
+            runtime.scope.reset(token)
+
+    return run
+
+
 class _Allreduce(torch.autograd.Function):
     """allreduce and grouped_allreduce, whose gradients are reduced the same way."""
 
     @staticmethod
+    @_remembers_scope
     def forward(ctx: Any, grouped: bool, op: ReduceOp, name: Any, scales: tuple, *tensors: Any):
         ctx.grouped, ctx.op, ctx.scales = grouped, op, scales
         return tuple(_reduce_copies(list(tensors), grouped, op, name, scales))
 
     @staticmethod
+    @_in_forward_scope
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         reduced = _reduce_copies(list(grads), ctx.grouped, ctx.op, None, ctx.scales)
         return (None, None, None, None, *reduced)
@@ -562,11 +592,13 @@ def broadcast(
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
+    @_remembers_scope
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any, refuse: bool) -> Any:
         ctx.root_rank = root_rank
         return broadcast_async(tensor, root_rank, name=name, refuse_joined=refuse).wait()
 
     @staticmethod
+    @_in_forward_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
         summed = allreduce_async(grad, "sum").wait()
         return (
@@ -621,6 +653,7 @@ class _Allgather(torch.autograd.Function):
     """(grouped) allgather whose backward sums every rank's gradient for this rank's rows."""
 
     @staticmethod
+    @_remembers_scope
     def forward(ctx: Any, name: Any, refuse: bool, *tensors: torch.Tensor) -> Any:
         rows = [t.shape[0] if t.dim() else 1 for t in tensors]
         counts = core.allgather_object(rows, name=None if name is None else f"{name}.rows")
@@ -632,6 +665,7 @@ class _Allgather(torch.autograd.Function):
         return tuple(TensorHandle(handles, list).wait())
 
     @staticmethod
+    @_in_forward_scope
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         summed = TensorHandle([allreduce_async(g, "sum") for g in grads], list).wait()
         places = zip(summed, ctx.offsets, ctx.rows, ctx.scalars, strict=True)
@@ -732,6 +766,7 @@ class _Reducescatter(torch.autograd.Function):
     """(grouped) reducescatter, whose backward gathers the blocks' gradients back."""
 
     @staticmethod
+    @_remembers_scope
     def forward(ctx: Any, op: ReduceOp, names: list, scales: tuple, *tensors: Any) -> Any:
         if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
             raise ValueError(f"reducescatter has a gradient for Sum and Average, not {op.name}.")
@@ -739,6 +774,7 @@ class _Reducescatter(torch.autograd.Function):
         return tuple(_reducescatters(list(tensors), names, op, scales).wait())
 
     @staticmethod
+    @_in_forward_scope
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         # Every rank's input reached every block, scaled by the op and the factors.
         gathered = TensorHandle([allgather_async(g) for g in grads], list).wait()
@@ -808,6 +844,7 @@ def alltoall_async(
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
+    @_remembers_scope
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any) -> Any:
         received, counts = alltoall_async(tensor, splits, name=name).wait()
         ctx.counts = counts
@@ -815,6 +852,7 @@ class _Alltoall(torch.autograd.Function):
         return received, counts
 
     @staticmethod
+    @_in_forward_scope
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[Any, None, None]:
         # Each row's gradient goes back to the rank it came from.
         return alltoall_async(grad, ctx.counts).wait()[0], None, None
