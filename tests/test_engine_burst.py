@@ -1,4 +1,4 @@
-"""`Engine._let_burst_finish`: the engine thread steps aside while a burst of asynchronous
+"""`Scheduler.let_burst_finish`: the engine thread steps aside while a burst of asynchronous
 submissions goes on, and not once it is over (its caller waits) or the wait is used up.
 (An engine that missed the end would look until the 5 s deadline, and fail the count.)"""
 
@@ -9,7 +9,7 @@ import math
 import time
 from types import SimpleNamespace
 
-from ringplug.core.engine.engine import _BURST_LEAST, Engine
+from ringplug.core.engine.scheduler import _BURST_LEAST, Scheduler
 
 
 class Queue(collections.deque):
@@ -23,43 +23,45 @@ class Queue(collections.deque):
     def __getitem__(self, index):
         self.looks += 1
         if self.looks == self.ends_at:
-            self.owner._waited_at = math.inf  # later than any submission
+            self.owner.waited_at = math.inf  # later than any submission
         return super().__getitem__(index)
 
 
-def engine_with_a_burst(ends_at: int, queued: int = _BURST_LEAST) -> tuple[SimpleNamespace, Queue]:
-    engine = SimpleNamespace(_waited_at=0.0)
-    engine._queue = Queue(engine, ends_at)
+def scheduler_with_a_burst(
+    ends_at: int, queued: int = _BURST_LEAST
+) -> tuple[SimpleNamespace, Queue]:
+    engine = SimpleNamespace(waited_at=0.0)
+    engine.queue = Queue(engine, ends_at)
     # Submitted "in the future": always younger than the gap, whatever the machine's load.
     submitted = time.perf_counter() + 3600.0
-    engine._queue.extend(SimpleNamespace(submitted=submitted) for _ in range(queued))
-    return engine, engine._queue
+    engine.queue.extend(SimpleNamespace(submitted=submitted) for _ in range(queued))
+    return engine, engine.queue
 
 
 def test_the_engine_steps_aside_until_the_submitting_thread_waits():
-    engine, queue = engine_with_a_burst(ends_at=3)
-    Engine._let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
+    engine, queue = scheduler_with_a_burst(ends_at=3)
+    Scheduler.let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
     # Two looks found the burst going on (each followed by a yield), the third its caller
     # waiting.
     assert queue.looks == 3
 
 
 def test_the_engine_does_not_step_aside_past_its_deadline_or_with_nothing_queued():
-    engine, queue = engine_with_a_burst(ends_at=0)
-    Engine._let_burst_finish(engine, deadline=time.perf_counter() - 1.0)
+    engine, queue = scheduler_with_a_burst(ends_at=0)
+    Scheduler.let_burst_finish(engine, deadline=time.perf_counter() - 1.0)
     assert queue.looks == 1
     queue.clear()
-    Engine._let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
+    Scheduler.let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
     assert queue.looks == 1
 
 
 def test_requests_whose_caller_already_waits_run_at_once():
-    engine, queue = engine_with_a_burst(ends_at=1)
-    Engine._let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
+    engine, queue = scheduler_with_a_burst(ends_at=1)
+    Scheduler.let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
     assert queue.looks == 1
 
 
 def test_a_few_requests_are_no_burst_and_run_at_once():
-    engine, queue = engine_with_a_burst(ends_at=0, queued=_BURST_LEAST - 1)
-    Engine._let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
+    engine, queue = scheduler_with_a_burst(ends_at=0, queued=_BURST_LEAST - 1)
+    Scheduler.let_burst_finish(engine, deadline=time.perf_counter() + 5.0)
     assert queue.looks == 0

@@ -54,9 +54,9 @@ def orders(rank: int) -> dict:
         [np.full(3, rank + 1.0), np.full(2, 2.0 * rank)], op="sum", name="group"
     )
     results["grouped"] = [g.tolist() for g in grouped]
-    results["cache_slots"] = len(engine._cache.slots)
+    results["cache_slots"] = len(engine.cycle.cache.slots)
     results["collectives"] = engine.collectives_run
-    results["cycles"] = engine.cycles_run
+    results["cycles"] = engine.counters.cycles_run
     return results
 
 
@@ -197,14 +197,14 @@ def callers(rank: int) -> dict:
     several user threads calling at once still each get their own, correct result."""
     engine = ringplug.core.runtime.engine()
     ringplug.barrier()
-    before = engine.cycles_by_callers
+    before = engine.counters.cycles_by_callers
     size = ringplug.size()
     wrong = []
     for step in range(40):
         got = ringplug.allreduce(np.full(16, float(rank + step)), op=ringplug.Sum, name="sync")
         if not np.all(got == sum(r + step for r in range(size))):
             wrong.append(("sync", step))
-    driven = engine.cycles_by_callers - before
+    driven = engine.counters.cycles_by_callers - before
 
     def worker(index: int) -> None:
         for step in range(15):
@@ -276,7 +276,7 @@ def eager(rank: int) -> dict:
                 reference = [v.astype(dtype).astype(np.float64) for v in values]
             name = f"{dtype}-{op}-{pre}" if named else None
             paths, results = [], []
-            before = engine.calls_now
+            before = engine.counters.fast_by_callers
             for _step in range(3):  # the first is negotiated as new, the others eager
                 result = ringplug.allreduce(
                     send, op=op, prescale_factor=pre, postscale_factor=post, name=name, **kwargs
@@ -302,7 +302,7 @@ def eager(rank: int) -> dict:
             key = f"{'named' if named else 'unnamed'}/{dtype}/{op}/{pre}"
             report["cases"][key] = {
                 "paths": paths,
-                "now": engine.calls_now - before,  # run without a request (call_now)
+                "now": engine.counters.fast_by_callers - before,  # fast cycles run by the caller
                 "ok": bool(
                     np.allclose(
                         np.asarray(got, np.float64), expected, rtol=tolerance, atol=tolerance
@@ -312,7 +312,7 @@ def eager(rank: int) -> dict:
             }
             report["digests"][key] = hashlib.sha256(np.ascontiguousarray(got).tobytes()).hexdigest()
     # In place and into a new array, as the usual path does them.
-    before = engine.calls_now
+    before = engine.counters.fast_by_callers
     report["in_place_ok"], report["fresh_ok"] = [], []
     buf = np.empty((2, 3), np.float32)
     total = size * (size + 1) / 2
@@ -326,7 +326,7 @@ def eager(rank: int) -> dict:
             fresh is not source
             and bool(np.all(source == rank + 1) and np.allclose(fresh, 2 * total / size))
         )
-    report["in_place_now"] = engine.calls_now - before
+    report["in_place_now"] = engine.counters.fast_by_callers - before
     # A grouped allreduce (as torch.distributed's calls are), in place and not.
     grouped_paths, grouped_ok = [], True
     for _step in range(3):
@@ -379,36 +379,36 @@ def express(rank: int) -> dict:
     size = ringplug.size()
     engine = ringplug.core.runtime.engine()
     report: dict = {}
-    ringplug.allreduce(np.ones(4), op="sum", name="sync")  # agreed: the next ones express
+    ringplug.allreduce(np.ones(4), op="sum", name="sync")  # agreed from now on
     ringplug.barrier()
-    before = engine.express_cycles
+    before = engine.counters.fast_cycles
     sums = [
         ringplug.allreduce(np.full(4, rank + step), op="sum", name="sync")[0] for step in range(20)
     ]
-    report["express_cycles"] = engine.express_cycles - before
+    report["fast_cycles"] = engine.counters.fast_cycles - before
     report["sums_ok"] = sums == [sum(r + step for r in range(size)) for step in range(20)]
     # Rank 1 has another request in flight, which the others have not submitted yet: its
-    # message differs, and the others' express cycle falls back to the full negotiation.
+    # message differs, and the others' fast path falls back to the full negotiation.
     extra = None
     if rank == 1:
         extra = ringplug.allreduce_async(np.full(3, 5.0), op="sum", name="extra")
-    before = engine.express_cycles
+    before = engine.counters.fast_cycles
     got = ringplug.allreduce(np.full(4, float(rank)), op="sum", name="sync")
     report["fallback_ok"] = bool(np.all(got == sum(range(size))))
-    report["express_in_fallback"] = engine.express_cycles - before
+    report["fast_in_fallback"] = engine.counters.fast_cycles - before
     if extra is None:
         extra = ringplug.allreduce_async(np.full(3, 5.0), op="sum", name="extra")
     report["extra_ok"] = bool(np.all(extra.wait() == 5.0 * size))
-    # Above the eager size: the express cycle runs the collective itself.
+    # Above the eager size: the fast cycle runs the collective on the caller's thread.
     big = np.full((64 << 10) // 8 + 1, float(rank))
-    before = engine.calls_now
+    before = engine.counters.fast_by_callers
     for _ in range(3):
         ringplug.allreduce(big, op="sum", name="big-sync", out=big)
         big[:] = rank
     report["big_ok"] = bool(
         np.all(ringplug.allreduce(big, op="sum", name="big-sync") == sum(range(size)))
     )
-    report["big_now"] = engine.calls_now - before  # without a request (call_now)
+    report["big_now"] = engine.counters.fast_by_callers - before  # fast cycles by the caller
     # A form agreed before, now with another shape on rank 0: a mismatch on every rank.
     try:
         ringplug.allreduce(np.ones(5 if rank == 0 else 4), op="sum", name="sync")

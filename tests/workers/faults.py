@@ -86,7 +86,7 @@ def main(scenario: str, extra: list[str]) -> None:
                 fault(f"negotiation of cycle {own.cycle}")
                 freeze()
 
-            engine._exchange.exchange = frozen_exchange
+            engine.exchange.exchange = frozen_exchange
         forever(small)
     if scenario == "stop-ring":
         big = np.ones(1 << 20, np.float32)  # 4 MiB; RINGPLUG_RING_THRESHOLD puts it on the ring
@@ -133,19 +133,19 @@ def main(scenario: str, extra: list[str]) -> None:
         forever(small)
     if scenario == "stop-user-agreed":
         # The others' next calls are of a form agreed in the warm-up: each waits inside
-        # call_now's express cycle, which has no request of its own. Under load a
-        # rank's warm-up calls may all have gone through a request (the engine thread held
-        # the ring): warm up until every rank has run one without (bounded).
+        # the fast path of its own cycle's negotiation, on its own thread. Under load a
+        # rank's warm-up calls may all have been run by the engine thread (it held the
+        # turn): warm up until every rank has run one itself (bounded).
         flag = np.zeros(1, np.float32)
         for _ in range(200):
-            flag[0] = float(engine.calls_now > 0)
+            flag[0] = float(engine.counters.fast_by_callers > 0)
             ringplug.allreduce(flag, op=ringplug.Min, out=flag, name="all-ran-now")
             if flag[0] == 1:
                 break
         if rank == 1:
             fault("user code")
             freeze()
-        print(f"calls run without a request: {engine.calls_now}", flush=True)
+        print(f"fast cycles run by callers: {engine.counters.fast_by_callers}", flush=True)
         ringplug.allreduce(small, op=ringplug.Sum, out=small, name="warm-up")
         raise AssertionError("unreachable")
     if scenario == "gil":
@@ -211,12 +211,13 @@ def engine_errors(rank: int, size: int, engine) -> None:
         print(
             f"rank {rank}: read-only allreduce raised {type(error).__name__}: {error}", flush=True
         )
-    # A call of a form agreed before, larger than a message carries, runs without a request
-    # (Engine.call_now) and fails on rank 1 in the middle of its collective.
+    # A call of a form agreed before, larger than a message carries, runs its fast cycle on
+    # the caller's thread and fails on rank 1 in the middle of its collective.
     mid = np.full(1 << 15, rank + 1.0, np.float32)
     for _ in range(2):
         ringplug.allreduce(mid, op=ringplug.Sum, out=mid, name="mid")
-    print(f"rank {rank}: mid ran without a request: {engine.calls_now > 0}", flush=True)
+    fast = engine.counters.fast_by_callers > 0
+    print(f"rank {rank}: mid ran a fast cycle: {fast}", flush=True)
     reduce_all = transport.allreduce
 
     def cannot_reduce(*args, **kwargs):

@@ -49,8 +49,8 @@ def per_step(run, steps: int, profiled: bool = False) -> dict:
     inside MPI_Pcontrol(1) and MPI_Pcontrol(0), the window of an MPI profiling library
     (tests/pmpi/count_sends.c; without one, MPI_Pcontrol does nothing)."""
     engine = ringplug.core.runtime.engine()
-    before, cycles = engine.traffic.snapshot(), engine.cycles_run
-    agreed = engine._exchange.agreed_cycles
+    before, cycles = engine.traffic.snapshot(), engine.counters.cycles_run
+    agreed = engine.exchange.agreed_cycles
     if profiled:
         # Called beside the engine thread, which is idle here (every handle is done) and
         # only probes; the profiling library's MPI_Pcontrol calls no MPI function then.
@@ -61,9 +61,9 @@ def per_step(run, steps: int, profiled: bool = False) -> dict:
         MPI.Pcontrol(0)
     counts = difference(engine.traffic.snapshot(), before)
     return {
-        "cycles": (engine.cycles_run - cycles) / steps,
+        "cycles": (engine.counters.cycles_run - cycles) / steps,
         # of those, cycles whose messages the ranks found alike without gathering them
-        "agreed": (engine._exchange.agreed_cycles - agreed) / steps,
+        "agreed": (engine.exchange.agreed_cycles - agreed) / steps,
         "messages": {k: v / steps for k, v in counts["messages"].items()},
         "bytes": {k: v / steps for k, v in counts["bytes"].items()},
         "collectives": {k: v / steps for k, v in counts["collectives"].items()},

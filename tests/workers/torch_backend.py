@@ -87,18 +87,18 @@ def calls(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
         coalesced[0], torch.full((3,), float(sum(range(size))))
     ) and torch.equal(coalesced[1], torch.full((2, 2), float(sum(range(1, size + 1)))))
 
-    # Synchronous calls of a form agreed before run without a request of the core's
-    # (`Engine.call_now`; an idle engine thread that sees a peer's message first may
+    # Synchronous calls of a form agreed before run their cycle on the caller's thread,
+    # negotiated by the fast path (an idle engine thread that sees a peer's message first may
     # take one), with the same results.
     engine = ringplug.core.runtime.engine()
-    before, repeated = engine.calls_now, []
+    before, repeated = engine.counters.fast_by_callers, []
     for step in range(4):
         tensor = torch.full((3, 4), float(rank + step))
         dist.all_reduce(tensor)
         expected = float(sum(r + step for r in range(size)))
         repeated.append(torch.equal(tensor, torch.full((3, 4), expected)))
     checks["all_reduce/repeated-without-request"] = all(repeated) and (
-        engine.calls_now - before >= 2
+        engine.counters.fast_by_callers - before >= 2
     )
 
     for root in range(size):

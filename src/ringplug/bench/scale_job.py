@@ -67,8 +67,8 @@ def _counted(run: Callable[[], object], calls: int, clock: WaitClock | None = No
     engine = _engine()
     waited = clock.seconds if clock else 0.0
     before = engine.traffic.snapshot()
-    cycles, by_callers = engine.cycles_run, engine.cycles_by_callers
-    thread = engine._thread
+    cycles, by_callers = engine.counters.cycles_run, engine.counters.cycles_by_callers
+    thread = engine.scheduler.thread
     thread_cpu, process_cpu, wall = _thread_cpu(thread), time.process_time(), time.perf_counter()
     for _ in range(calls):
         run()
@@ -79,8 +79,8 @@ def _counted(run: Callable[[], object], calls: int, clock: WaitClock | None = No
     counts = difference(engine.traffic.snapshot(), before)
     return {
         "calls": calls,
-        "cycles": (engine.cycles_run - cycles) / calls,
-        "cycles_by_callers": (engine.cycles_by_callers - by_callers) / calls,
+        "cycles": (engine.counters.cycles_run - cycles) / calls,
+        "cycles_by_callers": (engine.counters.cycles_by_callers - by_callers) / calls,
         "messages": {k: v / calls for k, v in counts["messages"].items()},
         "bytes": {k: v / calls for k, v in counts["bytes"].items()},
         "collectives": {k: v / calls for k, v in counts["collectives"].items()},

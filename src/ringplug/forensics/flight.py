@@ -64,39 +64,6 @@ class FlightRecorder:
                 self.sites.clear()  # unnamed requests ("noname.N") never repeat
             self.sites[name] = _call_site(depth + 1)
 
-    def enter(
-        self, name: str, signature: Any, submitted: float, repeats: bool, depth: int = 2
-    ) -> list[Any]:
-        """`add` of a call that runs its own collective (`Engine.call_now`), only while
-        recording (`capacity` > 0), with where it was submitted from: the frame `depth`
-        frames up from `enter` (1: its caller), or the first user frame above it.
-
-        The site of a name that `repeats` is found once (see `note_site`). An unnamed call's
-        name never repeats: its site is found anew each time, and kept by no name. The frame
-        at `depth` is usually the user's (the caller's frames below it being ringplug's
-        own, which the caller skips): then one frame is looked at, and its line is not
-        computed (see `_call_site`); each frame looked at costs a frame object."""
-        site = None
-        if repeats:
-            site = self.sites.get(name, _UNKNOWN)
-            if site is _UNKNOWN:
-                self.note_site(name, depth + 1)
-                site = self.sites.get(name)
-        else:
-            try:
-                frame = sys._getframe(depth)
-            except ValueError:
-                frame = None
-            if frame is not None:
-                code = frame.f_code
-                user = _KINDS.get(code) == 2
-                site = (code, frame.f_lasti) if user else _call_site(depth + 1)
-        count = self._count
-        entry = [count, name, signature, site, submitted, 0.0, 0.0, ""]
-        self._ring[count % self.capacity] = entry
-        self._count = count + 1
-        return entry
-
     def add(
         self, name: str, signature: Any, submitted: float, track: bool = False
     ) -> list[Any] | None:
@@ -198,7 +165,6 @@ class FlightRecorder:
 _KINDS: dict[Any, int] = {}
 _MOST_FRAMES = 40  # walked up from the submission, at most
 _SITES_KEPT = 4096
-_UNKNOWN = object()
 
 
 def _frame_kind(code: Any) -> int:

@@ -47,10 +47,10 @@ class StallInspector:
         self.activities: list[tuple[str, float]] = []
 
     @property
-    def watching(self) -> bool:
-        """Whether requests some ranks lack are being watched (or rank 0 decided to fail
-        them): then every cycle needs the inspector."""
-        return bool(self._partial_since or self._abort)
+    def has_news(self) -> bool:
+        """Whether this rank's next message must carry a verdict of rank 0's (requests to
+        fail, ranks to report where they are), which only a full message spells out."""
+        return bool(self._abort or self._report)
 
     def take_expired(self) -> list[tuple[str, BaseException]]:
         """The requests whose own timeout passed (name, error), once: the engine fails them

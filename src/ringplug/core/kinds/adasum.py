@@ -138,7 +138,7 @@ class Adasum(CollectiveKind):
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
             engine.collective_failed(exc, requests)
             return
-        engine.collectives_run += 1
+        engine.counters.collectives_run += 1
         engine.complete_each(requests)
 
     @staticmethod

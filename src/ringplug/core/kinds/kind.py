@@ -23,6 +23,7 @@ from ..ops import ReduceOp
 
 if TYPE_CHECKING:
     from ...config import Settings
+    from ..engine.counters import Counters
     from ..engine.handles import Request
     from ..gpu.plane import GpuPlane
     from ..timeline import Timeline
@@ -49,12 +50,18 @@ class EngineView(Protocol):
     size: int
     transport: Transport
     timeline: Timeline | None
-    pending: dict[str, Request]
-    # This cycle's data carried in the messages: name -> every rank's copy.
-    carried_copies: dict[str, list[memoryview]]
-    collectives_run: int
+    # The engine's counts; a kind adds each collective it runs to `collectives_run`.
+    counters: Counters
     # Per-kind state the engine keeps for its kinds (a fusion buffer), by kind label.
     kind_state: dict[str, Any]
+
+    @property
+    def pending(self) -> dict[str, Request]:
+        """This rank's requests negotiated and not yet run (a kind pops what it runs)."""
+
+    @property
+    def carried_copies(self) -> dict[str, list[memoryview]]:
+        """This cycle's data carried in the messages: name -> every rank's copy."""
 
     def gpu_plane(self) -> GpuPlane: ...
 

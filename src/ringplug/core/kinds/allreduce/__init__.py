@@ -1,7 +1,7 @@
 """Allreduce: every rank gets the elementwise reduction of every rank's array.
 
 The whole kind lives here: `requests` (the request builder with its fast path, the grouped
-and GPU forms, the synchronous call without a request), `collective` (the kind object the
+and GPU forms, and their blocking forms), `collective` (the kind object the
 engine runs it through), `fusion` (fused batches and the fusion buffer), `eager` (small
 allreduces carried in the negotiation message).
 """

@@ -91,7 +91,7 @@ class Fusion:
         if engine.carried_copies:
             batch, requests = self._eager(batch, requests, code, op)
             if not batch:
-                engine.collectives_run += 1
+                engine.counters.collectives_run += 1
                 return
         skipped = engine.begin_collective("allreduce", batch)
         if skipped is not None:
@@ -220,7 +220,7 @@ class Fusion:
             shared = result_factor(op, next(iter(postscales)), engine.size)
         engine.transport.allreduce(target, op, code, postscale=shared)
         reduced = time.perf_counter()
-        engine.collectives_run += 1
+        engine.counters.collectives_run += 1
         if packed:
             for request, out, part in zip(owners, outs, parts, strict=True):
                 if request is not None:
@@ -252,7 +252,7 @@ class Fusion:
         copied_in = time.perf_counter()
         engine.transport.allreduce(out, op, code, postscale=reduction.factor(op, engine.size))
         reduced = time.perf_counter()
-        engine.collectives_run += 1
+        engine.counters.collectives_run += 1
         engine.complete(request)
         timeline = engine.timeline
         if timeline is not None:
@@ -314,7 +314,7 @@ class Fusion:
             engine.complete_each(requests, error=exc)
             return
         done = time.perf_counter()
-        engine.collectives_run += 1
+        engine.counters.collectives_run += 1
         engine.complete_each(requests)
         timeline = engine.timeline
         if timeline is not None:

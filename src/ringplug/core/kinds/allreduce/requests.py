@@ -1,10 +1,12 @@
 """The requests of an allreduce: host arrays (one call, or a group in one pass) and GPU
-buffers, their blocking forms, and the synchronous call that needs no request at all.
+buffers, and their blocking forms.
 
 Every host request is made by `_request`, whose fast path takes the usual call (a
 C-contiguous numpy array of a native type, reduced in place or into a new array, valid
-arguments) without the general checks. A blocking call of an agreed form first tries
-`Engine.call_now`, which runs it without a request.
+arguments) without the general checks. A blocking call submits its request as one its
+caller waits for at once: the engine's scheduler decides whether the caller runs its cycle
+(`engine.scheduler`), and the cycle whether its negotiation takes the fast path
+(`engine.cycle`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ....wire import GPU, HOST, UNNAMED, Kind, Signature, cacheable_name
+from ....wire import GPU, HOST, Kind, Signature
 from ... import runtime
 from ...dtypes import FLOATING, DType, classify, storage_view
 from ...engine.handles import Handle, Request
@@ -36,8 +38,7 @@ from ..base import (
     waited_at_once,
     waited_at_once_now,
 )
-from .eager import reduce_copies
-from .fusion import Reduction, result_factor
+from .fusion import Reduction
 
 # (op, type, postscale) of a plain call (see `_plain`).
 Plain = tuple[ReduceOp, DType, float]
@@ -57,10 +58,6 @@ def allreduce_async(
 
     Don't touch `array` or `out` until the handle is done.
     """
-    if waited_at_once_now():  # its caller waits at once (torch.distributed's all_reduce)
-        outcome, name = _now(array, op, prescale_factor, postscale_factor, out, name, dtype)
-        if outcome is not None:
-            return outcome if isinstance(outcome, Handle) else Handle.completed(name, outcome)
     return _submit(array, op, prescale_factor, postscale_factor, out, name, dtype)
 
 
@@ -94,9 +91,6 @@ def allreduce(
         >>> ringplug.allreduce(np.ones(3, np.float32), op=ringplug.Sum)  # doctest: +SKIP
         array([2., 2., 2.], dtype=float32)   # on 2 ranks
     """
-    outcome, name = _now(array, op, prescale_factor, postscale_factor, out, name, dtype)
-    if outcome is not None:
-        return outcome.wait() if isinstance(outcome, Handle) else outcome
     with waited_at_once():
         handle = _submit(array, op, prescale_factor, postscale_factor, out, name, dtype)
     return handle.wait()
@@ -111,8 +105,9 @@ def _submit(
     name: str | None,
     dtype: str | DType | None,
 ) -> Handle:
-    """Submit the request of `allreduce_async`'s arguments (`_request`). Arguments that may
-    be wrong go through `start`, which tells the other ranks when they are."""
+    """Submit the request of `allreduce_async`'s arguments (`_request`), as one its caller
+    waits for at once inside `waited_at_once`. Arguments that may be wrong go through
+    `start`, which tells the other ranks when they are."""
     engine = runtime.current_engine()
     plain = _plain(array, op, prescale_factor, postscale_factor, out, dtype)
     if engine is None or plain is None:
@@ -125,7 +120,7 @@ def _submit(
     request_name, cacheable = name_request(name, engine)
     request = _request(request_name, array, op, 1.0, postscale_factor, out, None, plain)
     request.cacheable = cacheable
-    return engine.submit(request)
+    return engine.submit(request, waited_at_once_now())
 
 
 def _request(
@@ -244,60 +239,6 @@ def plain_signature(code: DType, op: ReduceOp, shape: tuple[int, ...]) -> Signat
             Kind.ALLREDUCE, code, op, -1, shape, (), HOST, False
         )
     return signature
-
-
-def _now(
-    array: ArrayLike,
-    op: ReduceOp | str,
-    prescale_factor: float,
-    postscale_factor: float,
-    out: np.ndarray | None,
-    name: str | None,
-    dtype: str | DType | None,
-) -> tuple[np.ndarray | Handle | None, str | None]:
-    """A synchronous allreduce through `Engine.call_now`, when its arguments are the plain
-    case (see `_plain`): its result, or the handle of the request it became. Returns None
-    before anything is sent otherwise, with the name to submit under (an unnamed call has
-    drawn its number)."""
-    engine = runtime.current_engine()
-    plain = _plain(array, op, prescale_factor, postscale_factor, out, dtype)
-    if engine is None or plain is None:
-        return None, name
-    reduce_op, code, postscale = plain
-    if name is None:
-        number: int | None = engine.unnamed_number()
-        name, cacheable = f"{UNNAMED}{number}", False  # the usual path keeps it
-    else:
-        name, number = str(name), None
-        cacheable = cacheable_name(name)
-    fresh = out is None
-    factor = result_factor(reduce_op, postscale, engine.size)
-
-    def from_copies(copies: Sequence[Any], offset: int) -> np.ndarray:
-        reduced = np.empty_like(array) if fresh else array
-        reduce_copies([reduced.reshape(-1)], copies, reduce_op, code, offset, factor)
-        return reduced
-
-    def run() -> np.ndarray:
-        result = np.empty_like(array) if fresh else array
-        target = result.reshape(-1)
-        if fresh:
-            np.copyto(target, array.reshape(-1))
-        engine.transport.allreduce(target, reduce_op, code, postscale=factor)
-        return result
-
-    outcome = engine.call_now(
-        name,
-        cacheable,
-        plain_signature(code, reduce_op, array.shape),
-        number,
-        array.nbytes,
-        array.data.cast("B"),
-        from_copies,
-        run,
-        lambda request_name: _request(request_name, array, op, 1.0, postscale, out, None),
-    )
-    return outcome, name
 
 
 def flat(array: np.ndarray) -> np.ndarray:

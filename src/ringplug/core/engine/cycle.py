@@ -1,0 +1,328 @@
+"""The one cycle of an engine: negotiate, plan, run.
+
+Every collective of every kind, synchronous or not, goes through `Cycle.run`, on whichever
+thread the scheduler gave the turn to (`scheduler`):
+
+1. **take** the requests submitted since the last cycle (or the one request of the caller
+   that runs this cycle for it), and read this cycle's settings (`settings`: the one place
+   the cycle reads `Engine.settings`, so that a change takes effect at the next cycle);
+2. **negotiate** (`negotiate`): every rank gets every rank's message. Its fast path: a lone
+   request of a form the ranks agreed on before is named by its form alone (its cache slot,
+   and its data when small, see `carried`); when every rank sent that same form, recognised
+   by its bytes, the plan is that request, without decoding a message or running `decide`.
+   Otherwise the messages are decoded and `negotiation.decide` makes the plan, the same on
+   every rank;
+3. **run** the plan (`run_plan`): consecutive requests of a kind that fuses in one batch
+   (`batches`), every other alone, each through its kind's object; then complete the
+   handles, check for stalls and expired timeouts, finish a join, and mark the timeline.
+
+Steps 1 and 3 are the same on both paths of step 2, so every engine feature (timeline,
+stall inspector, join, flight record, traffic counts, mismatch errors, deadlines) applies
+to every cycle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ...config import Settings
+from ...wire import GPU, Kind, Message, Response, cacheable_name
+from .. import activity
+from ..errors import CommunicatorFailed, MismatchError, PeerArgumentError, PeerFailedError
+from ..kinds.kind import SameEverywhere, check_joined, kind_of
+from . import carried
+from .batches import batches
+from .exchange import compact, decode, messages, same_form
+from .handles import Request, wake_waiters
+from .negotiation import Cache, Plan, decide
+from .scheduler import BURST_WAIT_SECONDS
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_CACHE_CAPACITY = 4096
+
+
+class Cycle:
+    """The state one engine's cycles share, and the cycle itself (see the module).
+
+    Only the thread holding the scheduler's turn touches it.
+    """
+
+    def __init__(self, engine: Engine, eager_threshold: int) -> None:
+        self.engine = engine
+        self.number = 0  # of the last cycle (the same on every rank)
+        # This rank's requests negotiated and not yet run, by name.
+        self.pending: dict[str, Request] = {}
+        # Agreed requests by slot, the same on every rank (`negotiation.Cache`).
+        self.cache = Cache(_CACHE_CAPACITY, eager_threshold)
+        # This cycle's data carried in the messages: name -> every rank's copy (`carried`).
+        self.carried_copies: dict[str, list[memoryview]] = {}
+        self.joined_cycle = 0  # the cycle in which this rank joined (0: it has not)
+        self.renew = False  # a collective was abandoned: renew the data communicator
+        self.position = 0  # of the next collective in this cycle's plan
+        self.failed_here: PeerFailedError | None = None  # a collective of this cycle failed
+        # This cycle's settings: `run` reads `Engine.settings` once, at its start.
+        self.settings: Settings = engine.settings
+        # The last plan's responses and their batches (a repeated step reuses them).
+        self._last_batches: tuple[list[Response], list[list[Response] | Response]] | None = None
+
+    # ------------------------------------------------------------------ the cycle
+    def run_guarded(self, fresh: list[Request] | None) -> bool:
+        """`run`; True when the engine must stop (it was shut down, or the cycle failed:
+        everything in flight then fails with the cause)."""
+        try:
+            stop = self.run(fresh)
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
+            self.engine.cycle_failed(exc)
+            return True
+        if stop:
+            self.engine.scheduler.ended = True
+        return stop
+
+    def run(self, fresh: list[Request] | None) -> bool:
+        """One cycle: of the queued requests (`fresh` None), or of `fresh`, a waiting
+        caller's own request. True when the engine must stop."""
+        engine = self.engine
+        scheduler = engine.scheduler
+        start = time.perf_counter()
+        # The one place a cycle reads the engine's settings: replacing `Engine.settings`
+        # (a frozen dataclass) changes the fusion threshold and cycle time from here on.
+        self.settings = settings = engine.settings
+        on_engine_thread = threading.current_thread() is scheduler.thread
+        stopping = False
+        if fresh is None:
+            if settings.cycle_time > 0:
+                time.sleep(settings.cycle_time)  # let more requests gather for fusion
+            elif on_engine_thread:
+                scheduler.let_burst_finish(start + BURST_WAIT_SECONDS)
+            fresh, stopping = scheduler.take_submissions(on_engine_thread)
+        if fresh:
+            if engine.flight.capacity:  # here, on the thread that runs cycles
+                engine.flight.add_latest(fresh)
+            pending = self.pending
+            for request in fresh:
+                request.announced = start
+                pending[request.name] = request
+        self.number += 1
+        plan, received = self.negotiate(stopping)
+        if received is None and not on_engine_thread:
+            engine.counters.fast_by_callers += 1
+        return self.follow(plan, received, start)
+
+    def negotiate(self, stopping: bool) -> tuple[Plan, list[Message] | None]:
+        """This cycle's plan from every rank's message, and the messages (None when the
+        fast path made the plan: a lone request of an agreed form, and every rank sent
+        that form)."""
+        engine = self.engine
+        exchange = engine.exchange
+        pending = self.pending
+        lone = self._lone_form(stopping)
+        if lone is not None:
+            request, slot, bits, pairs = lone
+            cache = self.cache
+            nbytes = cache.eager_bytes[slot]
+            pieces = kind_of(request.signature.kind).carried_pieces(request) if nbytes else ()
+            wire = compact(self.number, bits, pairs, pieces, activity.current())
+            received = exchange.send_and_receive(self.number, wire, pending)
+            length = same_form(wire, received)
+            if length:
+                # Every rank has this request alone: it is the plan. (The peers' phases stay
+                # unread: nothing is missing anywhere, so no stall report needs them.)
+                engine.counters.fast_cycles += 1
+                self.carried_copies = (
+                    {request.name: [memoryview(d)[length : length + nbytes] for d in received]}
+                    if nbytes
+                    else {}
+                )
+                response = Response.everywhere(request.name, request.signature, engine.size)
+                return Plan([response], repeated=True, nothing_new=True), None
+            found, alike = messages(decode(wire), wire, received, 0), False
+        else:
+            own = self._message(stopping)
+            found, alike = exchange.exchange(self.number, own, pending)
+        if found[0] is not found[-1] or len(found) == 1:
+            # For the stall reports (a cycle the ranks agreed on without gathering their
+            # messages left the peers' phases unknown: the last ones known stay).
+            engine.stalls.activities = [m.activity for m in found]
+        if found[0].report:  # rank 0 saw a stall: show where this rank is
+            engine.report_where("rank 0 saw it stall", engine.rank in found[0].report)
+        plan = decide(found, self.cache, alike, engine.ranks)
+        self.carried_copies = carried.received(found, self.cache, plan.repeated)
+        return plan, found
+
+    def _lone_form(self, stopping: bool) -> tuple[Request, int, int, tuple[tuple[int, int], ...]]:
+        """(request, slot, cached bits, numbered pairs) when this rank's message can be the
+        form of a lone request agreed before: one request pending, and nothing else to say
+        (no shutdown, join, renewal or stall verdict, which a message spells out)."""
+        pending = self.pending
+        if (
+            len(pending) != 1
+            or stopping
+            or self.joined_cycle
+            or self.renew
+            or self.engine.stalls.has_news
+        ):
+            return None  # type: ignore[return-value]
+        for request in pending.values():
+            form = self.cache.form_for(request.name, request.cacheable, request.signature)
+            if form is None:
+                return None  # type: ignore[return-value]
+            return (request, *form)
+        return None  # type: ignore[return-value]
+
+    def _message(self, stopping: bool) -> Message:
+        """This rank's full message: every pending request by slot, number or in full."""
+        message = Message(self.number, joined_cycle=self.joined_cycle, shutdown=stopping)
+        message.renew, self.renew = self.renew, False
+        message.activity = activity.current()
+        cache = self.cache
+        for name, request in self.pending.items():
+            if request.cacheable:
+                slot = cache.slot_for(name, request.signature)
+                if slot is not None:
+                    message.cached |= 1 << slot
+                    continue
+            else:
+                entry = cache.numbered_slot(name, request.signature)
+                if entry is not None:
+                    message.numbered.append(entry)
+                    continue
+            message.new.append((name, request.signature, request.extra))
+        if cache.eager_mask:
+            message.eager = carried.pack(message, self.pending, cache)
+        stalls = self.engine.stalls
+        message.stall_abort = stalls.take_abort()
+        message.report = stalls.take_report()
+        return message
+
+    def follow(self, plan: Plan, found: list[Message] | None, start: float) -> bool:
+        """Run `plan` and what follows it (stalls, join, timeline); True when the engine
+        must stop. `found`: every rank's message (None: the fast path's plan)."""
+        engine = self.engine
+        counters = engine.counters
+        counters.cycles_run += 1
+        if found is not None:
+            if plan.shutdown_by is not None:
+                if plan.shutdown_by == engine.rank:
+                    engine.left_early = any(
+                        (m.cached or m.new) and not m.shutdown
+                        for r, m in enumerate(found)
+                        if r != engine.rank
+                    )
+                engine.shut_down(plan.shutdown_by)
+                return True
+            if any(m.renew for m in found) and engine.ctrl is not None:
+                engine.transport.renew(engine.ctrl)
+        if not plan.nothing_new:
+            pending = self.pending
+            cacheable = {n for n, r in pending.items() if r.cacheable}
+            # A joined rank lacks the others' requests; it must still learn the same slots
+            # (given names are the cacheable ones), or its cache parts from theirs.
+            cacheable.update(
+                r.name for r in plan.responses if r.name not in pending and cacheable_name(r.name)
+            )
+            self.cache.learn(plan, cacheable)
+        self.run_plan(plan)
+        stalls = engine.stalls
+        stalled = stalls.inspect(plan, self.pending)
+        if stalled is not None:
+            engine.fail_everything(stalled)
+        for name, error in stalls.take_expired():  # a barrier's own timeout passed
+            engine.complete(self.pending.pop(name), error=error)
+        if plan.all_joined:
+            engine.finish_join(plan.last_joined)
+        wake_waiters()
+        if plan.responses or plan.errors:
+            counters.last_activity = time.perf_counter()
+        timeline = engine.timeline
+        if timeline is not None:
+            timeline.marker(f"cycle {self.number}", start, ran=len(plan.responses))
+            timeline.flush()
+        return False
+
+    # ------------------------------------------------------------------ running a plan
+    def run_plan(self, plan: Plan) -> None:
+        """Fail the plan's mismatches, then run its collectives in order, fused in batches
+        where their kind fuses."""
+        engine = self.engine
+        if engine.scheduler.join_handle is not None:
+            engine.follow_unnamed([r.name for r in plan.responses] + list(plan.errors))
+        for name, message in plan.errors.items():
+            request = self.pending.pop(name, None)
+            if request is not None:
+                error = _mismatch_error(request, message + engine.scope_text)
+                engine.complete(request, error=error)
+        self.failed_here = None
+        self.position = 0
+        for item in self._batches(plan.responses):
+            if isinstance(item, list):
+                kind_of(item[0].signature.kind).run_batch(engine, item)
+            else:
+                self._run_single(item)
+
+    def _batches(self, responses: list[Response]) -> list[list[Response] | Response]:
+        """`batches` of this plan's responses: the last plan's own batches when it ran the
+        same list (a repeated step, see `Cache.repeated`)."""
+        last = self._last_batches
+        if last is not None and last[0] is responses:  # kept alive here: `is` is safe
+            return last[1]
+        found = list(batches(responses, self.settings.fusion_threshold))
+        if len(responses) > 1:
+            self._last_batches = (responses, found)
+        return found
+
+    def _run_single(self, response: Response) -> None:
+        """Run a collective that is not fused (everything but allreduce) through its kind."""
+        engine = self.engine
+        signature = response.signature
+        request = self.pending.pop(response.name, None)
+        if signature.kind is Kind.ERROR:  # every rank rejected its arguments: each raises its own
+            if request is not None:
+                engine.complete(request, error=request.error)
+            return
+        collective = kind_of(signature.kind)
+        start = time.perf_counter()
+        if signature.place != GPU:
+            skipped = engine.begin_collective(collective.label, [response])
+            if skipped is not None:
+                engine.complete_each([request], error=skipped)
+                return
+        try:
+            check_joined(signature, response)
+            if signature.place == GPU:
+                result = collective.run_gpu(engine, response, request)
+            else:
+                result = collective.run_host(engine, response, request)
+        except CommunicatorFailed as exc:
+            if request is not None:
+                engine.complete(request, error=exc)
+            raise  # every other GPU collective must fail too
+        except SameEverywhere as exc:  # raised alike on every rank, before any data moved
+            if request is not None:
+                engine.complete(request, error=exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
+            if signature.place == GPU:
+                if request is not None:
+                    engine.complete(request, error=exc)
+                return
+            engine.collective_failed(exc, [request])
+            return
+        engine.counters.collectives_run += 1
+        if request is not None:
+            engine.complete(request, result=result)
+            timeline = engine.timeline
+            if timeline is not None:
+                engine.trace_wait(timeline, request, start)
+                timeline.span(request.name, signature.kind.name, start, time.perf_counter())
+
+
+def _mismatch_error(request: Request, message: str) -> BaseException:
+    if request.error is not None:
+        return request.error
+    if "rejected their arguments" in message:
+        return PeerArgumentError(message)
+    return MismatchError(message)
