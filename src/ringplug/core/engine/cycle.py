@@ -23,12 +23,11 @@ to every cycle.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import TYPE_CHECKING
 
 from ...config import Settings
-from ...wire import GPU, Kind, Message, Response, cacheable_name
+from ...wire import GPU, Kind, Message, Response, Signature, cacheable_name
 from .. import activity
 from ..errors import CommunicatorFailed, MismatchError, PeerArgumentError, PeerFailedError
 from ..kinds.kind import SameEverywhere, check_joined, kind_of
@@ -43,6 +42,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 _CACHE_CAPACITY = 4096
+_LONE_PLANS_KEPT = 256
 
 
 class Cycle:
@@ -59,6 +59,7 @@ class Cycle:
         # Agreed requests by slot, the same on every rank (`negotiation.Cache`).
         self.cache = Cache(_CACHE_CAPACITY, eager_threshold)
         # This cycle's data carried in the messages: name -> every rank's copy (`carried`).
+        # One dictionary, refilled each cycle (`Engine.carried_copies` is the same one).
         self.carried_copies: dict[str, list[memoryview]] = {}
         self.joined_cycle = 0  # the cycle in which this rank joined (0: it has not)
         self.renew = False  # a collective was abandoned: renew the data communicator
@@ -68,13 +69,16 @@ class Cycle:
         self.settings: Settings = engine.settings
         # The last plan's responses and their batches (a repeated step reuses them).
         self._last_batches: tuple[list[Response], list[list[Response] | Response]] | None = None
+        # The fast path's plans of named requests, by (name, signature): a synchronous call
+        # repeated in a loop runs the same plan (no one changes a plan once made).
+        self._lone_plans: dict[tuple[str, Signature], Plan] = {}
 
     # ------------------------------------------------------------------ the cycle
-    def run_guarded(self, fresh: list[Request] | None) -> bool:
+    def run_guarded(self, fresh: list[Request] | None, by_caller: bool) -> bool:
         """`run`; True when the engine must stop (it was shut down, or the cycle failed:
         everything in flight then fails with the cause)."""
         try:
-            stop = self.run(fresh)
+            stop = self.run(fresh, by_caller)
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
             self.engine.cycle_failed(exc)
             return True
@@ -82,16 +86,17 @@ class Cycle:
             self.engine.scheduler.ended = True
         return stop
 
-    def run(self, fresh: list[Request] | None) -> bool:
+    def run(self, fresh: list[Request] | None, by_caller: bool) -> bool:
         """One cycle: of the queued requests (`fresh` None), or of `fresh`, a waiting
-        caller's own request. True when the engine must stop."""
+        caller's own request; `by_caller`: run by a waiting caller, not the engine thread.
+        True when the engine must stop."""
         engine = self.engine
         scheduler = engine.scheduler
         start = time.perf_counter()
         # The one place a cycle reads the engine's settings: replacing `Engine.settings`
         # (a frozen dataclass) changes the fusion threshold and cycle time from here on.
         self.settings = settings = engine.settings
-        on_engine_thread = threading.current_thread() is scheduler.thread
+        on_engine_thread = not by_caller
         stopping = False
         if fresh is None:
             if settings.cycle_time > 0:
@@ -108,7 +113,7 @@ class Cycle:
                 pending[request.name] = request
         self.number += 1
         plan, received = self.negotiate(stopping)
-        if received is None and not on_engine_thread:
+        if received is None and by_caller:
             engine.counters.fast_by_callers += 1
         return self.follow(plan, received, start)
 
@@ -132,13 +137,14 @@ class Cycle:
                 # Every rank has this request alone: it is the plan. (The peers' phases stay
                 # unread: nothing is missing anywhere, so no stall report needs them.)
                 engine.counters.fast_cycles += 1
-                self.carried_copies = (
-                    {request.name: [memoryview(d)[length : length + nbytes] for d in received]}
-                    if nbytes
-                    else {}
-                )
-                response = Response.everywhere(request.name, request.signature, engine.size)
-                return Plan([response], repeated=True, nothing_new=True), None
+                copies = self.carried_copies
+                if copies:
+                    copies.clear()
+                if nbytes:
+                    end = length + nbytes
+                    copies[request.name] = [memoryview(d)[length:end] for d in received]
+                plan = self._lone_plans.get((request.name, request.signature))
+                return plan or self._lone_plan(request), None
             found, alike = messages(decode(wire), wire, received, 0), False
         else:
             own = self._message(stopping)
@@ -150,8 +156,23 @@ class Cycle:
         if found[0].report:  # rank 0 saw a stall: show where this rank is
             engine.report_where("rank 0 saw it stall", engine.rank in found[0].report)
         plan = decide(found, self.cache, alike, engine.ranks)
-        self.carried_copies = carried.received(found, self.cache, plan.repeated)
+        copies = self.carried_copies
+        copies.clear()
+        copies.update(carried.received(found, self.cache, plan.repeated))
         return plan, found
+
+    def _lone_plan(self, request: Request) -> Plan:
+        """The plan of a cycle in which every rank has `request` alone."""
+        key = (request.name, request.signature)
+        plan = self._lone_plans.get(key)
+        if plan is None:
+            response = Response.everywhere(request.name, request.signature, self.engine.size)
+            plan = Plan([response], repeated=True, nothing_new=True)
+            if request.cacheable:  # a numbered name never comes again
+                if len(self._lone_plans) >= _LONE_PLANS_KEPT:
+                    self._lone_plans.clear()
+                self._lone_plans[key] = plan
+        return plan
 
     def _lone_form(self, stopping: bool) -> tuple[Request, int, int, tuple[tuple[int, int], ...]]:
         """(request, slot, cached bits, numbered pairs) when this rank's message can be the
@@ -167,7 +188,13 @@ class Cycle:
         ):
             return None  # type: ignore[return-value]
         for request in pending.values():
-            form = self.cache.form_for(request.name, request.cacheable, request.signature)
+            cache = self.cache
+            if request.cacheable:  # `Cache.form_for`, written out: this runs every call
+                slot = cache.by_name.get(request.name)
+                if slot is None or cache.slots[slot][1] != request.signature:
+                    return None  # type: ignore[return-value]
+                return request, slot, 1 << slot, ()
+            form = cache.form_for(request.name, False, request.signature)
             if form is None:
                 return None  # type: ignore[return-value]
             return (request, *form)
@@ -227,11 +254,12 @@ class Cycle:
             self.cache.learn(plan, cacheable)
         self.run_plan(plan)
         stalls = engine.stalls
-        stalled = stalls.inspect(plan, self.pending)
-        if stalled is not None:
-            engine.fail_everything(stalled)
-        for name, error in stalls.take_expired():  # a barrier's own timeout passed
-            engine.complete(self.pending.pop(name), error=error)
+        if plan.partial or plan.stall_abort or stalls.watching:
+            stalled = stalls.inspect(plan, self.pending)
+            if stalled is not None:
+                engine.fail_everything(stalled)
+            for name, error in stalls.take_expired():  # a barrier's own timeout passed
+                engine.complete(self.pending.pop(name), error=error)
         if plan.all_joined:
             engine.finish_join(plan.last_joined)
         wake_waiters()
@@ -250,11 +278,12 @@ class Cycle:
         engine = self.engine
         if engine.scheduler.join_handle is not None:
             engine.follow_unnamed([r.name for r in plan.responses] + list(plan.errors))
-        for name, message in plan.errors.items():
-            request = self.pending.pop(name, None)
-            if request is not None:
-                error = _mismatch_error(request, message + engine.scope_text)
-                engine.complete(request, error=error)
+        if plan.errors:
+            for name, message in plan.errors.items():
+                request = self.pending.pop(name, None)
+                if request is not None:
+                    error = _mismatch_error(request, message + engine.scope_text)
+                    engine.complete(request, error=error)
         self.failed_here = None
         self.position = 0
         for item in self._batches(plan.responses):
@@ -270,8 +299,7 @@ class Cycle:
         if last is not None and last[0] is responses:  # kept alive here: `is` is safe
             return last[1]
         found = list(batches(responses, self.settings.fusion_threshold))
-        if len(responses) > 1:
-            self._last_batches = (responses, found)
+        self._last_batches = (responses, found)
         return found
 
     def _run_single(self, response: Response) -> None:

@@ -134,6 +134,9 @@ class Engine:
         self._gpu: GpuPlane | None = None  # made at the first GPU collective
         self._unnamed_next = 1  # the number of the next unnamed request ("noname.N")
         self.cycle = Cycle(self, eager_threshold(settings, self.size))
+        # For the kinds (`EngineView`): the cycle's own dictionaries, never replaced.
+        self.pending = self.cycle.pending  # requests negotiated and not yet run
+        self.carried_copies = self.cycle.carried_copies  # this cycle's carried data
         self.scheduler = Scheduler(self, self.cycle.run_guarded, thread_name)
         if settings.timeline:
             self.start_timeline(settings.timeline)
@@ -229,16 +232,6 @@ class Engine:
 
     # ------------------------------------------------------------------ what kinds see
     @property
-    def pending(self) -> dict[str, Request]:
-        """This rank's requests negotiated and not yet run, by name (the cycle's)."""
-        return self.cycle.pending
-
-    @property
-    def carried_copies(self) -> dict[str, list[memoryview]]:
-        """This cycle's data carried in the messages: name -> every rank's copy."""
-        return self.cycle.carried_copies
-
-    @property
     def collectives_run(self) -> int:
         """Collectives run so far (a fused batch counts once), see `Counters`."""
         return self.counters.collectives_run
@@ -322,10 +315,15 @@ class Engine:
     def complete(
         self, request: Request, result: Any = None, error: BaseException | None = None
     ) -> None:
-        result, error = self._outcome(request, result, error)
-        with self.scheduler.mutex:
-            self.scheduler.in_flight.pop(request.name, None)
-        flight.finish(request.flight, request.announced, time.perf_counter(), error)
+        if error is None and result is None and request.finish is None:
+            result = request.result  # the usual allreduce: its output array
+        else:
+            result, error = self._outcome(request, result, error)
+        scheduler = self.scheduler
+        with scheduler.mutex:
+            scheduler.in_flight.pop(request.name, None)
+        if request.flight is not None:
+            flight.finish(request.flight, request.announced, time.perf_counter(), error)
         request.handle._finish(result, error)
 
     @staticmethod

@@ -79,7 +79,12 @@ def compact(
     phase, seconds = activity
     words = phase.encode()[:255]
     length = (cached.bit_length() + 7) // 8
-    size = sum(len(piece) for piece in eager) if len(eager) != 1 else len(eager[0])
+    if not eager:
+        size = 0
+    elif len(eager) == 1:
+        size = len(eager[0])
+    else:
+        size = sum(len(piece) for piece in eager)
     form = _FORM.pack(cycle, joined_cycle, flags, length, len(numbered), size)
     if not numbered:
         pairs = b""
@@ -93,7 +98,7 @@ def compact(
             form,
             cached.to_bytes(length, "little"),
             pairs,
-            _PADDING[_padding(1 + _FORM.size + length + len(pairs), size)],
+            _PADDING[-(1 + _FORM.size + length + len(pairs)) % _ALIGN if size else 0],
             *eager,
             _PHASE.pack(seconds, len(words)),
             words,

@@ -67,15 +67,15 @@ class Scheduler:
     Args:
         engine: the engine whose cycles it schedules (read: `settings`, `size`, `pending`,
             `flight`, `exchange`, `waiter`, `counters`).
-        run_cycle: runs one cycle, of the queue (`None`) or of the given requests; True
-            when the engine must stop (`Cycle.run_guarded`).
+        run_cycle: runs one cycle, of the queue (`None`) or of the given requests, by a
+            waiting caller or not; True when the engine must stop (`Cycle.run_guarded`).
         thread_name: the engine thread's name.
     """
 
     def __init__(
         self,
         engine: Engine,
-        run_cycle: Callable[[list[Request] | None], bool],
+        run_cycle: Callable[[list[Request] | None, bool], bool],
         thread_name: str,
     ) -> None:
         self.engine = engine
@@ -131,10 +131,11 @@ class Scheduler:
         if run_here:
             try:
                 self.engine.counters.cycles_by_callers += 1
-                self.run_cycle([request])
+                self.run_cycle([request], True)
             finally:
                 self.turn.release()
-            self._after_driving(request.handle)
+            if not request.handle._done or self.engine.pending or self.queue:
+                self._after_driving(request.handle)
         return request.handle
 
     def caller_may_run(self) -> bool:
@@ -210,7 +211,7 @@ class Scheduler:
                     if not (self.queue or self._wait_for_work(handle)):
                         break
                     counters.cycles_by_callers += 1
-                    if self.run_cycle(None):
+                    if self.run_cycle(None, True):
                         break
             finally:
                 self.turn.release()
@@ -238,7 +239,7 @@ class Scheduler:
                 if not self._wait_for_work():
                     continue
                 try:
-                    if self.run_cycle(None):
+                    if self.run_cycle(None, False):
                         return
                 finally:
                     self.turn.release()

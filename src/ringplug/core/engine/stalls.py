@@ -47,6 +47,12 @@ class StallInspector:
         self.activities: list[tuple[str, float]] = []
 
     @property
+    def watching(self) -> bool:
+        """Whether a cycle needs `inspect` whatever its plan: requests some ranks lacked
+        are watched, or a verdict or expired requests are still to be taken."""
+        return bool(self._partial_since or self._abort or self._expired)
+
+    @property
     def has_news(self) -> bool:
         """Whether this rank's next message must carry a verdict of rank 0's (requests to
         fail, ranks to report where they are), which only a full message spells out."""

@@ -55,13 +55,10 @@ class EngineView(Protocol):
     # Per-kind state the engine keeps for its kinds (a fusion buffer), by kind label.
     kind_state: dict[str, Any]
 
-    @property
-    def pending(self) -> dict[str, Request]:
-        """This rank's requests negotiated and not yet run (a kind pops what it runs)."""
-
-    @property
-    def carried_copies(self) -> dict[str, list[memoryview]]:
-        """This cycle's data carried in the messages: name -> every rank's copy."""
+    # This rank's requests negotiated and not yet run (a kind pops what it runs).
+    pending: dict[str, Request]
+    # This cycle's data carried in the messages: name -> every rank's copy.
+    carried_copies: dict[str, list[memoryview]]
 
     def gpu_plane(self) -> GpuPlane: ...
 

@@ -84,7 +84,12 @@ class Fusion:
         engine = self.engine
         signature = batch[0].signature
         code, op = BY_CODE[signature.code], OP_BY_CODE[signature.op]
-        requests = [engine.pending.pop(r.name, None) for r in batch]
+        pending = engine.pending
+        requests = (
+            [pending.pop(batch[0].name, None)]
+            if len(batch) == 1
+            else [pending.pop(r.name, None) for r in batch]
+        )
         if signature.place == GPU:
             self._gpu(batch, requests, code, op)
             return
@@ -98,7 +103,11 @@ class Fusion:
             engine.complete_each(requests, error=skipped)
             return
         try:
-            self._host(batch, requests, code, op)
+            only = requests[0] if len(requests) == 1 else None
+            if only is not None and len(only.payload.sends) == 1:
+                self._one(only, code, op)  # a synchronous call's usual batch
+            else:
+                self._host(batch, requests, code, op)
         except CommunicatorFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or peers hang
@@ -149,9 +158,6 @@ class Fusion:
     def _host(
         self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp
     ) -> None:
-        if len(requests) == 1 and requests[0] is not None and len(requests[0].payload.sends) == 1:
-            self._one(requests[0], code, op)
-            return
         engine = self.engine
         # Per tensor, side by side: its request (None for a joined rank's part), input and
         # output (parallel lists, not a tuple per tensor: a burst has a thousand).
@@ -245,17 +251,19 @@ class Fusion:
         engine = self.engine
         reduction = request.payload
         out = reduction.outs[0]
-        start = time.perf_counter()
+        timeline = engine.timeline
+        start = time.perf_counter() if timeline is not None else 0.0
         if not reduction.in_place:
             np.copyto(out, reduction.sends[0])
-        reduce.scale(out, reduction.prescale, code)
-        copied_in = time.perf_counter()
-        engine.transport.allreduce(out, op, code, postscale=reduction.factor(op, engine.size))
-        reduced = time.perf_counter()
+        if reduction.prescale != 1.0:
+            reduce.scale(out, reduction.prescale, code)
+        copied_in = time.perf_counter() if timeline is not None else 0.0
+        factor = result_factor(op, reduction.postscale, engine.size)
+        engine.transport.allreduce(out, op, code, postscale=factor)
         engine.counters.collectives_run += 1
         engine.complete(request)
-        timeline = engine.timeline
         if timeline is not None:
+            reduced = time.perf_counter()
             self._trace(timeline, [request], 1, (start, copied_in, reduced, reduced), packed=False)
 
     def _trace(

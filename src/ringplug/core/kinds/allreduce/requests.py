@@ -58,7 +58,9 @@ def allreduce_async(
 
     Don't touch `array` or `out` until the handle is done.
     """
-    return _submit(array, op, prescale_factor, postscale_factor, out, name, dtype)
+    return _submit(
+        array, op, prescale_factor, postscale_factor, out, name, dtype, waited_at_once_now()
+    )
 
 
 def allreduce(
@@ -91,9 +93,7 @@ def allreduce(
         >>> ringplug.allreduce(np.ones(3, np.float32), op=ringplug.Sum)  # doctest: +SKIP
         array([2., 2., 2.], dtype=float32)   # on 2 ranks
     """
-    with waited_at_once():
-        handle = _submit(array, op, prescale_factor, postscale_factor, out, name, dtype)
-    return handle.wait()
+    return _submit(array, op, prescale_factor, postscale_factor, out, name, dtype, True).wait()
 
 
 def _submit(
@@ -104,23 +104,25 @@ def _submit(
     out: np.ndarray | None,
     name: str | None,
     dtype: str | DType | None,
+    waits: bool,
 ) -> Handle:
-    """Submit the request of `allreduce_async`'s arguments (`_request`), as one its caller
-    waits for at once inside `waited_at_once`. Arguments that may be wrong go through
+    """Submit the request of `allreduce_async`'s arguments (`_request`); `waits`: its caller
+    waits for it at once (see `Engine.submit`). Arguments that may be wrong go through
     `start`, which tells the other ranks when they are."""
     engine = runtime.current_engine()
     plain = _plain(array, op, prescale_factor, postscale_factor, out, dtype)
     if engine is None or plain is None:
-        return start(
-            name,
-            lambda request_name: _request(
-                request_name, array, op, prescale_factor, postscale_factor, out, dtype
-            ),
+        build = lambda request_name: _request(  # noqa: E731
+            request_name, array, op, prescale_factor, postscale_factor, out, dtype
         )
+        if not waits:
+            return start(name, build)
+        with waited_at_once():
+            return start(name, build)
     request_name, cacheable = name_request(name, engine)
-    request = _request(request_name, array, op, 1.0, postscale_factor, out, None, plain)
+    request = _plain_request(request_name, array, out is None, *plain)
     request.cacheable = cacheable
-    return engine.submit(request, waited_at_once_now())
+    return engine.submit(request, waits)
 
 
 def _request(
