@@ -184,7 +184,7 @@ class Cycle:
             or stopping
             or self.joined_cycle
             or self.renew
-            or self.engine.stalls.has_news
+            or not self.engine.stalls.quiet  # a verdict to carry, or requests watched
         ):
             return None  # type: ignore[return-value]
         for request in pending.values():
@@ -254,7 +254,7 @@ class Cycle:
             self.cache.learn(plan, cacheable)
         self.run_plan(plan)
         stalls = engine.stalls
-        if plan.partial or plan.stall_abort or stalls.watching:
+        if plan.partial or plan.stall_abort or not stalls.quiet:
             stalled = stalls.inspect(plan, self.pending)
             if stalled is not None:
                 engine.fail_everything(stalled)

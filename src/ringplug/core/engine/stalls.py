@@ -45,33 +45,31 @@ class StallInspector:
         self._expired: list[tuple[str, BaseException]] = []
         # Every rank's training phase as its last message carried it (`core/activity.py`).
         self.activities: list[tuple[str, float]] = []
+        # Nothing is watched, decided or to be taken: a cycle whose plan lacks nothing
+        # anywhere needs no `inspect`, and this rank's message has no verdict to carry.
+        self.quiet = True
 
-    @property
-    def watching(self) -> bool:
-        """Whether a cycle needs `inspect` whatever its plan: requests some ranks lacked
-        are watched, or a verdict or expired requests are still to be taken."""
-        return bool(self._partial_since or self._abort or self._expired)
-
-    @property
-    def has_news(self) -> bool:
-        """Whether this rank's next message must carry a verdict of rank 0's (requests to
-        fail, ranks to report where they are), which only a full message spells out."""
-        return bool(self._abort or self._report)
+    def _settle(self) -> None:
+        """Recompute `quiet` after the state changed."""
+        self.quiet = not (self._partial_since or self._abort or self._report or self._expired)
 
     def take_expired(self) -> list[tuple[str, BaseException]]:
         """The requests whose own timeout passed (name, error), once: the engine fails them
         on this rank."""
         expired, self._expired = self._expired, []
+        self._settle()
         return expired
 
     def take_abort(self) -> list[str]:
         """The requests rank 0 decided to fail, once (they go into its next message)."""
         names, self._abort = self._abort, []
+        self._settle()
         return names
 
     def take_report(self) -> list[int]:
         """The ranks rank 0 asks to show where they are, once (for its next message)."""
         ranks, self._report = self._report, []
+        self._settle()
         return ranks
 
     def inspect(self, plan: Plan, pending: dict[str, Request]) -> StallError | None:
@@ -80,6 +78,12 @@ class StallInspector:
         decided (in the previous cycle) to shut the stalled requests down."""
         if not (plan.partial or self._partial_since or plan.stall_abort):
             return None  # nothing is missing anywhere (the usual cycle)
+        try:
+            return self._inspect(plan, pending)
+        finally:
+            self._settle()
+
+    def _inspect(self, plan: Plan, pending: dict[str, Request]) -> StallError | None:
         now = time.monotonic()
         for name in list(self._partial_since):
             if name not in plan.partial:

@@ -93,7 +93,15 @@ class Fusion:
         if signature.place == GPU:
             self._gpu(batch, requests, code, op)
             return
-        if engine.carried_copies:
+        copies = engine.carried_copies
+        if copies:
+            only = requests[0] if len(batch) == 1 else None
+            views = copies.get(batch[0].name) if only is not None else None
+            if views is not None:  # a synchronous call's usual small batch
+                self.reduce_eager(only, views)  # type: ignore[arg-type]
+                engine.transport.last_path = "eager"
+                engine.counters.collectives_run += 1
+                return
             batch, requests = self._eager(batch, requests, code, op)
             if not batch:
                 engine.counters.collectives_run += 1
@@ -144,9 +152,8 @@ class Fusion:
         start = time.perf_counter() if timeline is not None else 0.0
         reduction = request.payload
         try:
-            eager.reduce_copies(
-                reduction.outs, copies, op, code, offset, reduction.factor(op, engine.size)
-            )
+            factor = result_factor(op, reduction.postscale, engine.size)
+            eager.reduce_copies(reduction.outs, copies, op, code, offset, factor)
         except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
             engine.complete(request, error=exc)
             return
