@@ -104,3 +104,33 @@ def test_a_barrier_timeout_must_be_a_positive_number_of_seconds():
     ringplug.barrier(timeout=0.5)  # one rank: every rank has arrived
     with pytest.raises(ValueError, match="barrier timeout"):  # the engine still takes calls
         ringplug.barrier(timeout=-2)
+
+
+def test_a_new_fusion_threshold_takes_effect_at_the_next_cycle():
+    """The cycle reads `Engine.settings` at its start (where autotuning changes it)."""
+    import dataclasses
+
+    from ringplug.core import runtime
+
+    engine = runtime.engine()
+    original = engine.settings
+
+    def batches_of_four() -> int:
+        # Held turn: the four requests queue, and the engine thread's next cycle takes
+        # them all at once.
+        with engine.scheduler.turn:
+            handles = [
+                ringplug.allreduce_async(np.ones(8, np.float32), op=ringplug.Sum, name=f"t{i}")
+                for i in range(4)
+            ]
+        before = engine.counters.collectives_run
+        assert [h.wait().tolist() for h in handles] == [[1.0] * 8] * 4
+        return engine.counters.collectives_run - before
+
+    try:
+        assert batches_of_four() == 1  # fused: 128 bytes under the default threshold
+        engine.settings = dataclasses.replace(original, fusion_threshold=16)
+        assert batches_of_four() == 4  # each 32-byte tensor alone
+    finally:
+        engine.settings = original
+    assert batches_of_four() == 1

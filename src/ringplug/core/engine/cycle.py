@@ -67,8 +67,11 @@ class Cycle:
         self.failed_here: PeerFailedError | None = None  # a collective of this cycle failed
         # This cycle's settings: `run` reads `Engine.settings` once, at its start.
         self.settings: Settings = engine.settings
-        # The last plan's responses and their batches (a repeated step reuses them).
-        self._last_batches: tuple[list[Response], list[list[Response] | Response]] | None = None
+        # The last plan's responses, the fusion threshold and their batches (a repeated
+        # step reuses them).
+        self._last_batches: tuple[list[Response], int, list[list[Response] | Response]] | None = (
+            None
+        )
         # The fast path's plans of named requests, by (name, signature): a synchronous call
         # repeated in a loop runs the same plan (no one changes a plan once made).
         self._lone_plans: dict[tuple[str, Signature], Plan] = {}
@@ -295,11 +298,13 @@ class Cycle:
     def _batches(self, responses: list[Response]) -> list[list[Response] | Response]:
         """`batches` of this plan's responses: the last plan's own batches when it ran the
         same list (a repeated step, see `Cache.repeated`)."""
+        threshold = self.settings.fusion_threshold
         last = self._last_batches
-        if last is not None and last[0] is responses:  # kept alive here: `is` is safe
-            return last[1]
-        found = list(batches(responses, self.settings.fusion_threshold))
-        self._last_batches = (responses, found)
+        # `responses` is kept alive here, so `is` is safe; a new threshold batches anew.
+        if last is not None and last[0] is responses and last[1] == threshold:
+            return last[2]
+        found = list(batches(responses, threshold))
+        self._last_batches = (responses, threshold, found)
         return found
 
     def _run_single(self, response: Response) -> None:
