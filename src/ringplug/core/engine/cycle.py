@@ -177,7 +177,9 @@ class Cycle:
                 self._lone_plans[key] = plan
         return plan
 
-    def _lone_form(self, stopping: bool) -> tuple[Request, int, int, tuple[tuple[int, int], ...]]:
+    def _lone_form(
+        self, stopping: bool
+    ) -> tuple[Request, int, int, tuple[tuple[int, int], ...]] | None:
         """(request, slot, cached bits, numbered pairs) when this rank's message can be the
         form of a lone request agreed before: one request pending, and nothing else to say
         (no shutdown, join, renewal or stall verdict, which a message spells out)."""
@@ -189,19 +191,19 @@ class Cycle:
             or self.renew
             or not self.engine.stalls.quiet  # a verdict to carry, or requests watched
         ):
-            return None  # type: ignore[return-value]
+            return None
         for request in pending.values():
             cache = self.cache
             if request.cacheable:  # `Cache.form_for`, written out: this runs every call
                 slot = cache.by_name.get(request.name)
                 if slot is None or cache.slots[slot][1] != request.signature:
-                    return None  # type: ignore[return-value]
+                    return None
                 return request, slot, 1 << slot, ()
             form = cache.form_for(request.name, False, request.signature)
             if form is None:
-                return None  # type: ignore[return-value]
+                return None
             return (request, *form)
-        return None  # type: ignore[return-value]
+        return None
 
     def _message(self, stopping: bool) -> Message:
         """This rank's full message: every pending request by slot, number or in full."""
