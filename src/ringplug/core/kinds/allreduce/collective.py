@@ -39,7 +39,7 @@ class Allreduce(CollectiveKind):
         )
 
     def run_batch(self, engine: EngineView, batch: list[Response]) -> None:
-        _fusion(engine).run(batch)
+        (engine.kind_state.get(self.label) or _fusion(engine)).run(batch)
 
     def carried_bytes(self, signature: Signature, threshold: int) -> int:
         return eager.size_of(signature, threshold)

@@ -93,7 +93,8 @@ def allreduce(
         >>> ringplug.allreduce(np.ones(3, np.float32), op=ringplug.Sum)  # doctest: +SKIP
         array([2., 2., 2.], dtype=float32)   # on 2 ranks
     """
-    return _submit(array, op, prescale_factor, postscale_factor, out, name, dtype, True).wait()
+    handle = _submit(array, op, prescale_factor, postscale_factor, out, name, dtype, True)
+    return handle.wait()
 
 
 def _submit(
