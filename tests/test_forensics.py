@@ -160,7 +160,7 @@ def test_a_batch_longer_than_the_ring_records_its_last_collectives_numbered_in_s
     class Request:
         def __init__(self, name: str) -> None:
             self.name, self.signature, self.submitted = name, ("allreduce", 4), 1.0
-            self.flight = None
+            self.flight, self.cacheable = None, True
 
     recorder = flight.FlightRecorder(4)
     recorder.add("first", ("allreduce", 4), 1.0)

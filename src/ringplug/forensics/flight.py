@@ -55,14 +55,26 @@ class FlightRecorder:
         # the calling instruction), see `_call_site`.
         self.sites: dict[str, tuple[Any, int] | None] = {}
 
-    def note_site(self, name: str, depth: int = 2) -> None:
+    def note_site(self, name: str, depth: int = 2, usual: int = 0) -> None:
         """On the submitting thread: remember where `name` is submitted from (the caller
         `depth` frames up), the first time only: a training step submits the same names
-        from the same places every step, and walking the frames costs microseconds."""
+        from the same places every step, and walking the frames costs microseconds.
+
+        `usual`: how many frames above that the user's frame usually is (0: unknown); a
+        name that never repeats (an unnamed call's) is looked for there first, one frame
+        instead of a walk. `add_latest` takes such a name's site out again."""
         if self.capacity and name not in self.sites:
             if len(self.sites) >= _SITES_KEPT:
-                self.sites.clear()  # unnamed requests ("noname.N") never repeat
-            self.sites[name] = _call_site(depth + 1)
+                self.sites.clear()
+            site = None
+            if usual:
+                try:
+                    frame = sys._getframe(depth + usual)  # one frame object, not a walk
+                except ValueError:
+                    frame = None
+                if frame is not None and _frame_kind(frame.f_code) == 2:
+                    site = (frame.f_code, frame.f_lasti)
+            self.sites[name] = site or _call_site(depth + 1)
 
     def add(
         self, name: str, signature: Any, submitted: float, track: bool = False
@@ -81,7 +93,8 @@ class FlightRecorder:
         return entry
 
     def add_latest(self, requests: Sequence[Any]) -> None:
-        """Record each of `requests` (its `name`, `signature` and `submitted`), setting its
+        """Record each of `requests` (its `name`, `signature`, `submitted` and `cacheable`:
+        whether its name repeats), setting its
         `flight` to its entry; of a batch longer than the ring only the last `capacity`,
         all that the ring would keep of it (a step of 1000 small tensors records 128)."""
         skipped = len(requests) - self.capacity
@@ -96,7 +109,8 @@ class FlightRecorder:
                 count,
                 name,
                 request.signature,
-                sites.get(name),
+                # a name that never repeats (an unnamed call's) leaves `sites` again
+                sites.get(name) if request.cacheable else sites.pop(name, None),
                 request.submitted,
                 0.0,
                 0.0,

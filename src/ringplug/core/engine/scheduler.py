@@ -119,7 +119,9 @@ class Scheduler:
             request.submitted = time.perf_counter()
             record = self.engine.flight
             if record.capacity and request.name not in record.sites:
-                record.note_site(request.name)  # the entry itself: when its cycle takes it
+                # The entry itself: when its cycle takes it. The user's frame is usually
+                # the one above Engine.submit, the kind's submission and its function.
+                record.note_site(request.name, 2, 0 if request.cacheable else 3)
             if self.host_only:
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
             run_here = drive and self.caller_may_run()
