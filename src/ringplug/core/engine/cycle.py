@@ -65,6 +65,9 @@ class Cycle:
         self.renew = False  # a collective was abandoned: renew the data communicator
         self.position = 0  # of the next collective in this cycle's plan
         self.failed_here: PeerFailedError | None = None  # a collective of this cycle failed
+        # The fast path's carried data: every rank's message as received, and where the
+        # data starts in each (`run_plan` completes the lone request from them).
+        self._carried_alone: tuple[list[bytes | bytearray], int] | None = None
         # This cycle's settings: `run` reads `Engine.settings` once, at its start.
         self.settings: Settings = engine.settings
         # The last plan's responses, the fusion threshold and their batches (a repeated
@@ -140,12 +143,10 @@ class Cycle:
                 # Every rank has this request alone: it is the plan. (The peers' phases stay
                 # unread: nothing is missing anywhere, so no stall report needs them.)
                 engine.counters.fast_cycles += 1
-                copies = self.carried_copies
-                if copies:
-                    copies.clear()
+                if self.carried_copies:
+                    self.carried_copies.clear()
                 if nbytes:
-                    end = length + nbytes
-                    copies[request.name] = [memoryview(d)[length:end] for d in received]
+                    self._carried_alone = (received, length)
                 plan = self._lone_plans.get((request.name, request.signature))
                 return plan or self._lone_plan(request), None
             found, alike = messages(decode(wire), wire, received, 0), False
@@ -291,6 +292,14 @@ class Cycle:
                     engine.complete(request, error=error)
         self.failed_here = None
         self.position = 0
+        carried_alone = self._carried_alone
+        if carried_alone is not None:  # the fast path's lone request, its data carried
+            self._carried_alone = None
+            request = self.pending.pop(plan.responses[0].name)
+            kind_of(request.signature.kind).run_carried(engine, request, *carried_alone)
+            engine.counters.collectives_run += 1
+            engine.transport.last_path = "eager"
+            return
         for item in self._batches(plan.responses):
             if isinstance(item, list):
                 kind_of(item[0].signature.kind).run_batch(engine, item)
