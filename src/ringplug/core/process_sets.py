@@ -277,8 +277,10 @@ def remove_process_set(process_set: ProcessSet, *, members_only: bool = False) -
 
 def _remove_among_members(process_set: ProcessSet, busy: list[str], world: Engine) -> None:
     """`remove_process_set(members_only=True)`: the members compare what each has in flight
-    over the set's own engine; a rank outside the set forgets it."""
-    if process_set.included() and not process_set._removed:
+    over the set's own engine; a rank outside the set forgets it. A set whose engine
+    failed (a stall shut it down, on every member alike) is closed with nothing to agree."""
+    engine = process_set._engine
+    if engine is not None and engine.failure is None and not process_set._removed:
         reports = process_set.allgather_object(  # type: ignore[attr-defined]
             (len(busy), busy[:3]),
             name=f"ringplug.remove_process_set.{process_set.process_set_id}",
