@@ -19,12 +19,15 @@ so the calls of one group are matched in the order each rank makes them, as torc
 
 Groups: ``dist.new_group()`` over every rank, whatever backend it names (Lightning asks for
 ``"gloo"`` around ``prepare_data``), is served by the engine as the default group is; a group
-over some of the ranks (``new_group(ranks=[...])``, ``new_subgroups``) runs on gloo, over the
-job's store, with ``RINGPLUG_TIMEOUT`` as its deadline. ``monitored_barrier`` works on
-every group: on the engine's, a rank that does not arrive within the timeout is named
-(`BarrierTimeoutError`). The store (``dist.distributed_c10d._get_default_store()``, and
-every group's) is a TCPStore that rank 0 serves: ``set``/``get``/``wait``/``add`` reach
-every rank, and wait at most ``RINGPLUG_TIMEOUT``.
+over some of the ranks (``new_group(ranks=[...])``, ``new_subgroups``, a ``DeviceMesh``'s
+dimensions) runs on a process set of the core (`ringplug.add_process_set`): an engine of its
+own over its members, with everything above, CPU and CUDA tensors alike; ranks outside it
+get ``GroupMember.NON_GROUP_MEMBER``, and ``destroy_process_group(group)`` removes the set
+among its members. ``monitored_barrier`` works on every group: a rank that does not arrive
+within the timeout is named (`BarrierTimeoutError`). The store
+(``dist.distributed_c10d._get_default_store()``, and every group's) is a TCPStore that rank
+0 serves: ``set``/``get``/``wait``/``add`` reach every rank, and wait at most
+``RINGPLUG_TIMEOUT``.
 
 What the core cannot do raises on the calling rank with the call's name: point-to-point
 ``send``/``recv``, the bitwise ops ``BAND``/``BOR``/``BXOR`` and ``PREMUL_SUM``. torch's
@@ -682,8 +685,8 @@ def monitored_barrier(
     group: Any = None, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
 ) -> None:
     """torch.distributed's ``monitored_barrier``, which torch allows on gloo groups only,
-    on ringplug's groups too (its groups over every rank, and its gloo subgroups however
-    they were named); anything else goes to torch's own."""
+    on ringplug's groups too (over every rank or a process set, and the gloo subgroups of a
+    torch older than 2.13); anything else goes to torch's own."""
     from torch.distributed import distributed_c10d as c10d
 
     if group is c10d.GroupMember.NON_GROUP_MEMBER or not dist.is_initialized():
@@ -727,8 +730,9 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 def _create(store: Any, rank: int, size: int, timeout: Any) -> dist.ProcessGroup:
     """torch's constructor hook: a group over every rank of ringplug's world (and, unless
     CUDA is already in use, cuda:LOCAL_RANK as torch's current device: `device.py`); a
-    torch that does not hand ``new_group`` to the default group (`RingProcessGroup.new_group`)
-    asks here for its groups over some of the ranks too, which then run on gloo."""
+    torch older than 2.13, which does not hand ``new_group`` to the default group
+    (`RingProcessGroup.new_group`), asks here for its groups over some of the ranks too, on
+    their members only, which then run on gloo (a process set needs every rank)."""
     runtime.init()
     world, me = runtime.size(), runtime.rank()
     if size < world and dist.is_initialized():
