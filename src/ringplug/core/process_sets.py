@@ -236,14 +236,26 @@ def add_process_set(ranks: Iterable[int]) -> ProcessSet:
     return process_set
 
 
-def remove_process_set(process_set: ProcessSet) -> None:
+def remove_process_set(process_set: ProcessSet, *, members_only: bool = False) -> None:
     """Remove `process_set`; every rank of the world calls it, once nothing is in flight.
 
-    Refused on every rank (RingplugError naming the ranks and their collectives) while any
-    member has a collective of the set that has not completed: wait for them first.
+    Args:
+        process_set: the set to remove.
+        members_only: only the set's members call it (as torch's
+            ``destroy_process_group(group)``, which ranks outside the group skip): the
+            members agree among themselves, and a rank outside the set that calls it only
+            forgets the set, at once.
+
+    Raises:
+        RingplugError: on every rank concerned (the world's, or the set's members with
+            `members_only`), naming the ranks and their collectives, while any member has
+            a collective of the set that has not completed: wait for them first.
     """
     world = runtime.world_engine()
     busy = process_set.in_flight()
+    if members_only:
+        _remove_among_members(process_set, busy, world)
+        return
     token = runtime.scope.set(None)
     try:
         reports = allgather_object(
@@ -259,7 +271,31 @@ def remove_process_set(process_set: ProcessSet) -> None:
             + "; ".join(f"rank {r} process set {report[0]}" for r, report in enumerate(reports))
             + ". Every rank must remove the same sets in the same order."
         )
-    pending = [(r, report[1], report[2]) for r, report in enumerate(reports) if report[1]]
+    _refuse_pending(process_set, [(r, report[1], report[2]) for r, report in enumerate(reports)])
+    _close(process_set, world)
+
+
+def _remove_among_members(process_set: ProcessSet, busy: list[str], world: Engine) -> None:
+    """`remove_process_set(members_only=True)`: the members compare what each has in flight
+    over the set's own engine; a rank outside the set forgets it. A set whose engine
+    failed (a stall shut it down, on every member alike) is closed with nothing to agree."""
+    engine = process_set._engine
+    if engine is not None and engine.failure is None and not process_set._removed:
+        reports = process_set.allgather_object(  # type: ignore[attr-defined]
+            (len(busy), busy[:3]),
+            name=f"ringplug.remove_process_set.{process_set.process_set_id}",
+        )
+        _refuse_pending(
+            process_set,
+            [(process_set.ranks[r], count, names) for r, (count, names) in enumerate(reports)],
+        )
+    _close(process_set, world)
+
+
+def _refuse_pending(process_set: ProcessSet, reports: list[tuple[int, int, list[str]]]) -> None:
+    """Raise when any rank reported collectives of the set in flight: (world rank, how
+    many, the first names)."""
+    pending = [(r, count, names) for r, count, names in reports if count]
     if pending:
         raise RingplugError(
             f"Cannot remove {process_set.describe()}: collectives on it are still in flight ("
@@ -269,7 +305,6 @@ def remove_process_set(process_set: ProcessSet) -> None:
             )
             + "). Wait for their handles on every member, then remove it."
         )
-    _close(process_set, world)
 
 
 def all_process_sets() -> list[ProcessSet]:

@@ -126,8 +126,7 @@ class Engine(ExpressCycles):
         self.world_rank = ranks[self.rank] if ranks is not None else self.rank
         # The process sets' engines, which write to this engine's timeline (`process_sets`).
         self.followers: list[Engine] = []
-        # What this engine's mismatch errors add: which process set (empty for the world).
-        self.scope_text = ""
+        self._scope_text = ""
         self._ctrl = comm.Dup() if comm is not None else None
         # Every wait of this engine (negotiation, ring, MPI collectives) has its deadline.
         self.waiter = Waiter(self._ctrl, settings, self.rank, self.size, ranks)
@@ -698,6 +697,17 @@ class Engine(ExpressCycles):
         found = list(batches(responses, self.settings.fusion_threshold))
         self._last_batches = (responses, found)
         return found
+
+    @property
+    def scope_text(self) -> str:
+        """What this engine's mismatch errors and stall reports add: which process set
+        (empty for the world)."""
+        return self._scope_text
+
+    @scope_text.setter
+    def scope_text(self, text: str) -> None:
+        self._scope_text = text
+        self._stalls.scope_text = text
 
     def gpu_plane(self) -> GpuPlane:
         """The GPU data plane (NCCL), made at the first GPU collective."""
