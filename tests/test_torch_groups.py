@@ -200,3 +200,40 @@ def test_a_store_the_ranks_cannot_reach_says_why_when_used_and_nothing_else_brea
         "refused RingplugError torch.distributed's store is not available on rank 0: rank 0 "
         "has no address the other hosts can reach"
     ) in result.stdout
+
+
+SUBGROUP_PROGRAM = """
+import json, sys
+import torch, torch.distributed as dist
+import ringplug.torch
+dist.init_process_group("ringplug")
+rank = dist.get_rank()
+group = dist.new_group([0, 2])
+value = torch.full((3,), float(rank + 1))
+if rank in (0, 2):
+    dist.all_reduce(value, group=group)
+    root = torch.full((2,), float(rank))
+    dist.broadcast(root, src=2, group=group)
+    report = {"sum": value.tolist(), "root": root.tolist(), "backend": dist.get_backend(group)}
+else:
+    report = {"member": dist.get_rank(group)}
+dist.barrier()
+print("REPORT", rank, json.dumps(report), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_group_over_some_ranks_works_on_the_oldest_torch_too():
+    # torch 2.13 hands new_group to the default group (a process set); torch 2.4 asks the
+    # backend's constructor on the members only (a gloo group inside ringplug's). In
+    # `make test-oldest` too.
+    result = run_ringrun("-np", "3", sys.executable, "-c", SUBGROUP_PROGRAM, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = {}
+    for line in result.stdout.splitlines():
+        if "REPORT" in line:
+            _, rank, text = line.split("REPORT", 1)[1].split(" ", 2)
+            reports[int(rank)] = json.loads(text)
+    assert reports[1] == {"member": -1}  # torch's answer for a rank outside the group
+    for rank in (0, 2):
+        assert reports[rank] == {"sum": [4.0] * 3, "root": [2.0] * 2, "backend": "ringplug"}

@@ -671,11 +671,14 @@ def gloo_group(
     limit = runtime.settings().timeout
     seconds = min((timeout or dist.default_pg_timeout).total_seconds(), limit)
     deadline = datetime.timedelta(seconds=seconds)
-    group = dist.ProcessGroup(store, rank, size)
-    gloo_type = dist.ProcessGroup.BackendType.GLOO
-    group._set_default_backend(gloo_type)
     gloo = dist.ProcessGroupGloo(store, rank, size, deadline)
     gloo._set_sequence_number_for_group()
+    try:
+        group = dist.ProcessGroup(store, rank, size)
+    except TypeError:  # torch 2.4's has no such constructor, and wraps a backend itself
+        return gloo  # type: ignore[return-value]
+    gloo_type = dist.ProcessGroup.BackendType.GLOO
+    group._set_default_backend(gloo_type)
     for device in ("cpu", "cuda"):
         group._register_backend(torch.device(device), gloo_type, gloo)
     return group
