@@ -188,6 +188,15 @@ def count_job(ranks: int, steps: int, outdir: Path, library: Path | None) -> dic
     started = time.perf_counter()
     _run_job(command, f"the counts job on {ranks} ranks")
     reports = [json.loads((outdir / f"counts-{rank}.json").read_text()) for rank in range(ranks)]
+    _add_profiled_sends(reports, outdir, library)
+    print(f"# counts job on {ranks} ranks: {time.perf_counter() - started:.1f} s", flush=True)
+    return {"ranks": ranks, "reports": reports}
+
+
+def _add_profiled_sends(reports: list[dict], outdir: Path, library: object) -> None:
+    """Each rank's sends as the preloaded profiling library counted them (its
+    OUTDIR/sends-RANK.txt, one line per destination: peer, messages, bytes), as
+    ``report["pmpi"]``; nothing without the library."""
     for report in reports:
         sends = outdir / f"sends-{report['rank']}.txt"
         if library and sends.exists():
@@ -196,8 +205,6 @@ def count_job(ranks: int, steps: int, outdir: Path, library: Path | None) -> dic
                 "messages": sum(int(m) for _, m, _ in lines),
                 "bytes": sum(int(b) for _, _, b in lines),
             }
-    print(f"# counts job on {ranks} ranks: {time.perf_counter() - started:.1f} s", flush=True)
-    return {"ranks": ranks, "reports": reports}
 
 
 # ------------------------------------------------------------------------------ sets
@@ -228,14 +235,7 @@ def set_jobs(args: argparse.Namespace, workdir: Path) -> list[dict]:
             (json.loads(path.read_text()) for path in outdir.glob("sets-*.json")),
             key=lambda report: report["rank"],
         )
-        for report in reports:
-            sends = outdir / f"sends-{report['rank']}.txt"
-            if library and sends.exists():
-                lines = [line.split() for line in sends.read_text().splitlines() if line]
-                report["pmpi"] = {
-                    "messages": sum(int(m) for _, m, _ in lines),
-                    "bytes": sum(int(b) for _, _, b in lines),
-                }
+        _add_profiled_sends(reports, outdir, library)
         print(
             f"# sets job, a set of {k} in {p} ranks: {time.perf_counter() - started:.1f} s",
             flush=True,

@@ -103,23 +103,7 @@ def counts(outdir: Path, steps: int) -> None:
 
     ringplug.init()
     rank = ringplug.rank()
-    grads = [np.zeros(1024, np.float32) for _ in range(8)]
-    medium = np.zeros(1 << 18, np.float32)
-    large = np.zeros(1 << 22, np.float32)
-
-    def small_step() -> None:
-        handles = [
-            ringplug.allreduce_async(g, op=ringplug.Sum, out=g, name=f"grad.{i}")
-            for i, g in enumerate(grads)
-        ]
-        for handle in handles:
-            ringplug.synchronize(handle)
-
-    runs = {
-        "8x4K": small_step,
-        "1M": lambda: ringplug.allreduce(medium, op=ringplug.Sum, out=medium, name="1M"),
-        "16M": lambda: ringplug.allreduce(large, op=ringplug.Sum, out=large, name="16M"),
-    }
+    runs = _phases(large=True)
     clock = WaitClock(_engine().waiter)
     report: dict = {"rank": rank, "size": ringplug.size(), "steps": steps, "phases": {}}
     for run in runs.values():
@@ -143,6 +127,32 @@ def counts(outdir: Path, steps: int) -> None:
     ringplug.shutdown()
 
 
+def _phases(large: bool) -> dict[str, Callable[[], object]]:
+    """The counted phases, each one step: 8 named 4 KiB allreduces in flight at once, one
+    1 MiB allreduce and (with `large`) one 16 MiB allreduce, on the current engine."""
+    import ringplug
+
+    grads = [np.zeros(1024, np.float32) for _ in range(8)]
+    medium = np.zeros(1 << 18, np.float32)
+    big = np.zeros(1 << 22, np.float32)
+
+    def small_step() -> None:
+        handles = [
+            ringplug.allreduce_async(g, op=ringplug.Sum, out=g, name=f"grad.{i}")
+            for i, g in enumerate(grads)
+        ]
+        for handle in handles:
+            ringplug.synchronize(handle)
+
+    runs: dict[str, Callable[[], object]] = {
+        "8x4K": small_step,
+        "1M": lambda: ringplug.allreduce(medium, op=ringplug.Sum, out=medium, name="1M"),
+    }
+    if large:
+        runs["16M"] = lambda: ringplug.allreduce(big, op=ringplug.Sum, out=big, name="16M")
+    return runs
+
+
 def sets(outdir: Path, steps: int, k: int) -> None:
     """A process set of `k` ranks spread over the world (every (p/k)-th rank) runs the
     8 x 4 KiB step and the 1 MiB allreduce on its own engine; each member writes
@@ -163,21 +173,7 @@ def sets(outdir: Path, steps: int, k: int) -> None:
     process_set = ringplug.add_process_set(members)
     if process_set.included():
         token = runtime.scope.set(process_set._engine)  # ringplug.* runs on the set
-        grads = [np.zeros(1024, np.float32) for _ in range(8)]
-        medium = np.zeros(1 << 18, np.float32)
-
-        def small_step() -> None:
-            handles = [
-                ringplug.allreduce_async(g, op=ringplug.Sum, out=g, name=f"grad.{i}")
-                for i, g in enumerate(grads)
-            ]
-            for handle in handles:
-                ringplug.synchronize(handle)
-
-        runs = {
-            "8x4K": small_step,
-            "1M": lambda: ringplug.allreduce(medium, op=ringplug.Sum, out=medium, name="1M"),
-        }
+        runs = _phases(large=False)
         for run in runs.values():
             for _ in range(2):  # the names are agreed (cached) from here on
                 run()
