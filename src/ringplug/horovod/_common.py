@@ -301,7 +301,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         process_sets: None (default), ``"dynamic"`` (the same: ringplug always lets
             `add_process_set` be called later), or a list of `ProcessSet` objects or
             lists of ranks, registered in order; hold on to the `ProcessSet` objects to
-            pass them as ``process_set=``.
+            pass them as ``process_set=``. When one is refused (on every rank), those
+            registered before it are removed again, as Horovod registers none of them.
     """
     if comm is not None:
         raise NotImplementedError(
@@ -313,11 +314,16 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         process_sets = []
     core.init()
     global_process_set.ranks = list(range(core.size()))
+    added: list[ProcessSet] = []
     for index, process_set in enumerate(process_sets or []):
         try:
-            add_process_set(process_set)
-        except ValueError as error:
-            raise ValueError(f"init(process_sets=...) entry number {index}: {error}") from None
+            added.append(add_process_set(process_set))
+        except (ValueError, RingplugError) as error:
+            for made in reversed(added):  # every rank refused the same entry: all remove
+                remove_process_set(made)
+            if isinstance(error, ValueError):
+                raise ValueError(f"init(process_sets=...) entry number {index}: {error}") from None
+            raise
 
 
 def shutdown() -> None:
