@@ -60,8 +60,16 @@ class _Sets:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_id: dict[int, ProcessSet] = {}
-        self.next_id = 1  # 0 is the world, as in Horovod
         self.hooked = False
+
+    def free_id(self) -> int:
+        """The smallest id no set has (0 is the world, as in Horovod): a removed set's id is
+        given again, as Horovod does; the same on every rank, as sets are made and removed
+        collectively."""
+        set_id = 1
+        while set_id in self.by_id:
+            set_id += 1
+        return set_id
 
 
 _sets = _Sets()
@@ -204,13 +212,12 @@ def add_process_set(ranks: Iterable[int]) -> ProcessSet:
     token = runtime.scope.set(None)  # agreed among the whole world, even inside a set's call
     try:
         with _sets.lock:
-            set_id = _sets.next_id
+            set_id = _sets.free_id()
         proposals = allgather_object(proposal, name=f"ringplug.add_process_set.{set_id}")
     finally:
         runtime.scope.reset(token)
     members = agreed_ranks(proposals, world.size, set_id)
     with _sets.lock:
-        _sets.next_id = set_id + 1
         if not _sets.hooked:
             runtime.before_shutdown.append(_stop_all)
             _sets.hooked = True
@@ -451,7 +458,6 @@ def _stop_all() -> None:
         _close(process_set, world)
     with _sets.lock:
         _sets.by_id.clear()
-        _sets.next_id = 1
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:
