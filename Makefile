@@ -34,7 +34,8 @@ STACK_PACKAGES := pytest hypothesis tensorflow-cpu
 STACK_MODULES := mpi4py torch lightning keras tensorflow yaml
 # The oldest stack also checks that every framework internal ringplug wraps is there (or,
 # where a framework added it later, that ringplug does without it), and fits Keras on JAX.
-OLDEST_TESTS := $(STACK_TESTS) tests/test_patches.py
+OLDEST_TESTS := $(STACK_TESTS) tests/test_patches.py \
+	'tests/test_torch_groups.py::test_a_group_over_some_ranks_works_on_the_oldest_torch_too'
 OLDEST_KERAS := $(STACK_KERAS) 'tests/test_keras.py::test_two_ranks_train_like_one_process_on_the_union_of_their_batches[jax-plain]'
 
 .PHONY: demo test test-suite test-stacks test-oldest test-newest test-openmpi lint docs venv venvs clean

@@ -43,6 +43,39 @@ def test_counts_on_2_and_3_ranks_are_ceil_log2_p_messages_a_cycle_as_profiled(tm
     assert all(0 < row["efficiency"] <= 1 for row in predicted)
 
 
+@pytest.mark.multirank
+def test_a_set_of_4_inside_16_ranks_sends_what_a_world_of_4_sends(tmp_path):
+    # Issue 48's target: a set's collectives cost what k ranks cost, whatever p is.
+    output = tmp_path / "sets.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "ringplug.bench.cli", "scale", "--parts", "sets",
+         "--sets", "16:4", "--steps", "3", "--json", str(output)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    jobs = {job["ranks"]: job for job in json.loads(output.read_text())["sets"]}
+    assert sorted(jobs) == [4, 16]
+    data = {}
+    for p, job in jobs.items():
+        members = [report["rank"] for report in job["reports"]]
+        assert members == list(range(0, p, p // 4)), members  # spread over the world
+        for report in job["reports"]:
+            step = report["phases"]["8x4K"]
+            # Every agreed cycle gathers in ceil(log2 4) = 2 rounds, on the set's engine.
+            assert step["messages"]["negotiation"] == 2 * step["cycles"], (p, step)
+            assert report["world_engine"] == {}, (p, report["world_engine"])
+            if "pmpi" in report:  # the process sent nothing the set's engine did not count
+                assert report["pmpi"]["messages"] == sum(report["window"]["messages"].values())
+                assert report["pmpi"]["bytes"] == sum(report["window"]["bytes"].values())
+            medium = report["phases"]["1M"]
+            data[p, members.index(report["rank"])] = (
+                medium["messages"]["data"],
+                medium["bytes"]["data"],
+            )
+    # The 1 MiB allreduce's data moves exactly as in a world of 4, member by member.
+    assert [data[16, i] for i in range(4)] == [data[4, i] for i in range(4)]
+
+
 def test_the_fit_recovers_the_coefficients_that_made_the_points():
     alpha, beta, gamma = 7e-6, 0.4e-9, 3e-6
     shapes = [(1, 4096, 10), (3, 1 << 20, 12), (18, 16 << 20, 20), (5, 0, 9), (40, 2e6, 60)]

@@ -154,6 +154,21 @@ def test_every_collective_computes_what_numpy_computes(battery_run, kind):
     assert mismatches(chosen, ranks) == []
 
 
+def test_process_sets_run_gpu_collectives_on_nccl_communicators_of_their_own(fakes):
+    # Sets [1, 2] and [0, 2] of 3 ranks (rank 2 in both): each set's engine makes an NCCL
+    # communicator of its members at its first GPU collective; results against numpy.
+    env = fake_env(fakes, **SETUPS[3], **FAST)
+    result = run_ringrun(
+        "-np", "3", sys.executable, str(WORKER), "sets", extra_env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = reports_of(result.stdout)
+    for label in ("A", "B"):
+        mine = {name.split("/", 1)[1]: got for name, got in found.items() if name[0] == label}
+        assert sorted(mine) == sorted(battery.SET_CASES), sorted(found)
+        assert mismatches(mine, 2) == [], label
+
+
 def test_every_dtype_and_op_ringplug_sends_is_covered():
     dtypes = {case["dtype"] for case in CASES.values()}
     assert dtypes == {

@@ -30,6 +30,7 @@ PREFIXES = {
     "hvd_resume.py": "resume",
     "hvd_keras.py": "keras",
     "hvd_tf.py": "tf",
+    "hvd_tf_sets.py": "tf_sets",
     "hvd_tf1_hook.py": "hook",
 }
 # hvd_semantics.py joins and re-initialises: after the collectives. The TensorFlow scripts
@@ -47,7 +48,8 @@ JOBS = {
     # Adasum's tree two levels deep; process sets of two ranks each (hvd_semantics.py)
     ("torch", 4): ["hvd_adasum.py", "hvd_semantics.py"],
     ("keras", 2): ["hvd_keras.py"],
-    ("tf", 2): ["hvd_tf.py", "hvd_tf_adasum.py"],
+    ("tf", 2): ["hvd_tf.py", "hvd_tf_adasum.py", "hvd_tf_sets.py"],
+    ("tf", 3): ["hvd_tf_sets.py"],  # a set of two ranks whose second is world rank 2
     ("tf1", 2): ["hvd_tf1_hook.py"],
 }
 TENSORFLOW = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -183,6 +185,21 @@ def test_horovod_tensorflow_adasum_eagerly_in_tf_function_in_a_graph_and_in_the_
     pytest.importorskip("tensorflow")
     for checks in run("hvd_tf_adasum.py"):
         assert len(checks) >= 9
+        assert [name for name, ok in checks.items() if not ok] == []
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_horovod_tensorflow_process_sets_match_numpy_in_every_mode(run, ranks):
+    # Even and odd ranks: every collective eagerly against numpy (world root ranks), inside
+    # tf.function twice (gradients on the set), a TF1 session where only the members build
+    # one op (the world op's name still agrees), DistributedGradientTape and the Keras
+    # optimizer on one set (others keep their own gradients), size/included ops, and
+    # non-members, roots outside the set, unregistered and removed sets refused.
+    pytest.importorskip("tensorflow")
+    reports = run("hvd_tf_sets.py", ranks)
+    for checks in reports:
+        assert len(checks) == 25
+        assert all(name.startswith("tfps-") for name in checks)
         assert [name for name, ok in checks.items() if not ok] == []
 
 

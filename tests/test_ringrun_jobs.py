@@ -203,3 +203,32 @@ def test_sigterm_to_ringrun_stops_every_rank(tmp_path):
     assert "stopped" in stderr
     assert processes_matching(marker) == []
     assert not ready.exists()
+
+
+@pytest.mark.parametrize("first", ["the proxy fails first", "a rank starts first"])
+def test_a_host_where_no_rank_started_is_named_whichever_order_the_launcher_failed_in(first):
+    # hydra cannot start its proxy on host b and kills what it started: under load rank 0 on
+    # host a has started by then, and reports starting but never how it ended.
+    from ringplug.run.cli import verdict_lines
+    from ringplug.run.hosts.spec import Host
+    from ringplug.run.launch.job import JobResult
+    from ringplug.run.launch.mpi import JobSpec
+    from ringplug.run.launch.status import RankStarted
+    from ringplug.run.settings import RunSettings
+
+    started = {0: RankStarted(0, "node-a", 100)} if first == "a rank starts first" else {}
+    result = JobResult(
+        exit_code=255,
+        launcher_returncode=255,
+        started=started,
+        unreported=list(started),
+        start_errors=["bash: line 1: /venv/bin/hydra_pmi_proxy: No such file or directory"],
+    )
+    spec = JobSpec(
+        np=2, command=["python", "-c", "pass"], hosts=[Host("node-a", 1), Host("node-b", 1)]
+    )
+    lines = verdict_lines(result, spec, RunSettings())
+    named = [line for line in lines if line.startswith("no rank started on host")]
+    assert len(named) == 1 and "node-b" in named[0], lines
+    assert ("node-a" in named[0]) == (first == "the proxy fails first"), lines
+    assert any("hydra_pmi_proxy: No such file" in line for line in lines), lines

@@ -4,6 +4,8 @@
 - ``battery``: every case of `CASES` (``FAKEGPU_CASES``: a comma list of name prefixes to
   run only some); each rank prints one ``case:`` JSON line per case with its inputs and
   what it got, and the test computes the expected results with numpy.
+- ``sets``: some of the cases on two overlapping process sets of 3 ranks, each with an
+  NCCL communicator of its own members (`run_on_sets`).
 - ``init-frozen``: rank 1 never joins the NCCL communicator (blocked before
   ncclCommInitRankConfig); the others wait in the init.
 - ``collective-frozen``: rank 1 never enqueues its part of the second allreduce.
@@ -300,6 +302,42 @@ def freeze_rank_one_in(method: str, after: int = 0, exit_instead: bool = False) 
     setattr(owner, method, stopped)
 
 
+# The cases the ``sets`` scenario runs on each process set.
+SET_CASES = (
+    "allreduce-sum-float32",
+    "allreduce-average-bfloat16",
+    "fused-sum-float32",
+    "broadcast-rootlast-int64",
+    "allgather-uneven-float32",
+    "reducescatter-even-sum-float32",
+)
+
+
+def run_on_sets(rank: int, device: int) -> None:
+    """Two overlapping process sets of 3 ranks, [1, 2] and [0, 2]: each runs `SET_CASES`
+    on its own engine, through an NCCL communicator of its own members (made at its first
+    GPU collective); each member prints its report with the set's label and its rank in
+    the set."""
+    from ringplug.core import runtime
+
+    made = {"A": ringplug.add_process_set([1, 2]), "B": ringplug.add_process_set([0, 2])}
+    chosen = [case for case in cases() if case["name"] in SET_CASES]
+    for label, process_set in made.items():
+        if not process_set.included():
+            continue
+        token = runtime.scope.set(process_set._engine)
+        try:
+            for case in chosen:
+                report = run_case(case, process_set.rank(), process_set.size(), device)
+                report["case"] = f"{label}/{case['name']}"
+                print("case:" + json.dumps(report), flush=True)
+        finally:
+            runtime.scope.reset(token)
+    for process_set in made.values():
+        ringplug.remove_process_set(process_set)
+    ringplug.barrier()
+
+
 def main(scenario: str) -> None:
     ringplug.init()
     rank, size = ringplug.rank(), ringplug.size()
@@ -315,6 +353,9 @@ def main(scenario: str) -> None:
                 continue
             print("case:" + json.dumps(run_case(case, rank, size, device)), flush=True)
         ringplug.barrier()
+        return
+    if scenario == "sets":
+        run_on_sets(rank, device)
         return
     if scenario == "init-frozen" and rank == 1:
         freeze_rank_one_in("__init__")

@@ -186,11 +186,11 @@ def main(outdir: Path) -> None:
         ),
     )
     check(
-        "keras-objects-refuse-process-sets",
+        "keras-objects-refuse-non-sets",
         lambda: raises(
             lambda: hvd.keras.allgather_object(rank, process_set=object()),
-            NotImplementedError,
-            "process set",
+            ValueError,
+            "must be a hvd.ProcessSet",
         ),
     )
 

@@ -226,7 +226,7 @@ def calls(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
     dist.all_reduce(tensor)
     checks["mismatch/still-in-step"] = torch.equal(tensor, torch.full((1,), float(size)))
 
-    solo = dist.new_group(ranks=[0])  # a group over some of the ranks: gloo, via the store
+    solo = dist.new_group(ranks=[0])  # a group over some of the ranks: a process set of one
     if rank == 0:
         tensor = torch.full((2,), 5.0)
         dist.all_reduce(tensor, group=solo)

@@ -15,8 +15,11 @@ Scenarios:
   what it must give.
 - ``monitored-missing``: rank 1 reaches a ``monitored_barrier`` only after the others'
   timeout passed: they fail naming rank 1, rank 1 fails naming them, and the job goes on.
-- ``subgroup-missing``: rank 1 never joins an all_reduce of the group [0, 1]; rank 0's fails
-  by the group's deadline (1 s, under RINGPLUG_TIMEOUT), and the job goes on.
+- ``sets``: groups over some of the ranks on the core's process sets: every collective kind
+  against numpy, overlapping groups in flight at once, ``new_subgroups``, a 2 x 2
+  ``DeviceMesh`` with DTensor (4 ranks), bad groups refused; no gloo group anywhere.
+- ``frozen``: rank 2 of the group [1, 2] stops calling (3 ranks, small stall settings): rank
+  1's monitored barrier and all_reduce fail naming world rank 2 and the set; the job goes on.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import ringplug
+from ringplug.core.process_sets import all_process_sets
 from ringplug.torch import backend
 
 LIGHTNING_TIMEOUT = datetime.timedelta(days=10000)  # what Lightning's _InfiniteBarrier asks
@@ -137,6 +142,307 @@ def calls(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
     checks["default/ranks"] = dist.get_process_group_ranks(dist.group.WORLD) == list(range(size))
 
 
+def _on(group: object, rank: int, members: list[int]) -> dict[str, bool]:
+    """What a group over `members` must be on every rank: a ringplug group over a process
+    set of exactly those ranks on its members, torch's NON_GROUP_MEMBER elsewhere."""
+    if rank not in members:
+        return {"non-member": group is dist.GroupMember.NON_GROUP_MEMBER}
+    return {
+        "on-ringplug": isinstance(group, backend.RingProcessGroup)
+        and dist.get_backend(group) == "ringplug"
+        and group.process_set is not None
+        and list(group.process_set.ranks) == members,
+        "rank-and-size": (dist.get_rank(group), dist.get_world_size(group))
+        == (members.index(rank), len(members)),
+    }
+
+
+def every_kind(group: object, rank: int, members: list[int]) -> dict[str, bool]:
+    """Every collective kind on `group` (members only), each against numpy's result from
+    every member's input; the roots are the group's last member, which is not its rank 0."""
+    k, me, root = len(members), members.index(rank), members[-1]
+
+    def values(r: int, n: int = 4) -> np.ndarray:
+        return np.arange(n, dtype=np.float64) * (r + 1) + 10 * r
+
+    def tensor(r: int, n: int = 4) -> torch.Tensor:
+        return torch.from_numpy(values(r, n).copy())
+
+    def same(t: torch.Tensor, want: np.ndarray) -> bool:
+        return t.shape == want.shape and np.allclose(t.numpy(), want, rtol=0, atol=1e-12)
+
+    inputs = np.stack([values(r) for r in members])
+    found: dict[str, bool] = {}
+    for op, reduce in [("sum", np.sum), ("avg", np.mean), ("max", np.max)]:
+        t = tensor(rank)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op.upper()), group=group)
+        found[f"all_reduce-{op}"] = same(t, reduce(inputs, axis=0))
+    t = tensor(rank)
+    dist.broadcast(t, src=root, group=group)
+    found["broadcast-root-not-group-rank-0"] = same(t, values(root))
+    slots = [torch.zeros(4, dtype=torch.float64) for _ in members]
+    dist.all_gather(slots, tensor(rank), group=group)
+    found["all_gather"] = all(same(s, values(r)) for s, r in zip(slots, members, strict=True))
+    out = torch.zeros(4 * k, dtype=torch.float64)
+    dist.all_gather_into_tensor(out, tensor(rank), group=group)
+    found["all_gather_into_tensor"] = same(out, inputs.reshape(-1))
+    wide = np.stack([values(r, 2 * k) for r in members])  # each member's input of 2k
+    out = torch.zeros(2, dtype=torch.float64)
+    dist.reduce_scatter_tensor(out, tensor(rank, 2 * k), group=group)
+    found["reduce_scatter_tensor"] = same(out, wide.sum(axis=0)[2 * me : 2 * me + 2])
+    out = torch.zeros(2, dtype=torch.float64)
+    dist.reduce_scatter(out, list(tensor(rank, 2 * k).split(2)), group=group)
+    found["reduce_scatter"] = same(out, wide.sum(axis=0)[2 * me : 2 * me + 2])
+    t = tensor(rank)
+    dist.reduce(t, dst=root, group=group)
+    if rank == root:
+        found["reduce-at-the-root"] = same(t, inputs.sum(axis=0))
+    slots = [torch.zeros(4, dtype=torch.float64) for _ in members] if rank == root else None
+    dist.gather(tensor(rank), slots, dst=root, group=group)
+    if slots is not None:
+        found["gather-at-the-root"] = all(
+            same(s, values(r)) for s, r in zip(slots, members, strict=True)
+        )
+    out = torch.zeros(2, dtype=torch.float64)
+    pieces = list(tensor(rank, 2 * k).split(2)) if rank == root else None
+    dist.scatter(out, pieces, src=root, group=group)
+    found["scatter"] = same(out, values(root, 2 * k)[2 * me : 2 * me + 2])
+    out = torch.zeros(2 * k, dtype=torch.float64)
+    dist.all_to_all_single(out, tensor(rank, 2 * k), group=group)
+    found["all_to_all_single"] = same(
+        out, np.concatenate([values(r, 2 * k)[2 * me : 2 * me + 2] for r in members])
+    )
+    # Uneven splits: member j sends j + 1 elements to each member.
+    sizes = [me + 1] * k
+    received = [members.index(r) + 1 for r in members]
+    out = torch.zeros(sum(received), dtype=torch.float64)
+    dist.all_to_all_single(out, tensor(rank, sum(sizes)), received, sizes, group=group)
+    found["all_to_all_single-uneven"] = same(
+        out,
+        np.concatenate(
+            [
+                values(r, (j + 1) * k)[(j + 1) * me : (j + 1) * (me + 1)]
+                for j, r in enumerate(members)
+            ]
+        ),
+    )
+    store = dist.distributed_c10d._get_default_store()
+    key = f"barrier/{dist.get_process_group_ranks(group)}"
+    store.add(key, 1)
+    dist.barrier(group=group)
+    found["barrier-lets-none-through-early"] = store.add(key, 0) >= k
+    return found
+
+
+def sets(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]) -> None:
+    """Groups over some of the ranks on core process sets: every kind, overlapping groups in
+    flight at once, new_subgroups, a 2 x 2 DeviceMesh (4 ranks), and what is refused."""
+    last = size - 1
+    upper, pair = list(range(1, size)), [0, last]  # overlapping at the last rank
+    groups = {"upper": (upper, dist.new_group(ranks=upper)), "pair": (pair, dist.new_group(pair))}
+    for key, (members, group) in groups.items():
+        for name, ok in _on(group, rank, members).items():
+            checks[f"{key}/{name}"] = ok
+        if rank in members:
+            for name, ok in every_kind(group, rank, members).items():
+                checks[f"{key}/{name}"] = ok
+        else:  # torch's own answer outside a group: nothing happens, nothing hangs
+            t = full(rank)
+            checks[f"{key}/outside-untouched"] = dist.all_reduce(
+                t, group=group
+            ) is None and torch.equal(t, full(rank))
+
+    # Collectives in flight on both groups and the world at once; the last rank, in both,
+    # starts them in the other order.
+    works, expected = [], []
+    order = ["pair", "upper"] if rank == last else ["upper", "pair"]
+    for key in order:
+        members, group = groups[key]
+        if rank in members:
+            t = full(rank + 1)
+            works.append((key, t, dist.all_reduce(t, group=group, async_op=True)))
+            expected.append(sum(m + 1 for m in members))
+    world = full(rank)
+    works.append(("world", world, dist.all_reduce(world, async_op=True)))
+    expected.append(sum(range(size)))
+    for (key, t, work), want in zip(works, expected, strict=True):
+        work.wait()
+        checks[f"in-flight-at-once/{key}"] = torch.equal(t, full(want))
+
+    # Point-to-point: the same refusal as on the world.
+    if rank in pair:
+        try:
+            dist.send(full(1), dst=pair[1 - pair.index(rank)], group=groups["pair"][1])
+            checks["pair/send-refused"] = False
+        except NotImplementedError as exc:
+            checks["pair/send-refused"] = "point-to-point messages are not supported" in str(exc)
+
+    # Removing a group while a member has a collective in flight on it: refused on both.
+    pair_group = groups["pair"][1]
+    if rank in pair:
+        late = full(1)
+        work = dist.all_reduce(late, group=pair_group, async_op=True) if rank == 0 else None
+        try:
+            dist.destroy_process_group(pair_group)
+            checks["pair/destroy-refused-while-pending"] = False
+        except ringplug.RingplugError as exc:
+            text = str(exc)
+            checks["pair/destroy-refused-while-pending"] = (
+                "Cannot remove process set" in text
+                and f"world ranks 0, {last}" in text
+                and "rank 0: 1 ('torch." in text
+            )
+            details["pair/destroy"] = text
+        if rank == last:
+            dist.all_reduce(late, group=pair_group)
+        if work is not None:
+            work.wait()
+        checks["pair/late-all_reduce"] = torch.equal(late, full(2))
+        dist.destroy_process_group(pair_group)
+        checks["pair/destroyed-set-removed"] = pair_group.process_set not in (all_process_sets())
+
+    # new_subgroups: pairs on 4 ranks, sets of one rank on 3.
+    width = 2 if size % 2 == 0 else 1
+    mine, subgroups = dist.new_subgroups(group_size=width)
+    own = [r for r in range(size) if r // width == rank // width]
+    checks["new_subgroups/count"] = len(subgroups) == size // width
+    checks.update({f"new_subgroups/{n}": ok for n, ok in _on(mine, rank, own).items()})
+    t = full(rank + 1)
+    dist.all_reduce(t, group=mine)
+    checks["new_subgroups/all_reduce"] = torch.equal(t, full(sum(r + 1 for r in own)))
+
+    if size == 4:
+        mesh_checks(rank, checks, details)
+
+    # Bad groups: the same clear error on every rank concerned, nobody left waiting.
+    def refused(key: str, call: object, error: type, *words: str) -> None:
+        try:
+            call()  # type: ignore[operator]
+            checks[key] = False
+        except error as exc:
+            checks[key] = all(word in str(exc) for word in words)
+            details[key] = str(exc)
+
+    refused(
+        "bad/ranks-disagree",
+        lambda: dist.new_group([0, 1] if rank == 0 else [0, last]),
+        ringplug.MismatchError,
+        "rank 0 passed [0, 1]",
+        f"passed [0, {last}]",
+    )
+    refused(
+        "bad/sort_ranks-false",
+        lambda: dist.new_group([last, 0], sort_ranks=False),
+        ValueError,
+        "sort_ranks=False",
+        "increasing order",
+    )
+    if rank in pair:
+        refused(
+            "bad/use_local_synchronization",
+            lambda: dist.new_group(pair, use_local_synchronization=True),
+            NotImplementedError,
+            "use_local_synchronization",
+            "every rank",
+        )
+    else:
+        # torch itself answers None outside the group, without asking the backend.
+        checks["bad/use_local_synchronization"] = (
+            dist.new_group(pair, use_local_synchronization=True) is None
+        )
+    try:  # torch refuses it on CPU before any backend sees it (no bound device)
+        dist.split_group(split_ranks=[pair])
+        checks["bad/split_group"] = False
+    except (RuntimeError, NotImplementedError) as exc:
+        checks["bad/split_group"] = True
+        details["bad/split_group"] = str(exc)
+
+    t = full(1)
+    dist.all_reduce(t)
+    checks["world-still-works"] = torch.equal(t, full(size))
+    c10d = dist.distributed_c10d
+    kinds = {type(pg).__name__ for pg in c10d._world.pg_map}
+    checks["no-gloo-group"] = kinds == {"RingProcessGroup"}
+    details["group-kinds"] = str(sorted(kinds))
+
+
+def mesh_checks(rank: int, checks: dict[str, bool], details: dict[str, str]) -> None:
+    """A 2 x 2 DeviceMesh ("dp", "tp") on 4 ranks: its dimensions' groups, and DTensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    # The mesh is [[0, 1], [2, 3]]: "dp" runs down a column, "tp" along a row.
+    dp = [rank % 2, rank % 2 + 2]
+    tp = [rank - rank % 2, rank - rank % 2 + 1]
+    for name, members in (("dp", dp), ("tp", tp)):
+        group = mesh[name].get_group()
+        checks.update({f"mesh/{name}/{n}": ok for n, ok in _on(group, rank, members).items()})
+        t = full(rank + 1)
+        dist.all_reduce(t, group=group)
+        checks[f"mesh/{name}/all_reduce"] = torch.equal(t, full(sum(r + 1 for r in members)))
+        slots = [torch.zeros(3) for _ in members]
+        dist.all_gather(slots, full(rank), group=group)
+        checks[f"mesh/{name}/all_gather"] = [s[0].item() for s in slots] == members
+    whole = torch.arange(16.0).reshape(4, 4)
+    sharded = distribute_tensor(whole, mesh, [Shard(0), Shard(1)])
+    row, column = rank // 2, rank % 2
+    checks["dtensor/shard"] = torch.equal(
+        sharded.to_local(), whole[2 * row : 2 * row + 2, 2 * column : 2 * column + 2]
+    )
+    checks["dtensor/redistribute-replicate"] = torch.equal(
+        sharded.redistribute(mesh, [Replicate(), Replicate()]).to_local(), whole
+    )
+    checks["dtensor/redistribute-shard-1"] = torch.equal(
+        sharded.redistribute(mesh, [Shard(1), Replicate()]).to_local(),
+        whole[:, 2 * row : 2 * row + 2],
+    )
+
+
+def frozen(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]) -> None:
+    """The group [1, 2] of 3 ranks: rank 2 stops calling its collectives; rank 1's
+    monitored barrier names it, then the stall inspector reports and fails rank 1's
+    all_reduce naming world rank 2 and the set (which it shuts down on both members, as a
+    stall shuts down the world's engine); the job goes on."""
+    store = dist.distributed_c10d._get_default_store()
+    members = [1, 2]
+    group = dist.new_group(ranks=members)
+    if rank == 1:
+        try:
+            dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=2))
+            checks["frozen/monitored_barrier-raised"] = False
+        except ringplug.BarrierTimeoutError as exc:
+            text = str(exc)
+            checks["frozen/monitored_barrier-names-rank-and-set"] = (
+                exc.caused_by == (2,)
+                and "for rank(s) 2, which never called it" in text
+                and "process set 1 (world ranks 1, 2)" in text
+            )
+            details["monitored_barrier"] = text
+        try:
+            dist.all_reduce(full(1), group=group)  # rank 2 never joins it
+            checks["frozen/all_reduce-raised"] = False
+        except ringplug.StallError as exc:
+            text = str(exc)
+            checks["frozen/stall-error-names-rank-and-set"] = (
+                "is ready on rank(s) 1 but not on rank(s) 2" in text
+                and "process set 1 (world ranks 1, 2)" in text
+            )
+            details["stall"] = text
+        store.set("rank1-gave-up", "1")
+    else:  # rank 2 is frozen; rank 0 stays out of the world's collectives meanwhile
+        store.wait(["rank1-gave-up"], datetime.timedelta(seconds=120))
+    tensor = full(rank)
+    dist.all_reduce(tensor)  # the world is unharmed
+    checks["frozen/job-goes-on"] = torch.equal(tensor, full(sum(range(size))))
+    if rank == 2:  # the stall shut the group down on both members alike
+        try:
+            dist.all_reduce(full(1), group=group)
+            checks["frozen/group-shut-down-here-too"] = False
+        except ringplug.StallError as exc:
+            checks["frozen/group-shut-down-here-too"] = "process set 1" in str(exc)
+
+
 def monitored_missing(
     rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
 ) -> None:
@@ -168,35 +474,11 @@ def monitored_missing(
     checks["monitored/job-goes-on"] = torch.equal(tensor, full(sum(range(size))))
 
 
-def subgroup_missing(
-    rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
-) -> None:
-    store = dist.distributed_c10d._get_default_store()
-    # The group's own deadline, well inside RINGPLUG_TIMEOUT: rank 2 waits in the next
-    # collective of every rank meanwhile, under RINGPLUG_TIMEOUT.
-    pair = dist.new_group(ranks=[0, 1], timeout=datetime.timedelta(seconds=1))
-    if rank == 0:
-        started = time.monotonic()
-        try:
-            dist.all_reduce(full(1), group=pair)  # rank 1 never joins it
-            checks["subgroup/raised"] = False
-        except RuntimeError as exc:
-            waited = time.monotonic() - started
-            checks["subgroup/raised"] = True
-            checks["subgroup/by-the-deadline"] = waited < 30  # the group's 1 s
-            details["subgroup"] = f"{waited:.1f} s: {exc}"
-        store.set("rank0-gave-up", "1")
-    elif rank == 1:
-        store.wait(["rank0-gave-up"], datetime.timedelta(seconds=60))
-    tensor = full(rank)
-    dist.all_reduce(tensor)  # the default group is unharmed
-    checks["subgroup/job-goes-on"] = torch.equal(tensor, full(sum(range(size))))
-
-
 SCENARIOS = {
     "calls": calls,
     "monitored-missing": monitored_missing,
-    "subgroup-missing": subgroup_missing,
+    "sets": sets,
+    "frozen": frozen,
 }
 
 

@@ -11,6 +11,11 @@ It starts every job itself (run it as a plain command, not under ringrun) and ha
   of the all-to-all negotiation this replaced (its p - 1 sends, quoted from issue 44).
 - ``cpu``: from the same jobs, the CPU time per engine cycle: of the engine's thread, and of
   the whole process (a waiting caller runs cycles too), in the 8 x 4 KiB step.
+- ``sets``: a process set of k ranks inside a world of p (``--sets``, default 4 in 16 and 8
+  in 32), spread over the world, runs the 8 x 4 KiB step and the 1 MiB allreduce on its own
+  engine: per member per step, the set engine's messages and bytes and the profiling
+  library's count of every send of the process, side by side with a set of all k ranks of
+  a world of k (what the set must cost: growing with k, not p).
 - ``bed``: a multi-host bed (`ringplug.bench.netbed`: network namespaces with sshd, links
   shaped with ``tc``) of ``--hosts`` hosts, one rank each, then two; ringplug, MPI's own
   Allreduce and torch gloo side by side on 4 KiB, 1 MiB, 64 MiB and ResNet-50's gradients.
@@ -21,6 +26,7 @@ It starts every job itself (run it as a plain command, not under ringrun) and ha
 
 Example:
     ringplug-bench scale --max-ranks 16 --parts counts,cpu,model --json scale.json
+    ringplug-bench scale --parts sets --sets 16:4,32:8
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from . import scale_model
 from .netbed import BedUnavailable, NetBed, Shape, uniform_hosts
 from .scale_model import Fit, Point
 
-PARTS = ("counts", "cpu", "bed", "model")
+PARTS = ("counts", "cpu", "sets", "bed", "model")
 # Issue 44's measurement of the all-to-all negotiation (rank 0, an MPI profiling library):
 # p -> (sends per 8 x 4 KiB step, bytes sent per step, sends per 1 MiB allreduce).
 ALL_TO_ALL = {2: (1, 33e3, 3), 4: (3, 98e3, 9), 8: (7, 230e3, 21), 16: (16, 527e3, 60)}
@@ -59,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-ranks", type=int, default=32, help="leave out larger sizes")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per phase")
+    parser.add_argument(
+        "--sets",
+        default="16:4,32:8",
+        help="P:K pairs of the sets part: a set of K ranks in a world of P (default 16:4,32:8)",
+    )
     parser.add_argument("--hosts", type=int, default=8, help="hosts of the bed (default 8)")
     parser.add_argument(
         "--per-host", default="1,2", help="ranks per host of the bed's jobs (default 1,2)"
@@ -90,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     document: dict = {"bench": "scale", "env": _environment(), "parts": parts}
     if args.measured:
         earlier = json.loads(Path(args.measured).read_text())
-        document.update({k: earlier[k] for k in ("counts", "bed", "pmpi") if k in earlier})
+        document.update({k: earlier[k] for k in ("counts", "sets", "bed", "pmpi") if k in earlier})
         document["measured"] = {"from": args.measured, "env": earlier.get("env")}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-scale-") as tmp:
@@ -105,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
             print_counts(document["counts"], document["pmpi"])
         if "cpu" in parts and "counts" in document:
             print_cpu(document["counts"])
+        if "sets" in parts:
+            if not args.measured:
+                document["sets"] = set_jobs(args, workdir)
+            print_sets(document.get("sets", []))
         if "bed" in parts:
             if not args.measured:
                 document["bed"] = bed_jobs(args, workdir)
@@ -173,6 +188,15 @@ def count_job(ranks: int, steps: int, outdir: Path, library: Path | None) -> dic
     started = time.perf_counter()
     _run_job(command, f"the counts job on {ranks} ranks")
     reports = [json.loads((outdir / f"counts-{rank}.json").read_text()) for rank in range(ranks)]
+    _add_profiled_sends(reports, outdir, library)
+    print(f"# counts job on {ranks} ranks: {time.perf_counter() - started:.1f} s", flush=True)
+    return {"ranks": ranks, "reports": reports}
+
+
+def _add_profiled_sends(reports: list[dict], outdir: Path, library: object) -> None:
+    """Each rank's sends as the preloaded profiling library counted them (its
+    OUTDIR/sends-RANK.txt, one line per destination: peer, messages, bytes), as
+    ``report["pmpi"]``; nothing without the library."""
     for report in reports:
         sends = outdir / f"sends-{report['rank']}.txt"
         if library and sends.exists():
@@ -181,8 +205,69 @@ def count_job(ranks: int, steps: int, outdir: Path, library: Path | None) -> dic
                 "messages": sum(int(m) for _, m, _ in lines),
                 "bytes": sum(int(b) for _, _, b in lines),
             }
-    print(f"# counts job on {ranks} ranks: {time.perf_counter() - started:.1f} s", flush=True)
-    return {"ranks": ranks, "reports": reports}
+
+
+# ------------------------------------------------------------------------------ sets
+def set_jobs(args: argparse.Namespace, workdir: Path) -> list[dict]:
+    """For each P:K of ``--sets``: a set of K ranks in a world of P, and a set of all K
+    ranks of a world of K, each a job of its own."""
+    pairs = []
+    for pair in args.sets.split(","):
+        if pair.strip():
+            p, k = (int(n) for n in pair.split(":"))
+            if not 2 <= k <= p or p % k:
+                raise SystemExit(
+                    f"ringplug-bench scale: --sets {pair}: K must be at least 2 and divide P"
+                )
+            pairs += [(k, k), (p, k)]
+    library, why = build_profiler(workdir)
+    found = []
+    for p, k in dict.fromkeys(pairs):  # the worlds of K first, each once
+        outdir = workdir / f"sets-{p}-{k}"
+        outdir.mkdir()
+        preload = ["env", f"LD_PRELOAD={library}"] if library else []
+        command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(p), *preload,
+                   sys.executable, "-m", "ringplug.bench.scale_job", "sets", str(outdir),
+                   str(args.steps), str(k)]  # fmt: skip
+        started = time.perf_counter()
+        _run_job(command, f"the sets job (a set of {k} in {p} ranks)")
+        reports = sorted(
+            (json.loads(path.read_text()) for path in outdir.glob("sets-*.json")),
+            key=lambda report: report["rank"],
+        )
+        _add_profiled_sends(reports, outdir, library)
+        print(
+            f"# sets job, a set of {k} in {p} ranks: {time.perf_counter() - started:.1f} s",
+            flush=True,
+        )
+        found.append({"ranks": p, "set": k, "pmpi": why or "used", "reports": reports})
+    return found
+
+
+def print_sets(jobs: list[dict]) -> None:
+    print(
+        "# sets: per member per step, the set's engine (max over members in brackets); pmpi: "
+        "the profiling library's count of every send of the process against the set "
+        "engine's, every member; world: messages the world's engine sent meanwhile"
+    )
+    print(
+        f"#{'p':>4} {'k':>3} | {'8x4K msgs':>10} {'bytes':>9} {'cycles':>6} {'MPI coll':>8} | "
+        f"{'1M msgs':>7} {'bytes':>9} | {'pmpi':>6} {'world':>5} | 8x4K msgs/cycle "
+        "(2 ceil(log2 k))"
+    )
+    for job in jobs:
+        p, k, reports = job["ranks"], job["set"], job["reports"]
+        step, medium = (reports[0]["phases"][phase] for phase in ("8x4K", "1M"))
+        most = max(_total(r["phases"]["8x4K"], "messages") for r in reports)
+        world = max(sum(r["world_engine"].values()) for r in reports)
+        print(
+            f" {p:>4} {k:>3} | {_total(step, 'messages'):>4.1f} [{most:>3.0f}] "
+            f"{_total(step, 'bytes'):>9.0f} {step['cycles']:>6.1f} "
+            f"{_total(step, 'collectives'):>8.1f} | "
+            f"{_total(medium, 'messages'):>7.1f} {_total(medium, 'bytes'):>9.0f} | "
+            f"{_profiled(reports):>6} {world:>5} | "
+            f"{_total(step, 'messages') / step['cycles']:.1f} ({2 * scale_model.rounds(k)})"
+        )
 
 
 def _run_job(command: list[str], what: str, env: dict | None = None) -> None:

@@ -9,6 +9,10 @@ profiling library preloaded into the rank (tests/pmpi/count_sends.c) writes its 
 the sends of all phases (one window) to OUTDIR/sends-<rank>.txt, and the report has the
 engine's counts over the same window.
 
+``python scale_job.py sets OUTDIR STEPS K``: a process set of K ranks spread over the world
+runs the same 8 x 4 KiB step and 1 MiB allreduce on its own engine, counted the same way
+(OUTDIR/sets-<rank>.json on its members), while the others wait outside every engine.
+
 ``python scale_job.py bed OUTDIR BUDGET``: ringplug, MPI's own Allreduce (mpi4py) and torch
 gloo side by side on 4 KiB, 1 MiB and 64 MiB of float32 and on ResNet-50's gradients (one
 allreduce per parameter), timed as `ringplug-bench allreduce` times them; rank 0 writes
@@ -99,23 +103,7 @@ def counts(outdir: Path, steps: int) -> None:
 
     ringplug.init()
     rank = ringplug.rank()
-    grads = [np.zeros(1024, np.float32) for _ in range(8)]
-    medium = np.zeros(1 << 18, np.float32)
-    large = np.zeros(1 << 22, np.float32)
-
-    def small_step() -> None:
-        handles = [
-            ringplug.allreduce_async(g, op=ringplug.Sum, out=g, name=f"grad.{i}")
-            for i, g in enumerate(grads)
-        ]
-        for handle in handles:
-            ringplug.synchronize(handle)
-
-    runs = {
-        "8x4K": small_step,
-        "1M": lambda: ringplug.allreduce(medium, op=ringplug.Sum, out=medium, name="1M"),
-        "16M": lambda: ringplug.allreduce(large, op=ringplug.Sum, out=large, name="16M"),
-    }
+    runs = _phases(large=True)
     clock = WaitClock(_engine().waiter)
     report: dict = {"rank": rank, "size": ringplug.size(), "steps": steps, "phases": {}}
     for run in runs.values():
@@ -136,6 +124,78 @@ def counts(outdir: Path, steps: int) -> None:
     window = difference(engine.traffic.snapshot(), before)
     report["window"] = {"messages": window["messages"], "bytes": window["bytes"]}
     (outdir / f"counts-{rank}.json").write_text(json.dumps(report))
+    ringplug.shutdown()
+
+
+def _phases(large: bool) -> dict[str, Callable[[], object]]:
+    """The counted phases, each one step: 8 named 4 KiB allreduces in flight at once, one
+    1 MiB allreduce and (with `large`) one 16 MiB allreduce, on the current engine."""
+    import ringplug
+
+    grads = [np.zeros(1024, np.float32) for _ in range(8)]
+    medium = np.zeros(1 << 18, np.float32)
+    big = np.zeros(1 << 22, np.float32)
+
+    def small_step() -> None:
+        handles = [
+            ringplug.allreduce_async(g, op=ringplug.Sum, out=g, name=f"grad.{i}")
+            for i, g in enumerate(grads)
+        ]
+        for handle in handles:
+            ringplug.synchronize(handle)
+
+    runs: dict[str, Callable[[], object]] = {
+        "8x4K": small_step,
+        "1M": lambda: ringplug.allreduce(medium, op=ringplug.Sum, out=medium, name="1M"),
+    }
+    if large:
+        runs["16M"] = lambda: ringplug.allreduce(big, op=ringplug.Sum, out=big, name="16M")
+    return runs
+
+
+def sets(outdir: Path, steps: int, k: int) -> None:
+    """A process set of `k` ranks spread over the world (every (p/k)-th rank) runs the
+    8 x 4 KiB step and the 1 MiB allreduce on its own engine; each member writes
+    OUTDIR/sets-<rank>.json with the set engine's counts per step and (preloaded) the
+    profiling library's count of every send of the process over the same window. The
+    ranks outside the set wait in a plain MPI barrier meanwhile, so that nothing else
+    sends."""
+    from mpi4py import MPI
+
+    import ringplug
+    from ringplug.core import runtime
+    from ringplug.core.transport.traffic import difference
+
+    ringplug.init()
+    rank, size = ringplug.rank(), ringplug.size()
+    fence = MPI.COMM_WORLD.Dup()  # the ranks meet here, outside every engine
+    members = list(range(0, size, size // k))[:k]
+    process_set = ringplug.add_process_set(members)
+    if process_set.included():
+        token = runtime.scope.set(process_set._engine)  # ringplug.* runs on the set
+        runs = _phases(large=False)
+        for run in runs.values():
+            for _ in range(2):  # the names are agreed (cached) from here on
+                run()
+        ringplug.barrier()
+        engine = _engine()
+        world = runtime.world_engine()
+        report: dict = {"rank": rank, "size": size, "set": members, "phases": {}}
+        before, world_before = engine.traffic.snapshot(), world.traffic.snapshot()
+        os.environ["PMPI_COUNT_DIR"] = str(outdir)
+        MPI.Pcontrol(1)
+        for phase, run in runs.items():
+            report["phases"][phase] = _counted(run, steps)
+            ringplug.barrier()
+        MPI.Pcontrol(0)
+        window = difference(engine.traffic.snapshot(), before)
+        report["window"] = {"messages": window["messages"], "bytes": window["bytes"]}
+        report["world_engine"] = difference(world.traffic.snapshot(), world_before)["messages"]
+        runtime.scope.reset(token)
+        (outdir / f"sets-{rank}.json").write_text(json.dumps(report))
+    fence.Barrier()
+    fence.Free()
+    ringplug.remove_process_set(process_set)
     ringplug.shutdown()
 
 
@@ -241,5 +301,7 @@ if __name__ == "__main__":
     mode, where, number = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     if mode == "counts":
         counts(where, int(number))
+    elif mode == "sets":
+        sets(where, int(number), int(sys.argv[4]))
     else:
         bed(where, float(number))

@@ -60,8 +60,16 @@ class _Sets:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_id: dict[int, ProcessSet] = {}
-        self.next_id = 1  # 0 is the world, as in Horovod
         self.hooked = False
+
+    def free_id(self) -> int:
+        """The smallest id no set has (0 is the world, as in Horovod): a removed set's id is
+        given again, as Horovod does; the same on every rank, as sets are made and removed
+        collectively."""
+        set_id = 1
+        while set_id in self.by_id:
+            set_id += 1
+        return set_id
 
 
 _sets = _Sets()
@@ -204,13 +212,12 @@ def add_process_set(ranks: Iterable[int]) -> ProcessSet:
     token = runtime.scope.set(None)  # agreed among the whole world, even inside a set's call
     try:
         with _sets.lock:
-            set_id = _sets.next_id
+            set_id = _sets.free_id()
         proposals = allgather_object(proposal, name=f"ringplug.add_process_set.{set_id}")
     finally:
         runtime.scope.reset(token)
     members = agreed_ranks(proposals, world.size, set_id)
     with _sets.lock:
-        _sets.next_id = set_id + 1
         if not _sets.hooked:
             runtime.before_shutdown.append(_stop_all)
             _sets.hooked = True
@@ -236,14 +243,26 @@ def add_process_set(ranks: Iterable[int]) -> ProcessSet:
     return process_set
 
 
-def remove_process_set(process_set: ProcessSet) -> None:
+def remove_process_set(process_set: ProcessSet, *, members_only: bool = False) -> None:
     """Remove `process_set`; every rank of the world calls it, once nothing is in flight.
 
-    Refused on every rank (RingplugError naming the ranks and their collectives) while any
-    member has a collective of the set that has not completed: wait for them first.
+    Args:
+        process_set: the set to remove.
+        members_only: only the set's members call it (as torch's
+            ``destroy_process_group(group)``, which ranks outside the group skip): the
+            members agree among themselves, and a rank outside the set that calls it only
+            forgets the set, at once.
+
+    Raises:
+        RingplugError: on every rank concerned (the world's, or the set's members with
+            `members_only`), naming the ranks and their collectives, while any member has
+            a collective of the set that has not completed: wait for them first.
     """
     world = runtime.world_engine()
     busy = process_set.in_flight()
+    if members_only:
+        _remove_among_members(process_set, busy, world)
+        return
     token = runtime.scope.set(None)
     try:
         reports = allgather_object(
@@ -259,7 +278,31 @@ def remove_process_set(process_set: ProcessSet) -> None:
             + "; ".join(f"rank {r} process set {report[0]}" for r, report in enumerate(reports))
             + ". Every rank must remove the same sets in the same order."
         )
-    pending = [(r, report[1], report[2]) for r, report in enumerate(reports) if report[1]]
+    _refuse_pending(process_set, [(r, report[1], report[2]) for r, report in enumerate(reports)])
+    _close(process_set, world)
+
+
+def _remove_among_members(process_set: ProcessSet, busy: list[str], world: Engine) -> None:
+    """`remove_process_set(members_only=True)`: the members compare what each has in flight
+    over the set's own engine; a rank outside the set forgets it. A set whose engine
+    failed (a stall shut it down, on every member alike) is closed with nothing to agree."""
+    engine = process_set._engine
+    if engine is not None and engine.failure is None and not process_set._removed:
+        reports = process_set.allgather_object(  # type: ignore[attr-defined]
+            (len(busy), busy[:3]),
+            name=f"ringplug.remove_process_set.{process_set.process_set_id}",
+        )
+        _refuse_pending(
+            process_set,
+            [(process_set.ranks[r], count, names) for r, (count, names) in enumerate(reports)],
+        )
+    _close(process_set, world)
+
+
+def _refuse_pending(process_set: ProcessSet, reports: list[tuple[int, int, list[str]]]) -> None:
+    """Raise when any rank reported collectives of the set in flight: (world rank, how
+    many, the first names)."""
+    pending = [(r, count, names) for r, count, names in reports if count]
     if pending:
         raise RingplugError(
             f"Cannot remove {process_set.describe()}: collectives on it are still in flight ("
@@ -269,7 +312,6 @@ def remove_process_set(process_set: ProcessSet) -> None:
             )
             + "). Wait for their handles on every member, then remove it."
         )
-    _close(process_set, world)
 
 
 def all_process_sets() -> list[ProcessSet]:
@@ -416,7 +458,6 @@ def _stop_all() -> None:
         _close(process_set, world)
     with _sets.lock:
         _sets.by_id.clear()
-        _sets.next_id = 1
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:

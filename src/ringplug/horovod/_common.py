@@ -199,14 +199,28 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
+def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+    """Every registered set's id and world ranks, the world's (0) included: what Horovod's
+    ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()`` gives."""
+    sets = {0: list(range(core.size()))}
+    for set_id in sorted(_registered):
+        sets[set_id] = list(_registered[set_id].ranks or [])
+    return sets
+
+
 def check_process_set(process_set: Any) -> None:
     """What remains for functions decorated with `on_process_set`: the world's set."""
     if process_set is not global_process_set and process_set is not None:
         raise NotImplementedError(
             f"process_set={process_set}: process sets other than hvd.global_process_set "
-            "are taken by ringplug.horovod.torch only so far; leave process_set at its "
-            "default here."
+            "are not taken here; leave process_set at its default."
         )
+
+
+class ProcessSetArgumentError(ValueError):
+    """A `process_set=` this rank cannot run on: it is not a member, or the root rank is not
+    in the set (the TensorFlow layer raises these as ``tf.errors.InvalidArgumentError``, as
+    Horovod's ops do)."""
 
 
 def _member_engine(process_set: Any, what: str) -> Any:
@@ -219,7 +233,7 @@ def _member_engine(process_set: Any, what: str) -> Any:
             "with hvd.add_process_set() or hvd.init(process_sets=[...]) on every rank."
         )
     if not process_set.included():
-        raise ValueError(
+        raise ProcessSetArgumentError(
             f"hvd.{what}: Rank {core.rank()} is not a member of the provided process set "
             f"{process_set}; call its collectives on its members only "
             "(`if process_set.included(): ...`)."
@@ -231,7 +245,7 @@ def _set_root(process_set: ProcessSet, root_rank: int, what: str) -> int:
     """A world root rank (Horovod's numbering) as the set's own (the core's)."""
     ranks = process_set.ranks or []
     if root_rank not in ranks:
-        raise ValueError(
+        raise ProcessSetArgumentError(
             f"hvd.{what} received invalid root rank {root_rank} for provided process set "
             f"{process_set}: root ranks are world ranks of the set's members ({ranks})."
         )
@@ -287,7 +301,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         process_sets: None (default), ``"dynamic"`` (the same: ringplug always lets
             `add_process_set` be called later), or a list of `ProcessSet` objects or
             lists of ranks, registered in order; hold on to the `ProcessSet` objects to
-            pass them as ``process_set=``.
+            pass them as ``process_set=``. When one is refused (on every rank), those
+            registered before it are removed again, as Horovod registers none of them.
     """
     if comm is not None:
         raise NotImplementedError(
@@ -299,11 +314,16 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         process_sets = []
     core.init()
     global_process_set.ranks = list(range(core.size()))
+    added: list[ProcessSet] = []
     for index, process_set in enumerate(process_sets or []):
         try:
-            add_process_set(process_set)
-        except ValueError as error:
-            raise ValueError(f"init(process_sets=...) entry number {index}: {error}") from None
+            added.append(add_process_set(process_set))
+        except (ValueError, RingplugError) as error:
+            for made in reversed(added):  # every rank refused the same entry: all remove
+                remove_process_set(made)
+            if isinstance(error, ValueError):
+                raise ValueError(f"init(process_sets=...) entry number {index}: {error}") from None
+            raise
 
 
 def shutdown() -> None:
@@ -380,6 +400,7 @@ def barrier(process_set: Any = _SET) -> None:
 # ---------------------------------------------------------------------------- Keras and TF
 # What ringplug.horovod.keras and ringplug.horovod.tensorflow share beyond the basics (the
 # names are each module's own, not in __all__: torch's take other arguments).
+@on_process_set
 def broadcast_object(
     obj: Any,
     root_rank: int = 0,
@@ -387,16 +408,17 @@ def broadcast_object(
     name: str | None = None,
     process_set: Any = _SET,
 ) -> Any:
-    """Root's picklable `obj` on every rank (`session`: Horovod's TF1 argument, unused)."""
-    check_process_set(process_set)
+    """Root's picklable `obj` on every rank of `process_set` (`root_rank` a world rank;
+    `session`: Horovod's TF1 argument, unused)."""
     return core.broadcast_object(obj, root_rank, name=name)
 
 
+@on_process_set
 def allgather_object(
     obj: Any, session: Any = None, name: str | None = None, process_set: Any = _SET
 ) -> list[Any]:
-    """Every rank's picklable `obj`, as a list in rank order (`session`: unused)."""
-    check_process_set(process_set)
+    """Every rank's picklable `obj` (of `process_set`'s ranks), as a list in rank order
+    (`session`: unused)."""
     return core.allgather_object(obj, name=name)
 
 

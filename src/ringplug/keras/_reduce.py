@@ -92,8 +92,17 @@ def _tensorflow(grads: list[Any], op: ReduceOp, name: str, fp16: bool) -> list[A
     if _tf_gpu.on_gpu(dense):
         # GPU gradients go to NCCL by DLPack; py_function hands over eager device tensors
         # (numpy_function would copy them to the host) and, being stateful, keeps its place.
+        engine = core.runtime.scope.get()  # a process set's: py_function runs outside it
+
+        def on_gpu(*values: Any) -> list[Any]:
+            token = core.runtime.scope.set(engine)
+            try:
+                return _tf_gpu.reduce_gradients(values, op, name, fp16)
+            finally:
+                core.runtime.scope.reset(token)
+
         reduced = tf.py_function(
-            lambda *values: _tf_gpu.reduce_gradients(values, op, name, fp16),
+            on_gpu,
             dense,
             Tout=[g.dtype for g in dense],
             name="ringplug_allreduce_gpu",
@@ -153,9 +162,14 @@ def _jax(grads: list[Any], op: ReduceOp, name: str, fp16: bool, when: Any) -> li
     from jax.experimental import io_callback
 
     shapes = [jax.ShapeDtypeStruct(g.shape, g.dtype) for g in grads]
+    engine = core.runtime.scope.get()  # the callback runs outside a process set's scope
 
     def run(*arrays: Any) -> list[np.ndarray]:
-        return reduce_numpy([np.asarray(a) for a in arrays], op, name, fp16)
+        token = core.runtime.scope.set(engine)
+        try:
+            return reduce_numpy([np.asarray(a) for a in arrays], op, name, fp16)
+        finally:
+            core.runtime.scope.reset(token)
 
     def reduced(values: list[Any]) -> list[Any]:
         return list(io_callback(run, shapes, *values, ordered=True))

@@ -43,6 +43,9 @@ class _Settings:
     warned_mixed: bool = False
     local: frozenset[int] = frozenset()  # ids of variables whose gradients stay local
     local_scale: float = 1.0  # what their gradients are multiplied by
+    # The engine current when the optimizer was made (a process set's, inside its scope:
+    # the gradients are reduced among its ranks); None: the world's.
+    engine: Any = dataclasses.field(default_factory=lambda: core.runtime.scope.get())
 
 
 class _ReduceBeforeClipping:
@@ -65,9 +68,17 @@ class _ReduceBeforeClipping:
             grads = list(grads)
             local = _local_positions(self, settings, len(grads))
             shared = [None if i in local else g for i, g in enumerate(grads)]
-            reduced = reduce_gradients(
-                shared, settings.op, settings.name, settings.fp16, when=self._ringplug_update_step()
-            )
+            token = core.runtime.scope.set(settings.engine)
+            try:
+                reduced = reduce_gradients(
+                    shared,
+                    settings.op,
+                    settings.name,
+                    settings.fp16,
+                    when=self._ringplug_update_step(),
+                )
+            finally:
+                core.runtime.scope.reset(token)
             scale = settings.local_scale
             grads = [
                 (g if scale == 1.0 else g * scale) if i in local else r
@@ -105,7 +116,11 @@ class _ReduceBeforeFinitenessCheck:
         if not settings.enabled:
             return list(grads)
         refuse_keras_distribution()
-        return reduce_gradients(list(grads), settings.op, settings.name, settings.fp16)
+        token = core.runtime.scope.set(settings.engine)
+        try:
+            return reduce_gradients(list(grads), settings.op, settings.name, settings.fp16)
+        finally:
+            core.runtime.scope.reset(token)
 
 
 def refuse_keras_distribution() -> None:

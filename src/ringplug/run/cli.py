@@ -320,7 +320,8 @@ def _preflight(
     for warning in preflight.warnings:
         logger.warning("%s", warning)
     if preflight.problems and not dry_run:
-        _report_problems(preflight.problems, spec, "cannot start the job")
+        for line in _problem_lines(preflight.problems, spec, "cannot start the job"):
+            _say(line)
         _say(
             "these checks ran before any rank started; `ringrun --check -H ...` repeats them "
             "with a full report, and --no-preflight skips them"
@@ -354,14 +355,16 @@ def _interface_lines(preflight: Preflight) -> list[str]:
     return lines
 
 
-def _report_problems(problems: Sequence[HostProblem], spec: JobSpec, what: str) -> None:
+def _problem_lines(problems: Sequence[HostProblem], spec: JobSpec, what: str) -> list[str]:
     """Two lines a problem: what happened on which host (with its ranks), then the fix."""
     placed = rank_hosts(spec.hosts, spec.np) if spec.hosts else []
+    lines = []
     for problem in problems:
         ranks = [str(rank) for rank, host in enumerate(placed) if host == problem.host]
         which = f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})" if ranks else ""
-        _say(f"{what}: host {problem.host}{which}: {problem.reason}: {problem.detail}")
-        _say(f"  fix: {problem.fix}")
+        lines.append(f"{what}: host {problem.host}{which}: {problem.reason}: {problem.detail}")
+        lines.append(f"  fix: {problem.fix}")
+    return lines
 
 
 def _fd(stream: object) -> int:
@@ -406,39 +409,47 @@ def _start(spec: JobSpec, settings: RunSettings, dry_run: bool) -> JobResult:
         start_watch=start_watch(spec, settings),
         terminal=terminal,
     )
-    lost = lost_hosts(result, spec)
-    if result.stopped_by is not None:
-        _say("stopped; all ranks were terminated")
-    elif result.not_started:
-        for line in _not_started_lines(result, spec, settings):
-            _say(line)
-    elif lost and result.exit_code != 0:
-        for line in _lost_host_lines(lost, result, spec):
-            _say(line)
-    elif result.root is not None and not result.root.left_early:
-        for line in _root_cause_lines(result, spec):
-            _say(line)
-    elif result.host_problems and result.exit_code != 0:
-        _report_problems(result.host_problems, spec, "could not start ranks")
-    elif result.root is not None:
-        for line in _root_cause_lines(result, spec):
-            _say(line)
-    elif result.unreported and result.exit_code != 0:
-        _say(
-            f"rank{'s' if len(result.unreported) > 1 else ''} "
-            f"{', '.join(map(str, result.unreported))} started but never reported how they "
-            "ended: the launcher killed them with their wrappers (hydra does so to every rank "
-            "when one leaves without MPI_Finalize, e.g. through os._exit); the launcher exited "
-            f"with code {result.launcher_returncode}"
-        )
-    elif result.exit_code != 0:
-        _say(f"the launcher exited with code {result.launcher_returncode}")
-        for line in _never_started_lines(result, spec):
-            _say(line)
+    for line in verdict_lines(result, spec, settings):
+        _say(line)
     if result.exit_code != 0:
         for hint in result.hints:
             _say(f"hint: {hint}")
     return result
+
+
+def verdict_lines(result: JobResult, spec: JobSpec, settings: RunSettings) -> list[str]:
+    """What ringrun says about a job that ended: its one verdict, the cause first."""
+    lost = lost_hosts(result, spec)
+    if result.stopped_by is not None:
+        return ["stopped; all ranks were terminated"]
+    if result.not_started:
+        return _not_started_lines(result, spec, settings)
+    if lost and result.exit_code != 0:
+        return _lost_host_lines(lost, result, spec)
+    if result.root is not None and not result.root.left_early:
+        return _root_cause_lines(result, spec)
+    if result.host_problems and result.exit_code != 0:
+        return _problem_lines(result.host_problems, spec, "could not start ranks")
+    if result.root is not None:
+        return _root_cause_lines(result, spec)
+    if result.unreported and result.exit_code != 0:
+        # Hydra also kills the ranks that started when it cannot start a host's proxy; the
+        # hosts with none started are then the cause (under load a rank elsewhere starts
+        # before the launcher gives up).
+        return [
+            f"rank{'s' if len(result.unreported) > 1 else ''} "
+            f"{', '.join(map(str, result.unreported))} started but never reported how they "
+            "ended: the launcher killed them with their wrappers (hydra does so to every rank "
+            "when one leaves without MPI_Finalize, e.g. through os._exit); the launcher exited "
+            f"with code {result.launcher_returncode}",
+            *_never_started_lines(result, spec),
+        ]
+    if result.exit_code != 0:
+        return [
+            f"the launcher exited with code {result.launcher_returncode}",
+            *_never_started_lines(result, spec),
+        ]
+    return []
 
 
 def _say_threads(spec: JobSpec, settings: RunSettings) -> None:

@@ -13,6 +13,9 @@ memory, started by one function per kind, either at once (eagerly) or as a graph
   registered, a stateful ``tf.numpy_function`` that blocks its thread, failing through
   the check op of `_status`.
 - `differentiable` gives a collective its gradient with ``tf.custom_gradient``.
+- A collective runs on the engine current where it is written (`runtime.scope`: a process
+  set's, inside its scope): a graph op keeps that engine for each time it runs, and a
+  gradient runs on its forward's engine, wherever the tape or the graph reaches it.
 
 Each starter takes ``(name, *arrays)`` and returns a `Started`: the core's handles, waited
 for all together by ``wait()`` (every handle, then the first error raised).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import re
 import threading
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -127,11 +131,17 @@ Starter = Callable[..., Started]
 
 def op_name(kind: str, name: str | None) -> str | None:
     """The collective's name: the caller's, else none eagerly (ringplug numbers unnamed
-    calls), else the graph's unique op name (the same on every rank building this graph)."""
+    calls), else the graph's unique op name (the same on every rank building this graph;
+    a process set's counted apart)."""
     if name is not None:
         return re.sub(r"[^A-Za-z0-9_./-]", "_", str(name))
     if tf.executing_eagerly():
         return None
+    engine = runtime.scope.get()
+    if engine is not None and engine.ranks is not None:
+        # A process set's ops count apart from the world's, so that ranks outside the set
+        # (which do not build them) still name their world collectives as its members do.
+        kind = f"{kind}_set{zlib.crc32(repr(tuple(engine.ranks)).encode()):08x}"
     return tf.compat.v1.get_default_graph().unique_name(f"ringplug{kind}")
 
 
@@ -153,6 +163,19 @@ def waited(started: Started, touts: Sequence[tf.DType]) -> list[Any]:
     return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, touts, strict=True)]
 
 
+def in_scope(start: Starter, engine: Any) -> Starter:
+    """`start` run with `engine` current (None: the world's), whichever thread calls it."""
+
+    def scoped(*args: Any) -> Started:
+        token = runtime.scope.set(engine)
+        try:
+            return start(*args)
+        finally:
+            runtime.scope.reset(token)
+
+    return scoped
+
+
 def run(
     kind: str,
     start: Starter,
@@ -167,6 +190,8 @@ def run(
         return waited(start_eagerly(start, kind, inputs, name), touts)
     request = op_name(kind, name)
     tensors = [tf.convert_to_tensor(t) for t in inputs]
+    # The graph runs the op on TensorFlow's threads, outside the scope it was written in.
+    start = in_scope(start, runtime.scope.get())
     if _kernel.available():
         outputs = _kernel.collective(
             lambda arrays: start(request, *arrays), tensors, touts, f"ringplug_{kind.lower()}"
@@ -214,6 +239,7 @@ def differentiable(
     floating input there is no gradient to define."""
     if not any(v.dtype.is_floating for v in values):
         return forward(*values)
+    engine = runtime.scope.get()  # the gradient's collectives run among the same ranks
 
     @tf.custom_gradient
     def collective(*inputs: Any) -> Any:
@@ -223,7 +249,11 @@ def differentiable(
             upstream = [
                 tf.zeros_like(o) if u is None else u for u, o in zip(upstream, outputs, strict=True)
             ]
-            back = backward(upstream, list(inputs), outputs)
+            token = runtime.scope.set(engine)
+            try:
+                back = backward(upstream, list(inputs), outputs)
+            finally:
+                runtime.scope.reset(token)
             return back if len(back) > 1 else back[0]
 
         return (outputs if len(outputs) > 1 else outputs[0]), grad

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import core
+from ..core import runtime
 from ..core.ops import Average, ReduceOp, as_op
 from . import _ops
 
@@ -489,8 +490,16 @@ class BroadcastVariablesHook(tf.compat.v1.train.SessionRunHook):
 
     def __init__(self, root_rank: int = 0) -> None:
         self.root_rank = root_rank
+        self._engine = runtime.scope.get()  # made in a process set's scope: among its ranks
 
     def after_create_session(self, session: Any, coord: Any) -> None:
+        token = runtime.scope.set(self._engine)
+        try:
+            self._broadcast(session)
+        finally:
+            runtime.scope.reset(token)
+
+    def _broadcast(self, session: Any) -> None:
         variables = tf.compat.v1.global_variables()
         for index, (variable, value) in enumerate(
             zip(variables, session.run(variables), strict=True)

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from .. import core
 from ..compression import Compression
+from ..core import runtime
 from ..core.ops import Average, ReduceOp, as_op
 from .collectives import _backend_variable, grouped_allreduce
 
@@ -91,7 +92,8 @@ class DistributedGradientTape:
     inside ``tf.function`` alike; ``tf.IndexedSlices`` (embeddings) are gathered, or
     densified with `sparse_as_dense`. Gradients of local variables stay on this rank
     (each rank trains its own copy of those), divided by the number of ranks with
-    `scale_local_gradients`. Every other attribute is the tape's.
+    `scale_local_gradients`. Every other attribute is the tape's. A tape made inside a
+    process set's scope reduces among the set's ranks, wherever `gradient()` is called.
 
     Args:
         tape: the tape to wrap. Defaults to None: a new ``tf.GradientTape(**tape_kwargs)``.
@@ -130,6 +132,7 @@ class DistributedGradientTape:
         self._predivide = float(gradient_predivide_factor)
         self._local = {_source_key(v) for v in local_variables}
         self.scale_local_gradients = scale_local_gradients
+        self._engine = runtime.scope.get()  # None: the world's
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tape, name)
@@ -162,6 +165,13 @@ class DistributedGradientTape:
         """The tape's gradients of `target` for `sources`, reduced over every rank (local
         sources' kept here); the same structure as `sources`."""
         kwargs.pop("use_generic_names", None)
+        token = runtime.scope.set(self._engine)
+        try:
+            return self._gradient(target, sources, output_gradients, **kwargs)
+        finally:
+            runtime.scope.reset(token)
+
+    def _gradient(self, target: Any, sources: Any, output_gradients: Any, **kwargs: Any) -> Any:
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads)

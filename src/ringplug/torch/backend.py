@@ -19,12 +19,15 @@ so the calls of one group are matched in the order each rank makes them, as torc
 
 Groups: ``dist.new_group()`` over every rank, whatever backend it names (Lightning asks for
 ``"gloo"`` around ``prepare_data``), is served by the engine as the default group is; a group
-over some of the ranks (``new_group(ranks=[...])``, ``new_subgroups``) runs on gloo, over the
-job's store, with ``RINGPLUG_TIMEOUT`` as its deadline. ``monitored_barrier`` works on
-every group: on the engine's, a rank that does not arrive within the timeout is named
-(`BarrierTimeoutError`). The store (``dist.distributed_c10d._get_default_store()``, and
-every group's) is a TCPStore that rank 0 serves: ``set``/``get``/``wait``/``add`` reach
-every rank, and wait at most ``RINGPLUG_TIMEOUT``.
+over some of the ranks (``new_group(ranks=[...])``, ``new_subgroups``, a ``DeviceMesh``'s
+dimensions) runs on a process set of the core (`ringplug.add_process_set`): an engine of its
+own over its members, with everything above, CPU and CUDA tensors alike; ranks outside it
+get ``GroupMember.NON_GROUP_MEMBER``, and ``destroy_process_group(group)`` removes the set
+among its members. ``monitored_barrier`` works on every group: a rank that does not arrive
+within the timeout is named (`BarrierTimeoutError`). The store
+(``dist.distributed_c10d._get_default_store()``, and every group's) is a TCPStore that rank
+0 serves: ``set``/``get``/``wait``/``add`` reach every rank, and wait at most
+``RINGPLUG_TIMEOUT``.
 
 What the core cannot do raises on the calling rank with the call's name: point-to-point
 ``send``/``recv``, the bitwise ops ``BAND``/``BOR``/``BXOR`` and ``PREMUL_SUM``. torch's
@@ -37,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
+import functools
 import importlib
 import itertools
 import os
@@ -51,6 +55,7 @@ from ..core import collectives as core
 from ..core import runtime
 from ..core.kinds.base import waited_at_once
 from ..core.ops import ReduceOp
+from ..core.process_sets import ProcessSet, add_process_set, remove_process_set
 from . import collectives as rt
 from .device import use_local_gpu
 
@@ -183,15 +188,37 @@ def _submitting(opts: Any) -> contextlib.AbstractContextManager[None]:
     return waited_at_once() if getattr(opts, "asyncOp", True) is False else contextlib.nullcontext()
 
 
+def _on_its_ranks(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` (a collective of the group) submitted to the group's engine: the world's,
+    or for a group over some of the ranks its process set's (`runtime.scope`, which the
+    request builders read). Ranks are the group's own, as torch passes them (root ranks
+    count in the group, as in the set)."""
+
+    @functools.wraps(method)
+    def call(self: RingProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        if self._process_set is None:
+            return method(self, *args, **kwargs)
+        engine = self._process_set._member_engine(f"torch.distributed {method.__name__}")
+        token = runtime.scope.set(engine)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            runtime.scope.reset(token)
+
+    return call
+
+
 class RingProcessGroup(dist.ProcessGroup):
-    """torch.distributed's process group over ringplug's ranks (every rank of the job).
+    """torch.distributed's process group over ringplug's ranks: every rank of the job (on
+    the world's engine), or some of them (on a process set's engine, `new_group`).
 
     Args:
-        rank, size: this rank and the job's size.
+        rank, size: this rank in the group and the group's size.
         tag: names the group's requests (``torch.<tag>#<n>``), the same on every rank.
-        store: the group's store; its groups over some of the ranks meet through it.
+        store: the group's store; libraries meet through it.
         timeout: the group's timeout; ``monitored_barrier()`` without one of its own waits
             that long (at most ``RINGPLUG_BARRIER_TIMEOUT``).
+        process_set: the core's set of the group's ranks, or None for every rank.
     """
 
     def __init__(
@@ -201,6 +228,7 @@ class RingProcessGroup(dist.ProcessGroup):
         tag: str = "default",
         store: dist.Store | None = None,
         timeout: datetime.timedelta | None = None,
+        process_set: ProcessSet | None = None,
     ) -> None:
         super().__init__(rank, size)
         self._tag = tag
@@ -208,6 +236,12 @@ class RingProcessGroup(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout or dist.default_pg_timeout
         self._group_name = ""
+        self._process_set = process_set
+
+    @property
+    def process_set(self) -> ProcessSet | None:
+        """The core's process set this group runs on (None: every rank, the world's)."""
+        return self._process_set
 
     def name(self) -> str:
         return BACKEND
@@ -247,10 +281,12 @@ class RingProcessGroup(dist.ProcessGroup):
         return op
 
     # ------------------------------------------------------------------ reductions
+    @_on_its_ranks
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
         opts = opts or dist.AllreduceOptions()
         return self._allreduce("all_reduce", tensors, opts)
 
+    @_on_its_ranks
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
         opts = opts or dist.AllreduceCoalescedOptions()
         return self._allreduce("all_reduce_coalesced", tensors, opts)
@@ -272,6 +308,7 @@ class RingProcessGroup(dist.ProcessGroup):
                     parts.append(rt.grouped_allreduce_async_(group, op, name=part_name))
         return RingWork(parts, list(tensors))
 
+    @_on_its_ranks
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
         opts = opts or dist.ReduceOptions()
         name = self._name()
@@ -287,6 +324,7 @@ class RingProcessGroup(dist.ProcessGroup):
 
         return RingWork([handle], [tensor], finish)
 
+    @_on_its_ranks
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> RingWork:
@@ -298,6 +336,7 @@ class RingProcessGroup(dist.ProcessGroup):
         stacked = torch.stack([piece.reshape(-1) for piece in pieces])
         return self._reduce_scatter_into(output, stacked, op, name)
 
+    @_on_its_ranks
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> RingWork:
@@ -321,6 +360,7 @@ class RingProcessGroup(dist.ProcessGroup):
         return RingWork([handle], [output], lambda results: _copy(output, results[0]))
 
     # ------------------------------------------------------------------ broadcast
+    @_on_its_ranks
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
         opts = opts or dist.BroadcastOptions()
         name = self._name()
@@ -331,6 +371,7 @@ class RingProcessGroup(dist.ProcessGroup):
         return RingWork(parts, list(tensors))
 
     # ------------------------------------------------------------------ gathers
+    @_on_its_ranks
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingWork:
@@ -339,6 +380,7 @@ class RingProcessGroup(dist.ProcessGroup):
         _check_count("all_gather", slots, self.size(), name)
         return self._gather_into(slots, inputs[0], name)
 
+    @_on_its_ranks
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> RingWork:
@@ -354,12 +396,14 @@ class RingProcessGroup(dist.ProcessGroup):
         handle = rt.allgather_async(input.reshape(-1), name=name)
         return RingWork([handle], [output], lambda results: _copy(output, results[0]))
 
+    @_on_its_ranks
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingWork:
         works = [self._allgather_base(out, inp) for out, inp in zip(outputs, inputs, strict=True)]
         return _combined(works, list(outputs))
 
+    @_on_its_ranks
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingWork:
@@ -384,6 +428,7 @@ class RingProcessGroup(dist.ProcessGroup):
 
         return RingWork([handle], list(slots), finish)
 
+    @_on_its_ranks
     def gather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingWork:
@@ -396,6 +441,7 @@ class RingProcessGroup(dist.ProcessGroup):
         handle = rt.allgather_async(inputs[0].reshape(-1), name=name)
         return RingWork([handle], [])
 
+    @_on_its_ranks
     def scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> RingWork:
@@ -413,6 +459,7 @@ class RingProcessGroup(dist.ProcessGroup):
         handle = rt.alltoall_async(rows, splits, name=name)
         return RingWork([handle], [output], lambda results: _copy(output, results[0][0]))
 
+    @_on_its_ranks
     def alltoall_base(
         self,
         output: torch.Tensor,
@@ -437,6 +484,7 @@ class RingProcessGroup(dist.ProcessGroup):
 
         return RingWork([handle], [output], finish)
 
+    @_on_its_ranks
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingWork:
@@ -467,6 +515,7 @@ class RingProcessGroup(dist.ProcessGroup):
 
         return RingWork([handle], list(outputs), finish)
 
+    @_on_its_ranks
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> RingWork:
@@ -484,10 +533,12 @@ class RingProcessGroup(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
     # ------------------------------------------------------------------ barriers
+    @_on_its_ranks
     def barrier(self, opts: Any = None) -> RingWork:
         handle = core.barrier_async(self._name())
         return RingWork([rt.TensorHandle(handle, lambda _: None)], [])
 
+    @_on_its_ranks
     def monitored_barrier(
         self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
     ) -> None:
@@ -513,35 +564,65 @@ class RingProcessGroup(dist.ProcessGroup):
         **_: Any,
     ) -> dist.ProcessGroup | None:
         """torch's ``new_group`` while this is the default group (torch 2.13 and later hand
-        every ``new_group`` call to it, whatever backend the call names; each rank calls it).
+        every ``new_group`` call to it, whatever backend the call names: ``new_subgroups``
+        and a ``DeviceMesh``'s dimensions come here too; each rank of the job calls it).
 
-        A group of every rank in order is served by the engine, as this one; a group over
-        some of the ranks runs on gloo, through the store (None on the ranks outside it).
+        A group of every rank is served by the world's engine, as this one. A group over
+        some of the ranks is a process set of the core (`ringplug.add_process_set`, which
+        every rank makes together: its ranks are compared first, so ranks that pass
+        different groups fail alike with `MismatchError`); it runs on the set's engine,
+        and ranks outside it get None (torch's ``GroupMember.NON_GROUP_MEMBER``).
         """
         members = list(range(self.size())) if ranks is None else [int(r) for r in ranks]
         name = str(group_name or f"group{next(_groups)}")
-        if members == list(range(self.size())):
-            group: dist.ProcessGroup = RingProcessGroup(
-                self.rank(), self.size(), f"g{name}", self._store, timeout
+        if self._process_set is not None:
+            raise NotImplementedError(
+                "new_group on a ringplug group over some of the ranks: torch makes groups "
+                "on the default group (dist.new_group), which every rank calls."
             )
-        elif self.rank() not in members:
-            return None
+        if members == list(range(self.size())):
+            group = RingProcessGroup(self.rank(), self.size(), f"g{name}", self._store, timeout)
         else:
-            store = self._subgroup_store(name)
-            group = gloo_group(store, members.index(self.rank()), len(members), timeout)
+            _refuse_members_only_creation(members, name)
+            if members != sorted(members):
+                raise ValueError(
+                    f"dist.new_group(ranks={members}, sort_ranks=False) on the ringplug "
+                    "backend: a group's ranks are in the order of the job's ranks (a process "
+                    "set's). Pass sort_ranks=True (the default), or the ranks in increasing "
+                    "order."
+                )
+            process_set = add_process_set(members)
+            if not process_set.included():
+                remove_process_set(process_set, members_only=True)  # forgotten here at once
+                return None
+            group = RingProcessGroup(
+                process_set.rank(),
+                process_set.size(),
+                f"g{name}",
+                self._store,
+                timeout,
+                process_set=process_set,
+            )
         group._set_group_name(name)
         group._set_group_desc(group_desc or "undefined")
         return group
 
-    def _subgroup_store(self, name: str) -> dist.Store:
-        if self._store is None:
-            raise NotImplementedError(
-                "dist.new_group over some of the ranks needs the group's store, and this "
-                "ringplug group was made without one; start torch.distributed with "
-                'init_process_group("ringplug") under ringrun (or mpiexec/srun), or with '
-                "RingStrategy."
-            )
-        return dist.PrefixStore(f"ringplug.subgroup/{name}/", self._store)
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group(group)`` (members only) and the job's end: a
+        group over some of the ranks removes its process set, its members agreeing; refused
+        on each of them (`RingplugError` naming ranks and calls) while any member has a
+        collective of the group in flight."""
+        process_set = self._process_set
+        if process_set is not None and not process_set._removed:
+            remove_process_set(process_set, members_only=True)
+
+    def split_group(self, ranks: Sequence[int], *args: Any, **kwargs: Any) -> None:
+        """torch's ``split_group``: refused, saying what to use instead."""
+        raise NotImplementedError(
+            "dist.split_group on the ringplug backend: ringplug makes groups with "
+            "dist.new_group (or new_subgroups, new_subgroups_by_enumeration), which every rank "
+            "calls; use one of them."
+        )
 
     # ------------------------------------------------------------------ the rest
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> RingWork:
@@ -556,9 +637,28 @@ class RingProcessGroup(dist.ProcessGroup):
 
 _NO_P2P = (
     "point-to-point messages are not supported (ringplug runs collectives that every rank "
-    "takes part in). Use a collective (broadcast, all_to_all_single) or a gloo group for "
-    "send/recv: dist.new_group(backend='gloo')."
+    "of the group takes part in). Use a collective (broadcast, all_to_all_single), on a "
+    "group of the two ranks if only they exchange (dist.new_group(ranks=[a, b]))."
 )
+
+
+def _refuse_members_only_creation(members: list[int], name: str) -> None:
+    """``new_group(use_local_synchronization=True)``: torch then calls on the members only
+    (it names such a group by a hash of its ranks), and a process set is made by every rank
+    of the job. Refused on the members (the others never get here), saying what to do."""
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    try:
+        hashed = name == c10d._hash_ranks_to_str(members)
+    except (AttributeError, TypeError):  # a torch without it names groups otherwise
+        hashed = False
+    if hashed:
+        raise NotImplementedError(
+            f"dist.new_group(ranks={members}, use_local_synchronization=True) on the "
+            "ringplug backend: ringplug makes a group with every rank of the job taking part "
+            "(the ranks compare the group first, so a rank that passes another group fails "
+            "instead of hanging), and torch calls only the members here. Call new_group on "
+            "every rank, without use_local_synchronization."
+        )
 
 
 def gloo_group(
@@ -571,11 +671,14 @@ def gloo_group(
     limit = runtime.settings().timeout
     seconds = min((timeout or dist.default_pg_timeout).total_seconds(), limit)
     deadline = datetime.timedelta(seconds=seconds)
-    group = dist.ProcessGroup(store, rank, size)
-    gloo_type = dist.ProcessGroup.BackendType.GLOO
-    group._set_default_backend(gloo_type)
     gloo = dist.ProcessGroupGloo(store, rank, size, deadline)
     gloo._set_sequence_number_for_group()
+    try:
+        group = dist.ProcessGroup(store, rank, size)
+    except TypeError:  # torch 2.4's has no such constructor, and wraps a backend itself
+        return gloo  # type: ignore[return-value]
+    gloo_type = dist.ProcessGroup.BackendType.GLOO
+    group._set_default_backend(gloo_type)
     for device in ("cpu", "cuda"):
         group._register_backend(torch.device(device), gloo_type, gloo)
     return group
@@ -585,8 +688,8 @@ def monitored_barrier(
     group: Any = None, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
 ) -> None:
     """torch.distributed's ``monitored_barrier``, which torch allows on gloo groups only,
-    on ringplug's groups too (its groups over every rank, and its gloo subgroups however
-    they were named); anything else goes to torch's own."""
+    on ringplug's groups too (over every rank or a process set, and the gloo subgroups of a
+    torch older than 2.13); anything else goes to torch's own."""
     from torch.distributed import distributed_c10d as c10d
 
     if group is c10d.GroupMember.NON_GROUP_MEMBER or not dist.is_initialized():
@@ -630,8 +733,9 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 def _create(store: Any, rank: int, size: int, timeout: Any) -> dist.ProcessGroup:
     """torch's constructor hook: a group over every rank of ringplug's world (and, unless
     CUDA is already in use, cuda:LOCAL_RANK as torch's current device: `device.py`); a
-    torch that does not hand ``new_group`` to the default group (`RingProcessGroup.new_group`)
-    asks here for its groups over some of the ranks too, which then run on gloo."""
+    torch older than 2.13, which does not hand ``new_group`` to the default group
+    (`RingProcessGroup.new_group`), asks here for its groups over some of the ranks too, on
+    their members only, which then run on gloo (a process set needs every rank)."""
     runtime.init()
     world, me = runtime.size(), runtime.rank()
     if size < world and dist.is_initialized():

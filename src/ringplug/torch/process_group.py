@@ -2,7 +2,8 @@
 
 ``ringplug.torch.backend`` uses the store for the ``ringplug`` group (``init_process_group
 ("ringplug")`` under an MPI launcher, with no MASTER_ADDR/MASTER_PORT, and RingStrategy's
-start), where gloo groups over some of the ranks meet and libraries keep their keys;
+start), where libraries keep their keys (and, under a torch older than 2.13, gloo groups
+over some of the ranks meet);
 ``ringplug-bench`` starts gloo and NCCL groups with it to compare against. The store's address
 travels over MPI.
 

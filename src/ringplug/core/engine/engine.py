@@ -108,8 +108,7 @@ class Engine:
         self.world_rank = ranks[self.rank] if ranks is not None else self.rank
         # The process sets' engines, which write to this engine's timeline (`process_sets`).
         self.followers: list[Engine] = []
-        # What this engine's mismatch errors add: which process set (empty for the world).
-        self.scope_text = ""
+        self._scope_text = ""  # see `scope_text`
         self.ctrl = comm.Dup() if comm is not None else None  # the negotiation's communicator
         # Every wait of this engine (negotiation, ring, MPI collectives) has its deadline.
         self.waiter = Waiter(self.ctrl, settings, self.rank, self.size, ranks)
@@ -235,6 +234,17 @@ class Engine:
     def collectives_run(self) -> int:
         """Collectives run so far (a fused batch counts once), see `Counters`."""
         return self.counters.collectives_run
+
+    @property
+    def scope_text(self) -> str:
+        """What this engine's mismatch errors and stall reports add: which process set
+        (empty for the world)."""
+        return self._scope_text
+
+    @scope_text.setter
+    def scope_text(self, text: str) -> None:
+        self._scope_text = text
+        self.stalls.scope_text = text
 
     def gpu_plane(self) -> GpuPlane:
         """The GPU data plane (NCCL), made at the first GPU collective."""

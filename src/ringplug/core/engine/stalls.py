@@ -35,6 +35,8 @@ class StallInspector:
         self.rank, self.size = rank, size
         # How the ranks are named: a process set's members by their rank in the world.
         self._world = ranks if ranks is not None else tuple(range(size))
+        # What its reports add: which process set (empty for the world's engine).
+        self.scope_text = ""
         self._partial_since: dict[str, float] = {}
         self._warned: set[str] = set()
         self._abort: list[str] = []  # rank 0's verdict, for its next message
@@ -119,7 +121,7 @@ class StallInspector:
                 f"{_then(activity.describe(missing, self.activities, plan.partial))}. Ending "
                 "the job: MPI cannot cancel a collective. Look at what the missing ranks were "
                 "doing (a stuck data loader, an uneven number of batches, a branch only some "
-                "ranks take).",
+                f"ranks take).{self.scope_text}",
                 culprits=[self._world[r] for r in missing],
             )
         if self.rank != 0:
@@ -150,7 +152,8 @@ class StallInspector:
         return BarrierTimeoutError(
             f"rank {self._world[self.rank]} waited {waited:.0f} s in "
             f"{request.signature.kind.label} {name!r} (its timeout: {request.timeout:g} s) for "
-            f"rank(s) {self._names(missing)}, which never called it{_then(doing)}.",
+            f"rank(s) {self._names(missing)}, which never called it{_then(doing)}."
+            f"{self.scope_text}",
             caused_by=tuple(self._world[r] for r in missing),
         )
 
@@ -175,7 +178,7 @@ class StallInspector:
             "the program: a different number of batches, a branch only some ranks take, or "
             "tensors submitted in a different set (RINGPLUG_STALL_CHECK_SECONDS="
             f"{self.settings.stall_check_seconds:g}, RINGPLUG_STALL_SHUTDOWN_SECONDS="
-            f"{self.settings.stall_shutdown_seconds:g})."
+            f"{self.settings.stall_shutdown_seconds:g}).{self.scope_text}"
         )
 
 

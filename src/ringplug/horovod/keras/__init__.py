@@ -26,8 +26,8 @@ from .._common import (
     Average,
     allgather_object,
     broadcast_object,
-    check_process_set,
     local_layers_variables,
+    on_process_set,
     resolve_op,
 )
 from .._common import __all__ as _BASICS
@@ -35,8 +35,9 @@ from . import callbacks, elastic
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Start ringplug; on the TensorFlow backend as `ringplug.tensorflow.init` does."""
-    _common.init(comm, process_sets)  # refuses them, then starts the core
+    """Start ringplug (on the TensorFlow backend as `ringplug.tensorflow.init` does) and
+    register `process_sets` on every rank, as `ringplug.horovod.tensorflow.init`."""
+    _common.init(comm, process_sets)
     if keras.backend.backend() == "tensorflow":
         from ... import tensorflow as _tf
 
@@ -58,16 +59,29 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     groups: Any = None,
     process_set: Any = _SET,
 ) -> keras.optimizers.Optimizer:
-    """Average gradients over ranks before each update (ringplug.keras's optimizer: one
-    fused reduction per step, before clipping; safe under mixed precision)."""
-    check_process_set(process_set)
+    """Average gradients over the ranks of `process_set` (every rank by default) before
+    each update (ringplug.keras's optimizer: one fused reduction per step, before clipping;
+    safe under mixed precision). On a rank outside `process_set`, the optimizer steps on
+    its own gradients, as Horovod; every rank still calls this."""
     if gradient_predivide_factor != 1.0:
         raise NotImplementedError(
             "ringplug.horovod.keras does not implement gradient_predivide_factor; leave it at 1.0."
         )
-    return _DistributedOptimizer(
-        optimizer, resolve_op(None, op), backward_passes_per_step, compression
-    )
+    args = (optimizer, resolve_op(None, op), backward_passes_per_step, compression)
+    if process_set is _SET or process_set is None:
+        return _DistributedOptimizer(*args)
+    try:
+        _common._member_engine(process_set, "DistributedOptimizer")
+    except _common.ProcessSetArgumentError:
+        distributed = _DistributedOptimizer(*args)
+        distributed._ringplug.enabled = False  # outside the set: its own gradients
+        return distributed
+    return on_process_set(_optimizer_on_set)(*args, process_set=process_set)
+
+
+def _optimizer_on_set(*args: Any, process_set: Any = _SET) -> keras.optimizers.Optimizer:
+    """ringplug.keras's optimizer, made on the current engine (a set's): it reduces there."""
+    return _DistributedOptimizer(*args)
 
 
 def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
@@ -97,10 +111,12 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
         gradient_predivide_factor=gradient_predivide_factor,
         backward_passes_per_step=backward_passes_per_step,
     )
+    in_set = process_set is not _SET and process_set is not None and process_set.included()
+    ranks = process_set.size() if in_set else core.size()
     _set_local_variables(
         distributed,
         local_layers_variables(local_layers),
-        1.0 / core.size() if scale_local_gradients else 1.0,
+        1.0 / ranks if scale_local_gradients else 1.0,
     )
     return distributed
 
@@ -137,9 +153,10 @@ def broadcast_global_variables(root_rank: int) -> None:
     )
 
 
+@on_process_set
 def broadcast_variables(variables: Any, root_rank: int, process_set: Any = _SET) -> None:
-    """Assign root's values to `variables` on every rank."""
-    check_process_set(process_set)
+    """Assign root's values to `variables` on every rank of `process_set` (`root_rank` a
+    world rank)."""
     _broadcast_variables(list(variables), root_rank)
 
 
