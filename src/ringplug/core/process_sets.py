@@ -217,10 +217,20 @@ def add_process_set(ranks: Iterable[int]) -> ProcessSet:
     try:
         with _sets.lock:
             set_id = _sets.free_id()
-        proposals = allgather_object(proposal, name=f"ringplug.add_process_set.{set_id}")
+        # One name on every rank, whatever id each would give the set: ranks that disagree
+        # on the id get an error below instead of waiting in differently named collectives.
+        offers = allgather_object((set_id, proposal), name="ringplug.add_process_set")
     finally:
         runtime.scope.reset(token)
-    members = agreed_ranks(proposals, world.size, set_id)
+    ids = [offer[0] for offer in offers]
+    if len(set(ids)) > 1:
+        raise MismatchError(
+            "Ranks would give a new process set different ids ("
+            + "; ".join(f"rank {r}: {i}" for r, i in enumerate(ids))
+            + "): they made or removed different sets before. Every rank of the world must "
+            "make and remove the same sets in the same order."
+        )
+    members = agreed_ranks([offer[1] for offer in offers], world.size, set_id)
     with _sets.lock:
         if not _sets.hooked:
             runtime.before_shutdown.append(_stop_all)
