@@ -17,6 +17,7 @@ decision to stop when the next size would pass `RINGPLUG_CALIBRATION_SECONDS`.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -151,18 +152,18 @@ def _ahead(durations: list[float], index: int) -> float:
 def _seconds_per_call(
     transport: Transport, run: Callable[[int], None], nbytes: int, repeats: int
 ) -> float:
-    """This rank's seconds per call: the least mean of `_BATCHES` batches of `repeats`
+    """This rank's seconds per call: the median of `_BATCHES` batches of `repeats`
     back-to-back calls, each batch started together (a barrier) after a warm call. The
-    least, as other processes on the machine only ever add time."""
+    median, as on a shared machine a call now and then waits for a descheduled rank."""
     run(nbytes)  # warm: buffers touched
-    best = float("inf")
+    times = []
     for _ in range(_BATCHES):
         transport.barrier()
-        began = time.perf_counter()
         for _ in range(repeats):
+            began = time.perf_counter()
             run(nbytes)
-        best = min(best, (time.perf_counter() - began) / repeats)
-    return best
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
 
 
 def _runs(transport: Transport) -> dict[str, Callable[[int], None]]:
