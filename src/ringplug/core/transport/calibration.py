@@ -111,9 +111,7 @@ def measure(transport: Transport, deadline_s: float) -> AlgorithmTable:
     points: dict[str, list[tuple[int, float]]] = {name: [] for name in runs}
     elapsed, durations = 0.0, []
     for index, nbytes in enumerate(SIZES):
-        medians = [
-            _seconds_per_call(transport, run, nbytes, _REPEATS[nbytes]) for run in runs.values()
-        ]
+        medians = _seconds_per_call(transport, list(runs.values()), nbytes, _REPEATS[nbytes])
         mine = np.array([*medians, time.perf_counter() - start], np.float64)
         transport.allreduce_by(MPI, mine, ReduceOp.MAX, DType.FLOAT64)
         for name, seconds in zip(runs, mine[:-1], strict=True):
@@ -150,20 +148,24 @@ def _ahead(durations: list[float], index: int) -> float:
 
 
 def _seconds_per_call(
-    transport: Transport, run: Callable[[int], None], nbytes: int, repeats: int
-) -> float:
-    """This rank's seconds per call: the median of `_BATCHES` batches of `repeats`
-    back-to-back calls, each batch started together (a barrier) after a warm call. The
-    median, as on a shared machine a call now and then waits for a descheduled rank."""
-    run(nbytes)  # warm: buffers touched
-    times = []
-    for _ in range(_BATCHES):
-        transport.barrier()
-        for _ in range(repeats):
-            began = time.perf_counter()
-            run(nbytes)
-            times.append(time.perf_counter() - began)
-    return statistics.median(times)
+    transport: Transport, runs: list[Callable[[int], None]], nbytes: int, repeats: int
+) -> list[float]:
+    """This rank's seconds per call of each of `runs`: the median over `_BATCHES` batches
+    of `repeats` back-to-back calls each. The batches of the runs take turns, each started
+    together (a barrier), so that a change of the machine's load falls on
+    every run alike; the median, as on a shared machine a call now and then waits for a
+    descheduled rank. The first batch of each run starts with a warm call."""
+    times: list[list[float]] = [[] for _ in runs]
+    for batch in range(_BATCHES):
+        for run, kept in zip(runs, times, strict=True):
+            if batch == 0:
+                run(nbytes)  # warm: the buffer touched
+            transport.barrier()
+            for _ in range(repeats):
+                began = time.perf_counter()
+                run(nbytes)
+                kept.append(time.perf_counter() - began)
+    return [statistics.median(kept) for kept in times]
 
 
 def _runs(transport: Transport) -> dict[str, Callable[[int], None]]:
