@@ -208,6 +208,8 @@ def test_every_algorithm_of_every_kind_matches_numpy(reports, ranks):
 def test_each_forced_algorithm_is_the_one_that_ran(reports, ranks):
     cases = reports(ranks)[0][0]["cases"]
     for name, case in cases.items():
+        if name.startswith("process-set/"):
+            continue
         kind, forced, dtype, op = (name.split("/") + [""])[:4]
         if kind in (ALLREDUCE, REDUCESCATTER) and (
             dtype == "float16" or (dtype.startswith("float") and op in ("MAX", "MIN"))
@@ -216,7 +218,7 @@ def test_each_forced_algorithm_is_the_one_that_ran(reports, ranks):
             assert case["path"] == ("doubling" if forced == "mpi" else forced), name
         else:
             assert case["path"] == forced, name
-    kinds = {tuple(name.split("/")[:2]) for name in cases}
+    kinds = {tuple(name.split("/")[:2]) for name in cases if not name.startswith("process-set/")}
     assert kinds == {(k, a) for (k, _), names in CANDIDATES.items() for a in names}
 
 
@@ -255,9 +257,11 @@ def test_a_second_communicator_loads_the_cached_table(reports, ranks):
     assert len(cached) == 1
     table = AlgorithmTable.from_json(cached.pop())
     assert table.source == CACHED and table.bands == measured.bands
-    files = list((outdir / "cache" / "ringplug").glob("algorithms-*.json"))
-    assert len(files) == 1
-    assert AlgorithmTable.from_json(files[0].read_text()).models == measured.models
+    files = [
+        AlgorithmTable.from_json(path.read_text())
+        for path in (outdir / "cache" / "ringplug").glob("algorithms-*.json")
+    ]
+    assert [table.models for table in files if table.size == ranks] == [measured.models]
 
 
 @pytest.mark.multirank
@@ -269,3 +273,15 @@ def test_a_measurement_out_of_time_falls_back_to_the_fixed_table(reports, ranks)
     table = AlgorithmTable.from_json(tables.pop())
     assert table.source == "fixed" and "only 1 size measured" in table.note
     assert table.bands == fixed_table(ranks, 1 << 20).bands
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4, 5])
+def test_a_process_set_measures_a_table_of_its_own_that_its_members_share(reports, ranks):
+    found, outdir = reports(ranks)
+    tables = {report["set_table"] for report in found[:-1]}
+    assert len(tables) == 1 and found[-1]["set_table"] is None
+    table = AlgorithmTable.from_json(tables.pop())
+    assert table.size == ranks - 1 and table.source == MEASURED
+    # Its own cache entry beside the world's: another rank count, another key.
+    assert len(list((outdir / "cache" / "ringplug").glob("algorithms-*.json"))) == 2

@@ -64,11 +64,11 @@ def test_unset_variables_give_the_defaults(monkeypatch):
 def test_a_calibration_that_is_no_choice_names_the_choices(monkeypatch):
     monkeypatch.setenv("RINGPLUG_CALIBRATION", "sometimes")
     with pytest.raises(
-        ValueError, match="RINGPLUG_CALIBRATION='sometimes': use one of auto, fresh, off"
+        ValueError, match="RINGPLUG_CALIBRATION='sometimes': use one of auto, fresh, fixed"
     ):
         read_settings()
-    monkeypatch.setenv("RINGPLUG_CALIBRATION", " OFF")
-    assert read_settings().calibration == "off"
+    monkeypatch.setenv("RINGPLUG_CALIBRATION", " FIXED")
+    assert read_settings().calibration == "fixed"
 
 
 def test_a_bad_barrier_timeout_names_the_variable(monkeypatch):

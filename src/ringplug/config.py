@@ -297,13 +297,14 @@ RING_THRESHOLD = Variable(
     "collectives, and allgather and broadcast are MPI's at every size: the fixed algorithm "
     "table, no calibration",
     field="ring_threshold",
-    default_doc="unset: measured (`1M` with `RINGPLUG_CALIBRATION=off`)",
+    default_doc="unset: measured (`1M` with `RINGPLUG_CALIBRATION=fixed`)",
 )
 """Unset, the algorithm table's crossovers are measured (`RINGPLUG_CALIBRATION`). Its value
-with calibration off, 1 MiB, was measured on the 2-core CI machine, 2 ranks, both paths and
-MPI's Allreduce interleaved in one run (5 runs, medians of the speed against MPI's Allreduce):
-at 1 MiB the ring reached 0.88-0.97x, MPI's Iallreduce 0.72-0.87x; at 2 MiB 0.96-1.12x against
-0.73-0.99x; at 512 KiB the ring lost (0.75-0.78x against 0.78-0.85x)."""
+with `RINGPLUG_CALIBRATION=fixed`, 1 MiB, was measured on the 2-core CI machine, 2 ranks,
+both paths and MPI's Allreduce interleaved in one run (5 runs, medians of the speed against
+MPI's Allreduce): at 1 MiB the ring reached 0.88-0.97x, MPI's Iallreduce 0.72-0.87x; at 2
+MiB 0.96-1.12x against 0.73-0.99x; at 512 KiB the ring lost (0.75-0.78x against
+0.78-0.85x)."""
 
 FIXED_RING_THRESHOLD = 1 << 20
 """The ring's threshold of the fixed table when `RINGPLUG_RING_THRESHOLD` is unset."""
@@ -314,12 +315,12 @@ CALIBRATION = Variable(
     "auto",
     "how the ranks learn which algorithm each collective takes by size: `auto` loads the "
     "table cached for this job's hosts, rank count, MPI library and ringplug version, else "
-    "measures it at the first collective and caches it; `fresh` measures again; `off` uses "
+    "measures it at the first collective and caches it; `fresh` measures again; `fixed` uses "
     "the fixed table (`RINGPLUG_RING_THRESHOLD`)",
     field="calibration",
     flag="--calibration",
-    metavar="auto|fresh|off",
-    choices=("auto", "fresh", "off"),
+    metavar="auto|fresh|fixed",
+    choices=("auto", "fresh", "fixed"),
 )
 """The measurement times each candidate at a few sizes on the job's own ranks and fits an
 alpha-beta model to each (`ringplug.core.transport.calibration`); `ringplug-bench

@@ -10,7 +10,9 @@ OUTDIR/algorithms-<rank>.json:
   sizes where every rank can compute the expected result from every rank's inputs;
 - "table": the job's calibrated table (JSON), made at the first collective;
 - "cached": the table a second communicator got (rank 0 loads it from the cache);
-- "deadline": the table of a measurement given no time at all.
+- "deadline": the table of a measurement given no time at all;
+- "set_table": on 3 ranks or more, the table of the process set of ranks 0..p-2 (measured
+  at the set's first collective; None on the rank outside it).
 """
 
 from __future__ import annotations
@@ -206,8 +208,21 @@ def main() -> None:
     # No time at all: one size measured, too few to fit.
     no_time = calibration.measure(second, 0.0)
     second.free()
+    cases = run_cases(rank, size)
+    # A process set's engine measures its own table at its first collective (fresh).
+    subset = ringplug.add_process_set(range(size - 1)) if size >= 3 else None
+    set_table = None
+    if subset is not None and subset.included():
+        total = subset.allreduce(np.ones(1000, np.float32), op=ringplug.Sum, name="set-first")
+        cases["process-set/first-allreduce"] = {
+            "ok": bool(np.all(np.asarray(total) == size - 1)),
+            "path": subset._member_engine("test").transport.last_path,
+            "detail": f"{np.asarray(total)[:3]}",
+        }
+        set_table = subset._member_engine("test").transport.algorithms.to_json()
     report = {
-        "cases": run_cases(rank, size),
+        "cases": cases,
+        "set_table": set_table,
         "table": measured.to_json(),
         "cached": cached.to_json(),
         "deadline": no_time.to_json(),

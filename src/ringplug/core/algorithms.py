@@ -16,10 +16,11 @@ algorithms that reduce in numpy are candidates.
 
 The table is a list of bands per (kind, mpi_reduces): from this many bytes on, that
 algorithm. Its bands come from measurement (`transport.calibration`: each candidate timed at
-a few sizes on this job's ranks, an alpha-beta model fitted to each, the crossovers where the
-models cross), from the cache of an earlier measurement, or, with calibration off, from the
-fixed table of `RINGPLUG_RING_THRESHOLD`. Rank 0 makes it and every rank receives the same
-bytes, so every rank chooses alike: a rank that chose another algorithm would deadlock.
+a few sizes on this job's ranks, an alpha-beta model fitted to each, the crossovers where
+the models cross), from the cache of an earlier measurement, or, with
+`RINGPLUG_CALIBRATION=fixed`, from the fixed table of `RINGPLUG_RING_THRESHOLD`. Rank 0
+makes it and every rank receives the same bytes, so every rank chooses alike: a rank that
+chose another algorithm would deadlock.
 """
 
 from __future__ import annotations

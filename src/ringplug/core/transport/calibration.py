@@ -2,7 +2,7 @@
 
 At a communicator's first collective that chooses an algorithm, `agreed_table` makes its
 `AlgorithmTable`: the fixed one when `RINGPLUG_RING_THRESHOLD` is set or
-`RINGPLUG_CALIBRATION=off`; else rank 0 looks for the table cached for these hosts (every
+`RINGPLUG_CALIBRATION=fixed`; else rank 0 looks for the table cached for these hosts (every
 rank's, in rank order), MPI library and ringplug version, and sends it to every rank; when
 there is none, every rank measures together (`measure`), rank 0 fits and sends the table
 and caches it. `RINGPLUG_ALGORITHM` is applied last.
@@ -60,11 +60,15 @@ _BATCHES = 5
 def agreed_table(transport: Transport) -> AlgorithmTable:
     """The table of `transport`'s communicator, the same on every rank (collective)."""
     settings = transport.settings
-    if settings.ring_threshold is not None or settings.calibration == "off" or transport.size == 1:
+    if (
+        settings.ring_threshold is not None
+        or settings.calibration == "fixed"
+        or transport.size == 1
+    ):
         from ...config import FIXED_RING_THRESHOLD
 
         threshold = settings.ring_threshold
-        why = "RINGPLUG_RING_THRESHOLD" if threshold is not None else "calibration off"
+        why = "RINGPLUG_RING_THRESHOLD" if threshold is not None else "RINGPLUG_CALIBRATION=fixed"
         if threshold is None:
             threshold = FIXED_RING_THRESHOLD
         table = fixed_table(
