@@ -19,6 +19,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,10 @@ import ringplug
 from ringplug.config import parse_bytes
 
 from .common import environment, human_bytes, measure_side_by_side, median
+
+if TYPE_CHECKING:
+    from ringplug.core.algorithms import AlgorithmTable
+    from ringplug.core.transport.host import Transport
 
 ALGORITHMS = ("mpi", "doubling", "ring")
 
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def table_lines(table) -> list[str]:
+def table_lines(table: AlgorithmTable) -> list[str]:
     """The measured points, the models with their errors, and the crossovers."""
     from ringplug.core.transport.calibration import model_text
 
@@ -119,7 +124,7 @@ def table_lines(table) -> list[str]:
     return lines
 
 
-def compare(transport, sizes: list[int], budget: float) -> list[dict]:
+def compare(transport: Transport, sizes: list[int], budget: float) -> list[dict]:
     """Each size: MPI's Allreduce, each algorithm alone, and ringplug.allreduce, timed side
     by side (medians of the slowest rank)."""
     from mpi4py import MPI

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ... import __version__
+from ...config import FIXED_RING_THRESHOLD
 from ..algorithms import (
     CACHED,
+    CHAIN,
     DOUBLING,
     MPI,
     RING,
@@ -65,8 +67,6 @@ def agreed_table(transport: Transport) -> AlgorithmTable:
         or settings.calibration == "fixed"
         or transport.size == 1
     ):
-        from ...config import FIXED_RING_THRESHOLD
-
         threshold = settings.ring_threshold
         why = "RINGPLUG_RING_THRESHOLD" if threshold is not None else "RINGPLUG_CALIBRATION=fixed"
         if threshold is None:
@@ -127,8 +127,6 @@ def measure(transport: Transport, deadline_s: float) -> AlgorithmTable:
             break
     measured = len(next(iter(points.values())))
     if measured < 2:
-        from ...config import FIXED_RING_THRESHOLD
-
         return fixed_table(
             transport.size,
             FIXED_RING_THRESHOLD,
@@ -210,7 +208,7 @@ def _runs(transport: Transport) -> dict[str, Callable[[int], None]]:
         "allgather/mpi": allgather(MPI),
         "allgather/ring": allgather(RING),
         "broadcast/mpi": broadcast(MPI),
-        "broadcast/chain": broadcast("chain"),
+        "broadcast/chain": broadcast(CHAIN),
     }
 
 
