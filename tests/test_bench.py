@@ -6,6 +6,7 @@ These tests check what the benchmark reports and how, never how fast anything wa
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,3 +194,39 @@ def test_sampler_bench_compares_padding_and_epoch_time(tmp_path):
     # Buckets of similar widths pad far less than random batches of the same size.
     assert rows["bucket"]["padding_per_real"] * 2 <= rows["random"]["padding_per_real"]
     assert rows["bucket"]["batches_per_rank"] == rows["random"]["batches_per_rank"]
+
+
+def test_algorithms_bench_prints_the_calibration_and_ratios_to_mpi(tmp_path):
+    result = run_ringrun(
+        "-np",
+        "2",
+        BENCH,
+        "algorithms",
+        "--sizes",
+        "4K,64K",
+        "--budget",
+        "0.01",
+        "--deadline",
+        "60",
+        "--json",
+        str(tmp_path / "algorithms.json"),
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((tmp_path / "algorithms.json").read_text())
+    models = document["table"]["models"]
+    assert len(models) == 8 and all(len(m["points"]) == 4 for m in models.values())
+    for name, model in models.items():
+        # each series' line: its four measured points and its model
+        line = next(row for row in result.stdout.splitlines() if f"# {name} " in row)
+        points = line.split("|")[0]
+        assert len(re.findall(r"\d+\.\d \( *[+-]\d+%\)", points)) == 4, line
+        assert f"alpha {model['alpha'] * 1e6:.1f} us" in line
+    assert "# crossovers" in result.stdout
+    rows = document["comparison"]
+    assert [row["bytes"] for row in rows] == [4096, 65536]
+    for row in rows:
+        mpi = row["MPI Allreduce"]["time_s"]
+        for name in ("mpi", "doubling", "ring", "ringplug"):
+            assert row[name]["ratio_to_mpi"] == pytest.approx(mpi / row[name]["time_s"])
+    assert result.stdout.count("[0] #    4K |") == 1 and "[1] #" not in result.stdout

@@ -599,6 +599,10 @@ def _example(variable: config.Variable, folder: Path) -> str:
         return str(folder / "trace.json")
     if variable.form in (config.SECONDS, config.MILLISECONDS):
         return f"{(variable.default or 1) / 2 + 0.25:g}"
+    if variable.form == config.CHOICE:
+        return variable.choices[-1]
+    if variable.name == "RINGPLUG_ALGORITHM":
+        return "allreduce=ring,broadcast=chain"
     raise AssertionError(f"no example value for {variable.name}: add one here")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import allreduce, fusion, keras_compare, lightning_compare, sampler, scale, zero
+from . import algorithms, allreduce, fusion, keras_compare, lightning_compare, sampler, scale, zero
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     allreduce.add_arguments(
         commands.add_parser("allreduce", help="allreduce bandwidth and latency, 4 KiB to 256 MiB")
+    )
+    algorithms.add_arguments(
+        commands.add_parser(
+            "algorithms",
+            help="the algorithm table's calibration (points, models, crossovers) and its "
+            "allreduce against MPI's own",
+        )
     )
     fusion.add_arguments(
         commands.add_parser(
@@ -62,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "allreduce":
         return allreduce.run(args)
+    if args.command == "algorithms":
+        return algorithms.run(args)
     if args.command == "fusion":
         return fusion.run(args)
     if args.command == "lightning":

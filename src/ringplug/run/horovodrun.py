@@ -47,8 +47,9 @@ _AUTOTUNE = (
     "(ringplug's defaults: 64 MiB and 0 ms)"
 )
 _HIERARCHICAL = (
-    "ringplug's allreduce is one flat ring over all ranks (MPI's own Allreduce below "
-    "RINGPLUG_RING_THRESHOLD) and its allgather is MPI's; drop the flag"
+    "ringplug's allreduce takes MPI's own, recursive doubling or one flat ring over all "
+    "ranks, by size as its measured algorithm table says (RINGPLUG_CALIBRATION), and its "
+    "allgather MPI's or the ring; drop the flag"
 )
 _DEVICE_OPERATIONS = (
     "ringplug picks the data plane by where a tensor lives: NCCL for GPU tensors, MPI for "
