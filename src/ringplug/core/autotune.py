@@ -369,3 +369,15 @@ def for_engine(engine: Engine) -> Autotuner:
         return float(buffer[0])
 
     return Autotuner(engine.settings, engine.rank, share, engine.apply_tuned_setting)
+
+
+def tune_from(engine: Engine, fusion_threshold: int, cycle_time: float) -> Autotuner:
+    """Make `fusion_threshold` (bytes) and `cycle_time` (seconds) `engine`'s setting and tune
+    afresh from there, with the budget of its settings (benchmarks and tests start from a
+    bad setting this way; ``RINGPLUG_AUTOTUNE=1`` refuses a fixed one). Every rank calls it
+    at the same point, with no collective in flight (after a barrier)."""
+    if engine.tuner is not None:
+        engine.tuner.close()
+    engine.apply_tuned_setting(fusion_threshold, cycle_time)
+    engine.tuner = for_engine(engine)
+    return engine.tuner
