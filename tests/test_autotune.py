@@ -53,6 +53,14 @@ def bowl(candidate: Candidate) -> float:
     return 0.050 * (1 + 0.08 * f + 0.06 * c)
 
 
+def cache_bound(candidate: Candidate) -> float:
+    """Seconds per step when fusion buffers larger than the cache (1 MiB) cost their copies
+    more: as `resnet_like`, plus 8 ms for each factor of 4 above 1 MiB (what the model
+    leaves out)."""
+    above = max(0.0, math.log(candidate.fusion_threshold / MIB, 4))
+    return resnet_like(candidate) + 0.008 * above
+
+
 class Job:
     """One rank's engine as the tuner sees it: plans at cycles, a clock, applied settings."""
 
@@ -92,6 +100,24 @@ def test_from_a_bad_start_it_converges_to_the_best_setting_within_the_step_budge
     best = min((Candidate(f, c) for f in FUSION_GRID for c in CYCLE_GRID_MS), key=resnet_like)
     assert resnet_like(job.setting) <= resnet_like(best) * 1.10
     assert job.setting.cycle_time_ms == 0.0
+
+
+def test_its_coarse_spread_finds_a_best_threshold_far_below_the_models_guess():
+    job = Job(BAD_START, cache_bound)
+    job.train(300, gradients(160, 625_000))
+    assert job.tuner.done and job.tuner.search.converged
+    best = min((Candidate(f, c) for f in FUSION_GRID for c in CYCLE_GRID_MS), key=cache_bound)
+    assert best.fusion_threshold <= 4 * MIB  # the model guesses 128 MiB
+    assert job.setting == best
+    assert job.tuner.steps <= STEP_BUDGET
+
+
+def test_the_spread_stops_where_the_score_falls():
+    job = Job(BAD_START, resnet_like)  # larger is better: 1 MiB already scores worse
+    job.train(300, gradients(160, 625_000))
+    tried = job.tuner.search.order
+    assert Candidate(MIB, 0.0) in tried
+    assert Candidate(64 << 10, 0.0) not in tried
 
 
 def test_it_climbs_to_an_optimum_the_model_does_not_predict():

@@ -157,6 +157,8 @@ class Search:
         self.current = start
         self.best: Candidate | None = None
         self.converged = False
+        self.queue: list[Candidate] = []  # the coarse spread, tried before the local search
+        self._spread: set[Candidate] = set()
 
     @property
     def best_score(self) -> float:
@@ -171,6 +173,12 @@ class Search:
         self.order.append(candidate)
         if self.best is None or score > self.best_score * (1 + self.margin):
             self.best = candidate
+        coarse = [c for c in self.order if c in self._spread]
+        if len(coarse) >= 2 and coarse[-1] == candidate:
+            if self.scores[coarse[-2]] > score * (1 + self.margin):
+                # Falling as the threshold falls: the smaller ones are worse still (one
+                # best threshold; the local search looks at the neighbours).
+                self.queue.clear()
         following = self._next()
         if following is None:
             self.converged = self._untried_neighbours() == []
@@ -182,11 +190,23 @@ class Search:
         if len(self.order) >= self.max_samples:
             return None
         if len(self.order) == 1:
-            guess = self.model.best()
-            if guess not in self.scores:
-                return guess
+            self.queue = self.coarse()
+            self._spread = set(self.queue)
+        while self.queue:
+            candidate = self.queue.pop(0)
+            if candidate not in self.scores:
+                return candidate
         untried = self._untried_neighbours()
         return untried[0] if untried else None
+
+    def coarse(self) -> list[Candidate]:
+        """The model's best setting, then every other fusion threshold below it with no
+        cycle time: a spread that finds the region of the best even where the model is
+        wrong about the threshold (a fusion buffer larger than the cache costs its copies
+        more, which the model leaves out). It stops where the score falls."""
+        guess = self.model.best()
+        top = self.fusion_grid.index(guess.fusion_threshold)
+        return [Candidate(self.fusion_grid[i], guess.cycle_time_ms) for i in range(top, -1, -2)]
 
     def _untried_neighbours(self) -> list[Candidate]:
         assert self.best is not None
