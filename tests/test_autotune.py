@@ -296,3 +296,16 @@ def test_a_fixed_setting_without_autotune_is_fine():
 def test_one_sample_step_is_refused():
     with pytest.raises(ValueError, match="RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE='1'"):
         read_settings({"RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE": "1"})
+
+
+def test_unnamed_collectives_leave_the_setting_alone_and_say_why(caplog):
+    job = Job(BAD_START, resnet_like)
+    signature = Signature(Kind.ALLREDUCE, int(DType.FLOAT32), 0, -1, (1024,))
+    with caplog.at_level("WARNING", logger="ringplug.core.autotune"):
+        for number in range(10_001):
+            job.cycle += 1
+            job.tuner.after_cycle(
+                job.cycle, [Response.everywhere(f"noname.{number}", signature, 2)]
+            )
+    assert job.tuner.applied == [] and job.tuner.steps == 0
+    assert "without a collective name coming again" in caplog.text

@@ -1,11 +1,14 @@
 """Autotune on real ranks: 2 ranks train with ringplug.torch's DistributedOptimizer under
 ``ringrun --autotune`` (tests/workers/autotune.py), starting from a bad setting, and again
-without autotune; one more job shows the ranks refusing autotune with a fixed setting."""
+without autotune; one more job shows the ranks refusing autotune with a fixed setting, and
+Lightning's and Keras's entry points are shown to take the setting from the environment."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,3 +144,60 @@ def test_every_rank_refuses_autotune_with_a_fixed_setting_from_its_environment()
     for line in lines:
         assert "RINGPLUG_FUSION_THRESHOLD=8M is fixed too" in line
         assert "Drop the fixed value" in line
+
+
+LIGHTNING_FIT = """
+import lightning as L, torch
+from ringplug.lightning import RingStrategy
+from ringplug.core import runtime
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+    def training_step(self, batch, _):
+        return self.net(batch[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+trainer = L.Trainer(strategy=RingStrategy(), accelerator="cpu", devices=1, max_steps=2,
+    logger=False, enable_progress_bar=False, enable_model_summary=False,
+    enable_checkpointing=False)
+trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=4))
+engine = runtime.engine()
+print("tuner", engine.tuner is not None, engine.tuner.max_samples)
+"""
+
+KERAS_INIT = """
+import ringplug.keras as rk
+from ringplug.core import runtime
+rk.init()
+engine = runtime.engine()
+print("tuner", engine.tuner is not None, engine.tuner.max_samples)
+"""
+
+
+def test_lightning_and_keras_take_autotune_from_the_environment():
+    # Neither takes the fusion threshold or the cycle time as an argument; all read the
+    # RINGPLUG_* settings at init, autotune's with them. One process each, at once.
+    env = {
+        **os.environ,
+        "RINGPLUG_AUTOTUNE": "1",
+        "RINGPLUG_AUTOTUNE_MAX_SAMPLES": "5",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", program],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for program in (LIGHTNING_FIT, KERAS_INIT)
+    ]
+    for process in started:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-3000:]
+        assert out.splitlines()[-1] == "tuner True 5", out + err[-3000:]

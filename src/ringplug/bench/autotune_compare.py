@@ -19,7 +19,8 @@ steps used (target: at most 50).
 
 Workloads: ``fusion`` submits ResNet-50's gradients (161 tensors, 102 MB) asynchronously in
 backward order, as `ringplug-bench fusion` does; ``lightning`` fits an MLP (``--hidden``) with
-`RingStrategy` on synthetic data, one torch thread per rank, per-rank batch 32.
+`RingStrategy` (gradient buckets of ``--bucket-bytes``, 1 MiB: several a step) on
+synthetic data, one torch thread per rank, per-rank batch 32.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ WARMUP_STEPS = 3
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=("fusion", "lightning"), default="fusion")
-    parser.add_argument("--iters", type=int, default=4, help="timed steps per setting per round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the side-by-side part")
+    parser.add_argument("--iters", type=int, default=3, help="timed steps per setting per round")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of the side-by-side part")
     parser.add_argument(
         "--tuning-steps",
         type=int,
@@ -68,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="steps given to tuning (it stops by itself within its budget: 48 by default)",
     )
     parser.add_argument("--hidden", type=int, default=1024, help="lightning: MLP width")
+    parser.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=1 << 20,
+        help="lightning: RingStrategy's gradient buckets (1 MiB: several a step, so the "
+        "fusion threshold matters)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
 
@@ -170,7 +178,7 @@ def _fusion_steps(schedule: Schedule) -> None:
         schedule.after(step)
 
 
-def _lightning_steps(schedule: Schedule, hidden: int) -> None:
+def _lightning_steps(schedule: Schedule, hidden: int, bucket_bytes: int) -> None:
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -188,7 +196,7 @@ def _lightning_steps(schedule: Schedule, hidden: int) -> None:
 
     torch.manual_seed(0)
     trainer = L.Trainer(
-        strategy=RingStrategy(),
+        strategy=RingStrategy(bucket_bytes=bucket_bytes),
         accelerator="cpu",
         devices=1,
         max_steps=schedule.total,
@@ -211,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == "fusion":
         step_driver = lambda: _fusion_steps(schedule)  # noqa: E731
     else:
-        step_driver = lambda: _lightning_steps(schedule, args.hidden)  # noqa: E731
+        step_driver = lambda: _lightning_steps(schedule, args.hidden, args.bucket_bytes)  # noqa: E731
     step_driver()
     times = schedule.slowest()
     tuner = schedule.tuner

@@ -42,7 +42,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -73,6 +73,9 @@ CYCLE_GRID_MS: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 LATENCY_SECONDS = 50e-6
 """The model's cost of one collective beyond its bytes (an MPI allreduce of a few bytes on
 2 ranks of the CI machine: 30 to 60 us). Only the order of the candidates depends on it."""
+
+_NO_STEP_CYCLES = 10_000
+"""Cycles without a repeated name after which rank 0 warns that no step can be seen."""
 
 CSV_COLUMNS = (
     "sample",
@@ -174,11 +177,11 @@ class Search:
         if self.best is None or score > self.best_score * (1 + self.margin):
             self.best = candidate
         coarse = [c for c in self.order if c in self._spread]
-        if len(coarse) >= 2 and coarse[-1] == candidate:
-            if self.scores[coarse[-2]] > score * (1 + self.margin):
-                # Falling as the threshold falls: the smaller ones are worse still (one
-                # best threshold; the local search looks at the neighbours).
-                self.queue.clear()
+        falling = len(coarse) >= 2 and coarse[-1] == candidate
+        if falling and self.scores[coarse[-2]] > score * (1 + self.margin):
+            # Falling as the threshold falls: the smaller ones are worse still (one best
+            # threshold; the local search looks at the neighbours).
+            self.queue.clear()
         following = self._next()
         if following is None:
             self.converged = self._untried_neighbours() == []
@@ -285,7 +288,8 @@ class Autotuner:
         self._step_started = math.nan
         self._durations: list[float] = []
         self._log: IO[str] | None = None
-        self._writer: csv.writer | None = None  # type: ignore[valid-type]
+        self._writer: Any = None  # a csv.writer
+        self._cycles_in_step = 0
         if rank == 0 and settings.autotune_log:
             self._log = open(settings.autotune_log, "w", newline="")  # noqa: SIM115
             self._writer = csv.writer(self._log)
@@ -304,11 +308,20 @@ class Autotuner:
                 return
             self._seen = set()
         self._seen.update(names)
+        self._cycles_in_step += 1
+        if self._cycles_in_step == _NO_STEP_CYCLES and self.rank == 0:
+            logger.warning(
+                "autotune has seen %d cycles without a collective name coming again, so it "
+                "cannot tell training steps apart and tunes nothing; name the collectives "
+                "each step runs (every framework adapter names its gradients)",
+                _NO_STEP_CYCLES,
+            )
         nbytes = allreduce_bytes(responses)
         self._cycle_bytes.append(nbytes)
         self._sample_bytes += nbytes
 
     def _end_step(self, cycle: int) -> None:
+        self._cycles_in_step = 0
         now = self._clock() if self.rank == 0 else 0.0
         self._durations.append(now - self._step_started)
         self._step_started = now
