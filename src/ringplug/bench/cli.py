@@ -10,7 +10,6 @@ import argparse
 
 from . import (
     allreduce,
-    autotune_compare,
     fusion,
     keras_compare,
     lightning_compare,
@@ -18,6 +17,7 @@ from . import (
     scale,
     zero,
 )
+from .autotune import compare as autotune_compare
 
 
 def main(argv: list[str] | None = None) -> int:

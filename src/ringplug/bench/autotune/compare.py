@@ -38,7 +38,7 @@ import ringplug
 from ringplug.core import autotune, runtime
 from ringplug.core.autotune import Candidate
 
-from .fusion import resnet50_shapes
+from ..fusion import resnet50_shapes
 
 BAD = Candidate(64 << 10, 20.0)
 """Where autotune starts: the issue's bad setting."""
@@ -185,7 +185,7 @@ def _lightning_steps(schedule: Schedule, hidden: int, bucket_bytes: int) -> None
 
     from ringplug.lightning import RingStrategy
 
-    from .lightning_job import BATCH, MLP
+    from ..lightning_job import BATCH, MLP
 
     class Driver(L.Callback):
         def on_train_batch_start(self, trainer, _module, _batch, index: int) -> None:
@@ -230,6 +230,14 @@ def run(args: argparse.Namespace) -> int:
     swept = {_label(c): medians[_label(c)] for c in SWEEP}
     best_label = min(swept, key=swept.__getitem__)
     ratio = medians[best_label] / medians[TUNED]  # throughput: tuned / best
+    # The same, round by round (each round runs every setting within seconds): less
+    # exposed to the machine's load drifting between rounds.
+    per_round = [
+        statistics.median(times[best_label][i : i + args.iters])
+        / statistics.median(times[TUNED][i : i + args.iters])
+        for i in range(0, len(times[TUNED]), args.iters)
+    ]
+    round_ratio = statistics.median(per_round)
     print(
         f"# ringplug-bench autotune --workload {args.workload}: {ringplug.size()} ranks; "
         f"step time = median of the slowest rank over {args.rounds} rounds x {args.iters} "
@@ -243,7 +251,9 @@ def run(args: argparse.Namespace) -> int:
         )
     print(
         f"# autotuned ({_label(schedule.tuned)}) / best of sweep ({best_label}) throughput = "
-        f"{ratio:.2f} (target >= 0.9); tuning used {tuner.steps} steps (target <= 50), "
+        f"{ratio:.2f} (target >= 0.9), median of the rounds' ratios {round_ratio:.2f}; "
+        f"against the default (64M/0ms) {medians[_label(SWEEP[3])] / medians[TUNED]:.2f}; "
+        f"tuning used {tuner.steps} steps (target <= 50), "
         f"{len(tuner.search.order)} samples, "
         f"{'converged' if tuner.search.converged else 'ran out of samples'}; "
         f"tuning took {schedule.tuning_seconds:.2f} s"
@@ -258,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
                     "best_of_sweep": best_label,
                     "tuned": _label(schedule.tuned),
                     "throughput_ratio": ratio,
+                    "round_ratios": per_round,
                     "tuning_steps": tuner.steps,
                     "samples": len(tuner.search.order),
                     "converged": tuner.search.converged,
