@@ -175,6 +175,7 @@ class Search:
         self.fusion_grid = tuple(v for v in FUSION_GRID if v <= model.largest_useful_threshold())
         self.scores: dict[Candidate, float] = {}
         self.order: list[Candidate] = []  # scored, in order
+        self.history: list[tuple[Candidate, float]] = []  # each sample's setting and score
         self.current = start
         self.best: Candidate | None = None
         self.converged = False
@@ -192,6 +193,7 @@ class Search:
         whether it converged rather than ran out of samples)."""
         candidate = self.current
         self.order.append(candidate)
+        self.history.append((candidate, score))
         if self._confirming is not None:
             return self._confirm(candidate, score)
         self.scores[candidate] = score
@@ -415,13 +417,13 @@ class Autotuner:
     def _write_row(self, search: Search) -> None:
         if self._writer is None or self._log is None:
             return
-        tried = search.order[-1]
+        tried, score = search.history[-1]
         self._writer.writerow(
             (
                 len(search.order),
                 tried.fusion_threshold,
                 f"{tried.cycle_time_ms:g}",
-                f"{search.scores[tried]:.6g}",
+                f"{score:.6g}",
                 f"{search.best_score:.6g}",
                 int(self.done),
                 self.steps,

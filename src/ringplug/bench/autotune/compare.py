@@ -4,7 +4,7 @@ sweep, side by side in one job.
 Run under ringrun (``ringrun -np 2 ringplug-bench autotune --workload fusion``). One job
 trains, every rank alike, in segments of steps:
 
-1. warm-up at the bad setting (fusion threshold 64 KiB, cycle time 20 ms);
+1. ``--warmup`` steps at the bad setting (fusion threshold 64 KiB, cycle time 20 ms);
 2. tuning: `ringplug.core.autotune.tune_from` the bad setting, with the settings' budget
    (``RINGPLUG_AUTOTUNE_*``: by default at most 48 steps), for ``--tuning-steps`` steps;
    the tuner reports the steps it used and whether it converged;
@@ -55,7 +55,6 @@ SWEEP = (
 """The hand-picked sweep: ringplug's default (64 MiB, 0 ms) and its neighbours."""
 
 TUNED = "autotuned"
-WARMUP_STEPS = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=60,
         help="steps given to tuning (it stops by itself within its budget: 48 by default)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="steps at the bad setting before tuning starts"
     )
     parser.add_argument("--hidden", type=int, default=1024, help="lightning: MLP width")
     parser.add_argument(
@@ -92,7 +94,7 @@ class Schedule:
         self.iters, self.rounds = args.iters, args.rounds
         # (label, setting, steps); "tune" starts tuning, TUNED applies the tuned setting.
         self.segments: list[tuple[str, Candidate | str, int]] = [
-            ("warmup", BAD, WARMUP_STEPS),
+            ("warmup", BAD, args.warmup),
             ("tuning", "tune", args.tuning_steps),
         ]
         labels: list[tuple[str, Candidate | str]] = [(_label(BAD), BAD)]
@@ -272,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
                     "tuning_steps": tuner.steps,
                     "samples": len(tuner.search.order),
                     "converged": tuner.search.converged,
-                    "trials": [(_label(c), tuner.search.scores[c]) for c in tuner.search.order],
+                    "trials": [(_label(c), score) for c, score in tuner.search.history],
                 },
                 handle,
                 indent=1,
