@@ -6,7 +6,7 @@ plans are the same on every rank, so everything the tuner counts from them is to
 steps (a step ends at the cycle where a collective's name comes again), the bytes reduced,
 where a sample of ``RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE`` steps ends. Only the clock differs
 between ranks: at the end of a sample rank 0's score (bytes reduced per second over the
-sample's steps, the median step time, its first step after the change left out) is
+sample's steps, its first step after the change left out: their bytes over their time) is
 broadcast through the engine's transport, and every rank feeds that same score into the
 same deterministic :class:`Search`. So every rank applies the same setting at the end of the
 same cycle, with no decision to send.
@@ -42,7 +42,6 @@ from __future__ import annotations
 import csv
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -391,7 +390,10 @@ class Autotuner:
             return
         if self.search is None:
             self.search = Search(self.start, CostModel(self._step_cycle_bytes), self.max_samples)
-        score = step_bytes / max(statistics.median(timed), 1e-9) if self.rank == 0 else 0.0
+        # Their total time, not a median of step times: rank 0's step boundaries jitter as
+        # the peers run ahead or behind (a short step then a long one), which a sum of
+        # consecutive steps cancels and a median of them does not.
+        score = step_bytes * len(timed) / max(sum(timed), 1e-9) if self.rank == 0 else 0.0
         score = self._share(score)
         search = self.search
         following = search.record(score)
