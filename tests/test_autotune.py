@@ -328,3 +328,27 @@ def test_a_lucky_first_score_is_checked_against_the_runner_up_before_it_is_kept(
     assert order.count(Candidate(16 * MIB, 0.0)) == 2  # scored again at the end
     assert job.setting == Candidate(128 * MIB, 0.0)
     assert job.tuner.steps <= STEP_BUDGET
+
+
+def test_two_settings_the_second_scores_cannot_tell_apart_go_to_the_models_choice():
+    search = Search(Candidate(64 << 10, 20.0), CostModel([100 * MIB]), max_samples=20)
+    scores = {  # after the spread, (64 MiB, 0.5 ms) looks best, (64 MiB, 0) close behind
+        Candidate(64 << 10, 20.0): 1.0,
+        Candidate(128 * MIB, 0.0): 5.0,
+        Candidate(16 * MIB, 0.0): 4.0,
+        Candidate(MIB, 0.0): 3.0,
+        Candidate(64 * MIB, 0.0): 5.6,
+        Candidate(64 * MIB, 0.5): 6.0,
+        Candidate(64 * MIB, 1.0): 5.0,
+        Candidate(128 * MIB, 0.5): 5.0,
+        Candidate(16 * MIB, 0.5): 5.0,
+    }
+    second = {Candidate(64 * MIB, 0.5): 5.55, Candidate(64 * MIB, 0.0): 5.5}  # 1% apart
+    seen: set[Candidate] = set()
+    following = search.current
+    while following is not None:
+        score = second[following] if following in seen else scores[following]
+        seen.add(following)
+        following = search.record(score)
+    assert search.order[-2:] == [Candidate(64 * MIB, 0.5), Candidate(64 * MIB, 0.0)]
+    assert search.best == Candidate(64 * MIB, 0.0)  # no cycle time: cheaper by the model

@@ -27,7 +27,7 @@ The search is a model-guided local search on a small grid, not Horovod's Gaussia
 5. when no neighbour of the best is left untried (converged), the best and the runner-up,
    if it came within 15%, are scored once more, back to back, and the higher of these
    second scores wins (the best's first score, the highest of several noisy ones, is too
-   high);
+   high); within 3% of each other, the one the model finds cheaper;
 6. then, or after ``RINGPLUG_AUTOTUNE_MAX_SAMPLES`` samples, the best is applied and
    tuning stops.
 
@@ -217,7 +217,7 @@ class Search:
         """After converging, with two samples left: score the best and the runner-up once
         more, if the runner-up came within :data:`CONFIRM_WITHIN` of it. The best was
         chosen as the highest of noisy scores, so its own is too high; their second scores,
-        taken back to back, decide."""
+        taken back to back, decide; within ``margin`` of each other, the model does."""
         assert self.best is not None
         if len(self.order) + 2 > self.max_samples or len(self.scores) < 2:
             return None
@@ -236,7 +236,11 @@ class Search:
             self.current = self._confirming[1]
             return self.current
         best, runner_up = self._confirming
-        self.best = runner_up if self.scores[runner_up] > self.scores[best] else best
+        high, low = sorted((best, runner_up), key=self.scores.__getitem__, reverse=True)
+        if self.scores[high] > self.scores[low] * (1 + self.margin):
+            self.best = high
+        else:  # within the noise: the one the model finds cheaper (less cycle time, ...)
+            self.best = min((best, runner_up), key=self._model_order)
         return None
 
     def _next(self) -> Candidate | None:
@@ -264,9 +268,16 @@ class Search:
     def _untried_neighbours(self) -> list[Candidate]:
         assert self.best is not None
         found = [c for c in self._neighbours(self.best) if c not in self.scores]
-        # Cheapest by the model first; ties: larger threshold, then shorter cycle time.
-        found.sort(key=lambda c: (self.model.step_seconds(c), -c.fusion_threshold, c.cycle_time_ms))
+        found.sort(key=self._model_order)
         return found
+
+    def _model_order(self, candidate: Candidate) -> tuple[float, int, float]:
+        """Cheapest by the model first; ties: larger threshold, then shorter cycle time."""
+        return (
+            self.model.step_seconds(candidate),
+            -candidate.fusion_threshold,
+            candidate.cycle_time_ms,
+        )
 
     def _neighbours(self, centre: Candidate) -> list[Candidate]:
         found = []
