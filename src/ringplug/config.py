@@ -296,8 +296,8 @@ AUTOTUNE_LOG = Variable(
     "RINGPLUG_AUTOTUNE_LOG",
     PATH,
     None,
-    "CSV file where rank 0 writes every autotune trial (sample, fusion_threshold, "
-    "cycle_time_ms, score, best_score, converged)",
+    "the CSV file where rank 0 writes every autotune trial (sample, fusion_threshold, "
+    "cycle_time_ms, score, best_score, converged, steps)",
     field="autotune_log",
     flag="--autotune-log-file",
     metavar="PATH",
