@@ -19,7 +19,8 @@ The search is a model-guided local search on a small grid, not Horovod's Gaussia
    collective, the cycle time once per cycle; the bandwidth term is the same for every
    setting) names its best setting: a fusion threshold just above the largest cycle's bytes
    (larger ones fuse nothing more, so the grid is cut there) and no cycle time; it is
-   scored next;
+   scored next, then every other smaller threshold (a coarse spread, stopped where the
+   score falls: the model leaves out what a buffer larger than the cache costs);
 4. from the best so far, the untried grid neighbours (one grid step in one of the two
    settings), cheapest by the model first, are scored one per sample; a neighbour takes
    over only when it beats the best by ``margin`` (3%: the noise of a shared machine does
