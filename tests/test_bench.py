@@ -184,6 +184,40 @@ def test_training_benches_run_both_sides_in_alternating_pairs(
     assert summary in stdout
 
 
+def test_autotune_bench_tunes_from_the_bad_setting_and_times_it_beside_the_sweep(tmp_path):
+    result = run_ringrun(
+        "-np",
+        "2",
+        *("-x", "RINGPLUG_AUTOTUNE_WARMUP_SAMPLES=0"),
+        *("-x", "RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE=2"),
+        *("-x", "RINGPLUG_AUTOTUNE_MAX_SAMPLES=3"),
+        BENCH,
+        "autotune",
+        *("--iters", "1", "--rounds", "1", "--tuning-steps", "8"),
+        *("--json", str(tmp_path / "autotune.json")),
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((tmp_path / "autotune.json").read_text())
+    assert set(document["median_step_s"]) == {
+        "64K/20ms",
+        "1024K/0ms",
+        "4096K/0ms",
+        "16384K/0ms",
+        "65536K/0ms",
+        "131072K/0ms",
+        "65536K/1ms",
+        "65536K/5ms",
+        "autotuned",
+    }
+    assert document["trials"][0][0] == "64K/20ms"  # tuning starts at the bad setting
+    assert len(document["trials"]) == document["samples"] == 3  # the budget given
+    assert document["tuning_steps"] <= 8
+    assert document["tuned"] in [label for label, _ in document["trials"]]
+    assert document["best_of_sweep"] in document["median_step_s"]
+    assert "autotuned (" in result.stdout and "tuning used" in result.stdout
+
+
 def test_sampler_bench_compares_padding_and_epoch_time(tmp_path):
     pytest.importorskip("PIL")
     _, results = run_bench(

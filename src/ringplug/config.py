@@ -289,6 +289,70 @@ CYCLE_TIME = Variable(
 """The engine's `cycle_time` is in seconds. A cycle time is a pause before every cycle:
 more than a second is a mistake."""
 
+AUTOTUNE = Variable(
+    "RINGPLUG_AUTOTUNE",
+    SWITCH,
+    False,
+    "`1` (ringrun's `--autotune`) tunes `RINGPLUG_FUSION_THRESHOLD` and `RINGPLUG_CYCLE_TIME` "
+    "while training (every "
+    "rank applies rank 0's choice at the same cycle) and keeps the best; not together with "
+    "either of them",
+    field="autotune",
+    default_doc="`0` (off)",
+)
+"""The search and its budget: `ringplug.core.autotune`; usage: docs/configuration.md."""
+
+AUTOTUNE_LOG = Variable(
+    "RINGPLUG_AUTOTUNE_LOG",
+    PATH,
+    None,
+    "the CSV file where rank 0 writes every autotune trial (sample, fusion_threshold, "
+    "cycle_time_ms, score, best_score, converged, steps)",
+    field="autotune_log",
+    flag="--autotune-log-file",
+    metavar="PATH",
+)
+
+AUTOTUNE_WARMUP_SAMPLES = Variable(
+    "RINGPLUG_AUTOTUNE_WARMUP_SAMPLES",
+    COUNT,
+    1,
+    "autotune: samples at the start setting that are not scored (the first steps compile, "
+    "allocate and fill caches)",
+    field="autotune_warmup_samples",
+    flag="--autotune-warmup-samples",
+    metavar="N",
+    most=100,
+)
+
+AUTOTUNE_STEPS_PER_SAMPLE = Variable(
+    "RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE",
+    COUNT,
+    4,
+    "autotune: training steps (a step ends where a gradient's name comes again) scored "
+    "per trial setting; the first of them, after the change, is not timed",
+    field="autotune_steps_per_sample",
+    flag="--autotune-steps-per-sample",
+    metavar="N",
+    least=2,
+    most=10_000,
+)
+
+AUTOTUNE_MAX_SAMPLES = Variable(
+    "RINGPLUG_AUTOTUNE_MAX_SAMPLES",
+    COUNT,
+    11,
+    "autotune: the most trial settings scored before it keeps the best (it stops sooner "
+    "when no neighbour of the best is better)",
+    field="autotune_max_samples",
+    flag="--autotune-max-samples",
+    horovodrun="--autotune-bayes-opt-max-samples",
+    metavar="N",
+    least=1,
+    most=1000,
+)
+"""With the defaults, (1 + 11) x 4 = 48 steps at most are spent tuning."""
+
 RING_THRESHOLD = Variable(
     "RINGPLUG_RING_THRESHOLD",
     BYTES,
@@ -522,12 +586,23 @@ class Settings:
     stall_check_seconds: float = STALL_CHECK_SECONDS.default
     stall_shutdown_seconds: float = STALL_SHUTDOWN_SECONDS.default
     timeline: str | None = TIMELINE.default
+    autotune: bool = AUTOTUNE.default
+    autotune_log: str | None = AUTOTUNE_LOG.default
+    autotune_warmup_samples: int = AUTOTUNE_WARMUP_SAMPLES.default
+    autotune_steps_per_sample: int = AUTOTUNE_STEPS_PER_SAMPLE.default
+    autotune_max_samples: int = AUTOTUNE_MAX_SAMPLES.default
     flight_record: int = FLIGHT_RECORD.default
     log_level: str = LOG_LEVEL.default
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Read the environment (default ``os.environ``) into a `Settings` (at ``ringplug.init()``)."""
+    """Read the environment (default ``os.environ``) into a `Settings` (at ``ringplug.init()``).
+
+    Raises:
+        ValueError: a value it cannot take, or ``RINGPLUG_AUTOTUNE=1`` with a setting it
+            tunes given too (:func:`check_autotune`).
+    """
+    check_autotune(environ)
     return Settings(
         **{
             variable.field: variable.field_value(variable.read(environ))
@@ -535,6 +610,36 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
             if variable.field is not None
         }
     )
+
+
+AUTOTUNED: tuple[Variable, ...] = (FUSION_THRESHOLD, CYCLE_TIME)
+"""The settings ``RINGPLUG_AUTOTUNE`` chooses (none of them may be given with it)."""
+
+
+def autotune_conflict(autotune: bool, given: Mapping[str, str]) -> str | None:
+    """The error of autotune turned on with settings it tunes fixed too (``given``: their
+    names and values, as given), or ``None``. Worded for ringrun's flags and the variables."""
+    fixed = [f"{name}={value}" for name, value in given.items()]
+    if not (autotune and fixed):
+        return None
+    return (
+        f"{AUTOTUNE.name}=1 (ringrun --autotune) tunes {' and '.join(v.name for v in AUTOTUNED)} "
+        f"itself, but {', '.join(fixed)} is fixed too. Drop the fixed value "
+        "(--fusion-threshold-mb / --cycle-time-ms, or the variable) to let autotune choose, "
+        "or turn autotune off to keep it."
+    )
+
+
+def check_autotune(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse ``RINGPLUG_AUTOTUNE=1`` together with a setting it tunes.
+
+    Raises:
+        ValueError: what :func:`autotune_conflict` says.
+    """
+    given = {v.name: text for v in AUTOTUNED if (text := v.given(environ)) is not None}
+    conflict = autotune_conflict(bool(AUTOTUNE.read(environ)), given)
+    if conflict is not None:
+        raise ValueError(conflict)
 
 
 def diagnose_setting() -> tuple[bool | None, int | None]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import algorithms, allreduce, fusion, keras_compare, lightning_compare, sampler, scale, zero
+from . import algorithms, allreduce, fusion, sampler, scale, zero
+from .autotune import compare as autotune_compare
+from .frameworks import keras_compare, lightning_compare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     lightning_compare.add_arguments(
         commands.add_parser(
             "lightning", help="RingStrategy against DDP (gloo) on CPU; starts every job itself"
+        )
+    )
+    autotune_compare.add_arguments(
+        commands.add_parser(
+            "autotune",
+            help="autotune from a bad setting against the best of a hand-picked sweep, "
+            "side by side in one job (--workload fusion or lightning)",
         )
     )
     keras_compare.add_arguments(
@@ -75,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         return fusion.run(args)
     if args.command == "lightning":
         return lightning_compare.run(args)
+    if args.command == "autotune":
+        return autotune_compare.run(args)
     if args.command == "keras":
         return keras_compare.run(args)
     if args.command == "sampler":

@@ -24,6 +24,7 @@ messages with a growing interval (at most 1 ms), so a waiting rank uses almost n
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import os
@@ -39,7 +40,7 @@ from ...forensics import flight
 from ...forensics.flight import FlightRecorder
 from ...forensics.stacks import own_stacks, report_lines
 from ...wire import GPU, UNNAMED, Kind, Message, Response, Signature, cacheable_name
-from .. import activity, log
+from .. import activity, autotune, log
 from ..dtypes import ITEMSIZE
 from ..errors import (
     CommunicatorFailed,
@@ -183,6 +184,8 @@ class Engine(ExpressCycles):
         self.collectives_run = 0  # fused batches count once (tests count them)
         if settings.timeline:
             self.start_timeline(settings.timeline)
+        # RINGPLUG_AUTOTUNE: the world's engine tells its tuner each cycle's plan (`_execute`).
+        self.tuner = autotune.for_engine(self) if settings.autotune and ranks is None else None
         # Whoever holds `_mpi` runs cycles and is the one thread talking to MPI: the engine
         # thread, or a caller waiting for its synchronous collective (see `drive`).
         self._mpi = threading.Lock()
@@ -355,6 +358,8 @@ class Engine(ExpressCycles):
         if self._last_words in log.before_end:
             log.before_end.remove(self._last_words)
         self.stop_timeline()
+        if self.tuner is not None:
+            self.tuner.close()
         if self._gpu is not None:
             self._gpu.close()
         if self._ctrl is not None:
@@ -687,6 +692,18 @@ class Engine(ExpressCycles):
                 kind_of(item[0].signature.kind).run_batch(self, item)
             else:
                 self._run_single(item)
+        if self.tuner is not None:  # the same plan at the same cycle on every rank
+            self.tuner.after_cycle(self._cycle, plan.responses)
+
+    def apply_tuned_setting(self, fusion_threshold: int, cycle_time: float) -> None:
+        """Make the autotuner's setting this engine's from the next cycle on (every rank
+        calls it at the end of the same cycle)."""
+        self.settings = dataclasses.replace(
+            self.settings, fusion_threshold=fusion_threshold, cycle_time=cycle_time
+        )
+        self._last_batches = None  # batched by the old threshold
+        if self._gpu is not None:
+            self._gpu.settings = self.settings
 
     def _batches(self, responses: list[Response]) -> list[list[Response] | Response]:
         """`fusion.batches` of this plan's responses: the last plan's own batches when it ran

@@ -16,16 +16,16 @@ decision to stop when the next size would pass `RINGPLUG_CALIBRATION_SECONDS`.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from ... import __version__
-from ...config import FIXED_RING_THRESHOLD
+from ...config import FIXED_RING_THRESHOLD, Settings
 from ..algorithms import (
     CACHED,
     CHAIN,
@@ -46,8 +46,41 @@ from ..dtypes import DType
 from ..ops import ReduceOp
 from . import ring
 
-if TYPE_CHECKING:
-    from .host import Transport
+
+class Transport(Protocol):
+    """What the calibration uses of `host.Transport` (which calls it: importing that here
+    would close an import circle)."""
+
+    rank: int
+    size: int
+    settings: Settings
+    forced: dict[str, str]
+
+    def allreduce_by(self, algorithm: str, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
+        """Allreduce `flat` in place by `algorithm`."""
+
+    def reducescatter_by(
+        self, algorithm: str, work: np.ndarray, bounds: list[int], op: ReduceOp, code: DType
+    ) -> None:
+        """Reduce-scatter `work` in place by `algorithm`, into blocks at `bounds`."""
+
+    def allgather_by(
+        self, algorithm: str, send: np.ndarray, rows: list[int], out: np.ndarray
+    ) -> None:
+        """Gather every rank's `send` (`rows` each) into `out` by `algorithm`."""
+
+    def broadcast_by(self, algorithm: str, buf: np.ndarray, root: int) -> None:
+        """Broadcast `buf` from `root` by `algorithm`."""
+
+    def allgather_texts(self, text: str) -> list[str]:
+        """Every rank's `text`."""
+
+    def broadcast_text(self, text: str, root: int) -> str:
+        """`root`'s `text`."""
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +120,7 @@ def _cached_or_measured(transport: Transport) -> AlgorithmTable:
     from mpi4py import MPI as mpi
 
     hosts = transport.allgather_texts(mpi.Get_processor_name())
-    key = cache_key(hosts, mpi.Get_library_version().splitlines()[0].strip(), __version__)
+    key = cache_key(hosts, mpi.Get_library_version().splitlines()[0].strip(), _version())
     directory = cache_directory()
     found = None
     if transport.rank == 0 and transport.settings.calibration == "auto":
@@ -232,3 +265,12 @@ def model_text(model: Model) -> str:
         f"alpha {model.alpha * 1e6:.1f} us + {model.beta * 1e9:.3f} ns/B "
         f"(max error {model.error * 100:.0f}%)"
     )
+
+
+def _version() -> str:
+    """ringplug's installed version (read from its metadata: importing the package from
+    here would close an import circle)."""
+    try:
+        return importlib.metadata.version("ringplug")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
