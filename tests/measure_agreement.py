@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 import ringplug.torch as rpt
-from ringplug.bench.lightning_job import layers
+from ringplug.bench.frameworks.lightning_job import layers
 from ringplug.torch.agreement import checksums, named_state
 
 

@@ -6,6 +6,7 @@ These tests check what the benchmark reports and how, never how fast anything wa
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,40 @@ def test_training_benches_run_both_sides_in_alternating_pairs(
     assert summary in stdout
 
 
+def test_autotune_bench_tunes_from_the_bad_setting_and_times_it_beside_the_sweep(tmp_path):
+    result = run_ringrun(
+        "-np",
+        "2",
+        *("-x", "RINGPLUG_AUTOTUNE_WARMUP_SAMPLES=0"),
+        *("-x", "RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE=2"),
+        *("-x", "RINGPLUG_AUTOTUNE_MAX_SAMPLES=3"),
+        BENCH,
+        "autotune",
+        *("--iters", "1", "--rounds", "1", "--tuning-steps", "8"),
+        *("--json", str(tmp_path / "autotune.json")),
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((tmp_path / "autotune.json").read_text())
+    assert set(document["median_step_s"]) == {
+        "64K/20ms",
+        "1024K/0ms",
+        "4096K/0ms",
+        "16384K/0ms",
+        "65536K/0ms",
+        "131072K/0ms",
+        "65536K/1ms",
+        "65536K/5ms",
+        "autotuned",
+    }
+    assert document["trials"][0][0] == "64K/20ms"  # tuning starts at the bad setting
+    assert len(document["trials"]) == document["samples"] == 3  # the budget given
+    assert document["tuning_steps"] <= 8
+    assert document["tuned"] in [label for label, _ in document["trials"]]
+    assert document["best_of_sweep"] in document["median_step_s"]
+    assert "autotuned (" in result.stdout and "tuning used" in result.stdout
+
+
 def test_sampler_bench_compares_padding_and_epoch_time(tmp_path):
     pytest.importorskip("PIL")
     _, results = run_bench(
@@ -193,3 +228,39 @@ def test_sampler_bench_compares_padding_and_epoch_time(tmp_path):
     # Buckets of similar widths pad far less than random batches of the same size.
     assert rows["bucket"]["padding_per_real"] * 2 <= rows["random"]["padding_per_real"]
     assert rows["bucket"]["batches_per_rank"] == rows["random"]["batches_per_rank"]
+
+
+def test_algorithms_bench_prints_the_calibration_and_ratios_to_mpi(tmp_path):
+    result = run_ringrun(
+        "-np",
+        "2",
+        BENCH,
+        "algorithms",
+        "--sizes",
+        "4K,64K",
+        "--budget",
+        "0.01",
+        "--deadline",
+        "60",
+        "--json",
+        str(tmp_path / "algorithms.json"),
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((tmp_path / "algorithms.json").read_text())
+    models = document["table"]["models"]
+    assert len(models) == 8 and all(len(m["points"]) == 4 for m in models.values())
+    for name, model in models.items():
+        # each series' line: its four measured points and its model
+        line = next(row for row in result.stdout.splitlines() if f"# {name} " in row)
+        points = line.split("|")[0]
+        assert len(re.findall(r"\d+\.\d \( *[+-]\d+%\)", points)) == 4, line
+        assert f"alpha {model['alpha'] * 1e6:.1f} us" in line
+    assert "# crossovers" in result.stdout
+    rows = document["comparison"]
+    assert [row["bytes"] for row in rows] == [4096, 65536]
+    for row in rows:
+        mpi = row["MPI Allreduce"]["time_s"]
+        for name in ("mpi", "doubling", "ring", "ringplug"):
+            assert row[name]["ratio_to_mpi"] == pytest.approx(mpi / row[name]["time_s"])
+    assert result.stdout.count("[0] #    4K |") == 1 and "[1] #" not in result.stdout

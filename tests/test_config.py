@@ -51,11 +51,24 @@ def test_unset_variables_give_the_defaults(monkeypatch):
         "RINGPLUG_TIMELINE",
         "RINGPLUG_EAGER_THRESHOLD",
         "RINGPLUG_BARRIER_TIMEOUT",
+        "RINGPLUG_CALIBRATION",  # tests/conftest.py sets it for the suite's jobs
+        "RINGPLUG_CALIBRATION_SECONDS",
+        "RINGPLUG_ALGORITHM",
     ):
         monkeypatch.delenv(name, raising=False)
     assert read_settings() == Settings()
     assert Settings().timeout == 600  # ten minutes, as torch's NCCL watchdog
     assert Settings().barrier_timeout == 7200  # a long download in prepare_data
+
+
+def test_a_calibration_that_is_no_choice_names_the_choices(monkeypatch):
+    monkeypatch.setenv("RINGPLUG_CALIBRATION", "sometimes")
+    with pytest.raises(
+        ValueError, match="RINGPLUG_CALIBRATION='sometimes': use one of auto, fresh, fixed"
+    ):
+        read_settings()
+    monkeypatch.setenv("RINGPLUG_CALIBRATION", " FIXED")
+    assert read_settings().calibration == "fixed"
 
 
 def test_a_bad_barrier_timeout_names_the_variable(monkeypatch):

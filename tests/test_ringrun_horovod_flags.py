@@ -314,6 +314,63 @@ def test_fusion_threshold_zero_turns_fusion_off():
     assert genv(words)["RINGPLUG_FUSION_THRESHOLD"] == "0M"
 
 
+def test_autotune_flags_reach_the_ranks_as_their_variables(tmp_path):
+    log = tmp_path / "trials.csv"
+    words = dry_run_words(
+        "-np",
+        "2",
+        "--autotune",
+        "--autotune-log-file",
+        str(log),
+        "--autotune-warmup-samples",
+        "2",
+        "--autotune-steps-per-sample",
+        "5",
+        "--autotune-bayes-opt-max-samples",
+        "9",
+        "python",
+    )
+    assert {name: value for name, value in genv(words).items() if "AUTOTUNE" in name} == {
+        "RINGPLUG_AUTOTUNE": "1",
+        "RINGPLUG_AUTOTUNE_LOG": str(log),
+        "RINGPLUG_AUTOTUNE_WARMUP_SAMPLES": "2",
+        "RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE": "5",
+        "RINGPLUG_AUTOTUNE_MAX_SAMPLES": "9",
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "fixed"),
+    [
+        (["--autotune", "--fusion-threshold-mb", "32"], "RINGPLUG_FUSION_THRESHOLD=32M"),
+        (["--autotune", "--cycle-time-ms", "5"], "RINGPLUG_CYCLE_TIME=5"),
+        (["--autotune", "-x", "RINGPLUG_CYCLE_TIME=2"], "RINGPLUG_CYCLE_TIME=2"),
+        (["-x", "RINGPLUG_AUTOTUNE=1", "--fusion-threshold-mb", "8"], "FUSION_THRESHOLD=8M"),
+    ],
+)
+def test_autotune_with_a_fixed_setting_stops_ringrun_before_launch(argv, fixed):
+    result = run_ringrun("--dry-run", "-np", "2", *argv, "python", timeout=30)
+    assert result.returncode == 2
+    assert result.stdout == ""  # nothing launched, no command line shown
+    assert fixed in result.stderr
+    assert "Drop the fixed value (--fusion-threshold-mb / --cycle-time-ms" in result.stderr
+
+
+def test_autotune_samples_out_of_range_name_the_flag():
+    result = run_ringrun(
+        "--dry-run",
+        "-np",
+        "2",
+        "--autotune",
+        "--autotune-steps-per-sample",
+        "1",
+        "python",
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE='1' must be a whole number from 2" in (result.stderr)
+
+
 def test_tuning_settings_and_mpi_args_come_from_a_yaml_config_file(tmp_path):
     config = tmp_path / "launch.yaml"
     config.write_text(
@@ -377,7 +434,7 @@ def test_unsupported_flag_fails_with_one_line_naming_it(flag_and_values, capsys)
         (["--gloo"], "through MPI"),
         (["--jsrun"], "jsrun directly"),
         (["--blacklist-cooldown-range", "5", "10"], "lost host stays out of the job for 60"),
-        (["--autotune"], "--fusion-threshold-mb and --cycle-time-ms"),
+        (["--autotune-gaussian-process-noise", "0.8"], "no noise to set"),
         (["--hierarchical-allreduce"], "flat ring"),
         (["--cache-capacity", "2048"], "fixed size"),
         (["--num-nccl-streams", "2"], "one stream per rank"),
@@ -393,7 +450,7 @@ def test_unsupported_flag_says_what_to_do_instead(argv, advice, capsys):
 
 def test_unlisted_flag_of_a_refused_family_gets_the_familys_reason(capsys):
     assert main(["-np", "2", "--autotune-new-knob", "python"]) == 2
-    assert "--autotune-new-knob is not supported: ringplug has no autotuner" in (
+    assert "--autotune-new-knob is not supported: ringplug's autotune takes --autotune," in (
         capsys.readouterr().err
     )
 
@@ -435,7 +492,9 @@ def test_help_groups_horovodrun_flags_and_hides_the_refused_ones():
     ):
         assert flag in group
     assert "--blacklist-cooldown-range" not in text
-    assert "--autotune-log-file" not in text
+    listed = [line.split()[0] for line in text.splitlines() if line.strip().startswith("-")]
+    assert "--autotune-gaussian-process-noise" not in listed
+    assert {"--autotune", "--autotune-log-file", "--autotune-bayes-opt-max-samples"} <= set(listed)
 
 
 # ----------------------------------------------------------------------------- start reports
@@ -599,6 +658,12 @@ def _example(variable: config.Variable, folder: Path) -> str:
         return str(folder / "trace.json")
     if variable.form in (config.SECONDS, config.MILLISECONDS):
         return f"{(variable.default or 1) / 2 + 0.25:g}"
+    if variable.form == config.CHOICE:
+        return variable.choices[-1]
+    if variable.name == "RINGPLUG_ALGORITHM":
+        return "allreduce=ring,broadcast=chain"
+    if variable.form == config.COUNT:
+        return str(variable.default + 1)
     raise AssertionError(f"no example value for {variable.name}: add one here")
 
 

@@ -73,6 +73,8 @@ LEVEL = "level"
 SWITCH = "switch"
 PATH = "path"
 PROGRAM = "program"
+CHOICE = "choice"
+TEXT = "text"
 
 RANKS = "the ranks"
 RINGRUN = "ringrun"
@@ -85,7 +87,8 @@ class Variable:
     Args:
         name: the environment variable, ``RINGPLUG_TIMEOUT``.
         form: what its text is: :data:`SECONDS`, :data:`MILLISECONDS`, :data:`BYTES`,
-            :data:`COUNT`, :data:`LEVEL`, :data:`SWITCH`, :data:`PATH` or :data:`PROGRAM`.
+            :data:`COUNT`, :data:`LEVEL`, :data:`SWITCH`, :data:`PATH`, :data:`PROGRAM`,
+            :data:`CHOICE` or :data:`TEXT` (checked by its reader).
         default: its value when unset, in its own unit (``None``: unset means "not given").
         doc: what it means, one sentence for the docs' table and ringrun's help.
         field: the :class:`Settings` field the ranks' engine reads it into, if any.
@@ -100,6 +103,7 @@ class Variable:
         default_doc: the default as the docs say it, when not the value itself.
         metavar: the flag value's name in ringrun's help.
         scale: the factor from its unit to the :class:`Settings` field's (ms -> s: 1e-3).
+        choices: the words a :data:`CHOICE` takes (the first is the default's spelling).
     """
 
     name: str
@@ -117,6 +121,7 @@ class Variable:
     default_doc: str | None = None
     metavar: str | None = None
     scale: float = 1.0
+    choices: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -153,11 +158,16 @@ class Variable:
                     f"{self.name}={level!r} is not a log level; use one of {', '.join(LOG_LEVELS)}."
                 )
             return level
+        if self.form == CHOICE:
+            word = text.strip().lower()
+            if word not in self.choices:
+                raise ValueError(f"{self.name}={text!r}: use one of {', '.join(self.choices)}.")
+            return word
         if self.form == SWITCH:
             if text.lower() not in _SWITCH_WORDS:
                 raise ValueError(f"{self.name}={text!r}: use 1 (on) or 0 (off).")
             return _SWITCH_WORDS[text.lower()]
-        return text  # a path or a program
+        return text  # a path, a program or a text its reader checks
 
     def _time(self, raw: str) -> float:
         unit = self.form
@@ -279,19 +289,130 @@ CYCLE_TIME = Variable(
 """The engine's `cycle_time` is in seconds. A cycle time is a pause before every cycle:
 more than a second is a mistake."""
 
+AUTOTUNE = Variable(
+    "RINGPLUG_AUTOTUNE",
+    SWITCH,
+    False,
+    "`1` (ringrun's `--autotune`) tunes `RINGPLUG_FUSION_THRESHOLD` and `RINGPLUG_CYCLE_TIME` "
+    "while training (every "
+    "rank applies rank 0's choice at the same cycle) and keeps the best; not together with "
+    "either of them",
+    field="autotune",
+    default_doc="`0` (off)",
+)
+"""The search and its budget: `ringplug.core.autotune`; usage: docs/configuration.md."""
+
+AUTOTUNE_LOG = Variable(
+    "RINGPLUG_AUTOTUNE_LOG",
+    PATH,
+    None,
+    "the CSV file where rank 0 writes every autotune trial (sample, fusion_threshold, "
+    "cycle_time_ms, score, best_score, converged, steps)",
+    field="autotune_log",
+    flag="--autotune-log-file",
+    metavar="PATH",
+)
+
+AUTOTUNE_WARMUP_SAMPLES = Variable(
+    "RINGPLUG_AUTOTUNE_WARMUP_SAMPLES",
+    COUNT,
+    1,
+    "autotune: samples at the start setting that are not scored (the first steps compile, "
+    "allocate and fill caches)",
+    field="autotune_warmup_samples",
+    flag="--autotune-warmup-samples",
+    metavar="N",
+    most=100,
+)
+
+AUTOTUNE_STEPS_PER_SAMPLE = Variable(
+    "RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE",
+    COUNT,
+    4,
+    "autotune: training steps (a step ends where a gradient's name comes again) scored "
+    "per trial setting; the first of them, after the change, is not timed",
+    field="autotune_steps_per_sample",
+    flag="--autotune-steps-per-sample",
+    metavar="N",
+    least=2,
+    most=10_000,
+)
+
+AUTOTUNE_MAX_SAMPLES = Variable(
+    "RINGPLUG_AUTOTUNE_MAX_SAMPLES",
+    COUNT,
+    11,
+    "autotune: the most trial settings scored before it keeps the best (it stops sooner "
+    "when no neighbour of the best is better)",
+    field="autotune_max_samples",
+    flag="--autotune-max-samples",
+    horovodrun="--autotune-bayes-opt-max-samples",
+    metavar="N",
+    least=1,
+    most=1000,
+)
+"""With the defaults, (1 + 11) x 4 = 48 steps at most are spent tuning."""
+
 RING_THRESHOLD = Variable(
     "RINGPLUG_RING_THRESHOLD",
     BYTES,
-    1 << 20,
-    "from this size on, allreduce uses ringplug's ring instead of MPI's own Allreduce",
+    None,
+    "from this size on, allreduce and reducescatter use ringplug's ring instead of MPI's own "
+    "collectives, and allgather and broadcast are MPI's at every size: the fixed algorithm "
+    "table, no calibration",
     field="ring_threshold",
+    default_doc="unset: measured (`1M` with `RINGPLUG_CALIBRATION=fixed`)",
 )
-"""Measured on the 2-core CI machine, 2 ranks, both paths and MPI's Allreduce interleaved in
-one run (5 runs, medians of the speed against MPI's Allreduce): at 1 MiB the ring reached
-0.88-0.97x, MPI's Iallreduce 0.72-0.87x; at 2 MiB 0.96-1.12x against 0.73-0.99x; at 512 KiB
-the ring lost (0.75-0.78x against 0.78-0.85x). On 3 and 4 ranks (more ranks than cores) the
-ring was the faster of the two from 256 KiB to 4 MiB. From 32 MiB MPICH falls to half the
-ring's bandwidth (it page-faults a fresh temporary every call)."""
+"""Unset, the algorithm table's crossovers are measured (`RINGPLUG_CALIBRATION`). Its value
+with `RINGPLUG_CALIBRATION=fixed`, 1 MiB, was measured on the 2-core CI machine, 2 ranks,
+both paths and MPI's Allreduce interleaved in one run (5 runs, medians of the speed against
+MPI's Allreduce): at 1 MiB the ring reached 0.88-0.97x, MPI's Iallreduce 0.72-0.87x; at 2
+MiB 0.96-1.12x against 0.73-0.99x; at 512 KiB the ring lost (0.75-0.78x against
+0.78-0.85x)."""
+
+FIXED_RING_THRESHOLD = 1 << 20
+"""The ring's threshold of the fixed table when `RINGPLUG_RING_THRESHOLD` is unset."""
+
+CALIBRATION = Variable(
+    "RINGPLUG_CALIBRATION",
+    CHOICE,
+    "auto",
+    "how the ranks learn which algorithm each collective takes by size: `auto` loads the "
+    "table cached for this job's hosts, rank count, MPI library and ringplug version, else "
+    "measures it at the first collective and caches it; `fresh` measures again; `fixed` uses "
+    "the fixed table (`RINGPLUG_RING_THRESHOLD`)",
+    field="calibration",
+    flag="--calibration",
+    metavar="auto|fresh|fixed",
+    choices=("auto", "fresh", "fixed"),
+)
+"""The measurement times each candidate at a few sizes on the job's own ranks and fits an
+alpha-beta model to each (`ringplug.core.transport.calibration`); `ringplug-bench
+algorithms` prints it."""
+
+CALIBRATION_SECONDS = Variable(
+    "RINGPLUG_CALIBRATION_SECONDS",
+    SECONDS,
+    3.0,
+    "the longest the algorithm table's measurement may take; past it the sizes measured so "
+    "far are fitted (fewer than two: the fixed table)",
+    field="calibration_seconds",
+    most=600,
+)
+
+ALGORITHM = Variable(
+    "RINGPLUG_ALGORITHM",
+    TEXT,
+    None,
+    "force algorithms whatever the size: `ring`, `mpi`, ... for every kind that has it, or "
+    "pairs such as `allreduce=ring,allgather=mpi` (kinds: allreduce, reducescatter, "
+    "allgather, broadcast; algorithms: mpi, doubling, ring, chain)",
+    field="algorithm",
+    flag="--algorithm",
+    metavar="NAME|KIND=NAME,...",
+)
+"""A forced algorithm is still refused where it cannot reduce: Max of float16 never takes
+MPI's Allreduce. The rest of the table is measured as usual."""
 
 RING_SEGMENT = Variable(
     "RINGPLUG_RING_SEGMENT",
@@ -453,7 +574,10 @@ class Settings:
     bounds and defaults are there); constructor arguments elsewhere win over these."""
 
     timeout: float = TIMEOUT.default
-    ring_threshold: int = RING_THRESHOLD.default
+    ring_threshold: int | None = RING_THRESHOLD.default
+    calibration: str = CALIBRATION.default
+    calibration_seconds: float = CALIBRATION_SECONDS.default
+    algorithm: str | None = ALGORITHM.default
     ring_segment: int = RING_SEGMENT.default
     eager_threshold: int = EAGER_THRESHOLD.default
     fusion_threshold: int = FUSION_THRESHOLD.default
@@ -462,12 +586,23 @@ class Settings:
     stall_check_seconds: float = STALL_CHECK_SECONDS.default
     stall_shutdown_seconds: float = STALL_SHUTDOWN_SECONDS.default
     timeline: str | None = TIMELINE.default
+    autotune: bool = AUTOTUNE.default
+    autotune_log: str | None = AUTOTUNE_LOG.default
+    autotune_warmup_samples: int = AUTOTUNE_WARMUP_SAMPLES.default
+    autotune_steps_per_sample: int = AUTOTUNE_STEPS_PER_SAMPLE.default
+    autotune_max_samples: int = AUTOTUNE_MAX_SAMPLES.default
     flight_record: int = FLIGHT_RECORD.default
     log_level: str = LOG_LEVEL.default
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Read the environment (default ``os.environ``) into a `Settings` (at ``ringplug.init()``)."""
+    """Read the environment (default ``os.environ``) into a `Settings` (at ``ringplug.init()``).
+
+    Raises:
+        ValueError: a value it cannot take, or ``RINGPLUG_AUTOTUNE=1`` with a setting it
+            tunes given too (:func:`check_autotune`).
+    """
+    check_autotune(environ)
     return Settings(
         **{
             variable.field: variable.field_value(variable.read(environ))
@@ -475,6 +610,36 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
             if variable.field is not None
         }
     )
+
+
+AUTOTUNED: tuple[Variable, ...] = (FUSION_THRESHOLD, CYCLE_TIME)
+"""The settings ``RINGPLUG_AUTOTUNE`` chooses (none of them may be given with it)."""
+
+
+def autotune_conflict(autotune: bool, given: Mapping[str, str]) -> str | None:
+    """The error of autotune turned on with settings it tunes fixed too (``given``: their
+    names and values, as given), or ``None``. Worded for ringrun's flags and the variables."""
+    fixed = [f"{name}={value}" for name, value in given.items()]
+    if not (autotune and fixed):
+        return None
+    return (
+        f"{AUTOTUNE.name}=1 (ringrun --autotune) tunes {' and '.join(v.name for v in AUTOTUNED)} "
+        f"itself, but {', '.join(fixed)} is fixed too. Drop the fixed value "
+        "(--fusion-threshold-mb / --cycle-time-ms, or the variable) to let autotune choose, "
+        "or turn autotune off to keep it."
+    )
+
+
+def check_autotune(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse ``RINGPLUG_AUTOTUNE=1`` together with a setting it tunes.
+
+    Raises:
+        ValueError: what :func:`autotune_conflict` says.
+    """
+    given = {v.name: text for v in AUTOTUNED if (text := v.given(environ)) is not None}
+    conflict = autotune_conflict(bool(AUTOTUNE.read(environ)), given)
+    if conflict is not None:
+        raise ValueError(conflict)
 
 
 def diagnose_setting() -> tuple[bool | None, int | None]:

@@ -64,6 +64,7 @@ def expected_case_names(rank: int, size: int) -> list[str]:
         "bad/rank-outside-the-world",
         "bad/not-a-list-of-ranks",
         "bad/ranks-disagree",
+        "bad/ids-disagree",
         "bad/remove-with-work-pending",
         "bad/removed-set-refused",
         "world-still-works",
@@ -338,6 +339,22 @@ def main(outdir: str) -> None:
         "bad/ranks-disagree",
         lambda: sets.add_process_set([0, 1] if rank == 0 else [0, 2]),
         raises(ringplug.MismatchError, "rank 0 passed [0, 1]", "passed [0, 2]"),
+    )
+
+    def ids_disagree():
+        # As if rank 0 alone had retired the next id (sets removed by their members only).
+        next_id = sets._sets.free_id()
+        if rank == 0:
+            sets._sets.retired.add(next_id)
+        try:
+            return sets.add_process_set([0, 1])
+        finally:
+            sets._sets.retired.discard(next_id)
+
+    check(
+        "bad/ids-disagree",
+        ids_disagree,
+        raises(ringplug.MismatchError, "different ids", "rank 0: 5; rank 1: 4"),
     )
     members_b = made["B"].ranks
     if made["B"].included():

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 import ringplug
+from ringplug.core.algorithms import ALLREDUCE, RING, AlgorithmTable
 
 from .common import (
     ROUNDS,
@@ -280,8 +281,10 @@ def run(args: argparse.Namespace) -> int:
 
         dist.barrier()
         dist.destroy_process_group()
+    # Every rank asks (making the table, if no collective did, is collective).
+    table = ringplug.core.runtime.engine().transport.algorithms
     if leader:
-        _report(args, records, ranks, dtype)
+        _report(args, records, ranks, dtype, table)
     return 0
 
 
@@ -382,13 +385,24 @@ def _start_cuda(impls: list[str]) -> None:
         init_gloo_group(backend="nccl")
 
 
-def _report(args: argparse.Namespace, records: list[Record], ranks: int, dtype: np.dtype) -> None:
+def _report(
+    args: argparse.Namespace,
+    records: list[Record],
+    ranks: int,
+    dtype: np.dtype,
+    table: AlgorithmTable,
+) -> None:
     """Write the JSON and the plot (rank 0)."""
+    from ringplug.core.transport.calibration import describe
+
     settings = ringplug.core.runtime.settings()
+    ring_from = [start for start, name in table.bands[(ALLREDUCE, True)] if name == RING]
     env = environment(
         {
             "fusion_threshold": settings.fusion_threshold,
-            "ring_threshold": settings.ring_threshold,
+            # where the algorithm table (measured or fixed) puts allreduce on the ring
+            "ring_threshold": ring_from[0] if ring_from else None,
+            "algorithm_table": describe(table),
             "ring_segment": settings.ring_segment,
         }
     )

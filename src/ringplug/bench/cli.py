@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import allreduce, fusion, keras_compare, lightning_compare, sampler, scale, zero
+from . import algorithms, allreduce, fusion, sampler, scale, zero
+from .autotune import compare as autotune_compare
+from .frameworks import keras_compare, lightning_compare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     allreduce.add_arguments(
         commands.add_parser("allreduce", help="allreduce bandwidth and latency, 4 KiB to 256 MiB")
     )
+    algorithms.add_arguments(
+        commands.add_parser(
+            "algorithms",
+            help="the algorithm table's calibration (points, models, crossovers) and its "
+            "allreduce against MPI's own",
+        )
+    )
     fusion.add_arguments(
         commands.add_parser(
             "fusion", help="the engine on ResNet-50's gradients, against single/copy/gloo"
@@ -29,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     lightning_compare.add_arguments(
         commands.add_parser(
             "lightning", help="RingStrategy against DDP (gloo) on CPU; starts every job itself"
+        )
+    )
+    autotune_compare.add_arguments(
+        commands.add_parser(
+            "autotune",
+            help="autotune from a bad setting against the best of a hand-picked sweep, "
+            "side by side in one job (--workload fusion or lightning)",
         )
     )
     keras_compare.add_arguments(
@@ -62,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "allreduce":
         return allreduce.run(args)
+    if args.command == "algorithms":
+        return algorithms.run(args)
     if args.command == "fusion":
         return fusion.run(args)
     if args.command == "lightning":
         return lightning_compare.run(args)
+    if args.command == "autotune":
+        return autotune_compare.run(args)
     if args.command == "keras":
         return keras_compare.run(args)
     if args.command == "sampler":

@@ -60,14 +60,18 @@ class _Sets:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_id: dict[int, ProcessSet] = {}
+        # Ids of sets removed by their members only (torch's destroy_process_group): a rank
+        # outside such a set cannot know when the members removed it, so no rank gives its
+        # id again.
+        self.retired: set[int] = set()
         self.hooked = False
 
     def free_id(self) -> int:
-        """The smallest id no set has (0 is the world, as in Horovod): a removed set's id is
-        given again, as Horovod does; the same on every rank, as sets are made and removed
-        collectively."""
+        """The smallest id no set has (0 is the world, as in Horovod): the id of a set that
+        every rank removed is given again, as Horovod does; the same on every rank, as such
+        sets are made and removed collectively."""
         set_id = 1
-        while set_id in self.by_id:
+        while set_id in self.by_id or set_id in self.retired:
             set_id += 1
         return set_id
 
@@ -213,10 +217,20 @@ def add_process_set(ranks: Iterable[int]) -> ProcessSet:
     try:
         with _sets.lock:
             set_id = _sets.free_id()
-        proposals = allgather_object(proposal, name=f"ringplug.add_process_set.{set_id}")
+        # One name on every rank, whatever id each would give the set: ranks that disagree
+        # on the id get an error below instead of waiting in differently named collectives.
+        offers = allgather_object((set_id, proposal), name="ringplug.add_process_set")
     finally:
         runtime.scope.reset(token)
-    members = agreed_ranks(proposals, world.size, set_id)
+    ids = [offer[0] for offer in offers]
+    if len(set(ids)) > 1:
+        raise MismatchError(
+            "Ranks would give a new process set different ids ("
+            + "; ".join(f"rank {r}: {i}" for r, i in enumerate(ids))
+            + "): they made or removed different sets before. Every rank of the world must "
+            "make and remove the same sets in the same order."
+        )
+    members = agreed_ranks([offer[1] for offer in offers], world.size, set_id)
     with _sets.lock:
         if not _sets.hooked:
             runtime.before_shutdown.append(_stop_all)
@@ -296,7 +310,7 @@ def _remove_among_members(process_set: ProcessSet, busy: list[str], world: Engin
             process_set,
             [(process_set.ranks[r], count, names) for r, (count, names) in enumerate(reports)],
         )
-    _close(process_set, world)
+    _close(process_set, world, retire=True)
 
 
 def _refuse_pending(process_set: ProcessSet, reports: list[tuple[int, int, list[str]]]) -> None:
@@ -433,11 +447,13 @@ def _communicator(members: tuple[int, ...], set_id: int) -> MPI.Comm:
         everyone.Free()
 
 
-def _close(process_set: ProcessSet, world: Engine | None) -> None:
+def _close(process_set: ProcessSet, world: Engine | None, retire: bool = False) -> None:
     """Stop the set's engine (its members agree on it in its last cycle) and free its
-    communicator."""
+    communicator; with `retire`, its id is never given again (see `_Sets.retired`)."""
     with _sets.lock:
         _sets.by_id.pop(process_set.process_set_id, None)
+        if retire:
+            _sets.retired.add(process_set.process_set_id)
     process_set._removed = True
     engine, process_set._engine = process_set._engine, None
     if engine is None:
@@ -458,6 +474,7 @@ def _stop_all() -> None:
         _close(process_set, world)
     with _sets.lock:
         _sets.by_id.clear()
+        _sets.retired.clear()
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:

@@ -43,12 +43,20 @@ _ELASTIC = (
     f"{BLACKLIST_COOLDOWN_S[0]:g} to {BLACKLIST_COOLDOWN_S[1]:g} s; drop the flag"
 )
 _AUTOTUNE = (
-    "ringplug has no autotuner; set --fusion-threshold-mb and --cycle-time-ms yourself "
-    "(ringplug's defaults: 64 MiB and 0 ms)"
+    "ringplug's autotune (--autotune) searches a small grid guided by a cost model, not "
+    "Horovod's Gaussian process, so it has no noise to set; drop the flag (its other flags: "
+    "--autotune-log-file, --autotune-warmup-samples, --autotune-steps-per-sample, "
+    "--autotune-bayes-opt-max-samples)"
+)
+_AUTOTUNE_FLAGS = (
+    "ringplug's autotune takes --autotune, --autotune-log-file, --autotune-warmup-samples, "
+    "--autotune-steps-per-sample and --autotune-bayes-opt-max-samples (its most samples); "
+    "drop the flag"
 )
 _HIERARCHICAL = (
-    "ringplug's allreduce is one flat ring over all ranks (MPI's own Allreduce below "
-    "RINGPLUG_RING_THRESHOLD) and its allgather is MPI's; drop the flag"
+    "ringplug's allreduce takes MPI's own, recursive doubling or one flat ring over all "
+    "ranks, by size as its measured algorithm table says (RINGPLUG_CALIBRATION), and its "
+    "allgather MPI's or the ring; drop the flag"
 )
 _DEVICE_OPERATIONS = (
     "ringplug picks the data plane by where a tensor lives: NCCL for GPU tensors, MPI for "
@@ -70,18 +78,7 @@ UNSUPPORTED = (
         "inside the allocation",
     ),
     Unsupported(("--blacklist-cooldown-range",), 2, _ELASTIC),
-    Unsupported(("--autotune",), 0, _AUTOTUNE),
-    Unsupported(
-        (
-            "--autotune-log-file",
-            "--autotune-warmup-samples",
-            "--autotune-steps-per-sample",
-            "--autotune-bayes-opt-max-samples",
-            "--autotune-gaussian-process-noise",
-        ),
-        1,
-        _AUTOTUNE,
-    ),
+    Unsupported(("--autotune-gaussian-process-noise",), 1, _AUTOTUNE),
     Unsupported(("--hierarchical-allreduce", "--hierarchical-allgather"), 0, _HIERARCHICAL),
     Unsupported(
         ("--cache-capacity",),
@@ -118,7 +115,7 @@ UNSUPPORTED = (
 # reach ringrun as unrecognized options; they get the family's reason rather than argparse's
 # "unrecognized arguments".
 _FAMILIES = (
-    ("--autotune-", _AUTOTUNE),
+    ("--autotune-", _AUTOTUNE_FLAGS),
     ("--elastic-", _ELASTIC),
     ("--hierarchical-", _HIERARCHICAL),
     ("--gpu-", _DEVICE_OPERATIONS),
@@ -149,7 +146,7 @@ def add_horovodrun_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "horovodrun compatibility",
         "horovodrun's flags, for scripts that switch to ringrun. Other horovodrun flags "
-        "(--gloo, --jsrun, autotune, hierarchical, --cache-capacity, "
+        "(--gloo, --jsrun, --autotune-gaussian-process-noise, hierarchical, --cache-capacity, "
         "--num-nccl-streams, --thread-affinity, --gpu-*/--cpu-operations) stop ringrun with "
         "a note on what to do instead.",
     )

@@ -764,6 +764,14 @@ class RunSettings:
         metavar="MS",
         ranks=lambda ms: {config.CYCLE_TIME.name: f"{ms:g}"},
     )
+    autotune: bool | None = setting(
+        SWITCH,
+        "tune the fusion threshold and the cycle time while training, keeping the best "
+        f"({config.AUTOTUNE.name}=1; see --autotune-log-file and the other --autotune-* "
+        "flags); not with --fusion-threshold-mb or --cycle-time-ms",
+        flags=[Flag(("--autotune",), horovodrun=True, sets=True)],
+        ranks=lambda on: {config.AUTOTUNE.name: "1" if on else "0"},
+    )
     stall_check: bool | None = setting(
         SWITCH,
         "turn off the stall warning and the stall shutdown",
@@ -887,6 +895,7 @@ class RunSettings:
         if self.hosts and self.hostfile:
             raise SettingsError("give hosts (-H) or a hostfile (--hostfile), not both")
         check_values(self)
+        self._check_autotune()
         timed = (
             self.stall_check_warning_time_seconds is not None
             or self.stall_check_shutdown_time_seconds is not None
@@ -896,6 +905,21 @@ class RunSettings:
                 "the stall check is turned off (--no-stall-check), so its warning and shutdown "
                 "times would do nothing; give one or the other"
             )
+
+    def _check_autotune(self) -> None:
+        """Refuse autotune (``--autotune`` or ``-x RINGPLUG_AUTOTUNE=1``) together with a
+        setting it tunes, before anything is launched."""
+        given = dict(rank_variables(self))
+        given.update({k: v for k, v in self.env.items() if v is not None})
+        on = given.get(config.AUTOTUNE.name)
+        try:
+            autotune = bool(on is not None and config.AUTOTUNE.parse(on))
+        except ValueError as error:
+            raise SettingsError(str(error)) from None
+        fixed = {v.name: given[v.name] for v in config.AUTOTUNED if v.name in given}
+        conflict = config.autotune_conflict(autotune, fixed)
+        if conflict is not None:
+            raise SettingsError(conflict)
 
     @property
     def effective_start_timeout(self) -> float | None:

@@ -299,12 +299,14 @@ class Cycle:
             kind_of(request.signature.kind).run_carried(engine, request, *carried_alone)
             engine.counters.collectives_run += 1
             engine.transport.last_path = "eager"
-            return
-        for item in self._batches(plan.responses):
-            if isinstance(item, list):
-                kind_of(item[0].signature.kind).run_batch(engine, item)
-            else:
-                self._run_single(item)
+        else:
+            for item in self._batches(plan.responses):
+                if isinstance(item, list):
+                    kind_of(item[0].signature.kind).run_batch(engine, item)
+                else:
+                    self._run_single(item)
+        if engine.tuner is not None:  # the same plan at the same cycle on every rank
+            engine.tuner.after_cycle(self.number, plan.responses)
 
     def _batches(self, responses: list[Response]) -> list[list[Response] | Response]:
         """`batches` of this plan's responses: the last plan's own batches when it ran the

@@ -25,6 +25,7 @@ Callers (the user's thread, autograd hooks, a Keras step) submit requests and ge
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -40,7 +41,7 @@ from ...forensics import flight
 from ...forensics.flight import FlightRecorder
 from ...forensics.stacks import own_stacks, report_lines
 from ...wire import UNNAMED, Response
-from .. import log
+from .. import autotune, log
 from ..dtypes import ITEMSIZE
 from ..errors import (
     CommunicatorFailed,
@@ -139,6 +140,9 @@ class Engine:
         self.scheduler = Scheduler(self, self.cycle.run_guarded, thread_name)
         if settings.timeline:
             self.start_timeline(settings.timeline)
+        # RINGPLUG_AUTOTUNE: the world's engine tells its tuner each cycle's plan
+        # (`Cycle.run_plan`), and the tuner changes the settings (`apply_tuned_setting`).
+        self.tuner = autotune.for_engine(self) if settings.autotune and ranks is None else None
         self.scheduler.start()
 
     # ------------------------------------------------------------------ callers' side
@@ -203,6 +207,8 @@ class Engine:
         if self._last_words in log.before_end:
             log.before_end.remove(self._last_words)
         self.stop_timeline()
+        if self.tuner is not None:
+            self.tuner.close()
         if self._gpu is not None:
             self._gpu.close()
         if self.ctrl is not None:
@@ -245,6 +251,15 @@ class Engine:
     def scope_text(self, text: str) -> None:
         self._scope_text = text
         self.stalls.scope_text = text
+
+    def apply_tuned_setting(self, fusion_threshold: int, cycle_time: float) -> None:
+        """Make the autotuner's setting this engine's from the next cycle on (every rank
+        calls it at the end of the same cycle): the next `Cycle.run` reads it."""
+        self.settings = dataclasses.replace(
+            self.settings, fusion_threshold=fusion_threshold, cycle_time=cycle_time
+        )
+        if self._gpu is not None:
+            self._gpu.settings = self.settings
 
     def gpu_plane(self) -> GpuPlane:
         """The GPU data plane (NCCL), made at the first GPU collective."""

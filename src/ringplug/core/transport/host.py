@@ -17,9 +17,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...config import Settings
+from ..algorithms import (
+    ALLGATHER,
+    ALLREDUCE,
+    BROADCAST,
+    CHAIN,
+    DOUBLING,
+    REDUCESCATTER,
+    RING,
+    AlgorithmTable,
+    parse_forced,
+)
+from ..algorithms import (
+    MPI as MPI_OWN,
+)
 from ..dtypes import DType
 from ..ops import ReduceOp
-from . import adasum, doubling, reduce, ring
+from . import adasum, calibration, chain, doubling, reduce, ring
 from .waiting import Waiter
 
 if TYPE_CHECKING:
@@ -44,10 +58,15 @@ class Transport:
         self.rank = self._comm.Get_rank() if self._comm is not None else 0
         self.size = self._comm.Get_size() if self._comm is not None else 1
         self._scratch = np.empty(settings.ring_segment, np.uint8)
-        # which path the last allreduce or reducescatter took (tests and benchmarks read it)
+        # which algorithm the last allreduce, reducescatter, allgather or broadcast took
+        # (tests and benchmarks read it)
         self.last_path = ""
         # The engine gives its own, which also carries notices between the ranks.
         self.waiter = Waiter(None, settings, self.rank, self.size)
+        # RINGPLUG_ALGORITHM, refused here (at init, on every rank alike) when it names
+        # no kind or algorithm.
+        self.forced = parse_forced(settings.algorithm)
+        self._algorithms: AlgorithmTable | None = None  # made at the first choice
         self._mpi_ops: dict[ReduceOp, MPI.Op] = {}
         if comm is not None:
             from mpi4py import MPI
@@ -77,29 +96,42 @@ class Transport:
         stale, self._comm = self._comm, fresh
         stale.Free()  # its pending operations stay posted, harmlessly, on a freed context
 
-    def uses_ring(self, nbytes: int, code: DType, op: ReduceOp | None = None) -> bool:
-        """Whether an allreduce of `nbytes` takes ringplug's ring (else MPI's Allreduce).
+    def mpi_reduces(self, code: DType, op: ReduceOp | None) -> bool:
+        """Whether MPI's own reductions can reduce `code` with `op`.
 
-        Max and Min of floating-point values always take the ring: numpy's maximum and
+        Not 16-bit floats, and not Max and Min of floating-point values: numpy's maximum and
         minimum propagate NaN whichever rank holds it, while MPI's MAX/MIN keep it only
         when the last rank combined holds it.
         """
         if op in (ReduceOp.MAX, ReduceOp.MIN) and code.is_floating:
-            return True
-        return code not in _MPI_NATIVE or nbytes >= self.settings.ring_threshold
+            return False
+        return code in _MPI_NATIVE
 
-    def uses_doubling(self, buf: np.ndarray | ring.Pieces, code: DType, op: ReduceOp) -> bool:
-        """Whether an allreduce of `buf` takes recursive doubling: a small one (below the
-        ring's threshold, where MPI's own Allreduce would take it) that MPI cannot reduce
-        (16-bit floats, or Max and Min of floats, see `uses_ring`). The ring would pay
-        2 (p - 1) steps of latency for it, doubling pays ceil(log2 p) (+2 when p is not a
-        power of two)."""
-        nbytes = buf.size * code.itemsize
-        return (
-            isinstance(buf, np.ndarray)
-            and nbytes < self.settings.ring_threshold
-            and self.uses_ring(nbytes, code, op)
-        )
+    @property
+    def algorithms(self) -> AlgorithmTable:
+        """This communicator's algorithm table (`core.algorithms`), made at its first use.
+
+        Making it is collective (rank 0 loads or measures it and sends it to every rank):
+        every rank of the communicator gets here at the same collective, the first one of
+        more than one rank that chooses an algorithm, as the engine's agreed plan runs them
+        in one order everywhere.
+        """
+        if self._algorithms is None:
+            self._algorithms = calibration.agreed_table(self)
+        return self._algorithms
+
+    def use_algorithms(self, table: AlgorithmTable) -> None:
+        """Use `table` from now on (the same on every rank: tests and the bench)."""
+        self._algorithms = table
+
+    def choose(
+        self, kind: str, nbytes: int, code: DType | None = None, op: ReduceOp | None = None
+    ) -> str:
+        """The algorithm of a `kind` collective of `nbytes` bytes (see `core.algorithms`)."""
+        if self.size == 1:
+            return "local"
+        reduces = code is None or self.mpi_reduces(code, op)
+        return self.algorithms.choose(kind, nbytes, reduces)
 
     def _wait(self, request: MPI.Request, phase: str) -> None:
         self.waiter.traffic.called(phase.split()[1])  # "MPI Iallreduce" -> "Iallreduce"
@@ -111,25 +143,34 @@ class Transport:
         """buf <- reduction over ranks times `postscale`, in place (Average is summed here:
         pass 1/size as `postscale`).
 
-        `buf` is a flat array, or several (`ring.Pieces`, only for sizes the ring takes).
+        `buf` is a flat array, or several (`ring.Pieces`, only where the table chooses the
+        ring: the kinds ask `choose` first).
         """
-        if self.size == 1:
-            self.last_path = "local"
-        elif self.uses_doubling(buf, code, op):
-            self.last_path = "doubling"
-            doubling.allreduce(self._comm, buf, ring_op(op), code, self.waiter)
-        elif self.uses_ring(buf.size * code.itemsize, code, op):
-            self.last_path = "ring"
+        algorithm = self.choose(ALLREDUCE, buf.size * code.itemsize, code, op)
+        if isinstance(buf, ring.Pieces):
+            algorithm = RING  # only the ring reduces several arrays as one
+        self.last_path = algorithm
+        if algorithm == RING:
             ring.allreduce(
                 self._comm, buf, ring_op(op), code, self._scratch, postscale, self.waiter
             )
             return
-        else:
-            self.last_path = "mpi"
-            self._mpi_allreduce(buf, op, code)
+        assert isinstance(buf, np.ndarray)
+        self.allreduce_by(algorithm, buf, op, code)
         if postscale != 1.0:
-            for array in buf.arrays if isinstance(buf, ring.Pieces) else [buf]:
-                reduce.scale(array, postscale, code)
+            reduce.scale(buf, postscale, code)
+
+    def allreduce_by(self, algorithm: str, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
+        """flat <- the reduction over ranks by `algorithm` (``"mpi"``, ``"doubling"``,
+        ``"ring"``; ``"local"`` on one rank), unscaled."""
+        if algorithm == DOUBLING:
+            doubling.allreduce(self._comm, flat, ring_op(op), code, self.waiter)
+        elif algorithm == RING:
+            ring.allreduce(self._comm, flat, ring_op(op), code, self._scratch, 1.0, self.waiter)
+        elif algorithm == MPI_OWN:
+            self._mpi_allreduce(flat, op, code)
+        elif algorithm != "local":
+            raise ValueError(f"allreduce has no algorithm {algorithm!r}")
 
     def _mpi_allreduce(self, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
         from mpi4py import MPI
@@ -144,7 +185,16 @@ class Transport:
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         """buf <- root's buf, in place."""
         if self.size > 1 and buf.nbytes:
-            self._wait(self._comm.Ibcast(buf.reshape(-1).view(np.uint8), root), "MPI Ibcast")
+            self.last_path = self.choose(BROADCAST, buf.nbytes)
+            self.broadcast_by(self.last_path, buf, root)
+
+    def broadcast_by(self, algorithm: str, buf: np.ndarray, root: int) -> None:
+        """buf <- root's buf by `algorithm` (``"mpi"`` or ``"chain"``)."""
+        data = buf.reshape(-1).view(np.uint8)
+        if algorithm == CHAIN:
+            chain.broadcast(self._comm, data, root, self.settings.ring_segment, self.waiter)
+        else:
+            self._wait(self._comm.Ibcast(data, root), "MPI Ibcast")
 
     def allgather(self, send: np.ndarray, rows: list[int]) -> np.ndarray:
         """Concatenate every rank's rows; `rows[r]` is rank r's first dimension."""
@@ -152,16 +202,29 @@ class Transport:
         if self.size == 1:
             out[...] = send
             return out
+        self.last_path = self.choose(ALLGATHER, out.nbytes)
+        self.allgather_by(self.last_path, send, rows, out)
+        return out
+
+    def allgather_by(
+        self, algorithm: str, send: np.ndarray, rows: list[int], out: np.ndarray
+    ) -> None:
+        """out <- every rank's rows of `send`, by `algorithm` (``"mpi"`` or ``"ring"``)."""
         from mpi4py import MPI
 
-        row_bytes = _row_bytes(send)
-        counts = np.asarray(rows, np.int64) * row_bytes
+        counts = np.asarray(rows, np.int64) * _row_bytes(send)
+        starts = displacements(counts)
+        flat = out.reshape(-1).view(np.uint8)
+        if algorithm == RING:
+            mine = int(starts[self.rank])
+            flat[mine : mine + int(counts[self.rank])] = send.reshape(-1).view(np.uint8)
+            bounds = [*(int(start) for start in starts), int(counts.sum())]
+            ring.allgather_chunks(self._comm, flat, bounds, 1, self.waiter)
+            return
         request = self._comm.Iallgatherv(
-            [send.reshape(-1).view(np.uint8), MPI.BYTE],
-            [out.reshape(-1).view(np.uint8), (counts, displacements(counts)), MPI.BYTE],
+            [send.reshape(-1).view(np.uint8), MPI.BYTE], [flat, (counts, starts), MPI.BYTE]
         )
         self._wait(request, "MPI Iallgatherv")
-        return out
 
     def reducescatter(
         self, send: np.ndarray, op: ReduceOp, code: DType, prescale: float
@@ -172,27 +235,24 @@ class Transport:
         work = np.array(send.reshape(-1), copy=True)
         reduce.scale(work, prescale, code)
         if self.size > 1:
-            if self.uses_doubling(work, code, op):  # small, and MPI cannot reduce it
-                self.last_path = "doubling"
-                doubling.allreduce(self._comm, work, ring_op(op), code, self.waiter)
-            elif self.uses_ring(send.nbytes, code, op):
-                self.last_path = "ring"
-                bounds = [b * row_elems for b in rows]
-                ring.reduce_scatter(
-                    self._comm,
-                    work,
-                    bounds,
-                    ring_op(op),
-                    code,
-                    self._scratch,
-                    1,
-                    waiter=self.waiter,
-                )
-            else:  # small: MPI's Allreduce, then keep this rank's rows
-                self.last_path = "mpi"
-                self._mpi_allreduce(work, op, code)
+            algorithm = self.choose(REDUCESCATTER, send.nbytes, code, op)
+            self.last_path = algorithm
+            self.reducescatter_by(algorithm, work, [b * row_elems for b in rows], op, code)
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
         return work[lo:hi].reshape((rows[self.rank + 1] - rows[self.rank], *send.shape[1:]))
+
+    def reducescatter_by(
+        self, algorithm: str, work: np.ndarray, bounds: list[int], op: ReduceOp, code: DType
+    ) -> None:
+        """Afterwards work[bounds[rank]:bounds[rank + 1]] holds the reduction over ranks:
+        by the ring's reduce-scatter (``"ring"``), or by an allreduce of all of `work`
+        (``"mpi"``, ``"doubling"``), each rank keeping its block."""
+        if algorithm == RING:
+            ring.reduce_scatter(
+                self._comm, work, bounds, ring_op(op), code, self._scratch, 1, waiter=self.waiter
+            )
+        else:
+            self.allreduce_by(algorithm, work, op, code)
 
     def adasum(self, buf: np.ndarray, bounds: list[int]) -> None:
         """buf <- the Adasum of every rank's buf, tensor by tensor (tensor i in
@@ -221,20 +281,20 @@ class Transport:
     ) -> None:
         """Reduce the concatenation of `arrays` over ranks in place; afterwards this rank's
         block (`counts[r]` elements for rank r, in rank order) holds the reduction times
-        `postscale`, the rest partial results. Large buffers take the ring on the arrays
-        themselves; small ones MPI's Allreduce of a copy (lower latency, and the same sums
-        an allreduce of them gives)."""
+        `postscale`, the rest partial results. Where the table chooses the ring, it runs on
+        the arrays themselves; otherwise an allreduce of a copy (lower latency for small
+        buffers, and the same sums an allreduce of them gives)."""
         if prescale != 1.0:
             for array in arrays:
                 reduce.scale(array, prescale, code)
         bounds = [0]
         for count in counts:
             bounds.append(bounds[-1] + count)
-        if self.size == 1 or not self.uses_ring(bounds[-1] * code.itemsize, code, op):
+        algorithm = self.choose(REDUCESCATTER, bounds[-1] * code.itemsize, code, op)
+        if algorithm != RING:
             pieces = ring.Pieces(arrays)
             work = np.concatenate(pieces.arrays) if pieces.arrays else np.empty(0, code.storage)
-            if self.size > 1:
-                self._mpi_allreduce(work, op, code)
+            self.allreduce_by(algorithm, work, op, code)
             lo, hi = bounds[self.rank], bounds[self.rank + 1]
             if postscale != 1.0:
                 reduce.scale(work[lo:hi], postscale, code)
@@ -296,6 +356,29 @@ class Transport:
         )
         self._wait(request, "MPI Iallgatherv")
         return [buffer[d : d + n].tobytes() for d, n in zip(displs, counts, strict=True)]
+
+    def barrier(self) -> None:
+        """Wait until every rank got here."""
+        if self.size > 1:
+            self._wait(self._comm.Ibarrier(), "MPI Ibarrier")
+
+    def allgather_texts(self, text: str) -> list[str]:
+        """Every rank's `text`, in rank order."""
+        if self.size == 1:
+            return [text]
+        data = text.encode()
+        lengths = np.empty(self.size, np.int64)
+        mine = np.array([len(data)], np.int64)
+        self._wait(self._comm.Iallgather(mine, lengths), "MPI Iallgather of the lengths")
+        return [part.decode() for part in self.allgather_bytes(data, [int(n) for n in lengths])]
+
+    def broadcast_text(self, text: str, root: int) -> str:
+        """Root's `text` on every rank."""
+        if self.size == 1:
+            return text
+        length = np.array([len(text.encode()) if self.rank == root else 0], np.int64)
+        self._wait(self._comm.Ibcast(length, root), "MPI Ibcast of the length")
+        return self.broadcast_bytes(text.encode(), int(length[0]), root).decode()
 
 
 def _row_bytes(array: np.ndarray) -> int:

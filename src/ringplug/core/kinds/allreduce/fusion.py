@@ -20,6 +20,7 @@ import numpy as np
 
 from ....config import Settings
 from ....wire import GPU, Response
+from ...algorithms import ALLREDUCE, RING
 from ...dtypes import BY_CODE, DType
 from ...errors import CommunicatorFailed
 from ...ops import BY_CODE as OP_BY_CODE
@@ -206,7 +207,7 @@ class Fusion:
             if not in_place:
                 np.concatenate(sends, out=span)
         elif len(sends) == 1 or (
-            engine.transport.uses_ring(total * code.itemsize, code, op)
+            engine.transport.choose(ALLREDUCE, total * code.itemsize, code, op) == RING
             and total * code.itemsize * _PIECES_PER_SEGMENT
             >= len(sends) * self.settings.ring_segment
         ):

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import alternating_pairs, write_job_json
+from ..common import alternating_pairs, write_job_json
 
 JOB = str(Path(__file__).with_name("keras_job.py"))
 

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import alternating_pairs, write_job_json
+from ..common import alternating_pairs, write_job_json
 
 JOB = str(Path(__file__).with_name("lightning_job.py"))
 TINY = "-tiny"  # an impl with this suffix trains the tiny MLP

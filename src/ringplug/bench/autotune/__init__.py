@@ -1,0 +1,1 @@
+"""`ringplug-bench autotune`: autotune against a hand-picked sweep (see `compare`)."""

@@ -1,0 +1,481 @@
+"""Autotune: tunes the engine's fusion threshold and cycle time while the job trains.
+
+With ``RINGPLUG_AUTOTUNE=1`` (``ringrun --autotune``) the world's engine hands every cycle's
+plan to an :class:`Autotuner` (`Engine._execute` calls :meth:`Autotuner.after_cycle`). The
+plans are the same on every rank, so everything the tuner counts from them is too: the
+steps (a step ends at the cycle where a collective's name comes again), the bytes reduced,
+where a sample of ``RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE`` steps ends. Only the clock differs
+between ranks: at the end of a sample rank 0's score (bytes reduced per second over the
+sample's steps, its first step after the change left out: their bytes over their time) is
+broadcast through the engine's transport, and every rank feeds that same score into the
+same deterministic :class:`Search`. So every rank applies the same setting at the end of the
+same cycle, with no decision to send.
+
+The search is a model-guided local search on a small grid, not Horovod's Gaussian process:
+
+1. warm-up samples at the starting setting measure the bytes of each cycle of a step;
+2. the starting setting is scored;
+3. an alpha-beta :class:`CostModel` of a step's collectives (a latency per fused
+   collective, the cycle time once per cycle; the bandwidth term is the same for every
+   setting) names its best setting: a fusion threshold just above the largest cycle's bytes
+   (larger ones fuse nothing more, so the grid is cut there) and no cycle time; it is
+   scored next, then every other smaller threshold (a coarse spread, stopped where the
+   score falls: the model leaves out what a buffer larger than the cache costs);
+4. from the best so far, the untried grid neighbours (one grid step in one of the two
+   settings), cheapest by the model first, are scored one per sample; a neighbour takes
+   over only when it beats the best by ``margin`` (3%: the noise of a shared machine does
+   not walk the search around);
+5. when no neighbour of the best is left untried (converged), the best and the runner-up,
+   if it came within 15%, are scored once more, back to back, and the higher of these
+   second scores wins (the best's first score, the highest of several noisy ones, is too
+   high); within 3% of each other, the one the model finds cheaper;
+6. then, or after ``RINGPLUG_AUTOTUNE_MAX_SAMPLES`` samples, the best is applied and
+   tuning stops.
+
+With the defaults that is at most (1 + 11) x 4 = 48 training steps; from a bad start it
+usually ends after 6 to 9 samples. Results do not depend on the setting beyond
+floating-point reassociation: the fusion threshold changes which tensors are summed in one
+buffer, never what is summed, and the cycle time only when a cycle starts.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, Protocol
+
+import numpy as np
+
+from ..config import Settings
+from ..wire import Kind, Response
+from .dtypes import ITEMSIZE
+
+
+class Tunable(Protocol):
+    """What the tuner needs of an engine (`Engine` has it; no import of the engine here,
+    which imports this module)."""
+
+    settings: Settings
+    rank: int
+    waiter: Any  # transport.waiting.Waiter
+    transport: Any  # transport.host.Transport
+    tuner: Autotuner | None
+
+    def apply_tuned_setting(self, fusion_threshold: int, cycle_time: float) -> None: ...
+
+
+logger = logging.getLogger(__name__)
+
+FUSION_GRID: tuple[int, ...] = (
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+    128 << 20,
+)
+"""Fusion thresholds tried, in bytes: powers of 4 from 64 KiB, and 128 MiB (a ResNet-50's
+gradients in one buffer); the search cuts it above the largest cycle's bytes."""
+
+CONFIRM_WITHIN = 0.15
+"""A runner-up scoring within this much (relative) of the best is scored again with it."""
+
+CYCLE_GRID_MS: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
+"""Cycle times tried, in milliseconds."""
+
+LATENCY_SECONDS = 50e-6
+"""The model's cost of one collective beyond its bytes (an MPI allreduce of a few bytes on
+2 ranks of the CI machine: 30 to 60 us). Only the order of the candidates depends on it."""
+
+_NO_STEP_CYCLES = 10_000
+"""Cycles without a repeated name after which rank 0 warns that no step can be seen."""
+
+CSV_COLUMNS = (
+    "sample",
+    "fusion_threshold",
+    "cycle_time_ms",
+    "score",
+    "best_score",
+    "converged",
+    "steps",
+)
+"""The columns of ``RINGPLUG_AUTOTUNE_LOG``: the sample's number (from 1), its setting
+(bytes, milliseconds), its score (bytes reduced per second), the best score so far, 1 on the
+row after which tuning stopped, and the training steps spent tuning by the end of it."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting the search may try: a fusion threshold (bytes) and a cycle time (ms)."""
+
+    fusion_threshold: int
+    cycle_time_ms: float
+
+    def __str__(self) -> str:
+        return f"fusion {self.fusion_threshold} B, cycle {self.cycle_time_ms:g} ms"
+
+
+class CostModel:
+    """The alpha-beta cost of one step's collectives at a setting, from the bytes of each
+    cycle of a step measured at the starting setting.
+
+    Each cycle's allreduce bytes go as ceil(bytes / threshold) fused collectives, each
+    costing ``latency`` beyond its bytes; each cycle waits the cycle time first. The bytes'
+    own cost (beta times the bytes) is the same for every setting and left out.
+
+    Args:
+        cycle_bytes: the allreduce bytes of each cycle of one step.
+        latency: seconds per collective. Defaults to :data:`LATENCY_SECONDS`.
+    """
+
+    def __init__(self, cycle_bytes: Sequence[int], latency: float = LATENCY_SECONDS) -> None:
+        self.cycle_bytes = [b for b in cycle_bytes if b > 0] or [1]
+        self.latency = latency
+
+    def step_seconds(self, candidate: Candidate) -> float:
+        """The predicted communication time of a step beyond its bytes, in seconds."""
+        threshold = max(candidate.fusion_threshold, 1)
+        collectives = sum(math.ceil(b / threshold) for b in self.cycle_bytes)
+        return self.latency * collectives + candidate.cycle_time_ms * 1e-3 * len(self.cycle_bytes)
+
+    def largest_useful_threshold(self, grid: Sequence[int] = FUSION_GRID) -> int:
+        """The smallest threshold of `grid` that fuses the largest cycle whole (the grid's
+        largest when none does): larger ones cost the same and take more memory."""
+        largest = max(self.cycle_bytes)
+        return next((value for value in grid if value >= largest), grid[-1])
+
+    def best(self) -> Candidate:
+        """The model's best setting: the largest useful threshold and no cycle time."""
+        return Candidate(self.largest_useful_threshold(), CYCLE_GRID_MS[0])
+
+
+class Search:
+    """The deterministic model-guided local search (see the module's docstring): the same
+    scores in give the same settings out, on every rank.
+
+    Args:
+        start: the setting the job started with (scored first).
+        model: the cost model measured at the start.
+        max_samples: the most settings scored.
+        margin: how much better (relative) a neighbour must score to become the best.
+            Defaults to 0.03.
+    """
+
+    def __init__(
+        self, start: Candidate, model: CostModel, max_samples: int, margin: float = 0.03
+    ) -> None:
+        self.model = model
+        self.max_samples = max_samples
+        self.margin = margin
+        self.fusion_grid = tuple(v for v in FUSION_GRID if v <= model.largest_useful_threshold())
+        self.scores: dict[Candidate, float] = {}
+        self.order: list[Candidate] = []  # scored, in order
+        self.history: list[tuple[Candidate, float]] = []  # each sample's setting and score
+        self.current = start
+        self.best: Candidate | None = None
+        self.converged = False
+        self.queue: list[Candidate] = []  # the coarse spread, tried before the local search
+        self._spread: set[Candidate] = set()
+        self._confirming: list[Candidate] | None = None  # the best and the runner-up
+
+    @property
+    def best_score(self) -> float:
+        return self.scores[self.best] if self.best is not None else math.nan
+
+    def record(self, score: float) -> Candidate | None:
+        """Score the current setting; return the next to try, or ``None`` when the search
+        has ended (then :attr:`best` is the setting to keep, and :attr:`converged` says
+        whether it converged rather than ran out of samples)."""
+        candidate = self.current
+        self.order.append(candidate)
+        self.history.append((candidate, score))
+        if self._confirming is not None:
+            return self._confirm(candidate, score)
+        self.scores[candidate] = score
+        if self.best is None or score > self.best_score * (1 + self.margin):
+            self.best = candidate
+        coarse = [c for c in self.order if c in self._spread]
+        falling = len(coarse) >= 2 and coarse[-1] == candidate
+        if falling and self.scores[coarse[-2]] > score * (1 + self.margin):
+            # Falling as the threshold falls: the smaller ones are worse still (one best
+            # threshold; the local search looks at the neighbours).
+            self.queue.clear()
+        following = self._next()
+        if following is None:
+            self.converged = self._untried_neighbours() == []
+            following = self._start_confirming() if self.converged else None
+            if following is None:
+                return None
+        self.current = following
+        return following
+
+    def _start_confirming(self) -> Candidate | None:
+        """After converging, with two samples left: score the best and the runner-up once
+        more, if the runner-up came within :data:`CONFIRM_WITHIN` of it. The best was
+        chosen as the highest of noisy scores, so its own is too high; their second scores,
+        taken back to back, decide; within ``margin`` of each other, the model does."""
+        assert self.best is not None
+        if len(self.order) + 2 > self.max_samples or len(self.scores) < 2:
+            return None
+        runner_up = max((c for c in self.scores if c != self.best), key=self.scores.__getitem__)
+        if self.scores[runner_up] * (1 + CONFIRM_WITHIN) < self.best_score:
+            return None
+        self._confirming = [self.best, runner_up]
+        return self.best
+
+    def _confirm(self, candidate: Candidate, score: float) -> Candidate | None:
+        """A second score of `candidate`; the two second scores, taken one after the other
+        under the same load, decide (the first ones were picked for being high)."""
+        assert self._confirming is not None
+        self.scores[candidate] = score
+        if candidate == self._confirming[0]:
+            self.current = self._confirming[1]
+            return self.current
+        best, runner_up = self._confirming
+        high, low = sorted((best, runner_up), key=self.scores.__getitem__, reverse=True)
+        if self.scores[high] > self.scores[low] * (1 + self.margin):
+            self.best = high
+        else:  # within the noise: the one the model finds cheaper (less cycle time, ...)
+            self.best = min((best, runner_up), key=self._model_order)
+        return None
+
+    def _next(self) -> Candidate | None:
+        if len(self.order) >= self.max_samples:
+            return None
+        if len(self.order) == 1:
+            self.queue = self.coarse()
+            self._spread = set(self.queue)
+        while self.queue:
+            candidate = self.queue.pop(0)
+            if candidate not in self.scores:
+                return candidate
+        untried = self._untried_neighbours()
+        return untried[0] if untried else None
+
+    def coarse(self) -> list[Candidate]:
+        """The model's best setting, then every other fusion threshold below it with no
+        cycle time: a spread that finds the region of the best even where the model is
+        wrong about the threshold (a fusion buffer larger than the cache costs its copies
+        more, which the model leaves out). It stops where the score falls."""
+        guess = self.model.best()
+        top = self.fusion_grid.index(guess.fusion_threshold)
+        return [Candidate(self.fusion_grid[i], guess.cycle_time_ms) for i in range(top, -1, -2)]
+
+    def _untried_neighbours(self) -> list[Candidate]:
+        assert self.best is not None
+        found = [c for c in self._neighbours(self.best) if c not in self.scores]
+        found.sort(key=self._model_order)
+        return found
+
+    def _model_order(self, candidate: Candidate) -> tuple[float, int, float]:
+        """Cheapest by the model first; ties: larger threshold, then shorter cycle time."""
+        return (
+            self.model.step_seconds(candidate),
+            -candidate.fusion_threshold,
+            candidate.cycle_time_ms,
+        )
+
+    def _neighbours(self, centre: Candidate) -> list[Candidate]:
+        found = []
+        for value in _adjacent(self.fusion_grid, centre.fusion_threshold):
+            found.append(Candidate(value, centre.cycle_time_ms))
+        for value in _adjacent(CYCLE_GRID_MS, centre.cycle_time_ms):
+            found.append(Candidate(centre.fusion_threshold, value))
+        return found
+
+
+def _adjacent(grid: Sequence[float], value: float) -> list:
+    """The grid values next to `value` (for a value off the grid: the nearest one)."""
+    if value in grid:
+        index = grid.index(value)
+        return [grid[i] for i in (index - 1, index + 1) if 0 <= i < len(grid)]
+    nearest = min(grid, key=lambda v: (abs(math.log1p(v) - math.log1p(value)), v))
+    return [nearest]
+
+
+def allreduce_bytes(responses: Sequence[Response]) -> int:
+    """The bytes of a plan's allreduces (the kind the fusion threshold groups)."""
+    total = 0
+    for response in responses:
+        signature = response.signature
+        if signature.kind is Kind.ALLREDUCE and 0 <= signature.code < len(ITEMSIZE):
+            total += math.prod(signature.shape) * ITEMSIZE[signature.code]
+    return total
+
+
+class Autotuner:
+    """Tunes one engine's fusion threshold and cycle time; every rank has one, and they
+    decide alike (see the module's docstring).
+
+    Args:
+        settings: the engine's settings at the start (the starting setting, the budget, the
+            log file).
+        rank: this rank (rank 0 times the samples and writes the log).
+        share: broadcasts rank 0's score to every rank (a collective; called at the end of
+            the same cycle on every rank) and returns it.
+        apply: makes a setting the engine's (fusion threshold in bytes, cycle time in
+            seconds), from the next cycle on.
+        clock: the time in seconds. Defaults to ``time.perf_counter``.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        rank: int,
+        share: Callable[[float], float],
+        apply: Callable[[int, float], None],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.rank = rank
+        self._share, self._apply, self._clock = share, apply, clock
+        self.steps_per_sample = settings.autotune_steps_per_sample
+        self.warmup_samples = settings.autotune_warmup_samples
+        self.max_samples = settings.autotune_max_samples
+        self.start = Candidate(settings.fusion_threshold, settings.cycle_time * 1e3)
+        self.search: Search | None = None  # made when the warm-up has measured the cycles
+        self.done = False
+        self.steps = 0  # steps completed since tuning began
+        # (cycle, setting) each time this rank applied one, for tests and the log.
+        self.applied: list[tuple[int, Candidate]] = []
+        self._seen: set[str] = set()  # names of the step in progress
+        self._cycle_bytes: list[int] = []  # allreduce bytes of each cycle of this step
+        self._step_cycle_bytes: list[int] = []  # ... of the last full step
+        self._sample_steps = 0
+        self._sample_bytes = 0
+        self._step_started = math.nan
+        self._durations: list[float] = []
+        self._log: IO[str] | None = None
+        self._writer: Any = None  # a csv.writer
+        self._cycles_in_step = 0
+        if rank == 0 and settings.autotune_log:
+            self._log = open(settings.autotune_log, "w", newline="")  # noqa: SIM115
+            self._writer = csv.writer(self._log)
+            self._writer.writerow(CSV_COLUMNS)
+            self._log.flush()
+
+    def after_cycle(self, cycle: int, responses: Sequence[Response]) -> None:
+        """Count a cycle's plan (every rank calls it with the same plan); at the end of a
+        sample, score it and apply the next setting."""
+        if self.done or not responses:
+            return
+        names = [response.name for response in responses]
+        if not self._seen.isdisjoint(names):
+            self._end_step(cycle)
+            if self.done:
+                return
+            self._seen = set()
+        self._seen.update(names)
+        self._cycles_in_step += 1
+        if self._cycles_in_step == _NO_STEP_CYCLES and self.rank == 0:
+            logger.warning(
+                "autotune has seen %d cycles without a collective name coming again, so it "
+                "cannot tell training steps apart and tunes nothing; name the collectives "
+                "each step runs (every framework adapter names its gradients)",
+                _NO_STEP_CYCLES,
+            )
+        nbytes = allreduce_bytes(responses)
+        self._cycle_bytes.append(nbytes)
+        self._sample_bytes += nbytes
+
+    def _end_step(self, cycle: int) -> None:
+        self._cycles_in_step = 0
+        now = self._clock() if self.rank == 0 else 0.0
+        self._durations.append(now - self._step_started)
+        self._step_started = now
+        self._step_cycle_bytes, self._cycle_bytes = self._cycle_bytes, []
+        self.steps += 1
+        self._sample_steps += 1
+        if self._sample_steps < self.steps_per_sample:
+            return
+        # The first step of a sample ran across the change of setting (and the first of
+        # all is measured from nothing): not timed.
+        timed = self._durations[1:]
+        step_bytes = self._sample_bytes / self._sample_steps
+        self._sample_steps, self._sample_bytes, self._durations = 0, 0, []
+        if self.warmup_samples > 0:
+            self.warmup_samples -= 1
+            return
+        if self.search is None:
+            self.search = Search(self.start, CostModel(self._step_cycle_bytes), self.max_samples)
+        # Their total time, not a median of step times: rank 0's step boundaries jitter as
+        # the peers run ahead or behind (a short step then a long one), which a sum of
+        # consecutive steps cancels and a median of them does not.
+        score = step_bytes * len(timed) / max(sum(timed), 1e-9) if self.rank == 0 else 0.0
+        score = self._share(score)
+        search = self.search
+        following = search.record(score)
+        if following is None:
+            assert search.best is not None
+            self.done = True
+            self._set(cycle, search.best)
+        else:
+            self._set(cycle, following)
+        self._write_row(search)
+
+    def _set(self, cycle: int, candidate: Candidate) -> None:
+        self.applied.append((cycle, candidate))
+        self._apply(candidate.fusion_threshold, candidate.cycle_time_ms * 1e-3)
+        if self.done and self.rank == 0:
+            logger.info(
+                "autotune %s after %d steps: %s",
+                "converged" if self.search and self.search.converged else "ran out of samples",
+                self.steps,
+                candidate,
+            )
+
+    def _write_row(self, search: Search) -> None:
+        if self._writer is None or self._log is None:
+            return
+        tried, score = search.history[-1]
+        self._writer.writerow(
+            (
+                len(search.order),
+                tried.fusion_threshold,
+                f"{tried.cycle_time_ms:g}",
+                f"{score:.6g}",
+                f"{search.best_score:.6g}",
+                int(self.done),
+                self.steps,
+            )
+        )
+        self._log.flush()
+        if self.done:
+            self.close()
+
+    def close(self) -> None:
+        """Close the log file (at the end of tuning, or when the engine stops)."""
+        if self._log is not None:
+            self._log.close()
+            self._log, self._writer = None, None
+
+
+def for_engine(engine: Tunable) -> Autotuner:
+    """The tuner of the world's engine: rank 0's score goes to every rank through the
+    engine's transport (an MPI broadcast with the engine's deadline), and a new setting
+    becomes the engine's through `Engine.apply_tuned_setting`."""
+
+    def share(score: float) -> float:
+        waiter = engine.waiter
+        waiter.begin(waiter.cycle, waiter.index + 1, "autotune's broadcast of rank 0's score")
+        buffer = np.array([score], np.float64)
+        engine.transport.broadcast(buffer, 0)
+        return float(buffer[0])
+
+    return Autotuner(engine.settings, engine.rank, share, engine.apply_tuned_setting)
+
+
+def tune_from(engine: Tunable, fusion_threshold: int, cycle_time: float) -> Autotuner:
+    """Make `fusion_threshold` (bytes) and `cycle_time` (seconds) `engine`'s setting and tune
+    afresh from there, with the budget of its settings (benchmarks and tests start from a
+    bad setting this way; ``RINGPLUG_AUTOTUNE=1`` refuses a fixed one). Every rank calls it
+    at the same point, with no collective in flight (after a barrier)."""
+    if engine.tuner is not None:
+        engine.tuner.close()
+    engine.apply_tuned_setting(fusion_threshold, cycle_time)
+    engine.tuner = for_engine(engine)
+    return engine.tuner

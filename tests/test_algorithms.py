@@ -1,0 +1,287 @@
+"""The algorithm table: its model fits and crossovers in one process, and on 2, 3, 4 and 5
+ranks every algorithm of every kind against numpy and the calibration every rank agrees on
+(one ringrun job per world size, tests/workers/algorithms.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import run_ringrun
+from ringplug.config import Settings
+from ringplug.core.algorithms import (
+    ALLGATHER,
+    ALLREDUCE,
+    BROADCAST,
+    CACHED,
+    CANDIDATES,
+    MEASURED,
+    REDUCESCATTER,
+    SERIES,
+    AlgorithmTable,
+    Model,
+    bands_from_models,
+    cache_key,
+    fit,
+    fixed_table,
+    load_cached,
+    parse_forced,
+    save_cached,
+)
+from ringplug.core.transport.host import Transport
+
+WORKER = Path(__file__).parent / "workers" / "algorithms.py"
+
+
+# ------------------------------------------------------------------------ in one process
+def test_the_fit_recovers_alpha_and_beta_of_exact_points():
+    points = [(n, 20e-6 + 0.5e-9 * n) for n in (4096, 65536, 524288, 4194304)]
+    model = fit(points)
+    assert model.alpha == pytest.approx(20e-6, rel=1e-6)
+    assert model.beta == pytest.approx(0.5e-9, rel=1e-6)
+    assert model.error < 1e-6
+
+
+def test_the_fit_keeps_alpha_and_beta_from_going_negative():
+    # Time falling with size would want a negative beta: the fit keeps it at 0.
+    model = fit([(1000, 3e-3), (10_000, 2e-3), (100_000, 1e-3)])
+    assert model.alpha > 0 and model.beta == 0.0
+    assert model.error == pytest.approx(max(abs(model.alpha - t) / t for t in (3e-3, 2e-3, 1e-3)))
+
+
+def test_bands_change_where_the_models_cross():
+    # latency 10 us + 1 ns/B against 100 us + 0.1 ns/B: equal at 90e-6 / 0.9e-9 = 100,000 B.
+    models = {"doubling": Model(10e-6, 1e-9), "ring": Model(100e-6, 0.1e-9)}
+    assert bands_from_models(models) == ((0, "doubling"), (100_000, "ring"))
+
+
+def test_an_algorithm_never_cheapest_gets_no_band():
+    models = {
+        "mpi": Model(5e-6, 0.3e-9),
+        "doubling": Model(6e-6, 0.4e-9),  # above mpi at every size
+        "ring": Model(50e-6, 0.1e-9),  # crosses mpi at 45e-6 / 0.2e-9 = 225,000 B
+    }
+    assert bands_from_models(models) == ((0, "mpi"), (225_000, "ring"))
+
+
+def test_choose_reads_the_band_of_the_size():
+    table = fixed_table(4, 1 << 20)
+    assert table.choose(ALLREDUCE, (1 << 20) - 1) == "mpi"
+    assert table.choose(ALLREDUCE, 1 << 20) == "ring"
+    assert table.choose(ALLREDUCE, 100, mpi_reduces=False) == "doubling"
+    assert table.choose(REDUCESCATTER, 5 << 20, mpi_reduces=False) == "ring"
+    assert table.choose(ALLGATHER, 1 << 30, mpi_reduces=False) == "mpi"
+    assert table.choose(BROADCAST, 0) == "mpi"
+    assert table.crossovers() == [
+        (ALLREDUCE, True, 1 << 20, "mpi", "ring"),
+        (ALLREDUCE, False, 1 << 20, "doubling", "ring"),
+        (REDUCESCATTER, True, 1 << 20, "mpi", "ring"),
+        (REDUCESCATTER, False, 1 << 20, "doubling", "ring"),
+    ]
+
+
+def test_forcing_keeps_mpi_away_from_what_mpi_cannot_reduce():
+    table = fixed_table(3, 1 << 20).forcing(parse_forced("mpi"))
+    assert table.choose(ALLREDUCE, 1 << 30) == "mpi"
+    assert table.choose(ALLREDUCE, 10, mpi_reduces=False) == "doubling"  # its fixed band
+    assert table.choose(BROADCAST, 1 << 30) == "mpi"
+
+
+def test_the_forced_setting_reads_names_and_pairs():
+    assert parse_forced("allreduce=ring, broadcast=chain") == {
+        "allreduce": "ring",
+        "broadcast": "chain",
+    }
+    assert parse_forced("ring") == {k: "ring" for k in (ALLREDUCE, REDUCESCATTER, ALLGATHER)}
+    assert parse_forced("") == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("tree", "'tree' is no algorithm"),
+        ("allgather=doubling", "allgather has no algorithm 'doubling'"),
+        ("gather=ring", "'gather' is no collective kind"),
+    ],
+)
+def test_a_wrong_forced_setting_is_refused_saying_what_exists(text, says):
+    with pytest.raises(ValueError, match=says):
+        parse_forced(text)
+    with pytest.raises(ValueError, match=says):  # at init, on every rank alike
+        Transport(None, Settings(algorithm=text))
+
+
+def test_a_table_survives_json_and_the_cache(tmp_path):
+    models = {
+        name: Model(1e-5 * (i + 1), 1e-10 * (8 - i)) for i, name in enumerate(set(SERIES.values()))
+    }
+    from ringplug.core.algorithms import table_from_models
+
+    table = table_from_models(3, models, 0.5)
+    assert AlgorithmTable.from_json(table.to_json()) == table
+    key = cache_key(["a", "a", "b"], "MPICH Version: 4.1", "0.1.0")
+    save_cached(tmp_path, key, table)
+    loaded = load_cached(tmp_path, key, 3)
+    assert loaded is not None and loaded.source == CACHED and loaded.bands == table.bands
+    assert load_cached(tmp_path, key, 4) is None  # another rank count
+    assert load_cached(tmp_path, "absent", 3) is None
+    (tmp_path / f"{key}.json").write_text("{not json")
+    assert load_cached(tmp_path, key, 3) is None  # unreadable: measured again
+
+
+def test_the_cache_key_tells_hosts_placement_and_libraries_apart():
+    base = cache_key(["a", "b"], "MPICH 4.1", "0.1.0")
+    assert (
+        len(
+            {
+                base,
+                cache_key(["a", "a"], "MPICH 4.1", "0.1.0"),
+                cache_key(["b", "a"], "MPICH 4.1", "0.1.0"),
+                cache_key(["a", "b", "b"], "MPICH 4.1", "0.1.0"),
+                cache_key(["a", "b"], "Open MPI 5.0", "0.1.0"),
+                cache_key(["a", "b"], "MPICH 4.1", "0.2.0"),
+            }
+        )
+        == 6
+    )
+
+
+def test_json_that_names_an_unknown_algorithm_is_refused():
+    text = fixed_table(2, 1024).to_json().replace('"mpi"', '"tree"')
+    with pytest.raises(ValueError, match="not an algorithm table"):
+        AlgorithmTable.from_json(text)
+
+
+# --------------------------------------------------------------------------- on the ranks
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """``reports(ranks)``: each rank's report of the job on `ranks` ranks (run once)."""
+    jobs: dict[int, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def read(ranks: int) -> tuple[list[dict], Path]:
+        if ranks not in jobs:
+            outdir = tmp_path_factory.mktemp(f"algorithms-{ranks}")
+            result = run_ringrun(
+                "-np",
+                str(ranks),
+                sys.executable,
+                str(WORKER),
+                str(outdir),
+                extra_env={
+                    "RINGPLUG_CALIBRATION": "fresh",
+                    "RINGPLUG_CALIBRATION_SECONDS": "30",
+                    "XDG_CACHE_HOME": str(outdir / "cache"),
+                    # No data carried in the negotiation: every allreduce takes its algorithm.
+                    "RINGPLUG_EAGER_THRESHOLD": "0",
+                    # Small segments: the ring's and the chain's segment loops run.
+                    "RINGPLUG_RING_SEGMENT": "16K",
+                },
+                timeout=300,
+            )
+            jobs[ranks] = (result, outdir)
+        result, outdir = jobs[ranks]
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        found = [json.loads((outdir / f"algorithms-{r}.json").read_text()) for r in range(ranks)]
+        return found, outdir
+
+    return read
+
+
+RANKS = [2, 3, 4, 5]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", RANKS)
+def test_every_algorithm_of_every_kind_matches_numpy(reports, ranks):
+    found, _ = reports(ranks)
+    for rank, report in enumerate(found):
+        bad = {n: c["detail"] for n, c in report["cases"].items() if not c["ok"]}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", RANKS)
+def test_each_forced_algorithm_is_the_one_that_ran(reports, ranks):
+    cases = reports(ranks)[0][0]["cases"]
+    for name, case in cases.items():
+        if name.startswith("process-set/"):
+            continue
+        kind, forced, dtype, op = (name.split("/") + [""])[:4]
+        if kind in (ALLREDUCE, REDUCESCATTER) and (
+            dtype == "float16" or (dtype.startswith("float") and op in ("MAX", "MIN"))
+        ):
+            # MPI cannot reduce these: a forced MPI stays on doubling.
+            assert case["path"] == ("doubling" if forced == "mpi" else forced), name
+        else:
+            assert case["path"] == forced, name
+    kinds = {tuple(name.split("/")[:2]) for name in cases if not name.startswith("process-set/")}
+    assert kinds == {(k, a) for (k, _), names in CANDIDATES.items() for a in names}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", RANKS)
+def test_every_rank_gets_the_same_measured_table(reports, ranks):
+    found, _ = reports(ranks)
+    tables = {report["table"] for report in found}
+    assert len(tables) == 1
+    table = AlgorithmTable.from_json(tables.pop())
+    assert table.source == MEASURED and table.size == ranks
+    assert set(table.models) == set(SERIES.values())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", RANKS)
+def test_the_measured_bands_are_the_cheapest_models(reports, ranks):
+    table = AlgorithmTable.from_json(reports(ranks)[0][0]["table"])
+    for (kind, reduces), names in CANDIDATES.items():
+        for nbytes in (1, 4096, 65536, 1 << 20, 16 << 20, 1 << 30):
+            cost = {
+                name: table.models[SERIES[(kind, name)]].alpha
+                + table.models[SERIES[(kind, name)]].beta * nbytes
+                for name in names
+            }
+            chosen = table.choose(kind, nbytes, reduces)
+            assert cost[chosen] <= min(cost.values()) * (1 + 1e-9), (kind, reduces, nbytes, cost)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", RANKS)
+def test_a_second_communicator_loads_the_cached_table(reports, ranks):
+    found, outdir = reports(ranks)
+    measured = AlgorithmTable.from_json(found[0]["table"])
+    cached = {report["cached"] for report in found}
+    assert len(cached) == 1
+    table = AlgorithmTable.from_json(cached.pop())
+    assert table.source == CACHED and table.bands == measured.bands
+    files = [
+        AlgorithmTable.from_json(path.read_text())
+        for path in (outdir / "cache" / "ringplug").glob("algorithms-*.json")
+    ]
+    assert [table.models for table in files if table.size == ranks] == [measured.models]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", RANKS)
+def test_a_measurement_out_of_time_falls_back_to_the_fixed_table(reports, ranks):
+    found, _ = reports(ranks)
+    tables = {report["deadline"] for report in found}
+    assert len(tables) == 1
+    table = AlgorithmTable.from_json(tables.pop())
+    assert table.source == "fixed" and "only 1 size measured" in table.note
+    assert table.bands == fixed_table(ranks, 1 << 20).bands
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4, 5])
+def test_a_process_set_measures_a_table_of_its_own_that_its_members_share(reports, ranks):
+    found, outdir = reports(ranks)
+    tables = {report["set_table"] for report in found[:-1]}
+    assert len(tables) == 1 and found[-1]["set_table"] is None
+    table = AlgorithmTable.from_json(tables.pop())
+    assert table.size == ranks - 1 and table.source == MEASURED
+    # Its own cache entry beside the world's: another rank count, another key.
+    assert len(list((outdir / "cache" / "ringplug").glob("algorithms-*.json"))) == 2

@@ -1,0 +1,203 @@
+"""Autotune on real ranks: 2 ranks train with ringplug.torch's DistributedOptimizer under
+``ringrun --autotune`` (tests/workers/autotune.py), starting from a bad setting, and again
+without autotune; one more job shows the ranks refusing autotune with a fixed setting, and
+Lightning's and Keras's entry points are shown to take the setting from the environment."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch import run_ringrun
+
+WORKER = Path(__file__).parent / "workers" / "autotune.py"
+BAD_START = ("65536", "0.02")  # 64 KiB, 20 ms
+JOB_TIMEOUT_S = 180
+
+
+def _job(outdir: Path, *flags: str, start: tuple[str, ...] = ()) -> list[dict]:
+    result = run_ringrun(
+        "-np",
+        "2",
+        *flags,
+        sys.executable,
+        str(WORKER),
+        str(outdir),
+        *start,
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return [json.loads((outdir / f"rank-{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """(the tuned job's reports, its trial log, the untuned job's reports)."""
+    tuned_dir = tmp_path_factory.mktemp("autotune-on")
+    log = tuned_dir / "trials.csv"
+    tuned = _job(
+        tuned_dir,
+        "--autotune",
+        "--autotune-log-file",
+        str(log),
+        "--autotune-warmup-samples",
+        "1",
+        "--autotune-steps-per-sample",
+        "2",
+        "--autotune-bayes-opt-max-samples",
+        "8",
+        start=BAD_START,
+    )
+    plain = _job(tmp_path_factory.mktemp("autotune-off"))
+    return tuned, log, plain
+
+
+@pytest.mark.multirank
+def test_every_rank_applies_the_same_settings_at_the_same_cycles(jobs):
+    tuned, _, _ = jobs
+    rank_0, rank_1 = tuned
+    assert rank_0["tuned"] and rank_0["done"]
+    assert len(rank_0["applied"]) >= 3
+    assert rank_0["applied"] == rank_1["applied"]
+    # and each step ran with the same setting on both ranks
+    assert [s["before"] for s in rank_0["steps"]] == [s["before"] for s in rank_1["steps"]]
+    assert rank_0["final"] == rank_1["final"]
+
+
+@pytest.mark.multirank
+def test_tuning_moves_off_the_bad_start_and_ends_within_its_budget(jobs):
+    tuned, _, _ = jobs
+    report = tuned[0]
+    settings_seen = [tuple(s["before"]) for s in report["steps"]]
+    assert settings_seen[1] == (65536, 0.02)  # the start the worker gave
+    assert settings_seen[-1] != (65536, 0.02)  # 20 ms a cycle is never the best
+    last_cycle, fusion, cycle_ms = report["applied"][-1]
+    assert tuple(report["final"]) == (fusion, cycle_ms * 1e-3)
+    # (1 warm-up + at most 8 scored samples) x 2 steps each
+    assert report["tuning_steps"] <= 18
+    # once done, the setting stays
+    assert len(set(settings_seen[report["tuning_steps"] + 3 :])) == 1
+
+
+@pytest.mark.multirank
+def test_the_trial_log_lists_each_scored_setting_in_the_order_applied(jobs):
+    tuned, log, _ = jobs
+    with open(log, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0]) == [
+        "sample",
+        "fusion_threshold",
+        "cycle_time_ms",
+        "score",
+        "best_score",
+        "converged",
+        "steps",
+    ]
+    tried = [(int(r["fusion_threshold"]), float(r["cycle_time_ms"])) for r in rows]
+    applied = [(fusion, cycle_ms) for _, fusion, cycle_ms in tuned[0]["applied"]]
+    # the start is scored first; each later row is the setting applied before it
+    assert tried[0] == (65536, 20.0)
+    assert tried[1:] == applied[: len(tried) - 1]
+    assert [r["converged"] for r in rows] == ["0"] * (len(rows) - 1) + ["1"]
+    assert all(float(r["score"]) > 0 for r in rows)
+
+
+@pytest.mark.multirank
+def test_results_equal_a_run_without_autotune(jobs):
+    tuned, _, plain = jobs
+    assert not plain[0]["tuned"]
+    for with_tuning, without in zip(tuned, plain, strict=True):
+        for tuned_p, plain_p in zip(with_tuning["parameters"], without["parameters"], strict=True):
+            np.testing.assert_allclose(tuned_p, plain_p, rtol=1e-6, atol=1e-7)
+    # the ranks trained alike
+    np.testing.assert_array_equal(tuned[0]["parameters"][0], tuned[1]["parameters"][0])
+
+
+@pytest.mark.multirank
+def test_every_rank_refuses_autotune_with_a_fixed_setting_from_its_environment():
+    # Through the environment ringrun passes on, which ringrun does not read itself.
+    program = (
+        "import ringplug\n"
+        "try:\n"
+        "    ringplug.init()\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e, flush=True)\n"
+    )
+    result = run_ringrun(
+        "-np",
+        "2",
+        sys.executable,
+        "-c",
+        program,
+        extra_env={"RINGPLUG_AUTOTUNE": "1", "RINGPLUG_FUSION_THRESHOLD": "8M"},
+        timeout=60,
+    )
+    lines = [line for line in result.stdout.splitlines() if "refused:" in line]
+    assert sorted(line[:3] for line in lines) == ["[0]", "[1]"], result.stdout + result.stderr
+    for line in lines:
+        assert "RINGPLUG_FUSION_THRESHOLD=8M is fixed too" in line
+        assert "Drop the fixed value" in line
+
+
+LIGHTNING_FIT = """
+import lightning as L, torch
+from ringplug.lightning import RingStrategy
+from ringplug.core import runtime
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+    def training_step(self, batch, _):
+        return self.net(batch[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+trainer = L.Trainer(strategy=RingStrategy(), accelerator="cpu", devices=1, max_steps=2,
+    logger=False, enable_progress_bar=False, enable_model_summary=False,
+    enable_checkpointing=False)
+trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=4))
+engine = runtime.engine()
+print("tuner", engine.tuner is not None, engine.tuner.max_samples)
+"""
+
+KERAS_INIT = """
+import ringplug.keras as rk
+from ringplug.core import runtime
+rk.init()
+engine = runtime.engine()
+print("tuner", engine.tuner is not None, engine.tuner.max_samples)
+"""
+
+
+def test_lightning_and_keras_take_autotune_from_the_environment():
+    # Neither takes the fusion threshold or the cycle time as an argument; all read the
+    # RINGPLUG_* settings at init, autotune's with them. One process each, at once.
+    env = {
+        **os.environ,
+        "RINGPLUG_AUTOTUNE": "1",
+        "RINGPLUG_AUTOTUNE_MAX_SAMPLES": "5",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", program],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for program in (LIGHTNING_FIT, KERAS_INIT)
+    ]
+    for process in started:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-3000:]
+        assert out.splitlines()[-1] == "tuner True 5", out + err[-3000:]

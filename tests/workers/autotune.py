@@ -1,0 +1,84 @@
+"""A rank of tests/test_autotune_ranks.py: train a small model with ringplug.torch's
+DistributedOptimizer, and report what the engine's autotuner applied and when.
+
+Usage: autotune.py OUTDIR [FUSION_BYTES CYCLE_SECONDS]. With a setting, the ranks start
+tuning afresh from it after the first step (`autotune.tune_from`; ringrun refuses a fixed
+setting with --autotune). Each rank writes OUTDIR/rank-R.json: the final parameters, the
+(cycle, fusion threshold, cycle time) of each setting its tuner applied, and per step the
+engine's setting at its start and end and the collectives the step ran. Whether autotune
+is on, and its budget, come from the environment (ringrun's --autotune flags), as every
+adapter reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import ringplug
+import ringplug.torch as rpt
+from ringplug.core import autotune, runtime
+
+STEPS = 40
+# Small buckets: each step submits a dozen bucket allreduces, so the fusion threshold
+# decides how many collectives a step runs.
+BUCKET_BYTES = 16 << 10
+
+
+def main(outdir: Path, start: list[str]) -> None:
+    rpt.init()
+    rank = rpt.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128),
+        torch.nn.Tanh(),
+        torch.nn.Linear(128, 128),
+        torch.nn.Tanh(),
+        torch.nn.Linear(128, 8),
+    )
+    optimizer = rpt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        bucket_bytes=BUCKET_BYTES,
+    )
+    engine = runtime.engine()
+    data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    steps = []
+    for step in range(STEPS):
+        if step == 1 and start:
+            ringplug.barrier()  # nothing in flight on any rank
+            autotune.tune_from(engine, int(start[0]), float(start[1]))
+        before = (engine.settings.fusion_threshold, engine.settings.cycle_time)
+        collectives = engine.collectives_run
+        inputs = torch.randn(32, 64, generator=data)
+        target = torch.randn(32, 8, generator=data)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), target).backward()
+        optimizer.step()
+        steps.append(
+            {
+                "before": before,
+                "after": (engine.settings.fusion_threshold, engine.settings.cycle_time),
+                "collectives": engine.collectives_run - collectives,
+            }
+        )
+    tuner = engine.tuner
+    report = {
+        "tuned": tuner is not None,
+        "applied": [(cycle, c.fusion_threshold, c.cycle_time_ms) for cycle, c in tuner.applied]
+        if tuner
+        else [],
+        "done": bool(tuner and tuner.done),
+        "tuning_steps": tuner.steps if tuner else 0,
+        "final": (engine.settings.fusion_threshold, engine.settings.cycle_time),
+        "steps": steps,
+        "parameters": [p.detach().double().reshape(-1).tolist() for p in model.parameters()],
+    }
+    (outdir / f"rank-{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
