@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 
 _CACHE_CAPACITY = 4096
 _LONE_PLANS_KEPT = 256
+# What a lone plan has none of, shared by every lone plan (nothing changes a plan).
+_NO_ERRORS: dict[str, str] = {}
+_NO_PARTIAL: dict[str, list[int]] = {}
+_NO_ABORT: list[str] = []
 
 
 class Cycle:
@@ -80,48 +84,44 @@ class Cycle:
         self._lone_plans: dict[tuple[str, Signature], Plan] = {}
 
     # ------------------------------------------------------------------ the cycle
-    def run_guarded(self, fresh: list[Request] | None, by_caller: bool) -> bool:
-        """`run`; True when the engine must stop (it was shut down, or the cycle failed:
-        everything in flight then fails with the cause)."""
-        try:
-            stop = self.run(fresh, by_caller)
-        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
-            self.engine.cycle_failed(exc)
-            return True
-        if stop:
-            self.engine.scheduler.ended = True
-        return stop
-
     def run(self, fresh: list[Request] | None, by_caller: bool) -> bool:
         """One cycle: of the queued requests (`fresh` None), or of `fresh`, a waiting
         caller's own request; `by_caller`: run by a waiting caller, not the engine thread.
-        True when the engine must stop."""
+        True when the engine must stop (it was shut down, or the cycle failed: everything
+        in flight then fails with the cause)."""
         engine = self.engine
         scheduler = engine.scheduler
-        start = time.perf_counter()
-        # The one place a cycle reads the engine's settings: replacing `Engine.settings`
-        # (a frozen dataclass) changes the fusion threshold and cycle time from here on.
-        self.settings = settings = engine.settings
-        on_engine_thread = not by_caller
-        stopping = False
-        if fresh is None:
-            if settings.cycle_time > 0:
-                time.sleep(settings.cycle_time)  # let more requests gather for fusion
-            elif on_engine_thread:
-                scheduler.let_burst_finish(start + BURST_WAIT_SECONDS)
-            fresh, stopping = scheduler.take_submissions(on_engine_thread)
-        if fresh:
-            if engine.flight.capacity:  # here, on the thread that runs cycles
-                engine.flight.add_latest(fresh)
-            pending = self.pending
-            for request in fresh:
-                request.announced = start
-                pending[request.name] = request
-        self.number += 1
-        plan, received = self.negotiate(stopping)
-        if received is None and by_caller:
-            engine.counters.fast_by_callers += 1
-        return self.follow(plan, received, start)
+        try:
+            start = time.perf_counter()
+            # The one place a cycle reads the engine's settings: replacing `Engine.settings`
+            # (a frozen dataclass) changes the fusion threshold and cycle time from here on.
+            self.settings = settings = engine.settings
+            on_engine_thread = not by_caller
+            stopping = False
+            if fresh is None:
+                if settings.cycle_time > 0:
+                    time.sleep(settings.cycle_time)  # let more requests gather for fusion
+                elif on_engine_thread:
+                    scheduler.let_burst_finish(start + BURST_WAIT_SECONDS)
+                fresh, stopping = scheduler.take_submissions(on_engine_thread)
+            if fresh:
+                if engine.flight.capacity:  # here, on the thread that runs cycles
+                    engine.flight.add_latest(fresh)
+                pending = self.pending
+                for request in fresh:
+                    request.announced = start
+                    pending[request.name] = request
+            self.number += 1
+            plan, received = self.negotiate(stopping)
+            if received is None and by_caller:
+                engine.counters.fast_by_callers += 1
+            stop = self.follow(plan, received, start)
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
+            engine.cycle_failed(exc)
+            return True
+        if stop:
+            scheduler.ended = True
+        return stop
 
     def negotiate(self, stopping: bool) -> tuple[Plan, list[Message] | None]:
         """This cycle's plan from every rank's message, and the messages (None when the
@@ -133,12 +133,14 @@ class Cycle:
         lone = self._lone_form(stopping)
         if lone is not None:
             request, slot, bits, pairs = lone
-            cache = self.cache
-            nbytes = cache.eager_bytes[slot]
-            pieces = kind_of(request.signature.kind).carried_pieces(request) if nbytes else ()
-            wire = compact(self.number, bits, pairs, pieces, activity.current())
-            received = exchange.send_and_receive(self.number, wire, pending)
-            length = same_form(wire, received)
+            nbytes = self.cache.eager_bytes[slot]  # 0 on one rank
+            if engine.size == 1:  # no message to send: this rank's form is every rank's
+                wire, received, length = b"", [], 1
+            else:
+                pieces = kind_of(request.signature.kind).carried_pieces(request) if nbytes else ()
+                wire = compact(self.number, bits, pairs, pieces, activity.current())
+                received = exchange.send_and_receive(self.number, wire, pending)
+                length = same_form(wire, received)
             if length:
                 # Every rank has this request alone: it is the plan. (The peers' phases stay
                 # unread: nothing is missing anywhere, so no stall report needs them.)
@@ -147,8 +149,11 @@ class Cycle:
                     self.carried_copies.clear()
                 if nbytes:
                     self._carried_alone = (received, length)
-                plan = self._lone_plans.get((request.name, request.signature))
-                return plan or self._lone_plan(request), None
+                if request.cacheable:  # a named call repeated in a loop: its plan again
+                    plan = self._lone_plans.get((request.name, request.signature))
+                    if plan is not None:
+                        return plan, None
+                return self._lone_plan(request), None
             found, alike = messages(decode(wire), wire, received, 0), False
         else:
             own = self._message(stopping)
@@ -171,7 +176,9 @@ class Cycle:
         plan = self._lone_plans.get(key)
         if plan is None:
             response = Response.everywhere(request.name, request.signature, self.engine.size)
-            plan = Plan([response], repeated=True, nothing_new=True)
+            # By position, with the shared empty errors, partial and stall lists (a plan is
+            # never changed once made): an unnamed call makes one every cycle.
+            plan = Plan([response], _NO_ERRORS, _NO_PARTIAL, None, False, -1, _NO_ABORT, True, True)
             if request.cacheable:  # a numbered name never comes again
                 if len(self._lone_plans) >= _LONE_PLANS_KEPT:
                     self._lone_plans.clear()
@@ -311,6 +318,9 @@ class Cycle:
     def _batches(self, responses: list[Response]) -> list[list[Response] | Response]:
         """`batches` of this plan's responses: the last plan's own batches when it ran the
         same list (a repeated step, see `Cache.repeated`)."""
+        if len(responses) == 1:  # a lone request (a synchronous call): nothing to group
+            only = responses[0]
+            return [[only] if kind_of(only.signature.kind).fused else only]
         threshold = self.settings.fusion_threshold
         last = self._last_batches
         # `responses` is kept alive here, so `is` is safe; a new threshold batches anew.

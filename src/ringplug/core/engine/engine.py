@@ -137,7 +137,7 @@ class Engine:
         # For the kinds (`EngineView`): the cycle's own dictionaries, never replaced.
         self.pending = self.cycle.pending  # requests negotiated and not yet run
         self.carried_copies = self.cycle.carried_copies  # this cycle's carried data
-        self.scheduler = Scheduler(self, self.cycle.run_guarded, thread_name)
+        self.scheduler = Scheduler(self, self.cycle.run, thread_name)
         if settings.timeline:
             self.start_timeline(settings.timeline)
         # RINGPLUG_AUTOTUNE: the world's engine tells its tuner each cycle's plan

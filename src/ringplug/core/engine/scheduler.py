@@ -17,7 +17,7 @@ is the one thread of this engine talking to MPI at that moment:
 
 The scheduler also admits submissions (a name in flight once, none after a failure or
 shutdown) and keeps the queue the next cycle takes (`take_submissions`). It knows nothing
-of what a cycle does: it calls `run_cycle(fresh)` (`Cycle.run_guarded`).
+of what a cycle does: it calls `run_cycle(fresh)` (`Cycle.run`).
 
 Locks: `lock` (a condition over the re-entrant `mutex`, which hot paths take directly: a
 Condition's `with` is a Python call around the C one) guards the queue, the in-flight
@@ -68,7 +68,7 @@ class Scheduler:
         engine: the engine whose cycles it schedules (read: `settings`, `size`, `pending`,
             `flight`, `exchange`, `waiter`, `counters`).
         run_cycle: runs one cycle, of the queue (`None`) or of the given requests, by a
-            waiting caller or not; True when the engine must stop (`Cycle.run_guarded`).
+            waiting caller or not; True when the engine must stop (`Cycle.run`).
         thread_name: the engine thread's name.
     """
 
