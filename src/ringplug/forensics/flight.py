@@ -72,7 +72,7 @@ class FlightRecorder:
                     frame = sys._getframe(depth + usual)  # one frame object, not a walk
                 except ValueError:
                     frame = None
-                if frame is not None and _frame_kind(frame.f_code) == 2:
+                if frame is not None and _KINDS.get(frame.f_code) == 2:  # (known ones)
                     site = (frame.f_code, frame.f_lasti)
             self.sites[name] = site or _call_site(depth + 1)
 

@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ...config import Settings
-from ...wire import GPU, Kind, Message, Response, Signature, cacheable_name
+from ...wire import GPU, Kind, Message, Response, Signature, cacheable_name, numbered
 from .. import activity
 from ..errors import CommunicatorFailed, MismatchError, PeerArgumentError, PeerFailedError
 from ..kinds.kind import SameEverywhere, check_joined, kind_of
@@ -207,10 +207,13 @@ class Cycle:
                 if slot is None or cache.slots[slot][1] != request.signature:
                     return None
                 return request, slot, 1 << slot, ()
-            form = cache.form_for(request.name, False, request.signature)
-            if form is None:
+            parts = numbered(request.name)  # `Cache.numbered_slot`, written out too
+            if parts is None:
                 return None
-            return (request, *form)
+            slot = cache.by_prefix.get((parts[0], request.signature))
+            if slot is None:
+                return None
+            return request, slot, 0, ((slot, parts[1]),)
         return None
 
     def _message(self, stopping: bool) -> Message:

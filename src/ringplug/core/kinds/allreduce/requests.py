@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ....wire import GPU, HOST, Kind, Signature
+from ....wire import GPU, HOST, UNNAMED, Kind, Signature, cacheable_name
 from ... import runtime
 from ...dtypes import FLOATING, DType, classify, storage_view
 from ...engine.handles import Handle, Request
@@ -32,7 +32,6 @@ from ..base import (
     check_scaling,
     contiguous,
     make,
-    name_request,
     result_as,
     start,
     waited_at_once,
@@ -120,9 +119,11 @@ def _submit(
             return start(name, build)
         with waited_at_once():
             return start(name, build)
-    request_name, cacheable = name_request(name, engine)
-    request = _plain_request(request_name, array, out is None, *plain)
-    request.cacheable = cacheable
+    if name is None:  # `name_request`, written out: this runs every call
+        request = _plain_request(f"{UNNAMED}{engine.unnamed_number()}", array, out is None, *plain)
+    else:
+        request = _plain_request(str(name), array, out is None, *plain)
+        request.cacheable = cacheable_name(request.name)
     return engine.submit(request, waits)
 
 
@@ -182,12 +183,18 @@ def _plain_request(
     send = storage_view(array if array.ndim == 1 else array.reshape(-1), code)
     result = np.empty_like(array) if fresh else array
     out = storage_view(result if result.ndim == 1 else result.reshape(-1), code) if fresh else send
+    # By position (name, signature, handle, payload, cacheable, extra, error, finish,
+    # result): keywords cost a dataclass's `__init__` more.
     return Request(
         name,
         plain_signature(code, op, array.shape),
         Handle(name),
         Reduction([send], [out], not fresh, None, 1.0, postscale),
-        result=result,
+        False,
+        0,
+        None,
+        None,
+        result,
     )
 
 
