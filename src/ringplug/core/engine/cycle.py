@@ -92,7 +92,8 @@ class Cycle:
         engine = self.engine
         scheduler = engine.scheduler
         try:
-            start = time.perf_counter()
+            # A waiting caller's own cycle starts as it submits: one clock reading less.
+            start = fresh[0].submitted if by_caller and fresh else time.perf_counter()
             # The one place a cycle reads the engine's settings: replacing `Engine.settings`
             # (a frozen dataclass) changes the fusion threshold and cycle time from here on.
             self.settings = settings = engine.settings
