@@ -26,7 +26,7 @@ from ..kinds.kind import kind_of
 __all__ = ["Cache", "Plan", "decide"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Plan:
     responses: list[Response] = dataclasses.field(default_factory=list)
     errors: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> message
