@@ -172,18 +172,16 @@ class Cycle:
         return plan, found
 
     def _lone_plan(self, request: Request) -> Plan:
-        """The plan of a cycle in which every rank has `request` alone."""
-        key = (request.name, request.signature)
-        plan = self._lone_plans.get(key)
-        if plan is None:
-            response = Response.everywhere(request.name, request.signature, self.engine.size)
-            # By position, with the shared empty errors, partial and stall lists (a plan is
-            # never changed once made): an unnamed call makes one every cycle.
-            plan = Plan([response], _NO_ERRORS, _NO_PARTIAL, None, False, -1, _NO_ABORT, True, True)
-            if request.cacheable:  # a numbered name never comes again
-                if len(self._lone_plans) >= _LONE_PLANS_KEPT:
-                    self._lone_plans.clear()
-                self._lone_plans[key] = plan
+        """A new plan of a cycle in which every rank has `request` alone (`negotiate` looks
+        for a named request's kept one first), kept for a named request."""
+        response = Response.everywhere(request.name, request.signature, self.engine.size)
+        # By position, with the shared empty errors, partial and stall lists (a plan is
+        # never changed once made): an unnamed call makes one every cycle.
+        plan = Plan([response], _NO_ERRORS, _NO_PARTIAL, None, False, -1, _NO_ABORT, True, True)
+        if request.cacheable:  # a numbered name never comes again
+            if len(self._lone_plans) >= _LONE_PLANS_KEPT:
+                self._lone_plans.clear()
+            self._lone_plans[(request.name, request.signature)] = plan
         return plan
 
     def _lone_form(
