@@ -11,6 +11,8 @@ OUTDIR/algorithms-<rank>.json:
 - "table": the job's calibrated table (JSON), made at the first collective;
 - "cached": the table a second communicator got (rank 0 loads it from the cache);
 - "deadline": the table of a measurement given no time at all;
+- "refused": on one host, the error of a communicator that forces the hierarchical
+  allreduce (it needs several hosts);
 - "set_table": on 3 ranks or more, the table of the process set of ranks 0..p-2 (measured
   at the set's first collective; None on the rank outside it).
 """
@@ -32,6 +34,7 @@ from ringplug.core.algorithms import (
     ALLREDUCE,
     BROADCAST,
     CANDIDATES,
+    HIERARCHICAL,
     REDUCESCATTER,
     fixed_table,
 )
@@ -113,6 +116,8 @@ def run_cases(rank: int, size: int) -> dict[str, dict]:
         report[name] = {"ok": bool(ok), "path": engine.transport.last_path, "detail": detail}
 
     for algorithm in CANDIDATES[(ALLREDUCE, True)]:
+        if algorithm == HIERARCHICAL and not engine.transport.spans_hosts():
+            continue  # one host: tests/workers/hierarchical.py runs it on several
         force(ALLREDUCE, algorithm)
         for dtype, op, exact in REDUCE_CASES:
             for count in SIZES:
@@ -208,6 +213,13 @@ def main() -> None:
     # No time at all: one size measured, too few to fit.
     no_time = calibration.measure(second, 0.0)
     second.free()
+    # The hierarchical allreduce forced on ranks of one host: refused on every rank.
+    forced = Transport(MPI.COMM_WORLD, replace(runtime.settings(), algorithm="hierarchical"))
+    try:
+        refused = f"no error; table {forced.algorithms.to_json()}"
+    except ValueError as error:
+        refused = str(error)
+    forced.free()
     cases = run_cases(rank, size)
     # A process set's engine measures its own table at its first collective (fresh).
     subset = ringplug.add_process_set(range(size - 1)) if size >= 3 else None
@@ -226,6 +238,7 @@ def main() -> None:
         "table": measured.to_json(),
         "cached": cached.to_json(),
         "deadline": no_time.to_json(),
+        "refused": refused,
     }
     (outdir / f"algorithms-{rank}.json").write_text(json.dumps(report))
     ringplug.shutdown()
