@@ -136,6 +136,28 @@ def test_local_and_cross_ranks_follow_the_hosts(bed, tmp_path):
     assert all(f["everyone"] == [0, 1, 2] and f["rejoined_sum"] == 3 for f in facts)
 
 
+def test_the_hierarchical_allreduce_is_correct_on_two_hosts_of_two_ranks(bed, tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_algorithms import check_hierarchical_reports
+
+    result = ringrun(
+        bed,
+        "-H",
+        hosts(bed, "a:2", "b:2"),
+        *OVER_TCP,
+        *("-x", "RINGPLUG_ALGORITHM=allreduce=hierarchical"),
+        *("-x", "RINGPLUG_CALIBRATION=fresh", "-x", f"XDG_CACHE_HOME={tmp_path / 'cache'}"),
+        *("-x", "RINGPLUG_EAGER_THRESHOLD=0", "-x", "RINGPLUG_RING_SEGMENT=16K"),
+        sys.executable,
+        str(WORKERS / "hierarchical.py"),
+        str(tmp_path),
+        timeout=2 * JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    found = [json.loads((tmp_path / f"hierarchical-{r}.json").read_text()) for r in range(4)]
+    check_hierarchical_reports(found, ["bed-a", "bed-a", "bed-b", "bed-b"])
+
+
 @pytest.fixture(scope="module")
 def two_hosts(bed, tmp_path_factory):
     """The job on hosts a and b (one rank each) that runs the collectives sweep, then a
