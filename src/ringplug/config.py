@@ -421,6 +421,16 @@ MPI's Allreduce. The rest of the table is measured as usual. A forced `hierarchi
 that are all on one host (or each on a host of its own) is an error at the first collective,
 on every rank."""
 
+TEST_RANKS_PER_HOST = Variable(
+    "RINGPLUG_TEST_RANKS_PER_HOST",
+    COUNT,
+    None,
+    "tests only: world ranks `i*k` to `i*k+k-1` count as one pretend host `i` for the "
+    "hierarchical allreduce, so that one machine runs it on several hosts (its timings mean "
+    "nothing then)",
+    least=1,
+)
+
 RING_SEGMENT = Variable(
     "RINGPLUG_RING_SEGMENT",
     BYTES,

@@ -21,13 +21,13 @@ timings then mean nothing: every rank shares one memory).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ... import config
 from ..dtypes import DType
 from ..ops import ReduceOp
 from . import doubling, ring
@@ -36,16 +36,13 @@ from .waiting import Waiter
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-TEST_RANKS_PER_HOST = "RINGPLUG_TEST_RANKS_PER_HOST"
-
-
 def host_key() -> str:
     """The name of this rank's host (see the module's note on the test-only setting)."""
     from mpi4py import MPI
 
-    fake = os.environ.get(TEST_RANKS_PER_HOST)
+    fake = config.TEST_RANKS_PER_HOST.read()
     if fake:
-        return f"test-host-{MPI.COMM_WORLD.Get_rank() // int(fake)}"
+        return f"test-host-{MPI.COMM_WORLD.Get_rank() // fake}"
     return MPI.Get_processor_name()
 
 
