@@ -96,7 +96,9 @@ def test_single_dash_hostfile_and_hosts_together_are_refused(tmp_path):
 def test_hierarchical_allreduce_forces_the_hierarchical_allreduce():
     words = dry_run_words("-np", "2", "--hierarchical-allreduce", "python", "x.py")
     assert genv(words)["RINGPLUG_ALGORITHM"] == "allreduce=hierarchical"
-    assert words == dry_run_words("-np", "2", "--algorithm", "allreduce=hierarchical", "python", "x.py")
+    assert words == dry_run_words(
+        "-np", "2", "--algorithm", "allreduce=hierarchical", "python", "x.py"
+    )
 
 
 def test_timeline_filename_is_the_same_as_timeline(tmp_path):

@@ -60,7 +60,9 @@ def run_cases(rank: int, size: int) -> dict[str, dict]:
         got = ringplug.grouped_allreduce(sends, op=ringplug.Sum, name=name)
         for n, result in zip(counts, got, strict=True):
             everyone = [inputs(r, n, "float32", f"{name}{n}") for r in range(size)]
-            ok, detail = agrees(np.asarray(result), expected_reduction(everyone, ringplug.Sum), True)
+            ok, detail = agrees(
+                np.asarray(result), expected_reduction(everyone, ringplug.Sum), True
+            )
             if not ok:
                 return ok, f"{n}: {detail}"
         return True, ""

@@ -336,7 +336,9 @@ def with_flagged_variables(cls: type) -> type:
         if variable.horovodrun_switch is not None:
             switch, value = variable.horovodrun_switch
             flags.append(
-                Flag((switch,), horovodrun=True, sets=value, help=f"same as {variable.flag} {value}")
+                Flag(
+                    (switch,), horovodrun=True, sets=value, help=f"same as {variable.flag} {value}"
+                )
             )
         annotations[variable.key] = "str | None"
         setattr(

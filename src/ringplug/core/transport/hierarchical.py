@@ -36,6 +36,7 @@ from .waiting import Waiter
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+
 def host_key() -> str:
     """The name of this rank's host (see the module's note on the test-only setting)."""
     from mpi4py import MPI
