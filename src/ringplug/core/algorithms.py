@@ -85,7 +85,7 @@ MEASURED = "measured"
 CACHED = "cached"
 FIXED = "fixed"
 
-_FORMAT = 1  # of the cached JSON; a different one is measured again
+_FORMAT = 2  # of the cached JSON; a different one is measured again (2: hierarchical)
 
 
 @dataclass(frozen=True)
