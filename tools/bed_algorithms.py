@@ -3,7 +3,7 @@ hostnames and sshd, `ringplug.bench.netbed`; needs root), so that the hierarchic
 allreduce is measured against the flat ring and MPI's own Allreduce:
 
     sudo python tools/bed_algorithms.py --hosts 2 --per-host 2 --rate-gbit 1 \
-        --json bed-2x2.json -- --sizes 4K,1M,64M --budget 2
+        --json bed-2x2.json -- --sizes 4K,1M,64M --budget 2 --deadline 30
 
 The words after ``--`` go to ``ringplug-bench algorithms``. The ranks' MPI traffic goes
 over TCP between hosts (``UCX_TLS=tcp,self``), through shared memory within a host. The
