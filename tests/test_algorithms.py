@@ -337,7 +337,7 @@ def test_forcing_the_hierarchical_allreduce_on_one_host_is_refused_on_every_rank
 HIERARCHICAL_WORKER = Path(__file__).parent / "workers" / "hierarchical.py"
 
 
-def hierarchical_reports(outdir: Path, ranks: int, per_host: int) -> list[dict]:
+def hierarchical_reports(outdir: Path, ranks: int, per_host: int, measure: bool) -> list[dict]:
     """Each rank's report of tests/workers/hierarchical.py on `ranks` ranks of this machine,
     `per_host` to a pretend host (the test-only RINGPLUG_TEST_RANKS_PER_HOST)."""
     result = run_ringrun(
@@ -346,10 +346,12 @@ def hierarchical_reports(outdir: Path, ranks: int, per_host: int) -> list[dict]:
         sys.executable,
         str(HIERARCHICAL_WORKER),
         str(outdir),
+        *(["measure"] if measure else []),
         extra_env={
             "RINGPLUG_TEST_RANKS_PER_HOST": str(per_host),
             "RINGPLUG_ALGORITHM": "allreduce=hierarchical",
             "RINGPLUG_CALIBRATION": "fresh",
+            "RINGPLUG_CALIBRATION_SECONDS": "30",  # every size measured, whatever the load
             "XDG_CACHE_HOME": str(outdir / "cache"),
             "RINGPLUG_EAGER_THRESHOLD": "0",
             "RINGPLUG_RING_SEGMENT": "16K",
@@ -360,8 +362,9 @@ def hierarchical_reports(outdir: Path, ranks: int, per_host: int) -> list[dict]:
     return [json.loads((outdir / f"hierarchical-{r}.json").read_text()) for r in range(ranks)]
 
 
-def check_hierarchical_reports(found: list[dict], hosts: list[str]) -> None:
-    """Every case right and hierarchical on every rank; the measured table has its model."""
+def check_hierarchical_reports(found: list[dict], hosts: list[str], measured: bool) -> None:
+    """Every case right and hierarchical on every rank; the measured table, if `measured`,
+    has its model."""
     for rank, report in enumerate(found):
         assert report["hosts"] == hosts
         bad = {n: c["detail"] for n, c in report["cases"].items() if not c["ok"]}
@@ -371,17 +374,21 @@ def check_hierarchical_reports(found: list[dict], hosts: list[str]) -> None:
         assert len(paths) == 9 * 5 + 1  # REDUCE_CASES x SIZES, and the grouped call
     tables = {report["table"] for report in found}
     assert len(tables) == 1
-    table = AlgorithmTable.from_json(tables.pop())
-    assert table.source == MEASURED and "allreduce/hierarchical" in table.models
+    if measured:
+        table = AlgorithmTable.from_json(tables.pop())
+        assert table.source == MEASURED and "allreduce/hierarchical" in table.models
+    else:
+        assert tables == {None}
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("ranks", "per_host", "hosts"),
-    [(4, 2, [0, 0, 1, 1]), (5, 2, [0, 0, 1, 1, 2])],  # 5: three leaders, a host of one
+    ("ranks", "per_host", "hosts", "measure"),
+    # 5: three leaders, a host of one; its table is not measured (time: the 4 do it)
+    [(4, 2, [0, 0, 1, 1], True), (5, 2, [0, 0, 1, 1, 2], False)],
 )
 def test_the_hierarchical_allreduce_matches_numpy_on_pretend_hosts(
-    tmp_path, ranks, per_host, hosts
+    tmp_path, ranks, per_host, hosts, measure
 ):
-    found = hierarchical_reports(tmp_path, ranks, per_host)
-    check_hierarchical_reports(found, [f"test-host-{h}" for h in hosts])
+    found = hierarchical_reports(tmp_path, ranks, per_host, measure)
+    check_hierarchical_reports(found, [f"test-host-{h}" for h in hosts], measure)

@@ -2,14 +2,14 @@
 numpy on every dtype and op of tests/workers/algorithms.py, and the table measured on the
 same ranks.
 
-Run as ``ringrun -H a:2,b:2 python tests/workers/hierarchical.py OUTDIR`` (or on one machine
-with the test-only ``RINGPLUG_TEST_RANKS_PER_HOST``) with
+Run as ``ringrun -H a:2,b:2 python tests/workers/hierarchical.py OUTDIR [measure]`` (or on
+one machine with the test-only ``RINGPLUG_TEST_RANKS_PER_HOST``) with
 ``RINGPLUG_ALGORITHM=allreduce=hierarchical``; each rank writes OUTDIR/hierarchical-<rank>.json:
 
 - "hosts": each rank's host as the transport sees it;
 - "cases": {case: {"ok", "path", "detail"}}: each dtype, op and size, and a grouped call;
-- "table": the table of a second communicator of the same ranks, measured there
-  (`RINGPLUG_CALIBRATION=fresh`, nothing forced).
+- "table": with ``measure``, the table of a second communicator of the same ranks,
+  measured there (`RINGPLUG_CALIBRATION=fresh`, nothing forced); else None.
 """
 
 from __future__ import annotations
@@ -79,9 +79,11 @@ def main() -> None:
     engine = runtime.engine()
     from mpi4py import MPI
 
-    second = Transport(MPI.COMM_WORLD, replace(runtime.settings(), algorithm=None))
-    table = second.algorithms.to_json()
-    second.free()
+    table = None
+    if sys.argv[2:] == ["measure"]:
+        second = Transport(MPI.COMM_WORLD, replace(runtime.settings(), algorithm=None))
+        table = second.algorithms.to_json()
+        second.free()
     report = {"hosts": engine.transport.hosts(), "cases": cases, "table": table}
     (outdir / f"hierarchical-{rank}.json").write_text(json.dumps(report))
     ringplug.shutdown()
