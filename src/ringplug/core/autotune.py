@@ -33,7 +33,7 @@ The search is a model-guided local search on a small grid, not Horovod's Gaussia
    is found, and kept only on a clear win;
 5. when no neighbour of the best is left untried (converged), or only room for this is
    left of the budget, the best, the start and a runner-up (the best setting without
-   cycle time if the best has one, else the highest other within 15% of the best) are
+   cycle time if the best has one, else the highest other without one within 15%) are
    scored once more, back to back (:meth:`Search.contenders`). Of the best and the
    runner-up the higher second score wins (the best's first score, the highest of
    several noisy ones, is too high), a cycle time only by 10%, and within the margin the
@@ -249,7 +249,8 @@ class Search:
         after it (the best is kept only if it beats the start's own second score), and a
         runner-up: the best setting without cycle time where the best has one (a cycle
         time is kept only if it wins again, clearly), else the highest other setting
-        within :data:`CONFIRM_WITHIN` of the best. Fewer than two: nothing to re-score."""
+        without cycle time within :data:`CONFIRM_WITHIN` of the best. Fewer than two:
+        nothing to re-score."""
         best = self.best
         if best is None:
             return []
@@ -259,6 +260,8 @@ class Search:
         others = [c for c in self.scores if c not in found]
         if best.cycle_time_ms > 0:
             others = [c for c in others if c.cycle_time_ms == 0] or others
+        else:  # a cycle time that did not beat it clearly gets no second chance
+            others = [c for c in others if c.cycle_time_ms == 0]
         if others:
             runner_up = max(others, key=self.scores.__getitem__)
             without_cycle = best.cycle_time_ms > 0 and runner_up.cycle_time_ms == 0
