@@ -13,12 +13,13 @@ trains, every rank alike, in segments of steps:
    order rotated each round; the sweep's best is the one of least median step time;
 4. the judgement: ``--rounds`` short rounds in which the bad setting, the sweep's best, the
    tuned setting and the best once more (a control: its ratio to itself is the noise) run
-   ``--iters`` timed steps each (again after an untimed one), the order rotated each
-   round. Each round gives a ratio (the best's median step time over the tuned one's:
-   tuned / best throughput), its settings timed within a second or so of each other; the
-   result is the median of those ratios and their quartiles. A change of the machine's
-   load between rounds cancels out, and the best is timed afresh beside the tuned
-   setting, not as the fastest of seven noisy medians (which favours it).
+   ``--iters`` timed steps each (again after an untimed one), in an order balanced for
+   carry-over (each setting comes right after each other one equally often). Each round
+   gives a ratio (the best's median step time over the tuned one's: tuned / best
+   throughput), its settings timed within a second or so of each other; the result is
+   the median of those ratios and their quartiles. A change of the machine's load
+   between rounds cancels out, and the best is timed afresh beside the tuned setting,
+   not as the fastest of seven noisy medians (which favours it).
 
 A step's time is the slowest rank's. Targets: tuned / best at least 0.9, tuning steps at
 most 50.
@@ -101,6 +102,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
 
+def _balanced_order(count: int, turn: int) -> list[int]:
+    """The order of `count` (even) settings in round `turn`: the rows of a Williams square
+    (0, 1, n-1, 2, n-2, ... shifted by the round), so that over `count` rounds each setting
+    comes right after each other one once. A plain rotation put the sweep's best after the
+    bad setting in 3 rounds of 4 and the best's second timing never after it: the best
+    against itself came out at 0.98 to 1.16 (8 runs, median 1.07), likely the bad
+    setting's slow cycles carried over into the next setting's steps."""
+    first = [0]
+    for k in range(1, count):
+        first.append((k + 1) // 2 if k % 2 else count - k // 2)
+    return [(index + turn) % count for index in first]
+
+
 def _label(candidate: Candidate) -> str:
     return f"{candidate.fusion_threshold >> 10}K/{candidate.cycle_time_ms:g}ms"
 
@@ -125,8 +139,8 @@ class Schedule:
         # the judgement: its labels are its settings
         judged: list[tuple[str, Candidate | str]] = [(label, label) for label in JUDGED]
         for turn in range(args.rounds):
-            shift = turn % len(judged)
-            for label, setting in judged[shift:] + judged[:shift]:
+            for index in _balanced_order(len(judged), turn):
+                label, setting = judged[index]
                 self.segments.append((f"{label}#{turn}", setting, 1 + args.iters))
         self.starts: dict[int, tuple[str, Candidate | str, int]] = {}
         step = 0
