@@ -461,3 +461,20 @@ def test_the_start_is_rescored_even_when_the_best_won_by_far():
     assert Candidate(64 << 10, 20.0) in search.rescores
     assert job.setting == Candidate(128 * MIB, 0.0)
     assert job.tuner.steps <= STEP_BUDGET
+
+
+def test_a_search_that_runs_out_of_samples_still_rescores_within_the_budget():
+    search = Search(Candidate(64 << 10, 20.0), CostModel([100 * MIB]), max_samples=11)
+    score = 1.0
+    following = search.current
+    while following is not None and following not in search.rescores:
+        score *= 1.12  # every new setting 12% better: the best changes every sample
+        following = search.record(score)
+        if search._confirming is not None:
+            break
+    while following is not None:  # the re-scores: the best stays ahead of the start
+        following = search.record(2.0 if following == search._confirming[0] else 1.0)
+    assert not search.converged
+    assert len(search.order) == 11
+    assert len(search.rescores) == 3  # the best, the start and the runner-up
+    assert search.best == search._confirming[0] != Candidate(64 << 10, 20.0)

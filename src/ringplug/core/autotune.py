@@ -103,6 +103,14 @@ off the engine's caller-run cycles and its gathering of a burst of submissions i
 cycle: 0.5 ms, which the model prices at 0.5 ms a cycle, cost 0 to 38% on the CI machine
 (docs/benchmarks.md, Autotune), and a small win of one is mostly noise."""
 
+RESCORES = 3
+"""The most final re-scores (the best, the start, a runner-up): the search keeps room for
+them in its budget."""
+
+MIN_SAMPLES_TO_RESCORE = 6
+"""The smallest budget (samples) that keeps room for the re-scores; a smaller one searches
+to its end and keeps the best first score."""
+
 CYCLE_GRID_MS: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 """Cycle times tried, in milliseconds."""
 
@@ -271,12 +279,12 @@ class Search:
         return found if len(found) >= 2 else []
 
     def _start_confirming(self) -> Candidate | None:
-        """At the end: score the :meth:`contenders` once more, back to back, if the budget
-        holds them all (the search leaves them room: see :meth:`_next`). The best was
+        """At the end: score the :meth:`contenders` once more, back to back, as many as the
+        budget holds (the search leaves room for all: see :meth:`_next`). The best was
         chosen as the highest of noisy scores, so its own is too high; their second scores,
         taken one after the other under the same load, decide."""
-        contenders = self.contenders()
-        if not contenders or len(self.order) + len(contenders) > self.max_samples:
+        contenders = self.contenders()[: self.max_samples - len(self.order)]
+        if len(contenders) < 2:
             return None
         self._confirming = contenders
         return contenders[0]
@@ -307,8 +315,10 @@ class Search:
 
     def _next(self) -> Candidate | None:
         """The next setting to score, or ``None`` when the search is over: no untried
-        neighbour of the best, or only room left for the final re-scores."""
-        if len(self.order) + len(self.contenders()) >= self.max_samples:
+        neighbour of the best, or only room left for the final re-scores (:data:`RESCORES`,
+        the most there can be after any next score; none in a budget too small for them)."""
+        reserve = RESCORES if self.max_samples >= MIN_SAMPLES_TO_RESCORE else 0
+        if len(self.order) + 1 + reserve > self.max_samples:
             return None
         if len(self.order) == 1:
             self.queue = self.coarse()
