@@ -478,3 +478,25 @@ def test_a_search_that_runs_out_of_samples_still_rescores_within_the_budget():
     assert len(search.order) == 11
     assert len(search.rescores) == 3  # the best, the start and the runner-up
     assert search.best == search._confirming[0] != Candidate(64 << 10, 20.0)
+
+
+def test_a_start_that_stays_best_does_not_send_the_search_into_cycle_times_first():
+    start = Candidate(64 << 10, 20.0)
+    search = Search(start, CostModel([100 * MIB]), max_samples=11)
+    first = {  # the start scored high once; the spread falls from 16 MiB to 1 MiB
+        start: 10.0,
+        Candidate(128 * MIB, 0.0): 5.0,
+        Candidate(16 * MIB, 0.0): 6.0,
+        Candidate(MIB, 0.0): 4.0,
+    }
+    following = search.current
+    while following in first:
+        following = search.record(first[following])
+    assert search.best == start
+    # the threshold neighbours of 16 MiB without cycle time come before any cycle time
+    tried = []
+    while following is not None and search._confirming is None:
+        tried.append(following)
+        following = search.record(5.5)
+    assert tried[:2] == [Candidate(64 * MIB, 0.0), Candidate(4 * MIB, 0.0)]
+    assert all(c.cycle_time_ms == 0 for c in tried[:2])

@@ -30,7 +30,8 @@ The search is a model-guided local search on a small grid, not Horovod's Gaussia
    its wait: any cycle time above 0 switches off the engine's caller-run cycles and its
    gathering of a burst of submissions into one cycle, which costs from nothing to a
    third of a step. So cycle times are tried only once the best threshold without one
-   is found, and kept only on a clear win;
+   is found (its threshold neighbours without one come first even while the start, with
+   its cycle time, is the best), and kept only on a clear win;
 5. when no neighbour of the best is left untried (converged), or only room for this is
    left of the budget, the best, the start and a runner-up (the best setting without
    cycle time if the best has one, else the highest other without one within 15%) are
@@ -340,7 +341,21 @@ class Search:
         return [Candidate(self.fusion_grid[i], guess.cycle_time_ms) for i in range(top, -1, -2)]
 
     def _untried_neighbours(self) -> list[Candidate]:
+        """The untried threshold neighbours without cycle time of the best setting without
+        one, while there are any; then the untried neighbours of the best. So cycle times
+        wait for the best threshold without one even where the start, with its cycle
+        time, stays the best (a lucky first score): its neighbours all have one."""
         assert self.best is not None
+        without = [c for c in self.scores if c.cycle_time_ms == 0]
+        if without:
+            centre = self.best
+            if centre.cycle_time_ms > 0:
+                centre = max(without, key=self.scores.__getitem__)
+            found = [
+                c for c in self._neighbours(centre) if c.cycle_time_ms == 0 and c not in self.scores
+            ]
+            if found:
+                return sorted(found, key=self._model_order)
         found = [c for c in self._neighbours(self.best) if c not in self.scores]
         found.sort(key=self._model_order)
         return found
