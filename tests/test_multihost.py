@@ -427,7 +427,8 @@ def test_a_rank_killed_on_one_host_ends_what_every_rank_started_on_every_host(be
     assert result.returncode == 128 + signal.SIGKILL, result.stderr
     assert re.search(r"ringrun: rank 2 on host bed-b .* killed by signal SIGKILL", result.stderr)
     assert helpers_left(tmp_path, bound_s=STOP_BOUND_S) == []
-    assert processes_matching(marker) == []
+    # A full suite once saw a rank's wrapper still there as ringrun returned: gone soon after.
+    assert processes_matching(marker, within_s=STOP_BOUND_S) == []
 
 
 def test_ringrun_sigkilled_leaves_nothing_its_ranks_started_on_any_host(bed, tmp_path):
@@ -548,7 +549,10 @@ def test_ringrun_stacks_answers_for_every_rank_on_every_host(bed, tmp_path):
         _, stderr = job.communicate(timeout=JOB_TIMEOUT_S)
     print(f"ringrun --stacks answered in {time.monotonic() - asked_at:.2f} s")  # the figure
     assert asked.returncode == 0, asked.stderr
-    assert asked.stdout.startswith("stacks of 4 ranks, taken just now:"), asked.stdout
+    # (Once, in a full suite, the job ended before ranks 0 and 1 answered: its output says why.)
+    assert asked.stdout.startswith("stacks of 4 ranks, taken just now:"), (
+        f"{asked.stdout}\nthe job ({job.returncode}) said:\n{stderr[-3000:]}"
+    )
     # Ranks 0, 2, 3 (on a, b, b) wait alike in the allreduce; rank 1 (on a) waits for the file.
     assert re.search(r"^ranks 0, 2-3 \(sleeping\):$", asked.stdout, re.M), asked.stdout
     assert re.search(r"^rank 1 on host bed-a \(pid \d+, sleeping\):$", asked.stdout, re.M)
