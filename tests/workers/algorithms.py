@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -104,48 +105,62 @@ def force(kind: str, algorithm: str) -> None:
     engine.transport.use_algorithms(table)
 
 
-def run_cases(rank: int, size: int) -> dict[str, dict]:
-    report: dict[str, dict] = {}
+def recorder(report: dict[str, dict]) -> Callable[[str, Callable[[], tuple]], None]:
+    """``record(name, check)``: `check()`'s (ok, detail) in `report`, with the path the
+    engine's transport took (a check that raises is a failure with its traceback)."""
     engine = runtime.engine()
 
-    def record(name: str, check) -> None:
+    def record(name: str, check: Callable[[], tuple]) -> None:
         try:
             ok, detail = check()
         except Exception:  # noqa: BLE001 - the report names it
             ok, detail = False, traceback.format_exc(limit=4)
         report[name] = {"ok": bool(ok), "path": engine.transport.last_path, "detail": detail}
 
+    return record
+
+
+def allreduce_cases(record, rank: int, size: int, prefix: str, sizes=SIZES) -> None:
+    """Every case of `REDUCE_CASES` at each of `sizes`, then three tensors at once (fused;
+    the ring takes them in place as pieces), against numpy, named under `prefix`."""
+    for dtype, op, exact in REDUCE_CASES:
+        for count in sizes:
+            name = f"{prefix}/{dtype}/{op.name}/{count}"
+
+            def check(dtype=dtype, op=op, exact=exact, count=count, name=name):
+                send = inputs(rank, count, dtype, name)
+                got = ringplug.allreduce(send, op=op, name=name)
+                everyone = [inputs(r, count, dtype, name) for r in range(size)]
+                return agrees(np.asarray(got), expected_reduction(everyone, op), exact)
+
+            record(name, check)
+    name = f"{prefix}/grouped"
+
+    def grouped():
+        counts = (5, 3000, 20_000)
+        sends = [inputs(rank, n, "float32", f"{name}{n}") for n in counts]
+        got = ringplug.grouped_allreduce(sends, op=ringplug.Sum, name=name)
+        for n, result in zip(counts, got, strict=True):
+            everyone = [inputs(r, n, "float32", f"{name}{n}") for r in range(size)]
+            ok, detail = agrees(
+                np.asarray(result), expected_reduction(everyone, ringplug.Sum), True
+            )
+            if not ok:
+                return ok, f"{n}: {detail}"
+        return True, ""
+
+    record(name, grouped)
+
+
+def run_cases(rank: int, size: int) -> dict[str, dict]:
+    report: dict[str, dict] = {}
+    engine = runtime.engine()
+    record = recorder(report)
     for algorithm in CANDIDATES[(ALLREDUCE, True)]:
         if algorithm == HIERARCHICAL and not engine.transport.spans_hosts():
             continue  # one host: tests/workers/hierarchical.py runs it on several
         force(ALLREDUCE, algorithm)
-        for dtype, op, exact in REDUCE_CASES:
-            for count in SIZES:
-                name = f"allreduce/{algorithm}/{dtype}/{op.name}/{count}"
-
-                def check(dtype=dtype, op=op, exact=exact, count=count, name=name):
-                    send = inputs(rank, count, dtype, name)
-                    got = ringplug.allreduce(send, op=op, name=name)
-                    everyone = [inputs(r, count, dtype, name) for r in range(size)]
-                    return agrees(np.asarray(got), expected_reduction(everyone, op), exact)
-
-                record(name, check)
-        # Several tensors at once (fused; the ring takes them in place as pieces).
-        name = f"allreduce/{algorithm}/grouped"
-
-        def grouped(name=name):
-            sends = [inputs(rank, n, "float32", f"{name}{n}") for n in (5, 3000, 20_000)]
-            got = ringplug.grouped_allreduce(sends, op=ringplug.Sum, name=name)
-            for n, result in zip((5, 3000, 20_000), got, strict=True):
-                everyone = [inputs(r, n, "float32", f"{name}{n}") for r in range(size)]
-                ok, detail = agrees(
-                    np.asarray(result), expected_reduction(everyone, ringplug.Sum), True
-                )
-                if not ok:
-                    return ok, f"{n}: {detail}"
-            return True, ""
-
-        record(name, grouped)
+        allreduce_cases(record, rank, size, f"allreduce/{algorithm}")
 
     for algorithm in CANDIDATES[(REDUCESCATTER, True)]:
         force(REDUCESCATTER, algorithm)

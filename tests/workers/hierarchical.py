@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-from algorithms import REDUCE_CASES, agrees, expected_reduction, inputs
+from algorithms import allreduce_cases, recorder
 
 import ringplug
 from ringplug.core import runtime
@@ -31,43 +29,8 @@ SIZES = (1, 7, 1000, 40_003, 300_001)  # elements; 300,001 x 4 bytes: the leader
 
 
 def run_cases(rank: int, size: int) -> dict[str, dict]:
-    engine = runtime.engine()
     report: dict[str, dict] = {}
-
-    def record(name: str, check) -> None:
-        try:
-            ok, detail = check()
-        except Exception:  # noqa: BLE001 - the report names it
-            ok, detail = False, traceback.format_exc(limit=4)
-        report[name] = {"ok": bool(ok), "path": engine.transport.last_path, "detail": detail}
-
-    for dtype, op, exact in REDUCE_CASES:
-        for count in SIZES:
-            name = f"allreduce/{dtype}/{op.name}/{count}"
-
-            def check(dtype=dtype, op=op, exact=exact, count=count, name=name):
-                send = inputs(rank, count, dtype, name)
-                got = ringplug.allreduce(send, op=op, name=name)
-                everyone = [inputs(r, count, dtype, name) for r in range(size)]
-                return agrees(np.asarray(got), expected_reduction(everyone, op), exact)
-
-            record(name, check)
-    name = "allreduce/grouped"
-
-    def grouped():
-        counts = (5, 3000, 20_000)
-        sends = [inputs(rank, n, "float32", f"{name}{n}") for n in counts]
-        got = ringplug.grouped_allreduce(sends, op=ringplug.Sum, name=name)
-        for n, result in zip(counts, got, strict=True):
-            everyone = [inputs(r, n, "float32", f"{name}{n}") for r in range(size)]
-            ok, detail = agrees(
-                np.asarray(result), expected_reduction(everyone, ringplug.Sum), True
-            )
-            if not ok:
-                return ok, f"{n}: {detail}"
-        return True, ""
-
-    record(name, grouped)
+    allreduce_cases(recorder(report), rank, size, "allreduce", SIZES)
     return report
 
 
