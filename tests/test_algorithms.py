@@ -230,13 +230,18 @@ def test_each_forced_algorithm_is_the_one_that_ran(reports, ranks):
     }
 
 
+def the_table_every_rank_got(found: list[dict], key: str) -> AlgorithmTable:
+    """The table the ranks' reports hold under `key`: one, the same on every rank."""
+    tables = {report[key] for report in found}
+    assert len(tables) == 1, tables
+    return AlgorithmTable.from_json(tables.pop())
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("ranks", RANKS)
 def test_every_rank_gets_the_same_measured_table(reports, ranks):
     found, _ = reports(ranks)
-    tables = {report["table"] for report in found}
-    assert len(tables) == 1
-    table = AlgorithmTable.from_json(tables.pop())
+    table = the_table_every_rank_got(found, "table")
     assert table.source == MEASURED and table.size == ranks
     # One host: the hierarchical allreduce is neither measured nor a band.
     assert set(table.models) == set(SERIES.values()) - {"allreduce/hierarchical"}
@@ -279,9 +284,7 @@ def test_a_second_communicator_loads_the_cached_table(reports, ranks):
 @pytest.mark.parametrize("ranks", RANKS)
 def test_a_measurement_out_of_time_falls_back_to_the_fixed_table(reports, ranks):
     found, _ = reports(ranks)
-    tables = {report["deadline"] for report in found}
-    assert len(tables) == 1
-    table = AlgorithmTable.from_json(tables.pop())
+    table = the_table_every_rank_got(found, "deadline")
     assert table.source == "fixed" and "only 1 size measured" in table.note
     assert table.bands == fixed_table(ranks, 1 << 20).bands
 
@@ -290,9 +293,8 @@ def test_a_measurement_out_of_time_falls_back_to_the_fixed_table(reports, ranks)
 @pytest.mark.parametrize("ranks", [3, 4, 5])
 def test_a_process_set_measures_a_table_of_its_own_that_its_members_share(reports, ranks):
     found, outdir = reports(ranks)
-    tables = {report["set_table"] for report in found[:-1]}
-    assert len(tables) == 1 and found[-1]["set_table"] is None
-    table = AlgorithmTable.from_json(tables.pop())
+    assert found[-1]["set_table"] is None
+    table = the_table_every_rank_got(found[:-1], "set_table")
     assert table.size == ranks - 1 and table.source == MEASURED
     # Its own cache entry beside the world's: another rank count, another key.
     assert len(list((outdir / "cache" / "ringplug").glob("algorithms-*.json"))) == 2
