@@ -65,12 +65,21 @@ def unique_marker(scenario: str) -> str:
     return f"ringrun-test-{scenario}-{uuid.uuid4().hex[:12]}"
 
 
-def processes_matching(marker: str) -> list[str]:
-    """Command lines of running processes whose argv contains ``marker``."""
-    result = subprocess.run(
-        ["pgrep", "-af", marker], capture_output=True, text=True, timeout=10, check=False
-    )
-    return [line for line in result.stdout.splitlines() if line.strip()]
+def processes_matching(marker: str, within_s: float = 0.0) -> list[str]:
+    """Command lines of running processes whose argv contains ``marker``; with `within_s`,
+    those still running after waiting up to that long for them to end (a launcher's
+    process on another host may still be exiting when the launcher returns)."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while True:
+        result = subprocess.run(
+            ["pgrep", "-af", marker], capture_output=True, text=True, timeout=10, check=False
+        )
+        found = [line for line in result.stdout.splitlines() if line.strip()]
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.05)
 
 
 def write_executable(path: Path, text: str) -> Path:

@@ -5,6 +5,7 @@ ranks every algorithm of every kind against numpy and the calibration every rank
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,9 @@ from ringplug.core.algorithms import (
     BROADCAST,
     CACHED,
     CANDIDATES,
+    HIERARCHICAL,
     MEASURED,
+    OPTIONAL,
     REDUCESCATTER,
     SERIES,
     AlgorithmTable,
@@ -31,7 +34,9 @@ from ringplug.core.algorithms import (
     load_cached,
     parse_forced,
     save_cached,
+    table_from_models,
 )
+from ringplug.core.transport.hierarchical import spans_hosts, why_not
 from ringplug.core.transport.host import Transport
 
 WORKER = Path(__file__).parent / "workers" / "algorithms.py"
@@ -219,18 +224,28 @@ def test_each_forced_algorithm_is_the_one_that_ran(reports, ranks):
         else:
             assert case["path"] == forced, name
     kinds = {tuple(name.split("/")[:2]) for name in cases if not name.startswith("process-set/")}
-    assert kinds == {(k, a) for (k, _), names in CANDIDATES.items() for a in names}
+    # The hierarchical allreduce needs several hosts: test_hierarchical_* and test_multihost.
+    assert kinds == {
+        (k, a) for (k, _), names in CANDIDATES.items() for a in names if a not in OPTIONAL
+    }
+
+
+def the_table_every_rank_got(found: list[dict], key: str) -> AlgorithmTable:
+    """The table the ranks' reports hold under `key`: one, the same on every rank."""
+    tables = {report[key] for report in found}
+    assert len(tables) == 1, tables
+    return AlgorithmTable.from_json(tables.pop())
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("ranks", RANKS)
 def test_every_rank_gets_the_same_measured_table(reports, ranks):
     found, _ = reports(ranks)
-    tables = {report["table"] for report in found}
-    assert len(tables) == 1
-    table = AlgorithmTable.from_json(tables.pop())
+    table = the_table_every_rank_got(found, "table")
     assert table.source == MEASURED and table.size == ranks
-    assert set(table.models) == set(SERIES.values())
+    # One host: the hierarchical allreduce is neither measured nor a band.
+    assert set(table.models) == set(SERIES.values()) - {"allreduce/hierarchical"}
+    assert all(name != HIERARCHICAL for bands in table.bands.values() for _, name in bands)
 
 
 @pytest.mark.multirank
@@ -243,6 +258,7 @@ def test_the_measured_bands_are_the_cheapest_models(reports, ranks):
                 name: table.models[SERIES[(kind, name)]].alpha
                 + table.models[SERIES[(kind, name)]].beta * nbytes
                 for name in names
+                if SERIES[(kind, name)] in table.models
             }
             chosen = table.choose(kind, nbytes, reduces)
             assert cost[chosen] <= min(cost.values()) * (1 + 1e-9), (kind, reduces, nbytes, cost)
@@ -268,9 +284,7 @@ def test_a_second_communicator_loads_the_cached_table(reports, ranks):
 @pytest.mark.parametrize("ranks", RANKS)
 def test_a_measurement_out_of_time_falls_back_to_the_fixed_table(reports, ranks):
     found, _ = reports(ranks)
-    tables = {report["deadline"] for report in found}
-    assert len(tables) == 1
-    table = AlgorithmTable.from_json(tables.pop())
+    table = the_table_every_rank_got(found, "deadline")
     assert table.source == "fixed" and "only 1 size measured" in table.note
     assert table.bands == fixed_table(ranks, 1 << 20).bands
 
@@ -279,9 +293,104 @@ def test_a_measurement_out_of_time_falls_back_to_the_fixed_table(reports, ranks)
 @pytest.mark.parametrize("ranks", [3, 4, 5])
 def test_a_process_set_measures_a_table_of_its_own_that_its_members_share(reports, ranks):
     found, outdir = reports(ranks)
-    tables = {report["set_table"] for report in found[:-1]}
-    assert len(tables) == 1 and found[-1]["set_table"] is None
-    table = AlgorithmTable.from_json(tables.pop())
+    assert found[-1]["set_table"] is None
+    table = the_table_every_rank_got(found[:-1], "set_table")
     assert table.size == ranks - 1 and table.source == MEASURED
     # Its own cache entry beside the world's: another rank count, another key.
     assert len(list((outdir / "cache" / "ringplug").glob("algorithms-*.json"))) == 2
+
+
+# ------------------------------------------------------------- the hierarchical allreduce
+def test_the_hierarchical_allreduce_gets_a_band_only_where_it_was_measured():
+    models = {name: Model(1e-5, 1e-9) for name in set(SERIES.values())}
+    del models["allreduce/hierarchical"]
+    table = table_from_models(4, models, 0.1)
+    assert all(name != HIERARCHICAL for bands in table.bands.values() for _, name in bands)
+    # Measured and cheaper from 1 MiB on (its alpha 10 us higher, its beta 1e-11 s/B lower).
+    models["allreduce/hierarchical"] = Model(2e-5, 1e-9 - 1e-11)
+    table = table_from_models(4, models, 0.1)
+    assert table.choose(ALLREDUCE, 999_999) == "mpi"
+    assert table.choose(ALLREDUCE, 1_000_000) == HIERARCHICAL
+    assert table.choose(ALLREDUCE, 1 << 30, mpi_reduces=False) == HIERARCHICAL
+    assert table.choose(REDUCESCATTER, 1 << 30) != HIERARCHICAL
+
+
+def test_the_hierarchy_needs_several_hosts_and_a_host_of_several_ranks():
+    assert spans_hosts(["a", "a", "b", "b"]) and spans_hosts(["a", "a", "b"])
+    assert not spans_hosts(["a", "a"]) and not spans_hosts(["a", "b", "c"])
+    assert why_not(["vm", "vm"]) == "its 2 ranks are all on one host (vm)"
+    assert why_not(["a", "b"]) == "each of its 2 ranks is on a host of its own"
+    assert parse_forced("allreduce=hierarchical") == {ALLREDUCE: HIERARCHICAL}
+    assert parse_forced("hierarchical") == {ALLREDUCE: HIERARCHICAL}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", RANKS)
+def test_forcing_the_hierarchical_allreduce_on_one_host_is_refused_on_every_rank(reports, ranks):
+    for rank, report in enumerate(reports(ranks)[0]):
+        assert report["refused"] == (
+            "RINGPLUG_ALGORITHM forces allreduce=hierarchical, which needs ranks on more "
+            "than one host with more than one rank on some host, but its "
+            f"{ranks} ranks are all on one host ({socket.gethostname()}); unset it, or "
+            "force another allreduce (mpi, doubling, ring)."
+        ), rank
+
+
+HIERARCHICAL_WORKER = Path(__file__).parent / "workers" / "hierarchical.py"
+
+
+def hierarchical_reports(outdir: Path, ranks: int, per_host: int, measure: bool) -> list[dict]:
+    """Each rank's report of tests/workers/hierarchical.py on `ranks` ranks of this machine,
+    `per_host` to a pretend host (the test-only RINGPLUG_TEST_RANKS_PER_HOST)."""
+    result = run_ringrun(
+        "-np",
+        str(ranks),
+        sys.executable,
+        str(HIERARCHICAL_WORKER),
+        str(outdir),
+        *(["measure"] if measure else []),
+        extra_env={
+            "RINGPLUG_TEST_RANKS_PER_HOST": str(per_host),
+            "RINGPLUG_ALGORITHM": "allreduce=hierarchical",
+            "RINGPLUG_CALIBRATION": "fresh",
+            "RINGPLUG_CALIBRATION_SECONDS": "30",  # every size measured, whatever the load
+            "XDG_CACHE_HOME": str(outdir / "cache"),
+            "RINGPLUG_EAGER_THRESHOLD": "0",
+            "RINGPLUG_RING_SEGMENT": "16K",
+        },
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return [json.loads((outdir / f"hierarchical-{r}.json").read_text()) for r in range(ranks)]
+
+
+def check_hierarchical_reports(found: list[dict], hosts: list[str], measured: bool) -> None:
+    """Every case right and hierarchical on every rank; the measured table, if `measured`,
+    has its model."""
+    for rank, report in enumerate(found):
+        assert report["hosts"] == hosts
+        bad = {n: c["detail"] for n, c in report["cases"].items() if not c["ok"]}
+        assert not bad, f"rank {rank}: {bad}"
+        paths = {n: c["path"] for n, c in report["cases"].items()}
+        assert set(paths.values()) == {HIERARCHICAL}, f"rank {rank}: {paths}"
+        assert len(paths) == 9 * 5 + 1  # REDUCE_CASES x SIZES, and the grouped call
+    tables = {report["table"] for report in found}
+    assert len(tables) == 1
+    if measured:
+        table = AlgorithmTable.from_json(tables.pop())
+        assert table.source == MEASURED and "allreduce/hierarchical" in table.models
+    else:
+        assert tables == {None}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    ("ranks", "per_host", "hosts", "measure"),
+    # 5: three leaders, a host of one; its table is not measured (time: the 4 do it)
+    [(4, 2, [0, 0, 1, 1], True), (5, 2, [0, 0, 1, 1, 2], False)],
+)
+def test_the_hierarchical_allreduce_matches_numpy_on_pretend_hosts(
+    tmp_path, ranks, per_host, hosts, measure
+):
+    found = hierarchical_reports(tmp_path, ranks, per_host, measure)
+    check_hierarchical_reports(found, [f"test-host-{h}" for h in hosts], measure)

@@ -184,7 +184,7 @@ def test_training_benches_run_both_sides_in_alternating_pairs(
     assert summary in stdout
 
 
-def test_autotune_bench_tunes_from_the_bad_setting_and_times_it_beside_the_sweep(tmp_path):
+def test_autotune_bench_tunes_from_the_bad_setting_and_judges_it_beside_the_sweeps_best(tmp_path):
     result = run_ringrun(
         "-np",
         "2",
@@ -193,14 +193,13 @@ def test_autotune_bench_tunes_from_the_bad_setting_and_times_it_beside_the_sweep
         *("-x", "RINGPLUG_AUTOTUNE_MAX_SAMPLES=3"),
         BENCH,
         "autotune",
-        *("--iters", "1", "--rounds", "1", "--tuning-steps", "8"),
+        *("--iters", "1", "--sweep-rounds", "1", "--rounds", "2", "--tuning-steps", "8"),
         *("--json", str(tmp_path / "autotune.json")),
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads((tmp_path / "autotune.json").read_text())
-    assert set(document["median_step_s"]) == {
-        "64K/20ms",
+    assert set(document["sweep_median_step_s"]) == {
         "1024K/0ms",
         "4096K/0ms",
         "16384K/0ms",
@@ -208,13 +207,22 @@ def test_autotune_bench_tunes_from_the_bad_setting_and_times_it_beside_the_sweep
         "131072K/0ms",
         "65536K/1ms",
         "65536K/5ms",
-        "autotuned",
     }
+    assert set(document["judgement_median_step_s"]) == {
+        "bad start",
+        "best of sweep",
+        "autotuned",
+        "best again",
+    }
+    assert len(document["round_ratios"]) == len(document["best_vs_itself"]) == 2
+    low, high = document["ratio_quartiles"]
+    assert low <= document["ratio_median"] <= high
     assert document["trials"][0][0] == "64K/20ms"  # tuning starts at the bad setting
     assert len(document["trials"]) == document["samples"] == 3  # the budget given
     assert document["tuning_steps"] <= 8
     assert document["tuned"] in [label for label, _ in document["trials"]]
-    assert document["best_of_sweep"] in document["median_step_s"]
+    sweep = document["sweep_median_step_s"]
+    assert document["best_of_sweep"] == min(sweep, key=sweep.__getitem__)
     assert "autotuned (" in result.stdout and "tuning used" in result.stdout
 
 

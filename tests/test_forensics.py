@@ -52,7 +52,8 @@ def test_stacks_taken_from_outside_show_each_thread_by_name_main_first(tmp_path)
         report = stacks.outside(child.pid, tmp_path)
     finally:
         end(child)
-    assert report.pid == child.pid and report.state == "sleeping"
+    # Waiting, though /proc may catch it running (its threads wake; under load, scheduled).
+    assert report.pid == child.pid and report.state in ("sleeping", "running"), report.state
     names = [t.name for t in report.threads]
     assert names[0] == "MainThread" and report.threads[0].main
     assert "helper" in names

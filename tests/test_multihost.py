@@ -136,6 +136,30 @@ def test_local_and_cross_ranks_follow_the_hosts(bed, tmp_path):
     assert all(f["everyone"] == [0, 1, 2] and f["rejoined_sum"] == 3 for f in facts)
 
 
+def test_the_hierarchical_allreduce_is_correct_on_two_hosts_of_two_ranks(bed, tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_algorithms import check_hierarchical_reports
+
+    result = ringrun(
+        bed,
+        "-H",
+        hosts(bed, "a:2", "b:2"),
+        *OVER_TCP,
+        *("-x", "RINGPLUG_ALGORITHM=allreduce=hierarchical"),
+        *("-x", "RINGPLUG_CALIBRATION=fresh", "-x", "RINGPLUG_CALIBRATION_SECONDS=30"),
+        *("-x", f"XDG_CACHE_HOME={tmp_path / 'cache'}"),
+        *("-x", "RINGPLUG_EAGER_THRESHOLD=0", "-x", "RINGPLUG_RING_SEGMENT=16K"),
+        sys.executable,
+        str(WORKERS / "hierarchical.py"),
+        str(tmp_path),
+        "measure",
+        timeout=2 * JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    found = [json.loads((tmp_path / f"hierarchical-{r}.json").read_text()) for r in range(4)]
+    check_hierarchical_reports(found, ["bed-a", "bed-a", "bed-b", "bed-b"], measured=True)
+
+
 @pytest.fixture(scope="module")
 def two_hosts(bed, tmp_path_factory):
     """The job on hosts a and b (one rank each) that runs the collectives sweep, then a
@@ -403,7 +427,8 @@ def test_a_rank_killed_on_one_host_ends_what_every_rank_started_on_every_host(be
     assert result.returncode == 128 + signal.SIGKILL, result.stderr
     assert re.search(r"ringrun: rank 2 on host bed-b .* killed by signal SIGKILL", result.stderr)
     assert helpers_left(tmp_path, bound_s=STOP_BOUND_S) == []
-    assert processes_matching(marker) == []
+    # A full suite once saw a rank's wrapper still there as ringrun returned: gone soon after.
+    assert processes_matching(marker, within_s=STOP_BOUND_S) == []
 
 
 def test_ringrun_sigkilled_leaves_nothing_its_ranks_started_on_any_host(bed, tmp_path):
@@ -524,7 +549,10 @@ def test_ringrun_stacks_answers_for_every_rank_on_every_host(bed, tmp_path):
         _, stderr = job.communicate(timeout=JOB_TIMEOUT_S)
     print(f"ringrun --stacks answered in {time.monotonic() - asked_at:.2f} s")  # the figure
     assert asked.returncode == 0, asked.stderr
-    assert asked.stdout.startswith("stacks of 4 ranks, taken just now:"), asked.stdout
+    # (Once, in a full suite, the job ended before ranks 0 and 1 answered: its output says why.)
+    assert asked.stdout.startswith("stacks of 4 ranks, taken just now:"), (
+        f"{asked.stdout}\nthe job ({job.returncode}) said:\n{stderr[-3000:]}"
+    )
     # Ranks 0, 2, 3 (on a, b, b) wait alike in the allreduce; rank 1 (on a) waits for the file.
     assert re.search(r"^ranks 0, 2-3 \(sleeping\):$", asked.stdout, re.M), asked.stdout
     assert re.search(r"^rank 1 on host bed-a \(pid \d+, sleeping\):$", asked.stdout, re.M)

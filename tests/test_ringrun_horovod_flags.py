@@ -93,6 +93,14 @@ def test_single_dash_hostfile_and_hosts_together_are_refused(tmp_path):
     assert "not both" in result.stderr
 
 
+def test_hierarchical_allreduce_forces_the_hierarchical_allreduce():
+    words = dry_run_words("-np", "2", "--hierarchical-allreduce", "python", "x.py")
+    assert genv(words)["RINGPLUG_ALGORITHM"] == "allreduce=hierarchical"
+    assert words == dry_run_words(
+        "-np", "2", "--algorithm", "allreduce=hierarchical", "python", "x.py"
+    )
+
+
 def test_timeline_filename_is_the_same_as_timeline(tmp_path):
     horovod = dry_run_words("-np", "2", "--timeline-filename", "t.json", "python", cwd=tmp_path)
     ringrun = dry_run_words("-np", "2", "--timeline", "t.json", "python", cwd=tmp_path)
@@ -435,7 +443,7 @@ def test_unsupported_flag_fails_with_one_line_naming_it(flag_and_values, capsys)
         (["--jsrun"], "jsrun directly"),
         (["--blacklist-cooldown-range", "5", "10"], "lost host stays out of the job for 60"),
         (["--autotune-gaussian-process-noise", "0.8"], "no noise to set"),
-        (["--hierarchical-allreduce"], "flat ring"),
+        (["--hierarchical-allgather"], "only the allreduce has a hierarchical form"),
         (["--cache-capacity", "2048"], "fixed size"),
         (["--num-nccl-streams", "2"], "one stream per rank"),
         (["--thread-affinity", "1"], "--bind-to core"),

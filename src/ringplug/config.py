@@ -99,6 +99,8 @@ class Variable:
         infinite: what ``inf`` means, when a time takes it. Defaults to ``None`` (refused).
         flag: ringrun's flag that sets it (``--timeout``). Defaults to none.
         horovodrun: horovodrun's spelling of that flag, if it has one.
+        horovodrun_switch: a horovodrun switch that sets it to a fixed value, and the
+            value: ``("--hierarchical-allreduce", "allreduce=hierarchical")``.
         readers: who reads it: :data:`RANKS`, :data:`RINGRUN` or both.
         default_doc: the default as the docs say it, when not the value itself.
         metavar: the flag value's name in ringrun's help.
@@ -117,6 +119,7 @@ class Variable:
     infinite: str | None = None
     flag: str | None = None
     horovodrun: str | None = None
+    horovodrun_switch: tuple[str, str] | None = None
     readers: tuple[str, ...] = (RANKS,)
     default_doc: str | None = None
     metavar: str | None = None
@@ -406,13 +409,27 @@ ALGORITHM = Variable(
     None,
     "force algorithms whatever the size: `ring`, `mpi`, ... for every kind that has it, or "
     "pairs such as `allreduce=ring,allgather=mpi` (kinds: allreduce, reducescatter, "
-    "allgather, broadcast; algorithms: mpi, doubling, ring, chain)",
+    "allgather, broadcast; algorithms: mpi, doubling, ring, chain, and hierarchical for "
+    "allreduce on several hosts)",
     field="algorithm",
     flag="--algorithm",
+    horovodrun_switch=("--hierarchical-allreduce", "allreduce=hierarchical"),
     metavar="NAME|KIND=NAME,...",
 )
 """A forced algorithm is still refused where it cannot reduce: Max of float16 never takes
-MPI's Allreduce. The rest of the table is measured as usual."""
+MPI's Allreduce. The rest of the table is measured as usual. A forced `hierarchical` on ranks
+that are all on one host (or each on a host of its own) is an error at the first collective,
+on every rank."""
+
+TEST_RANKS_PER_HOST = Variable(
+    "RINGPLUG_TEST_RANKS_PER_HOST",
+    COUNT,
+    None,
+    "tests only: world ranks `i*k` to `i*k+k-1` count as one pretend host `i` for the "
+    "hierarchical allreduce, so that one machine runs it on several hosts (its timings mean "
+    "nothing then)",
+    least=1,
+)
 
 RING_SEGMENT = Variable(
     "RINGPLUG_RING_SEGMENT",

@@ -11,6 +11,8 @@ OUTDIR/algorithms-<rank>.json:
 - "table": the job's calibrated table (JSON), made at the first collective;
 - "cached": the table a second communicator got (rank 0 loads it from the cache);
 - "deadline": the table of a measurement given no time at all;
+- "refused": on one host, the error of a communicator that forces the hierarchical
+  allreduce (it needs several hosts);
 - "set_table": on 3 ranks or more, the table of the process set of ranks 0..p-2 (measured
   at the set's first collective; None on the rank outside it).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from ringplug.core.algorithms import (
     ALLREDUCE,
     BROADCAST,
     CANDIDATES,
+    HIERARCHICAL,
     REDUCESCATTER,
     fixed_table,
 )
@@ -101,46 +105,62 @@ def force(kind: str, algorithm: str) -> None:
     engine.transport.use_algorithms(table)
 
 
-def run_cases(rank: int, size: int) -> dict[str, dict]:
-    report: dict[str, dict] = {}
+def recorder(report: dict[str, dict]) -> Callable[[str, Callable[[], tuple]], None]:
+    """``record(name, check)``: `check()`'s (ok, detail) in `report`, with the path the
+    engine's transport took (a check that raises is a failure with its traceback)."""
     engine = runtime.engine()
 
-    def record(name: str, check) -> None:
+    def record(name: str, check: Callable[[], tuple]) -> None:
         try:
             ok, detail = check()
         except Exception:  # noqa: BLE001 - the report names it
             ok, detail = False, traceback.format_exc(limit=4)
         report[name] = {"ok": bool(ok), "path": engine.transport.last_path, "detail": detail}
 
+    return record
+
+
+def allreduce_cases(record, rank: int, size: int, prefix: str, sizes=SIZES) -> None:
+    """Every case of `REDUCE_CASES` at each of `sizes`, then three tensors at once (fused;
+    the ring takes them in place as pieces), against numpy, named under `prefix`."""
+    for dtype, op, exact in REDUCE_CASES:
+        for count in sizes:
+            name = f"{prefix}/{dtype}/{op.name}/{count}"
+
+            def check(dtype=dtype, op=op, exact=exact, count=count, name=name):
+                send = inputs(rank, count, dtype, name)
+                got = ringplug.allreduce(send, op=op, name=name)
+                everyone = [inputs(r, count, dtype, name) for r in range(size)]
+                return agrees(np.asarray(got), expected_reduction(everyone, op), exact)
+
+            record(name, check)
+    name = f"{prefix}/grouped"
+
+    def grouped():
+        counts = (5, 3000, 20_000)
+        sends = [inputs(rank, n, "float32", f"{name}{n}") for n in counts]
+        got = ringplug.grouped_allreduce(sends, op=ringplug.Sum, name=name)
+        for n, result in zip(counts, got, strict=True):
+            everyone = [inputs(r, n, "float32", f"{name}{n}") for r in range(size)]
+            ok, detail = agrees(
+                np.asarray(result), expected_reduction(everyone, ringplug.Sum), True
+            )
+            if not ok:
+                return ok, f"{n}: {detail}"
+        return True, ""
+
+    record(name, grouped)
+
+
+def run_cases(rank: int, size: int) -> dict[str, dict]:
+    report: dict[str, dict] = {}
+    engine = runtime.engine()
+    record = recorder(report)
     for algorithm in CANDIDATES[(ALLREDUCE, True)]:
+        if algorithm == HIERARCHICAL and not engine.transport.spans_hosts():
+            continue  # one host: tests/workers/hierarchical.py runs it on several
         force(ALLREDUCE, algorithm)
-        for dtype, op, exact in REDUCE_CASES:
-            for count in SIZES:
-                name = f"allreduce/{algorithm}/{dtype}/{op.name}/{count}"
-
-                def check(dtype=dtype, op=op, exact=exact, count=count, name=name):
-                    send = inputs(rank, count, dtype, name)
-                    got = ringplug.allreduce(send, op=op, name=name)
-                    everyone = [inputs(r, count, dtype, name) for r in range(size)]
-                    return agrees(np.asarray(got), expected_reduction(everyone, op), exact)
-
-                record(name, check)
-        # Several tensors at once (fused; the ring takes them in place as pieces).
-        name = f"allreduce/{algorithm}/grouped"
-
-        def grouped(name=name):
-            sends = [inputs(rank, n, "float32", f"{name}{n}") for n in (5, 3000, 20_000)]
-            got = ringplug.grouped_allreduce(sends, op=ringplug.Sum, name=name)
-            for n, result in zip((5, 3000, 20_000), got, strict=True):
-                everyone = [inputs(r, n, "float32", f"{name}{n}") for r in range(size)]
-                ok, detail = agrees(
-                    np.asarray(result), expected_reduction(everyone, ringplug.Sum), True
-                )
-                if not ok:
-                    return ok, f"{n}: {detail}"
-            return True, ""
-
-        record(name, grouped)
+        allreduce_cases(record, rank, size, f"allreduce/{algorithm}")
 
     for algorithm in CANDIDATES[(REDUCESCATTER, True)]:
         force(REDUCESCATTER, algorithm)
@@ -208,6 +228,13 @@ def main() -> None:
     # No time at all: one size measured, too few to fit.
     no_time = calibration.measure(second, 0.0)
     second.free()
+    # The hierarchical allreduce forced on ranks of one host: refused on every rank.
+    forced = Transport(MPI.COMM_WORLD, replace(runtime.settings(), algorithm="hierarchical"))
+    try:
+        refused = f"no error; table {forced.algorithms.to_json()}"
+    except ValueError as error:
+        refused = str(error)
+    forced.free()
     cases = run_cases(rank, size)
     # A process set's engine measures its own table at its first collective (fresh).
     subset = ringplug.add_process_set(range(size - 1)) if size >= 3 else None
@@ -226,6 +253,7 @@ def main() -> None:
         "table": measured.to_json(),
         "cached": cached.to_json(),
         "deadline": no_time.to_json(),
+        "refused": refused,
     }
     (outdir / f"algorithms-{rank}.json").write_text(json.dumps(report))
     ringplug.shutdown()

@@ -6,8 +6,9 @@ table afresh (what `RINGPLUG_CALIBRATION=fresh` does at a job's first collective
 communicator, without touching the cache) and prints: every candidate's measured points
 with the fitted alpha-beta model's prediction and error at each, the model, and the
 crossovers. Then, side by side in one run at each ``--sizes``: MPI's own Allreduce (mpi4py,
-blocking, in place), each allreduce algorithm alone (ringplug's transport, no engine) and
-``ringplug.allreduce`` with the measured table, each as a ratio to MPI's time.
+blocking, in place), each allreduce algorithm alone (ringplug's transport, no engine; the
+hierarchical one where the ranks span several hosts) and ``ringplug.allreduce`` with the
+measured table, each as a ratio to MPI's time.
 
 Example:
     ringrun -np 4 ringplug-bench algorithms --sizes 4K,64K,1M,16M --json algorithms.json
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from ringplug.core.transport.host import Transport
 
 ALGORITHMS = ("mpi", "doubling", "ring")
+HIERARCHICAL = "hierarchical"  # a row only where the job's ranks span several hosts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,6 +138,7 @@ def compare(transport: Transport, sizes: list[int], budget: float) -> list[dict]
     engine = runtime.engine()
     rows = []
     chosen: list[str] = []
+    algorithms = [*ALGORITHMS, HIERARCHICAL] if transport.spans_hosts() else list(ALGORITHMS)
 
     def algorithm(name: str, buffer: np.ndarray) -> Callable[[], None]:
         return lambda: transport.allreduce_by(name, buffer, ReduceOp.SUM, DType.FLOAT32)
@@ -154,7 +157,7 @@ def compare(transport: Transport, sizes: list[int], budget: float) -> list[dict]
         count = nbytes // 4
         runs: dict[str, Callable[[], object]] = {
             "MPI Allreduce": mpi_own(np.zeros(count, np.float32)),
-            **{name: algorithm(name, np.zeros(count, np.float32)) for name in ALGORITHMS},
+            **{name: algorithm(name, np.zeros(count, np.float32)) for name in algorithms},
             "ringplug": through_the_engine(np.zeros(count, np.float32)),
         }
         times = measure_side_by_side(runs, budget_s=budget, min_iters=3, max_iters=2000, warmup=2)
@@ -168,7 +171,8 @@ def compare(transport: Transport, sizes: list[int], budget: float) -> list[dict]
 
 
 def comparison_lines(rows: list[dict]) -> list[str]:
-    names = ["MPI Allreduce", *ALGORITHMS, "ringplug"]
+    hierarchy = [HIERARCHICAL] if rows and HIERARCHICAL in rows[0] else []
+    names = ["MPI Allreduce", *ALGORITHMS, *hierarchy, "ringplug"]
     lines = [
         "# allreduce, float32 sum; median of the slowest rank, us (speed against MPI's own "
         "Allreduce: its time / this time)",

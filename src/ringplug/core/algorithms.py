@@ -4,7 +4,9 @@ One table per communicator (the world, each process set) answers
 ``table.choose(kind, nbytes, mpi_reduces)`` with an algorithm name:
 
 - ``allreduce``: ``mpi`` (MPI's own Allreduce), ``doubling`` (recursive doubling,
-  `transport.doubling`) or ``ring`` (ringplug's bandwidth-optimal ring);
+  `transport.doubling`), ``ring`` (ringplug's bandwidth-optimal ring) or, on ranks of more
+  than one host with more than one rank on some host, ``hierarchical`` (within each host,
+  among one rank per host, within each host again: `transport.hierarchical`);
 - ``reducescatter``: ``mpi`` or ``doubling`` (an allreduce of the whole buffer, each rank
   keeping its block) or ``ring`` (the ring's reduce-scatter half);
 - ``allgather``: ``mpi`` (MPI's Allgatherv) or ``ring``;
@@ -44,22 +46,30 @@ MPI = "mpi"
 DOUBLING = "doubling"
 RING = "ring"
 CHAIN = "chain"
+HIERARCHICAL = "hierarchical"
 
 CANDIDATES: dict[tuple[str, bool], tuple[str, ...]] = {
-    (ALLREDUCE, True): (MPI, DOUBLING, RING),
-    (ALLREDUCE, False): (DOUBLING, RING),
+    (ALLREDUCE, True): (MPI, DOUBLING, RING, HIERARCHICAL),
+    (ALLREDUCE, False): (DOUBLING, RING, HIERARCHICAL),
     (REDUCESCATTER, True): (MPI, DOUBLING, RING),
     (REDUCESCATTER, False): (DOUBLING, RING),
     (ALLGATHER, True): (MPI, RING),
     (BROADCAST, True): (MPI, CHAIN),
 }
 """The algorithms each row of the table chooses among (allgather and broadcast reduce
-nothing: only their ``True`` row exists, and `AlgorithmTable.choose` reads it)."""
+nothing: only their ``True`` row exists, and `AlgorithmTable.choose` reads it).
+``hierarchical`` is a candidate only where it was measured (`OPTIONAL`): on ranks of
+several hosts."""
+
+OPTIONAL = frozenset({HIERARCHICAL})
+"""Candidates whose series a measurement may lack (the job's ranks are not placed for it):
+`table_from_models` leaves them out of the bands then."""
 
 SERIES: dict[tuple[str, str], str] = {
     (ALLREDUCE, MPI): "allreduce/mpi",
     (ALLREDUCE, DOUBLING): "allreduce/doubling",
     (ALLREDUCE, RING): "allreduce/ring",
+    (ALLREDUCE, HIERARCHICAL): "allreduce/hierarchical",
     # A small reduce-scatter is an allreduce of the whole buffer: the same cost.
     (REDUCESCATTER, MPI): "allreduce/mpi",
     (REDUCESCATTER, DOUBLING): "allreduce/doubling",
@@ -75,7 +85,7 @@ MEASURED = "measured"
 CACHED = "cached"
 FIXED = "fixed"
 
-_FORMAT = 1  # of the cached JSON; a different one is measured again
+_FORMAT = 2  # of the cached JSON; a different one is measured again (2: hierarchical)
 
 
 @dataclass(frozen=True)
@@ -297,10 +307,15 @@ def fixed_table(size: int, ring_threshold: int, note: str = "") -> AlgorithmTabl
 
 
 def table_from_models(size: int, models: Mapping[str, Model], seconds: float) -> AlgorithmTable:
-    """The measured table: each row's bands from the models of its candidates."""
+    """The measured table: each row's bands from the models of its candidates (an
+    `OPTIONAL` one only where `models` has its series)."""
     bands = {}
     for (kind, reduces), names in CANDIDATES.items():
-        priced = {name: models[SERIES[(kind, name)]] for name in names}
+        priced = {
+            name: models[SERIES[(kind, name)]]
+            for name in names
+            if name not in OPTIONAL or SERIES[(kind, name)] in models
+        }
         bands[(kind, reduces)] = bands_from_models(priced)
     return AlgorithmTable(size, bands, MEASURED, dict(models), seconds)
 

@@ -22,18 +22,30 @@ The search is a model-guided local search on a small grid, not Horovod's Gaussia
    scored next, then every other smaller threshold (a coarse spread, stopped where the
    score falls: the model leaves out what a buffer larger than the cache costs);
 4. from the best so far, the untried grid neighbours (one grid step in one of the two
-   settings), cheapest by the model first, are scored one per sample; a neighbour takes
-   over only when it beats the best by ``margin`` (3%: the noise of a shared machine does
-   not walk the search around);
-5. when no neighbour of the best is left untried (converged), the best and the runner-up,
-   if it came within 15%, are scored once more, back to back, and the higher of these
-   second scores wins (the best's first score, the highest of several noisy ones, is too
-   high); within 3% of each other, the one the model finds cheaper;
+   settings) are scored one per sample, every one without cycle time first, then
+   cheapest by the model; a neighbour takes over only when it beats the best by
+   ``margin`` (3%: the noise of a shared machine does not walk the search around), and
+   one with a cycle time takes over from one without only when it beats it by
+   :data:`CYCLE_MARGIN` (10%). The model does not price what a cycle time costs beyond
+   its wait: any cycle time above 0 switches off the engine's caller-run cycles and its
+   gathering of a burst of submissions into one cycle, which costs from nothing to a
+   third of a step. So cycle times are tried only once the best threshold without one
+   is found (its threshold neighbours without one come first even while the start, with
+   its cycle time, is the best), and kept only on a clear win;
+5. when no neighbour of the best is left untried (converged), or only room for this is
+   left of the budget, the best, the start and a runner-up (the best setting without
+   cycle time if the best has one, else the highest other without one within 15%) are
+   scored once more, back to back (:meth:`Search.contenders`). Of the best and the
+   runner-up the higher second score wins (the best's first score, the highest of
+   several noisy ones, is too high), a cycle time only by 10%, and within the margin the
+   one the model finds cheaper; and the winner is kept only if its second score beats the
+   start's second score, else the start is kept (tuning never leaves a job slower than
+   it started, as far as the scores can tell);
 6. then, or after ``RINGPLUG_AUTOTUNE_MAX_SAMPLES`` samples, the best is applied and
    tuning stops.
 
 With the defaults that is at most (1 + 11) x 4 = 48 training steps; from a bad start it
-usually ends after 6 to 9 samples. Results do not depend on the setting beyond
+usually ends after 8 to 11 samples. Results do not depend on the setting beyond
 floating-point reassociation: the fusion threshold changes which tensors are summed in one
 buffer, never what is summed, and the cycle time only when a cycle starts.
 """
@@ -84,6 +96,21 @@ gradients in one buffer); the search cuts it above the largest cycle's bytes."""
 
 CONFIRM_WITHIN = 0.15
 """A runner-up scoring within this much (relative) of the best is scored again with it."""
+
+CYCLE_MARGIN = 0.10
+"""How much better (relative) a setting with a cycle time must score than one without to be
+preferred to it, in the search and on the final re-scores. Any cycle time above 0 switches
+off the engine's caller-run cycles and its gathering of a burst of submissions into one
+cycle: 0.5 ms, which the model prices at 0.5 ms a cycle, cost 0 to 38% on the CI machine
+(docs/benchmarks.md, Autotune), and a small win of one is mostly noise."""
+
+RESCORES = 3
+"""The most final re-scores (the best, the start, a runner-up): the search keeps room for
+them in its budget."""
+
+MIN_SAMPLES_TO_RESCORE = 6
+"""The smallest budget (samples) that keeps room for the re-scores; a smaller one searches
+to its end and keeps the best first score."""
 
 CYCLE_GRID_MS: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 """Cycle times tried, in milliseconds."""
@@ -159,9 +186,9 @@ class Search:
     scores in give the same settings out, on every rank.
 
     Args:
-        start: the setting the job started with (scored first).
+        start: the setting the job started with (scored first, and again at the end).
         model: the cost model measured at the start.
-        max_samples: the most settings scored.
+        max_samples: the most settings scored, the final re-scores included.
         margin: how much better (relative) a neighbour must score to become the best.
             Defaults to 0.03.
     """
@@ -176,12 +203,14 @@ class Search:
         self.scores: dict[Candidate, float] = {}
         self.order: list[Candidate] = []  # scored, in order
         self.history: list[tuple[Candidate, float]] = []  # each sample's setting and score
+        self.start = start
         self.current = start
         self.best: Candidate | None = None
         self.converged = False
         self.queue: list[Candidate] = []  # the coarse spread, tried before the local search
         self._spread: set[Candidate] = set()
-        self._confirming: list[Candidate] | None = None  # the best and the runner-up
+        self._confirming: list[Candidate] | None = None  # the final re-scores, in order
+        self.rescores: dict[Candidate, float] = {}  # ... their scores
 
     @property
     def best_score(self) -> float:
@@ -197,7 +226,7 @@ class Search:
         if self._confirming is not None:
             return self._confirm(candidate, score)
         self.scores[candidate] = score
-        if self.best is None or score > self.best_score * (1 + self.margin):
+        if self.best is None or self._beats(candidate, score, self.best, self.best_score):
             self.best = candidate
         coarse = [c for c in self.order if c in self._spread]
         falling = len(coarse) >= 2 and coarse[-1] == candidate
@@ -208,44 +237,89 @@ class Search:
         following = self._next()
         if following is None:
             self.converged = self._untried_neighbours() == []
-            following = self._start_confirming() if self.converged else None
+            following = self._start_confirming()
             if following is None:
                 return None
         self.current = following
         return following
 
+    def _beats(self, candidate: Candidate, score: float, other: Candidate, against: float) -> bool:
+        """Whether `candidate` scoring `score` clearly beats `other` scoring `against`: by
+        ``margin``, or by :data:`CYCLE_MARGIN` where only `candidate` has a cycle time (its
+        cost, the engine's caller-run cycles and burst gathering switched off, varies more
+        from one sample to the next than the model can say)."""
+        needed = self.margin
+        if candidate.cycle_time_ms > 0 and other.cycle_time_ms == 0:
+            needed = max(needed, CYCLE_MARGIN)
+        return score > against * (1 + needed)
+
+    def contenders(self) -> list[Candidate]:
+        """What the final re-scores would score now, in order: the best, the start right
+        after it (the best is kept only if it beats the start's own second score), and a
+        runner-up: the best setting without cycle time where the best has one (a cycle
+        time is kept only if it wins again, clearly), else the highest other setting
+        without cycle time within :data:`CONFIRM_WITHIN` of the best. Fewer than two:
+        nothing to re-score."""
+        best = self.best
+        if best is None:
+            return []
+        found = [best]
+        if self.start != best:
+            found.append(self.start)
+        others = [c for c in self.scores if c not in found]
+        if best.cycle_time_ms > 0:
+            others = [c for c in others if c.cycle_time_ms == 0] or others
+        else:  # a cycle time that did not beat it clearly gets no second chance
+            others = [c for c in others if c.cycle_time_ms == 0]
+        if others:
+            runner_up = max(others, key=self.scores.__getitem__)
+            without_cycle = best.cycle_time_ms > 0 and runner_up.cycle_time_ms == 0
+            close = self.scores[runner_up] * (1 + CONFIRM_WITHIN) >= self.best_score
+            if without_cycle or close:
+                found.append(runner_up)
+        return found if len(found) >= 2 else []
+
     def _start_confirming(self) -> Candidate | None:
-        """After converging, with two samples left: score the best and the runner-up once
-        more, if the runner-up came within :data:`CONFIRM_WITHIN` of it. The best was
+        """At the end: score the :meth:`contenders` once more, back to back, as many as the
+        budget holds (the search leaves room for all: see :meth:`_next`). The best was
         chosen as the highest of noisy scores, so its own is too high; their second scores,
-        taken back to back, decide; within ``margin`` of each other, the model does."""
-        assert self.best is not None
-        if len(self.order) + 2 > self.max_samples or len(self.scores) < 2:
+        taken one after the other under the same load, decide."""
+        contenders = self.contenders()[: self.max_samples - len(self.order)]
+        if len(contenders) < 2:
             return None
-        runner_up = max((c for c in self.scores if c != self.best), key=self.scores.__getitem__)
-        if self.scores[runner_up] * (1 + CONFIRM_WITHIN) < self.best_score:
-            return None
-        self._confirming = [self.best, runner_up]
-        return self.best
+        self._confirming = contenders
+        return contenders[0]
 
     def _confirm(self, candidate: Candidate, score: float) -> Candidate | None:
-        """A second score of `candidate`; the two second scores, taken one after the other
-        under the same load, decide (the first ones were picked for being high)."""
+        """A second score of `candidate`; when every contender has one, keep the best of
+        the best and the runner-up by their second scores (within the noise, the one the
+        model finds cheaper), unless it does not beat the start's second score."""
         assert self._confirming is not None
         self.scores[candidate] = score
-        if candidate == self._confirming[0]:
-            self.current = self._confirming[1]
+        self.rescores[candidate] = score
+        waiting = [c for c in self._confirming if c not in self.rescores]
+        if waiting:
+            self.current = waiting[0]
             return self.current
-        best, runner_up = self._confirming
-        high, low = sorted((best, runner_up), key=self.scores.__getitem__, reverse=True)
-        if self.scores[high] > self.scores[low] * (1 + self.margin):
-            self.best = high
-        else:  # within the noise: the one the model finds cheaper (less cycle time, ...)
-            self.best = min((best, runner_up), key=self._model_order)
+        second = self.rescores
+        tuned = [c for c in self._confirming if c != self.start] or [self.start]
+        winner = tuned[0]
+        for other in tuned[1:]:
+            if self._beats(other, second[other], winner, second[winner]):
+                winner = other
+            elif not self._beats(winner, second[winner], other, second[other]):
+                winner = min((winner, other), key=self._model_order)
+        if winner != self.start and self.start in second and second[winner] <= second[self.start]:
+            winner = self.start  # not faster than where it started: keep the start
+        self.best = winner
         return None
 
     def _next(self) -> Candidate | None:
-        if len(self.order) >= self.max_samples:
+        """The next setting to score, or ``None`` when the search is over: no untried
+        neighbour of the best, or only room left for the final re-scores (:data:`RESCORES`,
+        the most there can be after any next score; none in a budget too small for them)."""
+        reserve = RESCORES if self.max_samples >= MIN_SAMPLES_TO_RESCORE else 0
+        if len(self.order) + 1 + reserve > self.max_samples:
             return None
         if len(self.order) == 1:
             self.queue = self.coarse()
@@ -267,14 +341,31 @@ class Search:
         return [Candidate(self.fusion_grid[i], guess.cycle_time_ms) for i in range(top, -1, -2)]
 
     def _untried_neighbours(self) -> list[Candidate]:
+        """The untried threshold neighbours without cycle time of the best setting without
+        one, while there are any; then the untried neighbours of the best. So cycle times
+        wait for the best threshold without one even where the start, with its cycle
+        time, stays the best (a lucky first score): its neighbours all have one."""
         assert self.best is not None
+        without = [c for c in self.scores if c.cycle_time_ms == 0]
+        if without:
+            centre = self.best
+            if centre.cycle_time_ms > 0:
+                centre = max(without, key=self.scores.__getitem__)
+            found = [
+                c for c in self._neighbours(centre) if c.cycle_time_ms == 0 and c not in self.scores
+            ]
+            if found:
+                return sorted(found, key=self._model_order)
         found = [c for c in self._neighbours(self.best) if c not in self.scores]
         found.sort(key=self._model_order)
         return found
 
-    def _model_order(self, candidate: Candidate) -> tuple[float, int, float]:
-        """Cheapest by the model first; ties: larger threshold, then shorter cycle time."""
+    def _model_order(self, candidate: Candidate) -> tuple[bool, float, int, float]:
+        """Every setting without cycle time first (a cycle time costs more than the model
+        says: see :data:`CYCLE_MARGIN`), then cheapest by the model; ties: larger
+        threshold, then shorter cycle time."""
         return (
+            candidate.cycle_time_ms > 0,
             self.model.step_seconds(candidate),
             -candidate.fusion_threshold,
             candidate.cycle_time_ms,

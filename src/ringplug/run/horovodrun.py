@@ -54,9 +54,9 @@ _AUTOTUNE_FLAGS = (
     "drop the flag"
 )
 _HIERARCHICAL = (
-    "ringplug's allreduce takes MPI's own, recursive doubling or one flat ring over all "
-    "ranks, by size as its measured algorithm table says (RINGPLUG_CALIBRATION), and its "
-    "allgather MPI's or the ring; drop the flag"
+    "ringplug's allgather takes MPI's Allgatherv or one flat ring over all ranks, by size as "
+    "its measured algorithm table says (RINGPLUG_CALIBRATION); drop the flag (only the "
+    "allreduce has a hierarchical form: --hierarchical-allreduce)"
 )
 _DEVICE_OPERATIONS = (
     "ringplug picks the data plane by where a tensor lives: NCCL for GPU tensors, MPI for "
@@ -79,7 +79,7 @@ UNSUPPORTED = (
     ),
     Unsupported(("--blacklist-cooldown-range",), 2, _ELASTIC),
     Unsupported(("--autotune-gaussian-process-noise",), 1, _AUTOTUNE),
-    Unsupported(("--hierarchical-allreduce", "--hierarchical-allgather"), 0, _HIERARCHICAL),
+    Unsupported(("--hierarchical-allgather",), 0, _HIERARCHICAL),
     Unsupported(
         ("--cache-capacity",),
         1,
@@ -146,7 +146,8 @@ def add_horovodrun_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "horovodrun compatibility",
         "horovodrun's flags, for scripts that switch to ringrun. Other horovodrun flags "
-        "(--gloo, --jsrun, --autotune-gaussian-process-noise, hierarchical, --cache-capacity, "
+        "(--gloo, --jsrun, --autotune-gaussian-process-noise, --hierarchical-allgather, "
+        "--cache-capacity, "
         "--num-nccl-streams, --thread-affinity, --gpu-*/--cpu-operations) stop ringrun with "
         "a note on what to do instead.",
     )

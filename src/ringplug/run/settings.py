@@ -333,6 +333,13 @@ def with_flagged_variables(cls: type) -> type:
             flags.append(
                 Flag((variable.horovodrun,), horovodrun=True, help=f"same as {variable.flag}")
             )
+        if variable.horovodrun_switch is not None:
+            switch, value = variable.horovodrun_switch
+            flags.append(
+                Flag(
+                    (switch,), horovodrun=True, sets=value, help=f"same as {variable.flag} {value}"
+                )
+            )
         annotations[variable.key] = "str | None"
         setattr(
             cls,

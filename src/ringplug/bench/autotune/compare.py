@@ -8,14 +8,21 @@ trains, every rank alike, in segments of steps:
 2. tuning: `ringplug.core.autotune.tune_from` the bad setting, with the settings' budget
    (``RINGPLUG_AUTOTUNE_*``: by default at most 48 steps), for ``--tuning-steps`` steps;
    the tuner reports the steps it used and whether it converged;
-3. ``--rounds`` rounds in which the bad setting, each setting of the hand-picked sweep
-   (:data:`SWEEP`) and the tuned setting run ``--iters`` timed steps each (after one untimed
-   step that pays for the switch), the order rotated each round, so that a change of the
-   machine's load falls on every setting alike.
+3. ``--sweep-rounds`` rounds in which each setting of the hand-picked sweep (:data:`SWEEP`)
+   runs ``--iters`` timed steps (after one untimed step that pays for the switch), the
+   order rotated each round; the sweep's best is the one of least median step time;
+4. the judgement: ``--rounds`` short rounds in which the bad setting, the sweep's best, the
+   tuned setting and the best once more (a control: its ratio to itself is the noise) run
+   ``--iters`` timed steps each (again after an untimed one), in an order balanced for
+   carry-over (each setting comes right after each other one equally often). Each round
+   gives a ratio (the best's median step time over the tuned one's: tuned / best
+   throughput), its settings timed within a second or so of each other; the result is
+   the median of those ratios and their quartiles. A change of the machine's load
+   between rounds cancels out, and the best is timed afresh beside the tuned setting,
+   not as the fastest of seven noisy medians (which favours it).
 
-A step's time is the slowest rank's. It reports each setting's median step time, the tuned
-setting's throughput against the best of the sweep (target: at least 0.9) and the tuning
-steps used (target: at most 50).
+A step's time is the slowest rank's. Targets: tuned / best at least 0.9, tuning steps at
+most 50.
 
 Workloads: ``fusion`` submits ResNet-50's gradients (161 tensors, 102 MB) asynchronously in
 backward order, as `ringplug-bench fusion` does; ``lightning`` fits an MLP (``--hidden``) with
@@ -55,12 +62,26 @@ SWEEP = (
 """The hand-picked sweep: ringplug's default (64 MiB, 0 ms) and its neighbours."""
 
 TUNED = "autotuned"
+BEST = "best of sweep"
+BEST_AGAIN = "best again"
+BAD_LABEL = "bad start"
+JUDGED = (BAD_LABEL, BEST, TUNED, BEST_AGAIN)
+"""The settings of the judgement's rounds, by label (the best and the tuned one are known
+only when the rounds begin)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=("fusion", "lightning"), default="fusion")
-    parser.add_argument("--iters", type=int, default=3, help="timed steps per setting per round")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds of the side-by-side part")
+    parser.add_argument("--iters", type=int, default=2, help="timed steps per setting per round")
+    parser.add_argument(
+        "--sweep-rounds", type=int, default=3, help="rounds of the sweep (finds its best)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=30,
+        help="rounds of bad / best / tuned / best again (the judgement)",
+    )
     parser.add_argument(
         "--tuning-steps",
         type=int,
@@ -81,6 +102,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
 
+def _balanced_order(count: int, turn: int) -> list[int]:
+    """The order of `count` (even) settings in round `turn`: the rows of a Williams square
+    (0, 1, n-1, 2, n-2, ... shifted by the round), so that over `count` rounds each setting
+    comes right after each other one once. A plain rotation put the sweep's best after the
+    bad setting in 3 rounds of 4 and the best's second timing never after it: the best
+    against itself came out at 0.98 to 1.16 (8 runs, median 1.07), likely the bad
+    setting's slow cycles carried over into the next setting's steps."""
+    first = [0]
+    for k in range(1, count):
+        first.append((k + 1) // 2 if k % 2 else count - k // 2)
+    return [(index + turn) % count for index in first]
+
+
 def _label(candidate: Candidate) -> str:
     return f"{candidate.fusion_threshold >> 10}K/{candidate.cycle_time_ms:g}ms"
 
@@ -97,13 +131,17 @@ class Schedule:
             ("warmup", BAD, args.warmup),
             ("tuning", "tune", args.tuning_steps),
         ]
-        labels: list[tuple[str, Candidate | str]] = [(_label(BAD), BAD)]
-        labels += [(_label(c), c) for c in SWEEP]
-        labels.append((TUNED, TUNED))
-        for turn in range(args.rounds):
-            shift = turn % len(labels)
-            for label, setting in labels[shift:] + labels[:shift]:
+        sweep: list[tuple[str, Candidate | str]] = [(_label(c), c) for c in SWEEP]
+        for turn in range(args.sweep_rounds):
+            shift = turn % len(sweep)
+            for label, setting in sweep[shift:] + sweep[:shift]:
                 self.segments.append((label, setting, 1 + args.iters))
+        # the judgement: its labels are its settings
+        judged: list[tuple[str, Candidate | str]] = [(label, label) for label in JUDGED]
+        for turn in range(args.rounds):
+            for index in _balanced_order(len(judged), turn):
+                label, setting = judged[index]
+                self.segments.append((f"{label}#{turn}", setting, 1 + args.iters))
         self.starts: dict[int, tuple[str, Candidate | str, int]] = {}
         step = 0
         for segment in self.segments:
@@ -114,6 +152,7 @@ class Schedule:
         self.tuning_seconds = 0.0
         self._label, self._first, self._started = "", 0, 0.0
         self.tuned: Candidate | None = None
+        self.best: tuple[str, Candidate] | None = None  # the sweep's best
         self.tuner: autotune.Autotuner | None = None
 
     def before(self, step: int) -> None:
@@ -130,6 +169,10 @@ class Schedule:
             else:
                 if setting == TUNED:
                     setting = self._tuned()
+                elif setting in (BEST, BEST_AGAIN):
+                    setting = self._best()
+                elif setting == BAD_LABEL:
+                    setting = BAD
                 assert isinstance(setting, Candidate)
                 self.engine.apply_tuned_setting(
                     setting.fusion_threshold, setting.cycle_time_ms * 1e-3
@@ -155,6 +198,15 @@ class Schedule:
             assert tuner.search.best is not None
             self.tuned = tuner.search.best
         return self.tuned
+
+    def _best(self) -> Candidate:
+        """The sweep's setting of least median step time (the slowest rank's: the same on
+        every rank)."""
+        if self.best is None:
+            times = self.slowest()
+            label = min((_label(c) for c in SWEEP), key=lambda name: statistics.median(times[name]))
+            self.best = (label, next(c for c in SWEEP if _label(c) == label))
+        return self.best[1]
 
     def slowest(self) -> dict[str, list[float]]:
         """Each setting's step times, the slowest rank's (the same steps on every rank)."""
@@ -213,6 +265,14 @@ def _lightning_steps(schedule: Schedule, hidden: int, bucket_bytes: int) -> None
     trainer.fit(MLP(hidden), DataLoader(data, batch_size=BATCH))
 
 
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    """The median of `values` and its lower and upper quartiles."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    low, middle, high = statistics.quantiles(values, n=4)
+    return middle, low, high
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ringplug.init()
@@ -228,33 +288,43 @@ def run(args: argparse.Namespace) -> int:
     assert tuner is not None and tuner.search is not None and schedule.tuned is not None
     if ringplug.rank() != 0:
         return 0
-    medians = {label: statistics.median(values) for label, values in times.items()}
-    swept = {_label(c): medians[_label(c)] for c in SWEEP}
-    best_label = min(swept, key=swept.__getitem__)
-    ratio = medians[best_label] / medians[TUNED]  # throughput: tuned / best
-    # The same, round by round (each round runs every setting within seconds): less
-    # exposed to the machine's load drifting between rounds.
-    per_round = [
-        statistics.median(times[best_label][i : i + args.iters])
-        / statistics.median(times[TUNED][i : i + args.iters])
-        for i in range(0, len(times[TUNED]), args.iters)
+    assert schedule.best is not None
+    best_label, _ = schedule.best
+    sweep = {_label(c): statistics.median(times[_label(c)]) for c in SWEEP}
+    rounds: list[dict[str, float]] = [
+        {label: statistics.median(times[f"{label}#{turn}"]) for label in JUDGED}
+        for turn in range(args.rounds)
     ]
-    round_ratio = statistics.median(per_round)
+    tuned_vs_best = [r[BEST] / r[TUNED] for r in rounds]  # throughput: tuned / best
+    tuned_vs_bad = [r[BAD_LABEL] / r[TUNED] for r in rounds]
+    # the same setting against itself: the noise floor of a round's ratio
+    best_vs_itself = [r[BEST] / r[BEST_AGAIN] for r in rounds]
+    control, control_low, control_high = _quartiles(best_vs_itself)
+    ratio, low, high = _quartiles(tuned_vs_best)
+    medians = {label: statistics.median(r[label] for r in rounds) for label in JUDGED}
     print(
         f"# ringplug-bench autotune --workload {args.workload}: {ringplug.size()} ranks; "
-        f"step time = median of the slowest rank over {args.rounds} rounds x {args.iters} "
-        "steps, settings interleaved"
+        f"step time = the slowest rank's; sweep: {args.sweep_rounds} rounds x {args.iters} "
+        f"steps; judgement: {args.rounds} rounds x {args.iters} steps of bad / best / tuned / best"
     )
-    print(f"# {'setting':<16} {'step ms':>9} {'vs best':>8}")
-    for label in [_label(BAD), *swept, TUNED]:
-        shown = f"{label} = {_label(schedule.tuned)}" if label == TUNED else label
-        print(
-            f"  {shown:<16} {medians[label] * 1e3:9.2f} {medians[best_label] / medians[label]:8.2f}"
-        )
+    print(f"# sweep {'setting':<16} {'median ms':>9}")
+    for label, median in sweep.items():
+        print(f"  {label:<22} {median * 1e3:9.2f}{'  <- best' if label == best_label else ''}")
+    print(f"# judgement {'setting':<12} {'median ms':>9}")
+    shown = {
+        BAD_LABEL: _label(BAD),
+        BEST: best_label,
+        TUNED: _label(schedule.tuned),
+        BEST_AGAIN: best_label,
+    }
+    for label in JUDGED:
+        print(f"  {label + ' ' + shown[label]:<22} {medians[label] * 1e3:9.2f}")
     print(
-        f"# autotuned ({_label(schedule.tuned)}) / best of sweep ({best_label}) throughput = "
-        f"{ratio:.2f} (target >= 0.9), median of the rounds' ratios {round_ratio:.2f}; "
-        f"against the default (64M/0ms) {medians[_label(SWEEP[3])] / medians[TUNED]:.2f}; "
+        f"# autotuned ({_label(schedule.tuned)}) / best of sweep ({best_label}) throughput, "
+        f"median of {args.rounds} rounds' ratios = {ratio:.2f} (quartiles {low:.2f}-{high:.2f}, "
+        f"range {min(tuned_vs_best):.2f}-{max(tuned_vs_best):.2f}; target >= 0.9); "
+        f"against the bad start {statistics.median(tuned_vs_bad):.2f}; the best against "
+        f"itself (noise) {control:.2f} ({control_low:.2f}-{control_high:.2f}); "
         f"tuning used {tuner.steps} steps (target <= 50), "
         f"{len(tuner.search.order)} samples, "
         f"{'converged' if tuner.search.converged else 'ran out of samples'}; "
@@ -266,11 +336,16 @@ def run(args: argparse.Namespace) -> int:
                 {
                     "workload": args.workload,
                     "ranks": ringplug.size(),
-                    "median_step_s": medians,
+                    "sweep_median_step_s": sweep,
                     "best_of_sweep": best_label,
                     "tuned": _label(schedule.tuned),
-                    "throughput_ratio": ratio,
-                    "round_ratios": per_round,
+                    "judgement_median_step_s": medians,
+                    "round_ratios": tuned_vs_best,
+                    "ratio_median": ratio,
+                    "ratio_quartiles": [low, high],
+                    "tuned_vs_bad_median": statistics.median(tuned_vs_bad),
+                    "best_vs_itself": best_vs_itself,
+                    "best_vs_itself_quartiles": [control_low, control_high],
                     "tuning_steps": tuner.steps,
                     "samples": len(tuner.search.order),
                     "converged": tuner.search.converged,

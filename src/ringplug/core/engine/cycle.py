@@ -24,22 +24,28 @@ to every cycle.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from ...config import Settings
 from ...wire import GPU, Kind, Message, Response, Signature, cacheable_name, numbered
 from .. import activity
 from ..errors import CommunicatorFailed, MismatchError, PeerArgumentError, PeerFailedError
-from ..kinds.kind import SameEverywhere, check_joined, kind_of
+from ..kinds.kind import EngineView, SameEverywhere, check_joined, kind_of
 from . import carried
 from .batches import batches
 from .exchange import compact, decode, messages, same_form
 from .handles import Request, wake_waiters
 from .negotiation import Cache, Plan, decide
-from .scheduler import BURST_WAIT_SECONDS
+from .scheduler import BURST_WAIT_SECONDS, Scheduler
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from mpi4py import MPI
+
+    from ...forensics.flight import FlightRecorder
+    from ..autotune import Autotuner
+    from .exchange import Exchange
+    from .stalls import StallInspector
 
 _CACHE_CAPACITY = 4096
 _LONE_PLANS_KEPT = 256
@@ -49,13 +55,42 @@ _NO_PARTIAL: dict[str, list[int]] = {}
 _NO_ABORT: list[str] = []
 
 
+class Cycled(EngineView, Protocol):
+    """What a cycle needs of its engine beyond what a kind does (`engine.Engine` has it; no
+    import of the engine here, which imports this module)."""
+
+    ranks: tuple[int, ...] | None
+    ctrl: MPI.Comm | None
+    left_early: bool
+    exchange: Exchange
+    scheduler: Scheduler
+    stalls: StallInspector
+    flight: FlightRecorder
+    tuner: Autotuner | None
+
+    @property
+    def scope_text(self) -> str: ...
+
+    def cycle_failed(self, exc: BaseException) -> None: ...
+
+    def fail_everything(self, error: BaseException) -> None: ...
+
+    def finish_join(self, last: int) -> None: ...
+
+    def follow_unnamed(self, names: Iterable[str]) -> None: ...
+
+    def report_where(self, reason: str, stacks: bool = False) -> None: ...
+
+    def shut_down(self, by: int) -> None: ...
+
+
 class Cycle:
     """The state one engine's cycles share, and the cycle itself (see the module).
 
     Only the thread holding the scheduler's turn touches it.
     """
 
-    def __init__(self, engine: Engine, eager_threshold: int) -> None:
+    def __init__(self, engine: Cycled, eager_threshold: int) -> None:
         self.engine = engine
         self.number = 0  # of the last cycle (the same on every rank)
         # This rank's requests negotiated and not yet run, by name.

@@ -30,7 +30,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ...wire import GPU
 from ..errors import RingplugError
@@ -38,7 +38,11 @@ from ..transport.waiting import IDLE_SLEEP_SECONDS, next_delay
 from .handles import Handle, Request
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ...config import Settings
+    from ...forensics.flight import FlightRecorder
+    from ..transport.waiting import Waiter
+    from .counters import Counters
+    from .exchange import Exchange
 
 # After a cycle, the next submission or a peer's next message is usually well under a
 # millisecond away; poll (yielding the GIL and the core) that long before sleeping.
@@ -61,12 +65,38 @@ _DRIVE_ACQUIRE_SECONDS = 1e-3
 _DRIVEN_SLEEP_SECONDS = 0.05
 
 
+class CycleState(Protocol):
+    """What the scheduler reads of its engine's cycles (`cycle.Cycle` has it)."""
+
+    number: int
+    pending: dict[str, Request]
+    joined_cycle: int
+
+
+class Scheduled(Protocol):
+    """What the scheduler needs of its engine (`engine.Engine` has it; no import of the
+    engine here, which imports this module)."""
+
+    settings: Settings
+    rank: int
+    size: int
+    flight: FlightRecorder
+    exchange: Exchange
+    waiter: Waiter
+    counters: Counters
+
+    @property
+    def cycle(self) -> CycleState: ...
+
+    def thread_failed(self, exc: BaseException, turn: threading.Lock) -> None: ...
+
+
 class Scheduler:
     """Admits one engine's submissions and decides which thread runs its next cycle.
 
     Args:
-        engine: the engine whose cycles it schedules (read: `settings`, `size`, `pending`,
-            `flight`, `exchange`, `waiter`, `counters`).
+        engine: the engine whose cycles it schedules (read: `settings`, `size`, `rank`,
+            `flight`, `exchange`, `waiter`, `counters`, `cycle`: see `Scheduled`).
         run_cycle: runs one cycle, of the queue (`None`) or of the given requests, by a
             waiting caller or not; True when the engine must stop (`Cycle.run`).
         thread_name: the engine thread's name.
@@ -74,7 +104,7 @@ class Scheduler:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Scheduled,
         run_cycle: Callable[[list[Request] | None, bool], bool],
         thread_name: str,
     ) -> None:
@@ -136,7 +166,7 @@ class Scheduler:
                 self.run_cycle([request], True)
             finally:
                 self.turn.release()
-            if not request.handle._done or self.engine.pending or self.queue:
+            if not request.handle._done or self.engine.cycle.pending or self.queue:
                 self._after_driving(request.handle)
         return request.handle
 
@@ -342,7 +372,7 @@ class Scheduler:
             self.lock.notify_all()
 
 
-def _idle_cycle_period(engine: Engine) -> float:
+def _idle_cycle_period(engine: Scheduled) -> float:
     """How often the engine looks again while a request waits for its peers (for the
     stall inspector)."""
     settings = engine.settings

@@ -27,9 +27,11 @@ import numpy as np
 
 from ...config import FIXED_RING_THRESHOLD, Settings
 from ..algorithms import (
+    ALLREDUCE,
     CACHED,
     CHAIN,
     DOUBLING,
+    HIERARCHICAL,
     MPI,
     RING,
     AlgorithmTable,
@@ -81,6 +83,12 @@ class Transport(Protocol):
     def barrier(self) -> None:
         """Wait for every rank."""
 
+    def hosts(self) -> list[str]:
+        """Each rank's host, in rank order."""
+
+    def spans_hosts(self) -> bool:
+        """Whether the hierarchical allreduce is a candidate."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +101,24 @@ _BATCHES = 5
 
 
 def agreed_table(transport: Transport) -> AlgorithmTable:
-    """The table of `transport`'s communicator, the same on every rank (collective)."""
+    """The table of `transport`'s communicator, the same on every rank (collective).
+
+    Raises:
+        ValueError: on every rank alike, where `RINGPLUG_ALGORITHM` forces the hierarchical
+            allreduce on ranks that are not on several hosts.
+    """
     settings = transport.settings
+    if transport.forced.get(ALLREDUCE) == HIERARCHICAL and (
+        transport.size == 1 or not transport.spans_hosts()
+    ):
+        from . import hierarchical
+
+        raise ValueError(
+            "RINGPLUG_ALGORITHM forces allreduce=hierarchical, which needs ranks on more "
+            "than one host with more than one rank on some host, but "
+            f"{hierarchical.why_not(transport.hosts() if transport.size > 1 else ['this host'])}"
+            "; unset it, or force another allreduce (mpi, doubling, ring)."
+        )
     if (
         settings.ring_threshold is not None
         or settings.calibration == "fixed"
@@ -119,7 +143,7 @@ def agreed_table(transport: Transport) -> AlgorithmTable:
 def _cached_or_measured(transport: Transport) -> AlgorithmTable:
     from mpi4py import MPI as mpi
 
-    hosts = transport.allgather_texts(mpi.Get_processor_name())
+    hosts = transport.hosts()
     key = cache_key(hosts, mpi.Get_library_version().splitlines()[0].strip(), _version())
     directory = cache_directory()
     found = None
@@ -233,7 +257,7 @@ def _runs(transport: Transport) -> dict[str, Callable[[int], None]]:
     def broadcast(algorithm: str) -> Callable[[int], None]:
         return lambda n: transport.broadcast_by(algorithm, buffer(n), 0)
 
-    return {
+    runs = {
         "allreduce/mpi": allreduce(MPI),
         "allreduce/doubling": allreduce(DOUBLING),
         "allreduce/ring": allreduce(RING),
@@ -243,6 +267,9 @@ def _runs(transport: Transport) -> dict[str, Callable[[int], None]]:
         "broadcast/mpi": broadcast(MPI),
         "broadcast/chain": broadcast(CHAIN),
     }
+    if transport.spans_hosts():
+        runs["allreduce/hierarchical"] = allreduce(HIERARCHICAL)
+    return runs
 
 
 def _pairs(bounds: list[int]) -> list[tuple[int, int]]:

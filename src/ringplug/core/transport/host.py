@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...config import Settings
+from ...config import FIXED_RING_THRESHOLD, Settings
 from ..algorithms import (
     ALLGATHER,
     ALLREDUCE,
     BROADCAST,
     CHAIN,
     DOUBLING,
+    HIERARCHICAL,
     REDUCESCATTER,
     RING,
     AlgorithmTable,
@@ -33,7 +34,7 @@ from ..algorithms import (
 )
 from ..dtypes import DType
 from ..ops import ReduceOp
-from . import adasum, calibration, chain, doubling, reduce, ring
+from . import adasum, calibration, chain, doubling, hierarchical, reduce, ring
 from .waiting import Waiter
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ class Transport:
         # no kind or algorithm.
         self.forced = parse_forced(settings.algorithm)
         self._algorithms: AlgorithmTable | None = None  # made at the first choice
+        self._hosts: list[str] | None = None  # each rank's host, asked at the first choice
+        # the host's and the leaders' communicators, made at the first hierarchical call
+        self._hierarchy: hierarchical.Hierarchy | None = None
         self._mpi_ops: dict[ReduceOp, MPI.Op] = {}
         if comm is not None:
             from mpi4py import MPI
@@ -77,6 +81,9 @@ class Transport:
             }  # fmt: skip
 
     def free(self) -> None:
+        if self._hierarchy is not None:
+            self._hierarchy.free()
+            self._hierarchy = None
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
@@ -95,6 +102,9 @@ class Transport:
         self.waiter.wait_requests([request])
         stale, self._comm = self._comm, fresh
         stale.Free()  # its pending operations stay posted, harmlessly, on a freed context
+        if self._hierarchy is not None:  # split again from the fresh one at the next use
+            self._hierarchy.free()
+            self._hierarchy = None
 
     def mpi_reduces(self, code: DType, op: ReduceOp | None) -> bool:
         """Whether MPI's own reductions can reduce `code` with `op`.
@@ -119,6 +129,18 @@ class Transport:
         if self._algorithms is None:
             self._algorithms = calibration.agreed_table(self)
         return self._algorithms
+
+    def hosts(self) -> list[str]:
+        """Each rank's host (`hierarchical.host_key`), in rank order (collective the first
+        time: every rank asks at the same collective, the first that chooses)."""
+        if self._hosts is None:
+            self._hosts = self.allgather_texts(hierarchical.host_key())
+        return self._hosts
+
+    def spans_hosts(self) -> bool:
+        """Whether the hierarchical allreduce is a candidate here (collective the first time,
+        see `hosts`)."""
+        return hierarchical.spans_hosts(self.hosts())
 
     def use_algorithms(self, table: AlgorithmTable) -> None:
         """Use `table` from now on (the same on every rank: tests and the bench)."""
@@ -162,8 +184,10 @@ class Transport:
 
     def allreduce_by(self, algorithm: str, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
         """flat <- the reduction over ranks by `algorithm` (``"mpi"``, ``"doubling"``,
-        ``"ring"``; ``"local"`` on one rank), unscaled."""
-        if algorithm == DOUBLING:
+        ``"ring"``, ``"hierarchical"``; ``"local"`` on one rank), unscaled."""
+        if algorithm == HIERARCHICAL:
+            self._hierarchical_allreduce(flat, op, code)
+        elif algorithm == DOUBLING:
             doubling.allreduce(self._comm, flat, ring_op(op), code, self.waiter)
         elif algorithm == RING:
             ring.allreduce(self._comm, flat, ring_op(op), code, self._scratch, 1.0, self.waiter)
@@ -171,6 +195,35 @@ class Transport:
             self._mpi_allreduce(flat, op, code)
         elif algorithm != "local":
             raise ValueError(f"allreduce has no algorithm {algorithm!r}")
+
+    def _hierarchical_allreduce(self, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
+        from mpi4py import MPI
+
+        if self._hierarchy is None:
+            if not self.spans_hosts():
+                raise ValueError(
+                    f"the hierarchical allreduce needs ranks on several hosts: "
+                    f"{hierarchical.why_not(self.hosts())}"
+                )
+            self._hierarchy = hierarchical.split(self._comm, self.hosts(), self.waiter)
+        mpi_op = None
+        if self.mpi_reduces(code, op):
+            if code is DType.BOOL:
+                mpi_op = MPI.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else MPI.MIN
+                flat = flat.view(np.uint8)
+            else:
+                mpi_op = self._mpi_ops[op]
+        threshold = self.settings.ring_threshold
+        hierarchical.allreduce(
+            self._hierarchy,
+            flat,
+            ring_op(op),
+            code,
+            mpi_op,
+            self._scratch,
+            FIXED_RING_THRESHOLD if threshold is None else threshold,
+            self.waiter,
+        )
 
     def _mpi_allreduce(self, flat: np.ndarray, op: ReduceOp, code: DType) -> None:
         from mpi4py import MPI

@@ -1,0 +1,160 @@
+"""The hierarchical allreduce of a job on several hosts: within each host, among one rank
+per host, within each host again.
+
+1. Each host's ranks reduce onto their leader (the host's lowest rank) through the host's
+   own communicator, which MPI runs through shared memory: MPI's Ireduce where MPI can
+   reduce the dtype and op, else ringplug's recursive doubling or ring inside the host.
+2. The leaders, one per host, allreduce among themselves: the only step that crosses the
+   network, with 1/local_size of the flat ring's messages across it. Below the fixed ring
+   threshold (`RINGPLUG_RING_THRESHOLD`, 1 MiB unset) MPI's Allreduce (recursive doubling
+   where MPI cannot reduce), the ring from there on.
+3. Each leader broadcasts the result to its host (MPI's Ibcast).
+
+Every rank gets the leader's bytes, so the result is the same on every rank (the order of
+its sums is not the flat algorithms': floats differ from theirs in the last bits).
+
+Hosts are told apart by `host_key`: the MPI processor name (the host name), or for tests
+only ``RINGPLUG_TEST_RANKS_PER_HOST=k``, which puts world ranks ``i*k .. i*k+k-1`` on a
+pretend host ``i`` so that one machine can run the algorithm's code on several "hosts" (its
+timings then mean nothing: every rank shares one memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ... import config
+from ..dtypes import DType
+from ..ops import ReduceOp
+from . import doubling, ring
+from .waiting import Waiter
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+
+def host_key() -> str:
+    """The name of this rank's host (see the module's note on the test-only setting)."""
+    from mpi4py import MPI
+
+    fake = config.TEST_RANKS_PER_HOST.read()
+    if fake:
+        return f"test-host-{MPI.COMM_WORLD.Get_rank() // fake}"
+    return MPI.Get_processor_name()
+
+
+def spans_hosts(hosts: Sequence[str]) -> bool:
+    """Whether the ranks on `hosts` (each rank's host) gain from the hierarchy: more than
+    one host, and more than one rank on some host."""
+    return 1 < len(set(hosts)) < len(hosts)
+
+
+def why_not(hosts: Sequence[str]) -> str:
+    """Why `spans_hosts(hosts)` is false, in words."""
+    if len(set(hosts)) == 1:
+        return f"its {len(hosts)} ranks are all on one host ({hosts[0]})"
+    return f"each of its {len(hosts)} ranks is on a host of its own"
+
+
+@dataclass
+class Hierarchy:
+    """The two communicators of the hierarchical allreduce, made once per Transport.
+
+    Args:
+        host: the ranks of this rank's host, in the parent's order (rank 0: the leader).
+        leaders: the leaders of every host, in host order; None on the other ranks.
+    """
+
+    host: MPI.Comm
+    leaders: MPI.Comm | None
+
+    def free(self) -> None:
+        self.host.Free()
+        if self.leaders is not None:
+            self.leaders.Free()
+
+
+def split(comm: MPI.Comm, hosts: Sequence[str], waiter: Waiter) -> Hierarchy:
+    """The `Hierarchy` of `comm`, whose rank r is on host ``hosts[r]`` (collective).
+
+    MPI has no nonblocking Comm_split, so a barrier under the waiter's deadline comes first:
+    a rank that never gets here is named after `RINGPLUG_TIMEOUT`, and the splits start
+    only once every rank is at them.
+    """
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    waiter.wait_requests([comm.Ibarrier()], "hierarchical allreduce: every rank at the split")
+    order = list(dict.fromkeys(hosts))
+    host = comm.Split(order.index(hosts[rank]), rank)
+    leader = host.Get_rank() == 0
+    leaders = comm.Split(0 if leader else MPI.UNDEFINED, rank)
+    return Hierarchy(host, leaders if leader else None)
+
+
+def allreduce(
+    hierarchy: Hierarchy,
+    flat: np.ndarray,
+    op: ReduceOp,
+    code: DType,
+    mpi_op: Any,
+    scratch: np.ndarray,
+    ring_threshold: int,
+    waiter: Waiter,
+) -> None:
+    """flat <- the reduction over every rank of the hierarchy's parent, in place, unscaled.
+
+    Args:
+        op: the wire op (Sum for Average).
+        mpi_op: MPI's op for `flat` (bool viewed as uint8 with MAX/MIN by the caller), or
+            None where MPI cannot reduce `code` with `op`.
+        scratch: the ring's scratch buffer.
+        ring_threshold: from this many bytes the leaders take the ring.
+    """
+    from mpi4py import MPI
+
+    host = hierarchy.host
+    local = host.Get_size()
+    if local > 1:
+        if mpi_op is not None:
+            send = MPI.IN_PLACE if host.Get_rank() == 0 else flat
+            request = host.Ireduce(send, flat if host.Get_rank() == 0 else None, mpi_op, 0)
+            _wait(waiter, request, "Ireduce", "hierarchical allreduce: within the host")
+        else:
+            _numpy_allreduce(host, flat, op, code, scratch, ring_threshold, waiter)
+    if hierarchy.leaders is not None and hierarchy.leaders.Get_size() > 1:
+        leaders = hierarchy.leaders
+        if flat.nbytes >= ring_threshold or mpi_op is None:
+            _numpy_allreduce(leaders, flat, op, code, scratch, ring_threshold, waiter)
+        else:
+            request = leaders.Iallreduce(MPI.IN_PLACE, flat, mpi_op)
+            _wait(waiter, request, "Iallreduce", "hierarchical allreduce: among the hosts")
+    if local > 1:
+        request = host.Ibcast(flat.reshape(-1).view(np.uint8), 0)
+        _wait(waiter, request, "Ibcast", "hierarchical allreduce: the result to the host")
+
+
+def _numpy_allreduce(
+    comm: MPI.Comm,
+    flat: np.ndarray,
+    op: ReduceOp,
+    code: DType,
+    scratch: np.ndarray,
+    ring_threshold: int,
+    waiter: Waiter,
+) -> None:
+    """ringplug's own allreduce on `comm`: recursive doubling below the threshold, the ring
+    from it on."""
+    if flat.nbytes >= ring_threshold:
+        ring.allreduce(comm, flat, op, code, scratch, 1.0, waiter)
+    else:
+        doubling.allreduce(comm, flat, op, code, waiter)
+
+
+def _wait(waiter: Waiter, request: MPI.Request, call: str, phase: str) -> None:
+    waiter.traffic.called(call)
+    waiter.wait_requests([request], phase)
