@@ -72,7 +72,8 @@ class FlightRecorder:
                     frame = sys._getframe(depth + usual)  # one frame object, not a walk
                 except ValueError:
                     frame = None
-                if frame is not None and _KINDS.get(frame.f_code) == 2:  # (known ones)
+                known = _KINDS.get(id(frame.f_code)) if frame is not None else None
+                if known is not None and known[1] == 2:  # (known ones)
                     site = (frame.f_code, frame.f_lasti)
             self.sites[name] = site or _call_site(depth + 1)
 
@@ -120,6 +121,35 @@ class FlightRecorder:
             request.flight = entry
             count += 1
         self._count = count
+
+    def add_own(self, request: Any, depth: int, usual: int) -> None:
+        """`add_latest` of the one request whose cycle its submitting thread runs now (a
+        synchronous call's): `note_site`'s look at the frames is done here, `depth` frames
+        up (`usual`: as `note_site`'s), and a name that never repeats is not kept in
+        `sites` meanwhile. One call instead of two per synchronous call."""
+        name = request.name
+        sites = self.sites
+        if request.cacheable:
+            site = sites.get(name)
+            if site is None and name not in sites:
+                self.note_site(name, depth + 1)
+                site = sites[name]
+        else:
+            site = None
+            try:
+                frame = sys._getframe(depth + usual)  # one frame object, not a walk
+            except ValueError:
+                frame = None
+            known = _KINDS.get(id(frame.f_code)) if frame is not None else None
+            if known is not None and known[1] == 2:  # (known ones)
+                site = (frame.f_code, frame.f_lasti)
+            else:
+                site = _call_site(depth + 1)
+        count = self._count
+        entry = [count, name, request.signature, site, request.submitted, 0.0, 0.0, ""]
+        self._ring[count % self.capacity] = entry
+        request.flight = entry
+        self._count = count + 1
 
     def tracked(self, name: str) -> list[Any] | None:
         """The entry `submitted(track=True)` keeps for `name` (a request adopts it)."""
@@ -175,23 +205,27 @@ class FlightRecorder:
         return out
 
 
-# Code object -> what its frames are: 0 ringplug's own, 1 a library's, 2 the user's.
-_KINDS: dict[Any, int] = {}
+# id(code object) -> (the code object, what its frames are: 0 ringplug's own, 1 a
+# library's, 2 the user's). By id: a code object's hash covers its constants, names and
+# bytes each time (15 us for a script's top level, whose loop calls ringplug); the code
+# object is kept, so its id is never another's.
+_KINDS: dict[int, tuple[Any, int]] = {}
 _MOST_FRAMES = 40  # walked up from the submission, at most
 _SITES_KEPT = 4096
 
 
 def _frame_kind(code: Any) -> int:
-    kind = _KINDS.get(code)
-    if kind is None:
-        name = code.co_filename
-        if name.startswith(_CALLERS):
-            kind = 2
-        elif name.startswith(_OWN):
-            kind = 0
-        else:
-            kind = 2 if is_user_frame(Frame(name, 0, "")) else 1
-        _KINDS[code] = kind
+    known = _KINDS.get(id(code))
+    if known is not None:
+        return known[1]
+    name = code.co_filename
+    if name.startswith(_CALLERS):
+        kind = 2
+    elif name.startswith(_OWN):
+        kind = 0
+    else:
+        kind = 2 if is_user_frame(Frame(name, 0, "")) else 1
+    _KINDS[id(code)] = (code, kind)
     return kind
 
 
@@ -224,9 +258,8 @@ def _call_site(depth: int) -> tuple[Any, int] | None:
         if frame is None:
             break
         code = frame.f_code
-        kind = kinds.get(code)  # a call each frame costs more than the walk (unnamed calls)
-        if kind is None:
-            kind = _frame_kind(code)
+        known = kinds.get(id(code))  # a call each frame costs more than the walk
+        kind = known[1] if known is not None else _frame_kind(code)
         if kind == 2:
             return code, frame.f_lasti
         if kind == 1:

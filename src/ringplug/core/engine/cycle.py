@@ -28,10 +28,18 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from ...config import Settings
-from ...wire import GPU, Kind, Message, Response, Signature, cacheable_name, numbered
+from ...wire import (
+    GPU,
+    UNNAMED,
+    Kind,
+    Message,
+    Response,
+    cacheable_name,
+    numbered,
+)
 from .. import activity
 from ..errors import CommunicatorFailed, MismatchError, PeerArgumentError, PeerFailedError
-from ..kinds.kind import EngineView, SameEverywhere, check_joined, kind_of
+from ..kinds.kind import KINDS, EngineView, SameEverywhere, check_joined, kind_of
 from . import carried
 from .batches import batches
 from .exchange import compact, decode, messages, same_form
@@ -48,7 +56,6 @@ if TYPE_CHECKING:
     from .stalls import StallInspector
 
 _CACHE_CAPACITY = 4096
-_LONE_PLANS_KEPT = 256
 # What a lone plan has none of, shared by every lone plan (nothing changes a plan).
 _NO_ERRORS: dict[str, str] = {}
 _NO_PARTIAL: dict[str, list[int]] = {}
@@ -114,9 +121,10 @@ class Cycle:
         self._last_batches: tuple[list[Response], int, list[list[Response] | Response]] | None = (
             None
         )
-        # The fast path's plans of named requests, by (name, signature): a synchronous call
-        # repeated in a loop runs the same plan (no one changes a plan once made).
-        self._lone_plans: dict[tuple[str, Signature], Plan] = {}
+        # The fast path's plans, by cache slot: a synchronous call repeated in a loop runs
+        # the same plan. Its one response takes the name of each request of that slot (an
+        # unnamed call's differs every time); nothing else ever changes a plan once made.
+        self._lone_plans: dict[int, Plan] = {}
 
     # ------------------------------------------------------------------ the cycle
     def run(self, fresh: list[Request] | None, by_caller: bool) -> bool:
@@ -140,9 +148,13 @@ class Cycle:
                 elif on_engine_thread:
                     scheduler.let_burst_finish(start + BURST_WAIT_SECONDS)
                 fresh, stopping = scheduler.take_submissions(on_engine_thread)
-            if fresh:
-                if engine.flight.capacity:  # here, on the thread that runs cycles
+                if fresh and engine.flight.capacity:  # here, on the thread that runs cycles
                     engine.flight.add_latest(fresh)
+            elif engine.flight.capacity:
+                # The caller's own request, on its thread: its site is found from here (the
+                # user's frame is usually 3 above `Scheduler.submit`, 2 up).
+                engine.flight.add_own(fresh[0], 2, 3)
+            if fresh:
                 pending = self.pending
                 for request in fresh:
                     request.announced = start
@@ -173,7 +185,7 @@ class Cycle:
             if engine.size == 1:  # no message to send: this rank's form is every rank's
                 wire, received, length = b"", [], 1
             else:
-                pieces = kind_of(request.signature.kind).carried_pieces(request) if nbytes else ()
+                pieces = KINDS[request.signature.kind].carried_pieces(request) if nbytes else ()
                 wire = compact(self.number, bits, pairs, pieces, activity.current())
                 received = exchange.send_and_receive(self.number, wire, pending)
                 length = same_form(wire, received)
@@ -185,11 +197,14 @@ class Cycle:
                     self.carried_copies.clear()
                 if nbytes:
                     self._carried_alone = (received, length)
-                if request.cacheable:  # a named call repeated in a loop: its plan again
-                    plan = self._lone_plans.get((request.name, request.signature))
-                    if plan is not None:
-                        return plan, None
-                return self._lone_plan(request), None
+                plan = self._lone_plans.get(slot)
+                if plan is None:
+                    return self._lone_plan(request, slot), None
+                response = plan.responses[0]
+                if response.signature is not request.signature:  # the slot was given anew
+                    return self._lone_plan(request, slot), None
+                response.name = request.name
+                return plan, None
             found, alike = messages(decode(wire), wire, received, 0), False
         else:
             own = self._message(stopping)
@@ -206,17 +221,13 @@ class Cycle:
         copies.update(carried.received(found, self.cache, plan.repeated))
         return plan, found
 
-    def _lone_plan(self, request: Request) -> Plan:
-        """A new plan of a cycle in which every rank has `request` alone (`negotiate` looks
-        for a named request's kept one first), kept for a named request."""
+    def _lone_plan(self, request: Request, slot: int) -> Plan:
+        """A new plan of a cycle in which every rank has `request` alone, kept for the next
+        request of its cache `slot` (`negotiate` looks for it first)."""
         response = Response.everywhere(request.name, request.signature, self.engine.size)
-        # By position, with the shared empty errors, partial and stall lists (a plan is
-        # never changed once made): an unnamed call makes one every cycle.
+        # By position, with the shared empty errors, partial and stall lists.
         plan = Plan([response], _NO_ERRORS, _NO_PARTIAL, None, False, -1, _NO_ABORT, True, True)
-        if request.cacheable:  # a numbered name never comes again
-            if len(self._lone_plans) >= _LONE_PLANS_KEPT:
-                self._lone_plans.clear()
-            self._lone_plans[(request.name, request.signature)] = plan
+        self._lone_plans[slot] = plan
         return plan
 
     def _lone_form(
@@ -241,7 +252,8 @@ class Cycle:
                 if slot is None or cache.slots[slot][1] != request.signature:
                     return None
                 return request, slot, 1 << slot, ()
-            parts = numbered(request.name)  # `Cache.numbered_slot`, written out too
+            # `Cache.numbered_slot`, written out too; an unnamed request knows its number
+            parts = (UNNAMED, request.number) if request.number else numbered(request.name)
             if parts is None:
                 return None
             slot = cache.by_prefix.get((parts[0], request.signature))
@@ -340,9 +352,16 @@ class Cycle:
         if carried_alone is not None:  # the fast path's lone request, its data carried
             self._carried_alone = None
             request = self.pending.pop(plan.responses[0].name)
-            kind_of(request.signature.kind).run_carried(engine, request, *carried_alone)
+            KINDS[request.signature.kind].run_carried(engine, request, *carried_alone)
             engine.counters.collectives_run += 1
             engine.transport.last_path = "eager"
+        elif len(plan.responses) == 1:  # a lone request (a synchronous call): no batches
+            only = plan.responses[0]
+            collective = kind_of(only.signature.kind)
+            if collective.fused:
+                collective.run_batch(engine, plan.responses)
+            else:
+                self._run_single(only)
         else:
             for item in self._batches(plan.responses):
                 if isinstance(item, list):
@@ -355,9 +374,6 @@ class Cycle:
     def _batches(self, responses: list[Response]) -> list[list[Response] | Response]:
         """`batches` of this plan's responses: the last plan's own batches when it ran the
         same list (a repeated step, see `Cache.repeated`)."""
-        if len(responses) == 1:  # a lone request (a synchronous call): nothing to group
-            only = responses[0]
-            return [[only] if kind_of(only.signature.kind).fused else only]
         threshold = self.settings.fusion_threshold
         last = self._last_batches
         # `responses` is kept alive here, so `is` is safe; a new threshold batches anew.

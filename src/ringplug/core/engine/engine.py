@@ -146,16 +146,6 @@ class Engine:
         self.scheduler.start()
 
     # ------------------------------------------------------------------ callers' side
-    def submit(self, request: Request, drive: bool = False) -> Handle:
-        """Queue `request`; raise at once if it cannot be queued.
-
-        With `drive`, the caller is about to wait for the handle (a synchronous collective):
-        when the engine is free its cycle runs here, before `submit` returns; otherwise
-        `wait()` runs the cycles on the caller's thread when the engine is free (see
-        `Scheduler`).
-        """
-        return self.scheduler.submit(request, drive)
-
     def unnamed(self) -> str:
         """A name for an unnamed request: "noname.1", "noname.2", ... in call order (the
         same sequence on every rank, restarting with each init())."""
@@ -344,9 +334,9 @@ class Engine:
             result = request.result  # the usual allreduce: its output array
         else:
             result, error = self._outcome(request, result, error)
-        scheduler = self.scheduler
-        with scheduler.mutex:
-            scheduler.in_flight.pop(request.name, None)
+        # One dictionary operation, atomic: `Scheduler.submit` holds its mutex only to check
+        # a name and add it as one step.
+        self.scheduler.in_flight.pop(request.name, None)
         if request.flight is not None:
             flight.finish(request.flight, request.announced, time.perf_counter(), error)
         request.handle._finish(result, error)

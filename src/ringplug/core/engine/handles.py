@@ -167,3 +167,4 @@ class Request:
     # Seconds this rank waits for the others to submit it before failing it here alone
     # (`BarrierTimeoutError`); 0: `RINGPLUG_TIMEOUT`, after which the job ends.
     timeout: float = 0.0
+    number: int = 0  # an unnamed request's number (its name is "noname.<number>"), else 0

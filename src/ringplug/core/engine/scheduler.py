@@ -130,8 +130,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ submissions
     def submit(self, request: Request, drive: bool) -> Handle:
-        """Admit `request`; with `drive` (its caller waits for it at once) and the turn
-        free, run its cycle here before returning (`caller_may_run`), else queue it."""
+        """Admit `request` (raise at once if it cannot be admitted); with `drive` (its
+        caller waits for it at once) and the turn free, run its cycle here before returning
+        (`caller_may_run`), else queue it. The kinds submit here (`kinds.base.submit`, and
+        a plain allreduce's own `_submit`)."""
         if request.signature.place == GPU:
             self.host_only = False  # the GPU plane keeps to the engine thread (its device)
         with self.mutex:
@@ -147,15 +149,16 @@ class Scheduler:
                 )
             self.in_flight[request.name] = request.handle
             request.submitted = time.perf_counter()
-            record = self.engine.flight
-            if record.capacity and request.name not in record.sites:
-                # The entry itself: when its cycle takes it. The user's frame is usually
-                # the one above Engine.submit, the kind's submission and its function.
-                record.note_site(request.name, 2, 0 if request.cacheable else 3)
             if self.host_only:
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
             run_here = drive and self.caller_may_run()
             if not run_here:
+                record = self.engine.flight
+                if record.capacity and request.name not in record.sites:
+                    # Its flight entry is made when its cycle takes it; its site only here
+                    # (`Cycle.run` finds a caller's own request's). The user's frame is
+                    # usually the one above the kind's submission and its function.
+                    record.note_site(request.name, 1, 0 if request.cacheable else 3)
                 self.queue.append(request)
                 if self.sleeping and not (drive and self.host_only):
                     self.sleeping = False  # woken: later submissions need not notify

@@ -75,9 +75,9 @@ def submit(name: str, cacheable: bool, build: Build, engine: Engine | None = Non
     except (TypeError, ValueError, NotImplementedError, RingplugError) as exc:
         # RingplugError: e.g. no NCCL or no GPU for a GPU tensor on this rank
         marker = Request(name, Signature(Kind.ERROR), Handle(name), error=exc)
-        return engine.submit(marker, drive)
+        return engine.scheduler.submit(marker, drive)
     request.cacheable = cacheable and kind_of(request.signature.kind).cacheable
-    return engine.submit(request, drive)
+    return engine.scheduler.submit(request, drive)
 
 
 class _WaitedAtOnce:

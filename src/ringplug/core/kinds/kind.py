@@ -36,6 +36,7 @@ __all__ = [
     "SameEverywhere",
     "check_joined",
     "identity",
+    "KINDS",
     "kind_of",
     "register",
     "shape_text",
@@ -161,6 +162,9 @@ class CollectiveKind:
 
 
 _KINDS: dict[int, CollectiveKind] = {}
+# The registered kinds by `wire.Kind`: a cycle's fast path looks a known kind up here
+# directly (`kind_of`, a Python call, checks that it is known).
+KINDS = _KINDS
 
 
 def register(kind: int, collective: CollectiveKind) -> CollectiveKind:

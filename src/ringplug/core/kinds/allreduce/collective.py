@@ -44,13 +44,13 @@ class Allreduce(CollectiveKind):
     def carried_bytes(self, signature: Signature, threshold: int) -> int:
         return eager.size_of(signature, threshold)
 
-    def carried_pieces(self, request: Request) -> list[memoryview]:
-        return eager.pieces(request)
+    # `eager.pieces` itself, not a method calling it: a cycle's fast path calls it per call.
+    carried_pieces = staticmethod(eager.pieces)
 
     def run_carried(
         self, engine: EngineView, request: Request, copies: Sequence[Any], offset: int
     ) -> None:
-        _fusion(engine).reduce_eager(request, copies, offset)
+        (engine.kind_state.get(self.label) or _fusion(engine)).reduce_eager(request, copies, offset)
 
 
 def _fusion(engine: EngineView) -> Fusion:

@@ -38,10 +38,13 @@ def pieces(request: Request) -> list[memoryview]:
     encoding the message copies them, so that an allreduce in place cannot change this
     rank's copy while the copies are reduced."""
     reduction = request.payload
+    sends = reduction.sends
     if reduction.prescale == 1.0:
-        return [send.data.cast("B") for send in reduction.sends]
+        if len(sends) == 1:  # the usual request: no list comprehension (a call)
+            return [sends[0].data.cast("B")]
+        return [send.data.cast("B") for send in sends]
     scaled = []
-    for send in reduction.sends:
+    for send in sends:
         send = send.copy()
         reduce.scale(send, reduction.prescale, DType(request.signature.code))
         scaled.append(send.data.cast("B"))

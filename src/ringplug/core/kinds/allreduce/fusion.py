@@ -153,8 +153,16 @@ class Fusion:
         start = time.perf_counter() if timeline is not None else 0.0
         reduction = request.payload
         try:
-            factor = result_factor(op, reduction.postscale, engine.size)
-            eager.reduce_copies(reduction.outs, copies, op, code, offset, factor)
+            # `eager.reduce_copies` and `result_factor`, written out: a synchronous call's
+            # usual path, where each Python call counts
+            outs = reduction.outs
+            eager.reduce_into(outs, copies, op, code, offset)
+            factor = reduction.postscale
+            if op is ReduceOp.AVERAGE:
+                factor /= engine.size
+            if factor != 1.0:
+                for out in outs:
+                    reduce.scale(out, factor, code)
         except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
             engine.complete(request, error=exc)
             return

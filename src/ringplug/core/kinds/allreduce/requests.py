@@ -107,7 +107,7 @@ def _submit(
     waits: bool,
 ) -> Handle:
     """Submit the request of `allreduce_async`'s arguments (`_request`); `waits`: its caller
-    waits for it at once (see `Engine.submit`). Arguments that may be wrong go through
+    waits for it at once (see `Scheduler.submit`). Arguments that may be wrong go through
     `start`, which tells the other ranks when they are."""
     engine = runtime.current_engine()
     plain = _plain(array, op, prescale_factor, postscale_factor, out, dtype)
@@ -120,11 +120,13 @@ def _submit(
         with waited_at_once():
             return start(name, build)
     if name is None:  # `name_request`, written out: this runs every call
-        request = _plain_request(f"{UNNAMED}{engine.unnamed_number()}", array, out is None, *plain)
+        number = engine.unnamed_number()
+        request = _plain_request(f"{UNNAMED}{number}", array, out is None, *plain)
+        request.number = number
     else:
         request = _plain_request(str(name), array, out is None, *plain)
         request.cacheable = cacheable_name(request.name)
-    return engine.submit(request, waits)
+    return engine.scheduler.submit(request, waits)
 
 
 def _request(
@@ -180,14 +182,20 @@ def _plain_request(
     name: str, array: np.ndarray, fresh: bool, op: ReduceOp, code: DType, postscale: float
 ) -> Request:
     """`_request`'s fast path: `array` reduced in place, or into a new array when `fresh`."""
-    send = storage_view(array if array.ndim == 1 else array.reshape(-1), code)
+    send = array if array.ndim == 1 else array.reshape(-1)
     result = np.empty_like(array) if fresh else array
-    out = storage_view(result if result.ndim == 1 else result.reshape(-1), code) if fresh else send
+    out = (result if result.ndim == 1 else result.reshape(-1)) if fresh else send
+    if code is DType.BFLOAT16:  # ml_dtypes' type: the only plain one stored as another
+        send, out = storage_view(send, code), storage_view(out, code)
+    # `plain_signature`, written out: this runs every call
+    signature = _PLAIN_SIGNATURES.get((code, op, array.shape)) or plain_signature(
+        code, op, array.shape
+    )
     # By position (name, signature, handle, payload, cacheable, extra, error, finish,
     # result): keywords cost a dataclass's `__init__` more.
     return Request(
         name,
-        plain_signature(code, op, array.shape),
+        signature,
         Handle(name),
         Reduction([send], [out], not fresh, None, 1.0, postscale),
         False,
