@@ -4,6 +4,8 @@ named or not, while it looks at as few frames as it can (issue 44), in a world o
 from __future__ import annotations
 
 import inspect
+import runpy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,3 +49,20 @@ def test_each_synchronous_call_records_the_users_line_that_made_it():
         == [f"{__file__}:{unnamed[0]} in reduce_unnamed"] * 4
         + [f"{__file__}:{named[0]} in reduce_named"] * 4
     )
+
+
+def test_a_call_at_a_scripts_top_level_records_that_line(tmp_path: Path):
+    # A script's top level is one code object holding every constant of the script; the
+    # record knows it as it knows a function's (and names its line, not a ringplug frame).
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import numpy as np\n"
+        "import ringplug\n"
+        "buf = np.zeros(4, np.float32)\n"
+        "for _ in range(3):\n"
+        "    ringplug.allreduce(buf, op=ringplug.Sum, out=buf)\n"
+    )
+    runpy.run_path(str(script))
+    engine = runtime.engine()
+    sites = [record["site"] for record in engine.flight.records(lambda s: ("allreduce", 0))]
+    assert sites[-3:] == [f"{script}:5 in <module>"] * 3

@@ -26,6 +26,7 @@ Callers (the user's thread, autograd hooks, a Keras step) submit requests and ge
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -132,7 +133,9 @@ class Engine:
         self.timeline: Timeline | None = None
         self.counters = Counters()
         self._gpu: GpuPlane | None = None  # made at the first GPU collective
-        self._unnamed_next = 1  # the number of the next unnamed request ("noname.N")
+        # The numbers of unnamed requests ("noname.N"): `next` of a count is one C call,
+        # atomic, without a lock or a Python frame (a synchronous call draws one each).
+        self.unnamed_numbers = itertools.count(1)
         self.cycle = Cycle(self, eager_threshold(settings, self.size))
         # For the kinds (`EngineView`): the cycle's own dictionaries, never replaced.
         self.pending = self.cycle.pending  # requests negotiated and not yet run
@@ -149,13 +152,7 @@ class Engine:
     def unnamed(self) -> str:
         """A name for an unnamed request: "noname.1", "noname.2", ... in call order (the
         same sequence on every rank, restarting with each init())."""
-        return f"{UNNAMED}{self.unnamed_number()}"
-
-    def unnamed_number(self) -> int:
-        """The number of the next unnamed request (see `unnamed`)."""
-        with self.scheduler.mutex:
-            number, self._unnamed_next = self._unnamed_next, self._unnamed_next + 1
-        return number
+        return f"{UNNAMED}{next(self.unnamed_numbers)}"
 
     def follow_unnamed(self, names: Iterable[str]) -> None:
         """A joined rank takes part in the others' unnamed requests without calling them:
@@ -168,8 +165,9 @@ class Engine:
                 if number.isdigit():
                     highest = max(highest, int(number))
         if highest:
-            with self.scheduler.mutex:
-                self._unnamed_next = max(self._unnamed_next, highest + 1)
+            # A joined rank submits nothing until its join returns: no `next` races this.
+            following = next(self.unnamed_numbers)
+            self.unnamed_numbers = itertools.count(max(following, highest + 1))
 
     def join(self) -> Handle:
         """Declare that this rank has no more data; see `ringplug.join`."""

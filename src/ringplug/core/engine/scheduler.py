@@ -6,7 +6,7 @@ is the one thread of this engine talking to MPI at that moment:
 - A caller about to wait for its own host collective (a synchronous call, see
   `kinds.base.waited_at_once`) runs the cycle itself, inside `submit`, when nothing is
   queued ahead of it, no join is in progress, no cycle time asks to gather more for fusion,
-  and the turn is free (`caller_may_run`): nothing is queued and no thread is woken.
+  and the turn is free (decided in `submit`): nothing is queued and no thread is woken.
 - A caller that waits on a handle the engine has not completed takes the turn when it is
   free within a millisecond and nothing else is in flight, and runs cycles until its
   handle is done (`drive`).
@@ -132,8 +132,8 @@ class Scheduler:
     def submit(self, request: Request, drive: bool) -> Handle:
         """Admit `request` (raise at once if it cannot be admitted); with `drive` (its
         caller waits for it at once) and the turn free, run its cycle here before returning
-        (`caller_may_run`), else queue it. The kinds submit here (`kinds.base.submit`, and
-        a plain allreduce's own `_submit`)."""
+        (decided here, nowhere else), else queue it. The kinds submit here
+        (`kinds.base.submit`, and a plain allreduce's own `_submit`)."""
         if request.signature.place == GPU:
             self.host_only = False  # the GPU plane keeps to the engine thread (its device)
         with self.mutex:
@@ -151,7 +151,20 @@ class Scheduler:
             request.submitted = time.perf_counter()
             if self.host_only:
                 request.handle._engine = self  # its waiter may run the cycle (see `drive`)
-            run_here = drive and self.caller_may_run()
+            # Whether this caller, about to wait for its own collective, runs its cycle on
+            # its thread now (the one place that decides it; written out, as this runs
+            # every call): only host collectives so far (the GPU plane keeps to the engine
+            # thread), nothing queued ahead of it, no join in progress, no cycle time to
+            # gather more for fusion, and no other thread running a cycle (`turn`, taken
+            # here, is released below).
+            run_here = (
+                drive
+                and self.host_only
+                and not self.queue
+                and self.join_handle is None
+                and self.engine.settings.cycle_time <= 0
+                and self.turn.acquire(blocking=False)
+            )
             if not run_here:
                 record = self.engine.flight
                 if record.capacity and request.name not in record.sites:
@@ -172,20 +185,6 @@ class Scheduler:
             if not request.handle._done or self.engine.cycle.pending or self.queue:
                 self._after_driving(request.handle)
         return request.handle
-
-    def caller_may_run(self) -> bool:
-        """Whether a caller about to wait for its own collective may run its cycle on its
-        thread now (the caller holds `mutex`): only host collectives so far (the GPU plane
-        keeps to the engine thread), nothing queued ahead of it, no join in progress, no
-        cycle time to gather more for fusion, and no other thread running a cycle. True
-        with `turn` taken: the caller releases it. The one place that decides it."""
-        return (
-            self.host_only
-            and not self.queue
-            and self.join_handle is None
-            and self.engine.settings.cycle_time <= 0
-            and self.turn.acquire(blocking=False)
-        )
 
     def take_submissions(self, on_engine_thread: bool) -> tuple[list[Request], bool]:
         """The requests queued since the last cycle that this thread may run, and whether

@@ -120,7 +120,7 @@ def _submit(
         with waited_at_once():
             return start(name, build)
     if name is None:  # `name_request`, written out: this runs every call
-        number = engine.unnamed_number()
+        number = next(engine.unnamed_numbers)
         request = _plain_request(f"{UNNAMED}{number}", array, out is None, *plain)
         request.number = number
     else:
