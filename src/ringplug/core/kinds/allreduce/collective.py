@@ -3,16 +3,10 @@ a negotiation message carried) and how one is described."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
 from ....wire import Kind, Response, Signature
 from ..kind import CollectiveKind, EngineView, register, shape_text
 from . import eager
-from .fusion import Fusion
-
-if TYPE_CHECKING:
-    from ...engine.handles import Request
+from .fusion import Fusion, reduce_carried
 
 
 class Allreduce(CollectiveKind):
@@ -47,10 +41,8 @@ class Allreduce(CollectiveKind):
     # `eager.pieces` itself, not a method calling it: a cycle's fast path calls it per call.
     carried_pieces = staticmethod(eager.pieces)
 
-    def run_carried(
-        self, engine: EngineView, request: Request, copies: Sequence[Any], offset: int
-    ) -> None:
-        (engine.kind_state.get(self.label) or _fusion(engine)).reduce_eager(request, copies, offset)
+    # `fusion.reduce_carried` itself (it needs no fusion buffer): a cycle's fast path calls it.
+    run_carried = staticmethod(reduce_carried)
 
 
 def _fusion(engine: EngineView) -> Fusion:

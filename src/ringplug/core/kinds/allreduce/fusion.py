@@ -99,7 +99,7 @@ class Fusion:
             only = requests[0] if len(batch) == 1 else None
             views = copies.get(batch[0].name) if only is not None else None
             if views is not None:  # a synchronous call's usual small batch
-                self.reduce_eager(only, views)  # type: ignore[arg-type]
+                reduce_carried(engine, only, views)  # type: ignore[arg-type]
                 engine.transport.last_path = "eager"
                 engine.counters.collectives_run += 1
                 return
@@ -136,40 +136,10 @@ class Fusion:
                 rest.append(response)
                 rest_requests.append(request)
             else:
-                self.reduce_eager(request, views)  # type: ignore[arg-type]
+                reduce_carried(self.engine, request, views)  # type: ignore[arg-type]
         if len(rest) < len(batch):
             self.engine.transport.last_path = "eager"
         return rest, rest_requests
-
-    def reduce_eager(
-        self, request: Request, copies: Sequence[bytes | bytearray | memoryview], offset: int = 0
-    ) -> None:
-        """Complete `request` with every rank's copy of its data (`copies`, in rank order,
-        from byte `offset` on), reduced here as on every rank (see `eager`)."""
-        engine = self.engine
-        signature = request.signature
-        code, op = BY_CODE[signature.code], OP_BY_CODE[signature.op]
-        timeline = engine.timeline
-        start = time.perf_counter() if timeline is not None else 0.0
-        reduction = request.payload
-        try:
-            # `eager.reduce_copies` and `result_factor`, written out: a synchronous call's
-            # usual path, where each Python call counts
-            outs = reduction.outs
-            eager.reduce_into(outs, copies, op, code, offset)
-            factor = reduction.postscale
-            if op is ReduceOp.AVERAGE:
-                factor /= engine.size
-            if factor != 1.0:
-                for out in outs:
-                    reduce.scale(out, factor, code)
-        except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
-            engine.complete(request, error=exc)
-            return
-        engine.complete(request)
-        if timeline is not None:
-            engine.trace_wait(timeline, request, start)
-            timeline.span(request.name, "ALLREDUCE", start, time.perf_counter(), path="eager")
 
     def _host(
         self, batch: list[Response], requests: list[Request | None], code: DType, op: ReduceOp
@@ -382,3 +352,37 @@ def side_by_side(arrays: list[np.ndarray], code: DType) -> np.ndarray | None:
     if misaligned or base.nbytes % code.itemsize:
         return None
     return base.reshape(-1).view(code.storage)[start : start + sum(a.size for a in arrays)]
+
+
+def reduce_carried(
+    engine: EngineView,
+    request: Request,
+    copies: Sequence[bytes | bytearray | memoryview],
+    offset: int = 0,
+) -> None:
+    """Complete `request` with every rank's copy of its data (`copies`, in rank order,
+    from byte `offset` on), reduced here as on every rank (see `eager`). The allreduce
+    kind's `run_carried` itself, and what `Fusion` does with a batch's carried copies."""
+    signature = request.signature
+    code, op = BY_CODE[signature.code], OP_BY_CODE[signature.op]
+    timeline = engine.timeline
+    start = time.perf_counter() if timeline is not None else 0.0
+    reduction = request.payload
+    try:
+        # `eager.reduce_copies` and `result_factor`, written out: a synchronous call's
+        # usual path, where each Python call counts
+        outs = reduction.outs
+        eager.reduce_into(outs, copies, op, code, offset)
+        factor = reduction.postscale
+        if op is ReduceOp.AVERAGE:
+            factor /= engine.size
+        if factor != 1.0:
+            for out in outs:
+                reduce.scale(out, factor, code)
+    except Exception as exc:  # noqa: BLE001 - the same on every rank: fail it here
+        engine.complete(request, error=exc)
+        return
+    engine.complete(request)
+    if timeline is not None:
+        engine.trace_wait(timeline, request, start)
+        timeline.span(request.name, "ALLREDUCE", start, time.perf_counter(), path="eager")
