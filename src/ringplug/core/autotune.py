@@ -1,7 +1,7 @@
 """Autotune: tunes the engine's fusion threshold and cycle time while the job trains.
 
 With ``RINGPLUG_AUTOTUNE=1`` (``ringrun --autotune``) the world's engine hands every cycle's
-plan to an :class:`Autotuner` (`Engine._execute` calls :meth:`Autotuner.after_cycle`). The
+plan to an :class:`Autotuner` (`Cycle.run_plan` calls :meth:`Autotuner.after_cycle`). The
 plans are the same on every rank, so everything the tuner counts from them is too: the
 steps (a step ends at the cycle where a collective's name comes again), the bytes reduced,
 where a sample of ``RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE`` steps ends. Only the clock differs

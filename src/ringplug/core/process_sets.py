@@ -4,7 +4,7 @@ Design. A process set is an `Engine` over a communicator that holds its members 
 collectively by every rank of the world. The set's engine is the world's engine in every
 respect, because it is the same class: its own negotiation (ceil(log2 k) rounds for a set of
 k ranks, over its own communicator, so a set of 4 inside 32 ranks pays for 4), its own cache of
-agreed requests, fusion, ordering, names ("noname.N" counts per set), express cycles and
+agreed requests, fusion, ordering, names ("noname.N" counts per set), fast cycles and
 algorithm table, and its own join. What it shares with the world comes from the process:
 the settings (deadlines, stall times, thresholds: the world's, agreed at `init()`), every wait's
 deadline (`Waiter`, per engine), the stall inspector and the errors naming ranks by their rank
