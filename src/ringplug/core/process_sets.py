@@ -57,6 +57,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
+import sys
 import threading
 import time
 import zlib
@@ -70,6 +72,8 @@ from .kinds.objects import allgather_object
 
 if TYPE_CHECKING:
     from mpi4py import MPI
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ProcessSet", "add_process_set", "all_process_sets", "remove_process_set"]
 
@@ -94,7 +98,6 @@ class _Sets:
         self.made_of: dict[tuple[int, ...], int] = {}
         # Proposals sent to members that never took them (their sender gave up waiting).
         self.abandoned: list[Any] = []
-        self.hooked = False
 
     def free_id(self) -> int:
         """The smallest id no set has (0 is the world, as in Horovod): the id of a set that
@@ -293,10 +296,6 @@ def add_process_set(ranks: Iterable[int], *, members_only: bool = False) -> Proc
 def _make(set_id: int | str, members: tuple[int, ...], world: Engine, tag: int) -> ProcessSet:
     """The set of `members` once they agreed on it: on a member, its communicator (made
     with `tag`) and engine; elsewhere a set whose collectives refuse."""
-    with _sets.lock:
-        if not _sets.hooked:
-            runtime.before_shutdown.append(_stop_all)
-            _sets.hooked = True
     engine = comm = None
     if world.rank in members:
         with _within_timeout(members, set_id, world):
@@ -645,7 +644,9 @@ def _close(process_set: ProcessSet, world: Engine | None, retire: bool = False) 
 
 
 def _stop_all() -> None:
-    """At `shutdown()`: stop every set's engine before the world's, and forget the sets."""
+    """At `shutdown()`: stop every set's engine before the world's, forget the sets, and
+    take the proposals of members-only sets that this rank never made (their senders gave
+    up on it): MPI_Finalize refuses to free MPI_COMM_WORLD with messages left unmatched."""
     world = runtime.current_engine()
     for process_set in all_process_sets():
         _close(process_set, world)
@@ -654,6 +655,14 @@ def _stop_all() -> None:
         _sets.retired.clear()
         _sets.by_name.clear()
         _sets.made_of.clear()
+        _sets.abandoned.clear()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        while (message := mpi.COMM_WORLD.improbe(tag=_PROPOSAL_TAG)) is not None:
+            logger.debug("dropped an unanswered proposal: %r", message.recv())
+
+
+runtime.before_shutdown.append(_stop_all)
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:
