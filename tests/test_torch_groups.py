@@ -253,6 +253,12 @@ if rank in (0, 2):
     report = {"sum": value.tolist(), "root": root.tolist(), "backend": dist.get_backend(group)}
 else:
     report = {"member": dist.get_rank(group)}
+if rank != 1:  # only the members call, with use_local_synchronization
+    local = dist.new_group([0, 2], use_local_synchronization=True)
+    mine = torch.full((2,), float(rank + 1))
+    dist.all_reduce(mine, group=local)
+    report["local"] = mine.tolist()
+    dist.destroy_process_group(local)
 dist.barrier()
 print("REPORT", rank, json.dumps(report), flush=True)
 dist.destroy_process_group()
@@ -260,9 +266,9 @@ dist.destroy_process_group()
 
 
 def test_a_group_over_some_ranks_works_on_the_oldest_torch_too():
-    # torch 2.13 hands new_group to the default group (a process set); torch 2.4 asks the
-    # backend's constructor on the members only (a gloo group inside ringplug's). In
-    # `make test-oldest` too.
+    # torch 2.13 hands new_group to the default group (a process set, made by its members
+    # only with use_local_synchronization); torch 2.4 asks the backend's constructor on the
+    # members only (a gloo group inside ringplug's). In `make test-oldest` too.
     result = run_ringrun("-np", "3", sys.executable, "-c", SUBGROUP_PROGRAM, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = {}
@@ -272,4 +278,9 @@ def test_a_group_over_some_ranks_works_on_the_oldest_torch_too():
             reports[int(rank)] = json.loads(text)
     assert reports[1] == {"member": -1}  # torch's answer for a rank outside the group
     for rank in (0, 2):
-        assert reports[rank] == {"sum": [4.0] * 3, "root": [2.0] * 2, "backend": "ringplug"}
+        assert reports[rank] == {
+            "sum": [4.0] * 3,
+            "root": [2.0] * 2,
+            "backend": "ringplug",
+            "local": [4.0] * 2,
+        }

@@ -23,8 +23,10 @@ over some of the ranks (``new_group(ranks=[...])``, ``new_subgroups``, a ``Devic
 dimensions) runs on a process set of the core (`ringplug.add_process_set`): an engine of its
 own over its members, with everything above, CPU and CUDA tensors alike; ranks outside it
 get ``GroupMember.NON_GROUP_MEMBER``, and ``destroy_process_group(group)`` removes the set
-among its members. ``monitored_barrier`` works on every group: a rank that does not arrive
-within the timeout is named (`BarrierTimeoutError`). The store
+among its members. ``new_group(..., use_local_synchronization=True)``, which torch calls on
+the members only, makes the set among them (``add_process_set(members_only=True)``).
+``monitored_barrier`` works on every group: a rank that does not arrive within the timeout
+is named (`BarrierTimeoutError`). The store
 (``dist.distributed_c10d._get_default_store()``, and every group's) is a TCPStore that rank
 0 serves: ``set``/``get``/``wait``/``add`` reach every rank, and wait at most
 ``RINGPLUG_TIMEOUT``.
