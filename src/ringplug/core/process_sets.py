@@ -40,9 +40,11 @@ its id is the string ``"[0,2]#1"`` (its ranks, and the count of members-only set
 ranks before it), which no other set can have: the world's sets have integer ids (Horovod's),
 and members-only sets made at once by disjoint groups of ranks differ in their ranks. The
 proposals of one pair of ranks are matched in the order each sends them, so members that
-make their shared members-only sets in different orders get `MismatchError` rather than a
-hang. A member that gave up (`MembersMissingError`) leaves its proposal queued for the late
-member: a job should treat that error as fatal for these ranks, as every RINGPLUG_TIMEOUT.
+make their shared members-only sets in different orders do not hang: those whose proposals
+crossed get `MismatchError`, a member left waiting `MembersMissingError`. A member that gave
+up leaves its proposal queued for the late member (taken at `shutdown()`, since MPI_Finalize
+refuses unmatched messages): treat that error as fatal for these ranks, as every
+RINGPLUG_TIMEOUT.
 
 Removal is collective too, and refused on every rank while any member
 has a collective of the set in flight. A rank that is not in a set gets a `ProcessSet` whose
