@@ -11,11 +11,13 @@ from __future__ import annotations
 import csv
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from ringplug import config
 from ringplug.config import Settings, read_settings
+from ringplug.core.algorithms import fixed_table
 from ringplug.core.autotune import (
     CSV_COLUMNS,
     CYCLE_GRID_MS,
@@ -26,6 +28,7 @@ from ringplug.core.autotune import (
     Search,
 )
 from ringplug.core.dtypes import DType
+from ringplug.core.engine.engine import Engine
 from ringplug.wire import Kind, Response, Signature
 
 MIB = 1 << 20
@@ -636,3 +639,40 @@ def test_the_log_names_each_trials_algorithm(tmp_path):
         c.algorithm or "table" for c in job.tuner.search.order
     ]
     assert {"table", "doubling", "ring"} <= {r["allreduce_algorithm"] for r in rows}
+
+
+class FakeTransport:
+    """What `Engine.tunable_algorithms` asks of the transport: its table, forced
+    algorithms, and whether its ranks span hosts."""
+
+    def __init__(self, spans: bool, forced: dict[str, str] | None = None) -> None:
+        self.algorithms = fixed_table(4, 1 << 20)
+        self.forced = forced or {}
+        self.spans = spans
+
+    def spans_hosts(self) -> bool:
+        return self.spans
+
+
+def offered(transport: FakeTransport, size: int = 4, host_only: bool = True):
+    engine = SimpleNamespace(transport=transport, size=size, _host_only=host_only)
+    return Engine.tunable_algorithms(engine)
+
+
+def test_the_hierarchical_allreduce_is_offered_only_where_the_ranks_span_hosts():
+    names, table_choice = offered(FakeTransport(spans=True))
+    assert names == ("mpi", "doubling", "ring", "hierarchical")
+    assert (table_choice(64 << 10), table_choice(4 * MIB)) == ("mpi", "ring")
+    assert offered(FakeTransport(spans=False))[0] == ("mpi", "doubling", "ring")
+
+
+def test_no_algorithm_is_offered_where_it_is_forced_on_one_rank_or_after_a_gpu_collective():
+    assert offered(FakeTransport(spans=True, forced={"allreduce": "ring"}))[0] == ()
+    assert offered(FakeTransport(spans=True), size=1)[0] == ()
+    assert offered(FakeTransport(spans=True), host_only=False)[0] == ()
+    # forcing another kind leaves the allreduce to tune
+    assert offered(FakeTransport(spans=False, forced={"broadcast": "chain"}))[0] == (
+        "mpi",
+        "doubling",
+        "ring",
+    )

@@ -20,6 +20,9 @@ from launch import run_ringrun
 WORKER = Path(__file__).parent / "workers" / "autotune.py"
 BAD_START = ("65536", "0.02")  # 64 KiB, 20 ms
 JOB_TIMEOUT_S = 180
+# Every bucket through the algorithm table (none carried in the negotiation), and the fixed
+# table (MPI's allreduce for a bucket), in both jobs: the tuned job tries the others.
+JOB_ENV = {"RINGPLUG_EAGER_THRESHOLD": "0", "RINGPLUG_CALIBRATION": "fixed"}
 
 
 def _job(outdir: Path, *flags: str, start: tuple[str, ...] = ()) -> list[dict]:
@@ -31,6 +34,7 @@ def _job(outdir: Path, *flags: str, start: tuple[str, ...] = ()) -> list[dict]:
         str(WORKER),
         str(outdir),
         *start,
+        extra_env=JOB_ENV,
         timeout=JOB_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -52,7 +56,7 @@ def jobs(tmp_path_factory):
         "--autotune-steps-per-sample",
         "2",
         "--autotune-bayes-opt-max-samples",
-        "8",
+        "16",
         start=BAD_START,
     )
     plain = _job(tmp_path_factory.mktemp("autotune-off"))
@@ -72,16 +76,32 @@ def test_every_rank_applies_the_same_settings_at_the_same_cycles(jobs):
 
 
 @pytest.mark.multirank
+def test_every_rank_tries_the_same_allreduce_algorithms_and_its_transport_takes_them(jobs):
+    tuned, log, _ = jobs
+    for report in tuned:
+        assert report["offered"] == ["mpi", "doubling", "ring"]  # one host: no hierarchical
+        forced = {algorithm for _, _, _, algorithm in report["applied"] if algorithm}
+        # the fixed table takes MPI's for a bucket: the other two are tried
+        assert forced == {"doubling", "ring"}
+        for step in report["steps"][1:]:
+            # the forced algorithm, else the table's, is what the transport takes
+            assert step["taken"] == (step["before"][2] or "mpi"), step
+    with open(log, newline="") as handle:
+        logged = {row["allreduce_algorithm"] for row in csv.DictReader(handle)}
+    assert logged == {"table", "doubling", "ring"}
+
+
+@pytest.mark.multirank
 def test_tuning_moves_off_the_bad_start_and_ends_within_its_budget(jobs):
     tuned, _, _ = jobs
     report = tuned[0]
     settings_seen = [tuple(s["before"]) for s in report["steps"]]
-    assert settings_seen[1] == (65536, 0.02)  # the start the worker gave
-    assert settings_seen[-1] != (65536, 0.02)  # 20 ms a cycle is never the best
-    last_cycle, fusion, cycle_ms = report["applied"][-1]
-    assert tuple(report["final"]) == (fusion, cycle_ms * 1e-3)
-    # (1 warm-up + at most 8 scored samples) x 2 steps each
-    assert report["tuning_steps"] <= 18
+    assert settings_seen[1] == (65536, 0.02, "")  # the start the worker gave
+    assert settings_seen[-1][:2] != (65536, 0.02)  # 20 ms a cycle is never the best
+    last_cycle, fusion, cycle_ms, algorithm = report["applied"][-1]
+    assert tuple(report["final"]) == (fusion, cycle_ms * 1e-3, algorithm)
+    # (1 warm-up + at most 16 scored samples) x 2 steps each
+    assert report["tuning_steps"] <= 34
     # once done, the setting stays
     assert len(set(settings_seen[report["tuning_steps"] + 3 :])) == 1
 
@@ -95,15 +115,23 @@ def test_the_trial_log_lists_each_scored_setting_in_the_order_applied(jobs):
         "sample",
         "fusion_threshold",
         "cycle_time_ms",
+        "allreduce_algorithm",
         "score",
         "best_score",
         "converged",
         "steps",
     ]
-    tried = [(int(r["fusion_threshold"]), float(r["cycle_time_ms"])) for r in rows]
-    applied = [(fusion, cycle_ms) for _, fusion, cycle_ms in tuned[0]["applied"]]
+    tried = [
+        (
+            int(r["fusion_threshold"]),
+            float(r["cycle_time_ms"]),
+            "" if r["allreduce_algorithm"] == "table" else r["allreduce_algorithm"],
+        )
+        for r in rows
+    ]
+    applied = [tuple(entry[1:]) for entry in tuned[0]["applied"]]
     # the start is scored first; each later row is the setting applied before it
-    assert tried[0] == (65536, 20.0)
+    assert tried[0] == (65536, 20.0, "")
     assert tried[1:] == applied[: len(tried) - 1]
     assert [r["converged"] for r in rows] == ["0"] * (len(rows) - 1) + ["1"]
     assert all(float(r["score"]) > 0 for r in rows)
