@@ -730,9 +730,9 @@ class Engine(ExpressCycles):
         and the one the table takes for a buffer of so many bytes. None where
         ``RINGPLUG_ALGORITHM`` forces the allreduce, on one rank, or once a GPU collective
         ran (NCCL's allreduce is not the table's)."""
-        table = self.transport.algorithms if self.size > 1 else None
-        if table is None or ALLREDUCE in self.transport.forced or not self._host_only:
+        if self.size == 1 or ALLREDUCE in self.transport.forced or not self._host_only:
             return (), lambda nbytes: ""
+        table = self.transport.algorithms
         names = tuple(
             name
             for name in CANDIDATES[(ALLREDUCE, True)]
