@@ -25,7 +25,7 @@ import ringplug.torch as rpt
 from ringplug.core import autotune, runtime
 from ringplug.core.algorithms import ALLREDUCE
 
-STEPS = 48
+STEPS = 70
 # Small buckets: each step submits a dozen bucket allreduces, so the fusion threshold
 # decides how many collectives a step runs.
 BUCKET_BYTES = 16 << 10
