@@ -31,7 +31,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ... import wire
@@ -41,6 +41,7 @@ from ...forensics.flight import FlightRecorder
 from ...forensics.stacks import own_stacks, report_lines
 from ...wire import GPU, UNNAMED, Kind, Message, Response, Signature, cacheable_name
 from .. import activity, autotune, log
+from ..algorithms import ALLREDUCE, CANDIDATES, HIERARCHICAL, AlgorithmTable
 from ..dtypes import ITEMSIZE
 from ..errors import (
     CommunicatorFailed,
@@ -184,6 +185,9 @@ class Engine(ExpressCycles):
         self.collectives_run = 0  # fused batches count once (tests count them)
         if settings.timeline:
             self.start_timeline(settings.timeline)
+        # The allreduce algorithm autotune applied ("": the table's) and the table before it.
+        self._tuned_algorithm = ""
+        self._untuned_table: AlgorithmTable | None = None
         # RINGPLUG_AUTOTUNE: the world's engine tells its tuner each cycle's plan (`_execute`).
         self.tuner = autotune.for_engine(self) if settings.autotune and ranks is None else None
         # Whoever holds `_mpi` runs cycles and is the one thread talking to MPI: the engine
@@ -695,15 +699,46 @@ class Engine(ExpressCycles):
         if self.tuner is not None:  # the same plan at the same cycle on every rank
             self.tuner.after_cycle(self._cycle, plan.responses)
 
-    def apply_tuned_setting(self, fusion_threshold: int, cycle_time: float) -> None:
+    def apply_tuned_setting(
+        self, fusion_threshold: int, cycle_time: float, algorithm: str = ""
+    ) -> None:
         """Make the autotuner's setting this engine's from the next cycle on (every rank
-        calls it at the end of the same cycle)."""
+        calls it at the end of the same cycle): the fusion threshold (bytes), the cycle time
+        (seconds) and the host allreduce's algorithm (``""``: the algorithm table's choice
+        by size; a name: that one at every size, as ``RINGPLUG_ALGORITHM=allreduce=NAME``)."""
         self.settings = dataclasses.replace(
             self.settings, fusion_threshold=fusion_threshold, cycle_time=cycle_time
         )
         self._last_batches = None  # batched by the old threshold
         if self._gpu is not None:
             self._gpu.settings = self.settings
+        if algorithm != self._tuned_algorithm:
+            # The table as it was before any tuned algorithm (made collectively at the first
+            # collective that chose one; here, if not yet, at this cycle on every rank).
+            if self._untuned_table is None:
+                self._untuned_table = self.transport.algorithms
+            table = self._untuned_table
+            self.transport.use_algorithms(
+                table.forcing({ALLREDUCE: algorithm}) if algorithm else table
+            )
+            self._tuned_algorithm = algorithm
+
+    def tunable_algorithms(self) -> tuple[tuple[str, ...], Callable[[int], str]]:
+        """What autotune may try for the host allreduce (every rank calls it at the same
+        cycle; collective the first time): the algorithms of the table's allreduce row,
+        the hierarchical one only where the ranks span hosts (`Transport.spans_hosts`),
+        and the one the table takes for a buffer of so many bytes. None where
+        ``RINGPLUG_ALGORITHM`` forces the allreduce, on one rank, or once a GPU collective
+        ran (NCCL's allreduce is not the table's)."""
+        if self.size == 1 or ALLREDUCE in self.transport.forced or not self._host_only:
+            return (), lambda nbytes: ""
+        table = self.transport.algorithms
+        names = tuple(
+            name
+            for name in CANDIDATES[(ALLREDUCE, True)]
+            if name != HIERARCHICAL or self.transport.spans_hosts()
+        )
+        return names, lambda nbytes: table.choose(ALLREDUCE, nbytes, True)
 
     def _batches(self, responses: list[Response]) -> list[list[Response] | Response]:
         """`fusion.batches` of this plan's responses: the last plan's own batches when it ran
