@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import csv
 import math
+import random
+from types import SimpleNamespace
 
 import pytest
 
 from ringplug import config
 from ringplug.config import Settings, read_settings
+from ringplug.core.algorithms import fixed_table
 from ringplug.core.autotune import (
     CSV_COLUMNS,
     CYCLE_GRID_MS,
@@ -25,6 +28,7 @@ from ringplug.core.autotune import (
     Search,
 )
 from ringplug.core.dtypes import DType
+from ringplug.core.engine.engine import Engine
 from ringplug.wire import Kind, Response, Signature
 
 MIB = 1 << 20
@@ -62,7 +66,7 @@ def cycle_hurts(candidate: Candidate) -> float:
 
 
 class Lucky:
-    """An objective whose first sample (4 steps) at `setting` runs `factor` times the time
+    """An objective whose first sample (its steps) at `setting` runs `factor` times the time
     `objective` gives it (a quiet or busy moment of a shared machine), later ones at their
     true cost."""
 
@@ -74,7 +78,7 @@ class Lucky:
         seconds = self.objective(candidate)
         if candidate == self.setting:
             self.steps += 1
-            if self.steps <= 4:
+            if self.steps <= BAD_START.autotune_steps_per_sample:
                 return seconds * self.factor
         return seconds
 
@@ -110,8 +114,8 @@ class Job:
             clock=lambda: self.now,
         )
 
-    def _apply(self, fusion_threshold: int, cycle_time: float) -> None:
-        self.setting = Candidate(fusion_threshold, cycle_time * 1e3)
+    def _apply(self, fusion_threshold: int, cycle_time: float, algorithm: str = "") -> None:
+        self.setting = Candidate(fusion_threshold, cycle_time * 1e3, algorithm)
 
     def step(self, plan: list[Response]) -> None:
         self.cycle += 1
@@ -188,9 +192,10 @@ def test_a_step_ends_where_a_name_comes_again_however_many_cycles_it_took():
 def test_warmup_samples_at_the_start_setting_are_not_scored():
     settings = Settings(**{**BAD_START.__dict__, "autotune_warmup_samples": 3})
     job = Job(settings, resnet_like)
-    job.train(1 + 3 * 4, gradients(10, MIB))  # the first step, then the warm-up
+    steps = settings.autotune_steps_per_sample
+    job.train(1 + 3 * steps, gradients(10, MIB))  # the first step, then the warm-up
     assert job.tuner.applied == [] and job.tuner.search is None
-    job.train(4, gradients(10, MIB))
+    job.train(steps, gradients(10, MIB))
     assert job.tuner.search.order == [Candidate(64 << 10, 20.0)]
     assert len(job.tuner.applied) == 1
 
@@ -232,16 +237,14 @@ def test_the_log_has_a_row_per_scored_sample_ending_with_the_converged_one(tmp_p
     body = rows[1:]
     search = job.tuner.search
     assert [int(r[0]) for r in body] == list(range(1, len(search.order) + 1))
-    tried = [Candidate(int(r[1]), float(r[2])) for r in body]
+    tried = [Candidate(int(r[1]), float(r[2]), "" if r[3] == "table" else r[3]) for r in body]
     assert tried == search.order
     assert tried[0] == Candidate(64 << 10, 20.0)
-    assert [r[5] for r in body] == ["0"] * (len(body) - 1) + ["1"]
-    best = [float(r[4]) for r in body]
-    assert best == sorted(best)  # the best so far never gets worse
-    assert float(body[-1][4]) == max(
-        float(r[3]) for r in body if Candidate(int(r[1]), float(r[2])) == job.setting
-    )
-    assert int(body[-1][6]) == job.tuner.steps
+    assert [r[6] for r in body] == ["0"] * (len(body) - 1) + ["1"]
+    # the last row's best score is the kept setting's last score (its final re-score)
+    kept = [float(r[4]) for r, c in zip(body, tried, strict=True) if c == job.setting]
+    assert float(body[-1][5]) == kept[-1]
+    assert int(body[-1][7]) == job.tuner.steps
 
 
 def test_only_rank_0_writes_the_log(tmp_path):
@@ -282,7 +285,7 @@ def test_autotune_is_off_unless_asked_for(monkeypatch):
             monkeypatch.delenv(variable.name, raising=False)
     settings = read_settings()
     assert settings.autotune is False
-    assert (settings.autotune_steps_per_sample, settings.autotune_max_samples) == (4, 11)
+    assert (settings.autotune_steps_per_sample, settings.autotune_max_samples) == (3, 15)
     # with the defaults, the tuning spends at most 50 steps
     assert (settings.autotune_warmup_samples + settings.autotune_max_samples) * (
         settings.autotune_steps_per_sample
@@ -351,40 +354,47 @@ def test_a_lucky_first_score_is_checked_against_the_runner_up_before_it_is_kept(
         """As `resnet_like`, but the first sample's steps at 16 MiB run 10% faster than
         the true best's (a quiet moment of a shared machine); later ones at its true cost."""
         steps_at[candidate] = steps_at.get(candidate, 0) + 1
-        if candidate == Candidate(16 * MIB, 0.0) and steps_at[candidate] <= 4:
+        if candidate == Candidate(16 * MIB, 0.0) and steps_at[candidate] <= 3:
             return resnet_like(Candidate(128 * MIB, 0.0)) * 0.9
         return resnet_like(candidate)
 
     job = Job(BAD_START, lucky_once)
     job.train(300, gradients(160, 625_000))
     order = job.tuner.search.order
-    assert order.count(Candidate(16 * MIB, 0.0)) == 2  # scored again at the end
+    # scored again as the spread's best, right after the spread, and once more at the end
+    assert order[:5] == [
+        Candidate(64 << 10, 20.0),
+        Candidate(128 * MIB, 0.0),
+        Candidate(16 * MIB, 0.0),
+        Candidate(MIB, 0.0),
+        Candidate(16 * MIB, 0.0),
+    ]
+    assert order.count(Candidate(16 * MIB, 0.0)) == 3
     assert job.setting == Candidate(128 * MIB, 0.0)
     assert job.tuner.steps <= STEP_BUDGET
 
 
 def test_two_settings_the_second_scores_cannot_tell_apart_go_to_the_models_choice():
     search = Search(Candidate(64 << 10, 20.0), CostModel([100 * MIB]), max_samples=20)
-    first = {  # after the spread, 64 MiB looks best, 128 MiB close behind
+    first = {  # after the spread 128 MiB looks best; 64 MiB, its neighbour, 7% better
         Candidate(64 << 10, 20.0): 1.0,
         Candidate(128 * MIB, 0.0): 5.6,
         Candidate(16 * MIB, 0.0): 4.0,
-        Candidate(MIB, 0.0): 3.0,
         Candidate(64 * MIB, 0.0): 6.0,
-        Candidate(64 * MIB, 0.5): 5.0,
     }
-    # 64 MiB again 1% ahead: within the margin, so the model's choice (one collective)
+    # scored again, 64 MiB 1% ahead: within the margin, so the model's choice (one
+    # collective); every other setting scores 1
     second = {**first, Candidate(64 * MIB, 0.0): 5.55, Candidate(128 * MIB, 0.0): 5.5}
     seen: set[Candidate] = set()
     following = search.current
     while following is not None:
-        score = second[following] if following in seen else first[following]
+        scores = second if following in seen else first
         seen.add(following)
-        following = search.record(score)
+        following = search.record(scores.get(following, 1.0))
     assert search.order[-3:] == [
-        Candidate(64 * MIB, 0.0),
-        Candidate(64 << 10, 20.0),
         Candidate(128 * MIB, 0.0),
+        Candidate(64 << 10, 20.0),
+        Candidate(64 * MIB, 0.0),
     ]
     assert search.best == Candidate(128 * MIB, 0.0)
 
@@ -416,17 +426,15 @@ def test_a_cycle_time_that_wins_by_less_than_the_cycle_margin_is_not_kept():
     assert job.tuner.steps <= STEP_BUDGET
 
 
-def test_a_cycle_time_lucky_once_is_scored_again_beside_the_best_without_one_and_dropped():
+def test_a_cycle_time_lucky_once_is_scored_again_at_once_and_dropped():
     lucky = Lucky(cycle_hurts, Candidate(128 * MIB, 0.5), 0.7)  # 1.25 x 0.7: 12% faster once
     job = Job(BAD_START, lucky)
     job.train(300, gradients(160, 625_000))
     search = job.tuner.search
+    at = search.order.index(Candidate(128 * MIB, 0.5))
+    assert search.order[at + 1] == Candidate(128 * MIB, 0.5)
     assert search.order.count(Candidate(128 * MIB, 0.5)) == 2
-    assert search.order[-3:] == [
-        Candidate(128 * MIB, 0.5),
-        Candidate(64 << 10, 20.0),
-        Candidate(128 * MIB, 0.0),
-    ]
+    assert Candidate(128 * MIB, 0.5) not in search.rescores
     assert job.setting == Candidate(128 * MIB, 0.0)
     assert job.tuner.steps <= STEP_BUDGET
 
@@ -468,7 +476,7 @@ def test_a_search_that_runs_out_of_samples_still_rescores_within_the_budget():
     score = 1.0
     following = search.current
     while following is not None and following not in search.rescores:
-        score *= 1.12  # every new setting 12% better: the best changes every sample
+        score *= 1.05  # every new setting 5% better: the best changes every sample
         following = search.record(score)
         if search._confirming is not None:
             break
@@ -500,3 +508,172 @@ def test_a_start_that_stays_best_does_not_send_the_search_into_cycle_times_first
         following = search.record(5.5)
     assert tried[:2] == [Candidate(64 * MIB, 0.0), Candidate(4 * MIB, 0.0)]
     assert all(c.cycle_time_ms == 0 for c in tried[:2])
+
+
+# ----------------------------------------------- one outlying score does not take over
+def fusion_like(candidate: Candidate) -> float:
+    """Seconds per step as `resnet_like`, plus what a fusion buffer larger than 4 MiB costs
+    in copies, growing with the square of the factor of 4 above it: 4 MiB and 16 MiB within
+    1% of each other, 64 MiB 0.85 and 128 MiB 0.76 of their throughput (a 2-rank ResNet-50
+    on the CI machine: 4 MiB best, 64 MiB 0.74 of it)."""
+    above = max(0.0, math.log(candidate.fusion_threshold / (4 * MIB), 4))
+    return resnet_like(candidate) + 0.004 * above**2
+
+
+class Noisy:
+    """`objective` with each step's time off by a few percent (a lognormal factor of sigma
+    `sigma`, from `seed`: the same steps every run), and one sample's steps (the first
+    at `setting`) `factor` times as long: one outlying score."""
+
+    def __init__(self, objective, seed: int, setting: Candidate, factor: float, sigma=0.02):
+        self.lucky = Lucky(objective, setting, factor)
+        self.random = random.Random(seed)
+        self.sigma = sigma
+
+    def __call__(self, candidate: Candidate) -> float:
+        return self.lucky(candidate) * self.random.lognormvariate(0.0, self.sigma)
+
+
+def best_of(objective) -> Candidate:
+    return min((Candidate(f, c) for f in FUSION_GRID for c in CYCLE_GRID_MS), key=objective)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_one_lucky_score_of_a_neighbour_does_not_make_it_the_best(seed):
+    # 64 MiB, the first neighbour of 16 MiB tried, scores once as if 30% faster: on its
+    # own more than 15% ahead of 16 MiB, so the final re-scores would not have compared
+    # them (before: kept 64 MiB, 0.85 of the best). Scored again at once, it loses.
+    lucky = Noisy(fusion_like, seed, Candidate(64 * MIB, 0.0), 0.7)
+    job = Job(BAD_START, lucky)
+    job.train(300, gradients(160, 625_000))
+    search = job.tuner.search
+    at = search.order.index(Candidate(64 * MIB, 0.0))
+    assert search.order[at + 1] == Candidate(64 * MIB, 0.0)
+    assert job.setting.fusion_threshold in (4 * MIB, 16 * MIB)
+    assert fusion_like(best_of(fusion_like)) / fusion_like(job.setting) >= 0.9
+    assert job.tuner.steps <= STEP_BUDGET
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_one_lucky_score_in_the_spread_does_not_decide_where_the_search_looks(seed):
+    # 128 MiB, the spread's first setting, scores once as if 40% faster (before: kept
+    # 128 MiB, 0.76 of the best). Scored again after the spread, it stays ahead on the
+    # mean of its two scores but close enough to 16 MiB to be re-scored beside it.
+    lucky = Noisy(fusion_like, seed, Candidate(128 * MIB, 0.0), 0.6)
+    job = Job(BAD_START, lucky)
+    job.train(300, gradients(160, 625_000))
+    search = job.tuner.search
+    assert search.checked[0] == Candidate(128 * MIB, 0.0)
+    assert job.setting.fusion_threshold in (4 * MIB, 16 * MIB)
+    assert fusion_like(best_of(fusion_like)) / fusion_like(job.setting) >= 0.9
+    assert job.tuner.steps <= STEP_BUDGET
+
+
+# --------------------------------------------------------------- the allreduce algorithm
+TABLE_TAKES_MPI = (("mpi", "doubling", "ring"), lambda nbytes: "mpi")
+"""What a 2-rank job on one host offers: the table's allreduce candidates; the table takes
+MPI's for the step's buffers."""
+
+
+def ring_faster(factor: float):
+    """As `resnet_like`, with the ring `factor` times the time of the table's choice, and
+    recursive doubling 5% slower."""
+
+    def seconds(candidate: Candidate) -> float:
+        plain = resnet_like(Candidate(candidate.fusion_threshold, candidate.cycle_time_ms))
+        return plain * {"ring": factor, "doubling": 1.05}.get(candidate.algorithm, 1.0)
+
+    return seconds
+
+
+def algorithm_job(objective) -> Job:
+    job = Job(BAD_START, objective)
+    job.tuner._algorithms = lambda: TABLE_TAKES_MPI
+    job.train(300, gradients(160, 625_000))
+    return job
+
+
+def test_an_algorithm_that_wins_clearly_is_kept_after_the_threshold_and_cycle_time():
+    job = algorithm_job(ring_faster(0.85))
+    search = job.tuner.search
+    assert job.setting == Candidate(128 * MIB, 0.0, "ring")
+    tried = searched(search)
+    forced = [i for i, c in enumerate(tried) if c.algorithm]
+    # after every setting of the table's algorithm; the table's own (mpi) not forced
+    assert forced and min(forced) > max(i for i, c in enumerate(tried) if not c.algorithm)
+    assert {c.algorithm for c in tried if c.algorithm} == {"doubling", "ring"}
+    assert search.converged
+    assert job.tuner.applied[-1][1] == Candidate(128 * MIB, 0.0, "ring")
+    assert job.tuner.steps <= STEP_BUDGET
+
+
+def test_an_algorithm_within_the_margin_leaves_the_choice_to_the_table():
+    job = algorithm_job(ring_faster(0.99))
+    assert job.setting == Candidate(128 * MIB, 0.0)
+    assert job.tuner.steps <= STEP_BUDGET
+
+
+def test_an_algorithm_lucky_once_is_scored_again_at_once_and_dropped():
+    lucky = Lucky(ring_faster(1.0), Candidate(128 * MIB, 0.0, "ring"), 0.8)
+    job = algorithm_job(lucky)
+    order = job.tuner.search.order
+    at = order.index(Candidate(128 * MIB, 0.0, "ring"))
+    assert order[at + 1] == Candidate(128 * MIB, 0.0, "ring")
+    assert job.setting == Candidate(128 * MIB, 0.0)
+
+
+def test_no_algorithm_is_tried_where_none_is_offered():
+    job = Job(BAD_START, ring_faster(0.5))  # the default: nothing to try
+    job.train(300, gradients(160, 625_000))
+    assert all(c.algorithm == "" for c in job.tuner.search.order)
+
+
+def test_the_log_names_each_trials_algorithm(tmp_path):
+    log = tmp_path / "trials.csv"
+    job = Job(BAD_START, ring_faster(0.85), log=log)
+    job.tuner._algorithms = lambda: TABLE_TAKES_MPI
+    job.train(300, gradients(160, 625_000))
+    with open(log, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["allreduce_algorithm"] for r in rows] == [
+        c.algorithm or "table" for c in job.tuner.search.order
+    ]
+    assert {"table", "doubling", "ring"} <= {r["allreduce_algorithm"] for r in rows}
+
+
+class FakeTransport:
+    """What `Engine.tunable_algorithms` asks of the transport: its table, forced
+    algorithms, and whether its ranks span hosts."""
+
+    def __init__(self, spans: bool, forced: dict[str, str] | None = None) -> None:
+        self.algorithms = fixed_table(4, 1 << 20)
+        self.forced = forced or {}
+        self.spans = spans
+
+    def spans_hosts(self) -> bool:
+        return self.spans
+
+
+def offered(transport: FakeTransport, size: int = 4, host_only: bool = True):
+    scheduler = SimpleNamespace(host_only=host_only)
+    engine = SimpleNamespace(transport=transport, size=size, scheduler=scheduler)
+    return Engine.tunable_algorithms(engine)
+
+
+def test_the_hierarchical_allreduce_is_offered_only_where_the_ranks_span_hosts():
+    names, table_choice = offered(FakeTransport(spans=True))
+    assert names == ("mpi", "doubling", "ring", "hierarchical")
+    assert (table_choice(64 << 10), table_choice(4 * MIB)) == ("mpi", "ring")
+    assert offered(FakeTransport(spans=False))[0] == ("mpi", "doubling", "ring")
+
+
+def test_no_algorithm_is_offered_where_it_is_forced_on_one_rank_or_after_a_gpu_collective():
+    assert offered(FakeTransport(spans=True, forced={"allreduce": "ring"}))[0] == ()
+    assert offered(FakeTransport(spans=True), size=1)[0] == ()
+    assert offered(FakeTransport(spans=True), host_only=False)[0] == ()
+    # forcing another kind leaves the allreduce to tune
+    assert offered(FakeTransport(spans=False, forced={"broadcast": "chain"}))[0] == (
+        "mpi",
+        "doubling",
+        "ring",
+    )

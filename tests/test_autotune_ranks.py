@@ -20,21 +20,28 @@ from launch import run_ringrun
 WORKER = Path(__file__).parent / "workers" / "autotune.py"
 BAD_START = ("65536", "0.02")  # 64 KiB, 20 ms
 JOB_TIMEOUT_S = 180
+# Every bucket through the algorithm table (none carried in the negotiation), and the fixed
+# table (MPI's allreduce for a bucket), in both jobs: the tuned job tries the others.
+JOB_ENV = {"RINGPLUG_EAGER_THRESHOLD": "0", "RINGPLUG_CALIBRATION": "fixed"}
 
 
-def _job(outdir: Path, *flags: str, start: tuple[str, ...] = ()) -> list[dict]:
+def _job(
+    outdir: Path, *flags: str, start: tuple[str, ...] = (), ranks: int = 2, env=None
+) -> list[dict]:
+    outdir.mkdir(exist_ok=True)
     result = run_ringrun(
         "-np",
-        "2",
+        str(ranks),
         *flags,
         sys.executable,
         str(WORKER),
         str(outdir),
         *start,
+        extra_env={**JOB_ENV, **(env or {})},
         timeout=JOB_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return [json.loads((outdir / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    return [json.loads((outdir / f"rank-{rank}.json").read_text()) for rank in range(ranks)]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +59,7 @@ def jobs(tmp_path_factory):
         "--autotune-steps-per-sample",
         "2",
         "--autotune-bayes-opt-max-samples",
-        "8",
+        "24",
         start=BAD_START,
     )
     plain = _job(tmp_path_factory.mktemp("autotune-off"))
@@ -72,16 +79,61 @@ def test_every_rank_applies_the_same_settings_at_the_same_cycles(jobs):
 
 
 @pytest.mark.multirank
+def test_every_rank_tries_the_same_allreduce_algorithms_and_its_transport_takes_them(jobs):
+    tuned, log, _ = jobs
+    for report in tuned:
+        assert report["offered"] == ["mpi", "doubling", "ring"]  # one host: no hierarchical
+        forced = {algorithm for _, _, _, algorithm in report["applied"] if algorithm}
+        # the fixed table takes MPI's for a bucket: the other two are tried
+        assert forced == {"doubling", "ring"}
+        for step in report["steps"][1:]:
+            # the forced algorithm, else the table's, is what the transport takes
+            assert step["taken"] == (step["before"][2] or "mpi"), step
+    with open(log, newline="") as handle:
+        logged = {row["allreduce_algorithm"] for row in csv.DictReader(handle)}
+    assert logged == {"table", "doubling", "ring"}
+
+
+@pytest.mark.multirank
+def test_on_ranks_of_two_hosts_the_hierarchical_allreduce_is_tried_too(tmp_path):
+    # 4 ranks, 2 to a pretend host: the hierarchical allreduce is a candidate; every rank
+    # forces the same algorithms at the same cycles, its transport takes them, and the
+    # weights are those of the same job untuned (up to the order of additions).
+    hosts = {"RINGPLUG_TEST_RANKS_PER_HOST": "2"}
+    tuned = _job(
+        tmp_path / "tuned",
+        "--autotune",
+        *("--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "2"),
+        *("--autotune-bayes-opt-max-samples", "30"),
+        start=BAD_START,
+        ranks=4,
+        env=hosts,
+    )
+    plain = _job(tmp_path / "plain", ranks=4, env=hosts)
+    assert tuned[0]["offered"] == ["mpi", "doubling", "ring", "hierarchical"]
+    assert all(report["applied"] == tuned[0]["applied"] for report in tuned)
+    forced = {algorithm for _, _, _, algorithm in tuned[0]["applied"] if algorithm}
+    assert forced == {"doubling", "ring", "hierarchical"}
+    for report in tuned:
+        for step in report["steps"][1:]:
+            assert step["taken"] == (step["before"][2] or "mpi"), step
+        # the ranks trained alike
+        np.testing.assert_array_equal(report["parameters"][0], tuned[0]["parameters"][0])
+    for tuned_p, plain_p in zip(tuned[0]["parameters"], plain[0]["parameters"], strict=True):
+        np.testing.assert_allclose(tuned_p, plain_p, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.multirank
 def test_tuning_moves_off_the_bad_start_and_ends_within_its_budget(jobs):
     tuned, _, _ = jobs
     report = tuned[0]
     settings_seen = [tuple(s["before"]) for s in report["steps"]]
-    assert settings_seen[1] == (65536, 0.02)  # the start the worker gave
-    assert settings_seen[-1] != (65536, 0.02)  # 20 ms a cycle is never the best
-    last_cycle, fusion, cycle_ms = report["applied"][-1]
-    assert tuple(report["final"]) == (fusion, cycle_ms * 1e-3)
-    # (1 warm-up + at most 8 scored samples) x 2 steps each
-    assert report["tuning_steps"] <= 18
+    assert settings_seen[1] == (65536, 0.02, "")  # the start the worker gave
+    assert settings_seen[-1][:2] != (65536, 0.02)  # 20 ms a cycle is never the best
+    last_cycle, fusion, cycle_ms, algorithm = report["applied"][-1]
+    assert tuple(report["final"]) == (fusion, cycle_ms * 1e-3, algorithm)
+    # (1 warm-up + at most 24 scored samples) x 2 steps each
+    assert report["tuning_steps"] <= 50
     # once done, the setting stays
     assert len(set(settings_seen[report["tuning_steps"] + 3 :])) == 1
 
@@ -95,15 +147,23 @@ def test_the_trial_log_lists_each_scored_setting_in_the_order_applied(jobs):
         "sample",
         "fusion_threshold",
         "cycle_time_ms",
+        "allreduce_algorithm",
         "score",
         "best_score",
         "converged",
         "steps",
     ]
-    tried = [(int(r["fusion_threshold"]), float(r["cycle_time_ms"])) for r in rows]
-    applied = [(fusion, cycle_ms) for _, fusion, cycle_ms in tuned[0]["applied"]]
+    tried = [
+        (
+            int(r["fusion_threshold"]),
+            float(r["cycle_time_ms"]),
+            "" if r["allreduce_algorithm"] == "table" else r["allreduce_algorithm"],
+        )
+        for r in rows
+    ]
+    applied = [tuple(entry[1:]) for entry in tuned[0]["applied"]]
     # the start is scored first; each later row is the setting applied before it
-    assert tried[0] == (65536, 20.0)
+    assert tried[0] == (65536, 20.0, "")
     assert tried[1:] == applied[: len(tried) - 1]
     assert [r["converged"] for r in rows] == ["0"] * (len(rows) - 1) + ["1"]
     assert all(float(r["score"]) > 0 for r in rows)

@@ -116,6 +116,32 @@ def test_ranks_stuck_alike_print_once_with_their_ranks():
     ]
 
 
+def test_ranks_stuck_alike_group_whatever_ringplugs_own_threads_are_doing():
+    # Between two idle cycles ringplug's engine thread is in one wait or another from moment
+    # to moment: ranks stuck in the same user line still print once, and that line says
+    # where each rank's engine thread was.
+    def stuck(engine_at: str, engine_file: str) -> ProcessStacks:
+        stacks_of = report("allreduce_step")
+        engine = [Frame(f"/site/ringplug/{engine_file}", 7, engine_at)]
+        stacks_of.threads.append(ThreadStack("ringplug-engine", engine))
+        stacks_of.threads.append(
+            ThreadStack("ringplug-heartbeat", [Frame("/s/stacks.py", 1, "beat")])
+        )
+        return stacks_of
+
+    reports = {0: stuck("_sleep", "engine.py"), 2: stuck("wait", "threading.py")}
+    reports[3] = stuck("wait", "threading.py")
+    lines = stacks.grouped_lines(reports)
+    assert lines[0] == "ranks 0, 2-3 (sleeping):"
+    engine_line = (
+        "  thread ringplug-engine: ringplug's, in _sleep (engine.py) on rank 0; "
+        "in wait (threading.py) on ranks 2-3"
+    )
+    assert engine_line in lines
+    assert "  thread ringplug-heartbeat: ringplug's, in beat (stacks.py)" in lines
+    assert sum(line.startswith("    File ") for line in lines) == 2  # the user's stack once
+
+
 @pytest.mark.parametrize(
     ("ranks", "text"),
     [([0, 1, 2, 5, 7, 8], "0-2, 5, 7-8"), ([3], "3"), ([4, 2], "2, 4"), ([], "")],

@@ -79,6 +79,8 @@ def run(tmp_path_factory):
             jobs[key] = (result, outdir)
         result, outdir = jobs[key]
         assert result.returncode == 0, result.stdout + result.stderr
+        # Shown by pytest when a check of this report fails: what the ranks said.
+        print(result.stderr[-20000:])
         prefix = PREFIXES[script]
         return [json.loads((outdir / f"{prefix}-{r}.json").read_text()) for r in range(ranks)]
 

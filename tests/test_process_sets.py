@@ -98,6 +98,46 @@ def test_bad_sets_fail_alike_on_every_rank_and_the_world_goes_on(reports, ranks)
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("ranks", [3, 4])
+def test_a_set_made_by_its_members_only_runs_every_kind_while_its_non_member_is_away(
+    reports, ranks
+):
+    found = reports(ranks)[:-2]
+    for rank, report in enumerate(found[:-1]):  # the members: 0..ranks-2
+        assert not _failed(report, "L/"), f"rank {rank}: {_failed(report, 'L/')}"
+        assert {"L/allreduce-sum", "L/alltoall", "L/join"} <= set(report), rank
+    blocked = found[-1]["L/non-member-blocked-meanwhile"]
+    assert blocked["ok"] and "made, used and removed" in blocked["detail"], blocked
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_disjoint_ranks_make_members_only_sets_at_once_with_ids_of_their_own(reports, ranks):
+    for rank, report in enumerate(reports(ranks)[:-2]):
+        for case in ("PQ/disjoint-sets-at-once", "PQ/ids-unique-and-counted"):
+            assert report[case]["ok"], f"rank {rank} {case}: {report[case]['detail']}"
+    # The ids every rank saw, as the worker's check compared them (P = 0 and the last rank).
+    assert (
+        f"'[0,{ranks - 1}]#0', '[0,{ranks - 1}]#1'"
+        in reports(ranks)[0]["PQ/ids-unique-and-counted"]["detail"]
+    )
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_bad_members_only_sets_are_refused_on_the_ranks_concerned(reports, ranks):
+    found = reports(ranks)[:-2]
+    for rank, report in enumerate(found):
+        assert not _failed(report, "local-bad/"), f"rank {rank}: {_failed(report, 'local-bad/')}"
+    # Rank 1 passed [0, 1] and heard of rank 0's duplicate; the pair P refused a world removal.
+    assert "rank 0 passed rank 1 more than once" in found[1]["local-bad/duplicate-ranks"]["detail"]
+    assert (
+        "local-bad/removed-by-the-world" in found[0]
+        and "local-bad/removed-by-the-world" in (found[-1])
+    )
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4])
 def test_a_non_member_is_refused_and_errors_name_world_ranks_and_the_set(reports, ranks):
     for rank, report in enumerate(reports(ranks)[:-2]):
         named = {

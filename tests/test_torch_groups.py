@@ -27,11 +27,12 @@ WORKER = str(Path(__file__).parent / "workers" / "torch_groups.py")
 # The scenarios that share a job of N ranks, one after the other (torch is imported once per
 # rank); the one left waiting in a monitored barrier goes last.
 SHARED = ["calls:backend", "calls:strategy", "sets:backend", "monitored-missing:strategy"]
-# Rank 2 of the group [1, 2] stops calling: stall settings small, in a job of its own.
+# Rank 2 of the group [1, 2] stops calling: stall settings small, in a job of its own; then
+# rank 2 never makes a members-only group with ranks 0 and 1, who give up after the timeout.
 FROZEN_SETTINGS = {
     "RINGPLUG_STALL_CHECK_SECONDS": "1",
     "RINGPLUG_STALL_SHUTDOWN_SECONDS": "4",
-    "RINGPLUG_TIMEOUT": "60",
+    "RINGPLUG_TIMEOUT": "15",
 }
 
 
@@ -49,6 +50,13 @@ def job(outdir: Path, ranks: int, *runs: str, **env: str) -> subprocess.Complete
     return run_ringrun(
         "-np", str(ranks), sys.executable, WORKER, str(outdir), *runs, extra_env=env, timeout=240
     )
+
+
+@pytest.fixture(scope="module")
+def frozen_job(tmp_path_factory):
+    """The job of 3 ranks with small stall settings: ``frozen``, then ``missing``."""
+    outdir = tmp_path_factory.mktemp("frozen")
+    return job(outdir, 3, "frozen:backend", "missing:backend", **FROZEN_SETTINGS), outdir
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +138,27 @@ def test_removal_p2p_and_bad_groups_are_refused_alike(run, ranks):
         checks = reports[rank]["checks"]
         assert checks["pair/destroy-refused-while-pending"], reports[rank]["details"]
         assert checks["pair/send-refused"] and checks["pair/destroyed-set-removed"]
-        assert checks["bad/use_local_synchronization"]
     for report in reports:
         assert report["checks"]["bad/ranks-disagree"] and report["checks"]["bad/sort_ranks-false"]
         assert report["checks"]["no-gloo-group"], report["details"]["group-kinds"]
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_local_sync_groups_made_at_once_by_disjoint_ranks_run_every_kind(run, ranks):
+    reports = run("sets", "backend", ranks)
+    last = ranks - 1
+    local = {"P": [0, last], "Q": list(range(1, last))}
+    for rank, report in enumerate(reports):
+        key = "P" if rank in local["P"] else "Q"
+        want = {f"local-{key}/{kind}" for kind in KINDS + ["on-ringplug", "rank-and-size"]}
+        want |= {f"local-{key}/named-by-its-members", f"local-{key}/destroyed-among-members"}
+        want |= {"local/other-group-is-none-here", "local/every-rank"}
+        assert want <= set(report["checks"]), sorted(want - set(report["checks"]))
+        if rank == local[key][-1]:
+            assert f"local-{key}/reduce-at-the-root" in report["checks"]
+    for rank in local["P"]:
+        checks = reports[rank]["checks"]
+        assert checks["local-bad/duplicate-ranks"] and checks["local-bad/sort_ranks-false"]
 
 
 @pytest.mark.parametrize("ranks", [3, 4])
@@ -158,8 +183,8 @@ def test_a_monitored_barrier_names_the_rank_that_did_not_arrive_and_the_job_goes
     assert reports[1]["checks"]["monitored/raised"]  # rank 1 came after rank 0 gave up
 
 
-def test_a_frozen_member_of_a_group_is_named_by_world_rank_and_set(tmp_path):
-    result = job(tmp_path, 3, "frozen:backend", **FROZEN_SETTINGS)
+def test_a_frozen_member_of_a_group_is_named_by_world_rank_and_set(frozen_job):
+    result, tmp_path = frozen_job
     assert result.returncode == 0, result.stdout + result.stderr
     reports = checked(tmp_path, "frozen", "backend", 3)
     checks = reports[1]["checks"]
@@ -172,6 +197,17 @@ def test_a_frozen_member_of_a_group_is_named_by_world_rank_and_set(tmp_path):
         "Stalled collectives: 'torch.g" in result.stdout + result.stderr
         and "is ready on rank(s) 1 but not on rank(s) 2" in result.stdout + result.stderr
     )
+
+
+def test_a_member_that_never_makes_a_local_sync_group_is_named_on_those_that_did(frozen_job):
+    result, tmp_path = frozen_job
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = checked(tmp_path, "missing", "backend", 3)
+    for rank in (0, 1):
+        checks = reports[rank]["checks"]
+        assert checks["missing/names-rank-and-set"], reports[rank]["details"]
+        assert checks["missing/after-its-timeout"] and checks["missing/is-a-timeout"]
+    assert all(report["checks"]["missing/job-goes-on"] for report in reports)
 
 
 def test_a_store_the_ranks_cannot_reach_says_why_when_used_and_nothing_else_breaks():
@@ -217,6 +253,12 @@ if rank in (0, 2):
     report = {"sum": value.tolist(), "root": root.tolist(), "backend": dist.get_backend(group)}
 else:
     report = {"member": dist.get_rank(group)}
+if rank != 1:  # only the members call, with use_local_synchronization
+    local = dist.new_group([0, 2], use_local_synchronization=True)
+    mine = torch.full((2,), float(rank + 1))
+    dist.all_reduce(mine, group=local)
+    report["local"] = mine.tolist()
+    dist.destroy_process_group(local)
 dist.barrier()
 print("REPORT", rank, json.dumps(report), flush=True)
 dist.destroy_process_group()
@@ -224,9 +266,9 @@ dist.destroy_process_group()
 
 
 def test_a_group_over_some_ranks_works_on_the_oldest_torch_too():
-    # torch 2.13 hands new_group to the default group (a process set); torch 2.4 asks the
-    # backend's constructor on the members only (a gloo group inside ringplug's). In
-    # `make test-oldest` too.
+    # torch 2.13 hands new_group to the default group (a process set, made by its members
+    # only with use_local_synchronization); torch 2.4 asks the backend's constructor on the
+    # members only (a gloo group inside ringplug's). In `make test-oldest` too.
     result = run_ringrun("-np", "3", sys.executable, "-c", SUBGROUP_PROGRAM, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = {}
@@ -236,4 +278,9 @@ def test_a_group_over_some_ranks_works_on_the_oldest_torch_too():
             reports[int(rank)] = json.loads(text)
     assert reports[1] == {"member": -1}  # torch's answer for a rank outside the group
     for rank in (0, 2):
-        assert reports[rank] == {"sum": [4.0] * 3, "root": [2.0] * 2, "backend": "ringplug"}
+        assert reports[rank] == {
+            "sum": [4.0] * 3,
+            "root": [2.0] * 2,
+            "backend": "ringplug",
+            "local": [4.0] * 2,
+        }

@@ -296,10 +296,10 @@ AUTOTUNE = Variable(
     "RINGPLUG_AUTOTUNE",
     SWITCH,
     False,
-    "`1` (ringrun's `--autotune`) tunes `RINGPLUG_FUSION_THRESHOLD` and `RINGPLUG_CYCLE_TIME` "
-    "while training (every "
-    "rank applies rank 0's choice at the same cycle) and keeps the best; not together with "
-    "either of them",
+    "`1` (ringrun's `--autotune`) tunes `RINGPLUG_FUSION_THRESHOLD`, `RINGPLUG_CYCLE_TIME` "
+    "and the host allreduce's algorithm (unless `RINGPLUG_ALGORITHM` forces it) while "
+    "training (every rank applies rank 0's choice at the same cycle) and keeps the best; "
+    "not together with a fixed fusion threshold or cycle time",
     field="autotune",
     default_doc="`0` (off)",
 )
@@ -310,7 +310,7 @@ AUTOTUNE_LOG = Variable(
     PATH,
     None,
     "the CSV file where rank 0 writes every autotune trial (sample, fusion_threshold, "
-    "cycle_time_ms, score, best_score, converged, steps)",
+    "cycle_time_ms, allreduce_algorithm, score, best_score, converged, steps)",
     field="autotune_log",
     flag="--autotune-log-file",
     metavar="PATH",
@@ -331,7 +331,7 @@ AUTOTUNE_WARMUP_SAMPLES = Variable(
 AUTOTUNE_STEPS_PER_SAMPLE = Variable(
     "RINGPLUG_AUTOTUNE_STEPS_PER_SAMPLE",
     COUNT,
-    4,
+    3,
     "autotune: training steps (a step ends where a gradient's name comes again) scored "
     "per trial setting; the first of them, after the change, is not timed",
     field="autotune_steps_per_sample",
@@ -344,7 +344,7 @@ AUTOTUNE_STEPS_PER_SAMPLE = Variable(
 AUTOTUNE_MAX_SAMPLES = Variable(
     "RINGPLUG_AUTOTUNE_MAX_SAMPLES",
     COUNT,
-    11,
+    15,
     "autotune: the most trial settings scored before it keeps the best (it stops sooner "
     "when no neighbour of the best is better)",
     field="autotune_max_samples",
@@ -354,7 +354,7 @@ AUTOTUNE_MAX_SAMPLES = Variable(
     least=1,
     most=1000,
 )
-"""With the defaults, (1 + 11) x 4 = 48 steps at most are spent tuning."""
+"""With the defaults, (1 + 15) x 3 = 48 steps at most are spent tuning."""
 
 RING_THRESHOLD = Variable(
     "RINGPLUG_RING_THRESHOLD",

@@ -5,7 +5,9 @@ Usage: autotune.py OUTDIR [FUSION_BYTES CYCLE_SECONDS]. With a setting, the rank
 tuning afresh from it after the first step (`autotune.tune_from`; ringrun refuses a fixed
 setting with --autotune). Each rank writes OUTDIR/rank-R.json: the final parameters, the
 (cycle, fusion threshold, cycle time) of each setting its tuner applied, and per step the
-engine's setting at its start and end and the collectives the step ran. Whether autotune
+engine's setting at its start and end (fusion threshold, cycle time, allreduce algorithm:
+"" for the table's), the algorithm the transport then takes for one bucket, and the
+collectives the step ran. Whether autotune
 is on, and its budget, come from the environment (ringrun's --autotune flags), as every
 adapter reads them.
 """
@@ -21,8 +23,9 @@ import torch
 import ringplug
 import ringplug.torch as rpt
 from ringplug.core import autotune, runtime
+from ringplug.core.algorithms import ALLREDUCE
 
-STEPS = 40
+STEPS = 70
 # Small buckets: each step submits a dozen bucket allreduces, so the fusion threshold
 # decides how many collectives a step runs.
 BUCKET_BYTES = 16 << 10
@@ -47,11 +50,23 @@ def main(outdir: Path, start: list[str]) -> None:
     engine = runtime.engine()
     data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
     steps = []
+
+    def setting() -> tuple[int, float, str]:
+        return (
+            engine.settings.fusion_threshold,
+            engine.settings.cycle_time,
+            engine._tuned_algorithm,
+        )
+
     for step in range(STEPS):
         if step == 1 and start:
             ringplug.barrier()  # nothing in flight on any rank
             autotune.tune_from(engine, int(start[0]), float(start[1]))
-        before = (engine.settings.fusion_threshold, engine.settings.cycle_time)
+        before = setting()
+        # What the transport takes for a bucket now, once its table is made (making it is
+        # collective: the engine thread's; read here between steps, while it is idle).
+        table = engine.transport._algorithms
+        taken = table.choose(ALLREDUCE, BUCKET_BYTES, True) if table is not None else ""
         collectives = engine.collectives_run
         inputs = torch.randn(32, 64, generator=data)
         target = torch.randn(32, 8, generator=data)
@@ -61,19 +76,23 @@ def main(outdir: Path, start: list[str]) -> None:
         steps.append(
             {
                 "before": before,
-                "after": (engine.settings.fusion_threshold, engine.settings.cycle_time),
+                "after": setting(),
+                "taken": taken,
                 "collectives": engine.collectives_run - collectives,
             }
         )
     tuner = engine.tuner
     report = {
         "tuned": tuner is not None,
-        "applied": [(cycle, c.fusion_threshold, c.cycle_time_ms) for cycle, c in tuner.applied]
+        "applied": [
+            (cycle, c.fusion_threshold, c.cycle_time_ms, c.algorithm) for cycle, c in tuner.applied
+        ]
         if tuner
         else [],
         "done": bool(tuner and tuner.done),
         "tuning_steps": tuner.steps if tuner else 0,
-        "final": (engine.settings.fusion_threshold, engine.settings.cycle_time),
+        "final": setting(),
+        "offered": list(tuner.search.algorithms) if tuner and tuner.search else [],
         "steps": steps,
         "parameters": [p.detach().double().reshape(-1).tolist() for p in model.parameters()],
     }

@@ -3,6 +3,7 @@ traceback) instead of stopping the worker, so one broken call does not hide the 
 
 from __future__ import annotations
 
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,9 +23,17 @@ def checker(checks: dict[str, bool]) -> Callable[[str, Callable[[], Any]], None]
 
 
 def raises(call: Callable[[], Any], error: type[BaseException], words: str) -> bool:
-    """Whether ``call()`` raises `error` with `words` in its message."""
+    """Whether ``call()`` raises `error` with `words` in its message; what it did instead
+    goes to stderr, so a failed check says what it saw."""
     try:
-        call()
+        returned = call()
     except error as exc:
-        return words in str(exc)
+        if words in str(exc):
+            return True
+        print(f"expected {error.__name__} saying {words!r}, got: {exc!r}", file=sys.stderr)
+        return False
+    except Exception as exc:  # noqa: BLE001 - reported, then the check fails
+        print(f"expected {error.__name__} saying {words!r}, got: {exc!r}", file=sys.stderr)
+        return False
+    print(f"expected {error.__name__} saying {words!r}, returned: {returned!r}", file=sys.stderr)
     return False

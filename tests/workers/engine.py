@@ -167,7 +167,17 @@ def shutdown(rank: int) -> dict:
     done = ringplug.allreduce_async(np.full(4, rank + 1.0), op="sum", name="finished")
     kept = done.wait().tolist()
     lonely = ringplug.allreduce_async(np.ones(4), name="never-matched") if rank == 0 else None
+    # Rank 0 shuts down first, so that its unmatched call meets its own shutdown. Were rank
+    # 1's shutdown to reach rank 0's engine first, rank 1 would have left while rank 0 still
+    # waited in a collective: a rank that left early, which fails the job (another test).
+    said_done = Path(sys.argv[2]) / "shutdown-rank-0-done"
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not said_done.exists() and time.monotonic() < deadline:
+            threading.Event().wait(0.01)  # polls a condition, under a deadline
     ringplug.shutdown()
+    if rank == 0:
+        said_done.touch()
     outcome = None
     if lonely is not None:
         try:

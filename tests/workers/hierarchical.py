@@ -7,6 +7,8 @@ one machine with the test-only ``RINGPLUG_TEST_RANKS_PER_HOST``) with
 ``RINGPLUG_ALGORITHM=allreduce=hierarchical``; each rank writes OUTDIR/hierarchical-<rank>.json:
 
 - "hosts": each rank's host as the transport sees it;
+- "columns": whether the hierarchy has a column communicator (hosts of equal size), so
+  that its large cases took the columns' form;
 - "cases": {case: {"ok", "path", "detail"}}: each dtype, op and size, and a grouped call;
 - "table": with ``measure``, the table of a second communicator of the same ranks,
   measured there (`RINGPLUG_CALIBRATION=fresh`, nothing forced); else None.
@@ -47,7 +49,14 @@ def main() -> None:
         second = Transport(MPI.COMM_WORLD, replace(runtime.settings(), algorithm=None))
         table = second.algorithms.to_json()
         second.free()
-    report = {"hosts": engine.transport.hosts(), "cases": cases, "table": table}
+    hierarchy = engine.transport._hierarchy
+    report = {
+        "hosts": engine.transport.hosts(),
+        "cases": cases,
+        "table": table,
+        # Hosts of equal size: large buffers went by columns (every rank across the hosts).
+        "columns": hierarchy is not None and hierarchy.column is not None,
+    }
     (outdir / f"hierarchical-{rank}.json").write_text(json.dumps(report))
     ringplug.shutdown()
 

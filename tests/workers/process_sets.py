@@ -5,6 +5,10 @@ Run as ``ringrun -np N python tests/workers/process_sets.py OUTDIR`` (N >= 3); e
 writes OUTDIR/sets-<rank>.json: {case: {"ok": bool, "detail": str}}. The sets, for a world of
 p ranks: A = 0..p-2 (not a power of two on 4 ranks), B = {1, p-1} (passed as [p-1, 1]; it
 overlaps A at rank 1), C = {0, p-1} (two ranks, for Adasum).
+
+Sets made by their members only (``members_only=True``): L = 0..p-2, made and used while rank
+p-1 is blocked elsewhere (it waits for a file the members write when done); P = {0, p-1} and
+Q = 1..p-2, made at once by disjoint groups of ranks, twice each.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from ringplug.core.transport.traffic import difference
 
 def set_ranks(size: int) -> dict[str, list[int]]:
     return {"A": list(range(size - 1)), "B": [1, size - 1], "C": [0, size - 1]}
+
+
+def local_ranks(size: int) -> dict[str, list[int]]:
+    """The members-only sets: L, then P and Q (disjoint, made at once)."""
+    return {"L": list(range(size - 1)), "P": [0, size - 1], "Q": list(range(1, size - 1))}
 
 
 KINDS = (
@@ -59,6 +68,17 @@ def expected_case_names(rank: int, size: int) -> list[str]:
     if rank in set_ranks(size)["C"]:
         names.append("C/adasum")
     names += ["overlapping-sets-in-flight"]
+    if rank in local_ranks(size)["L"]:
+        names += [f"L/{kind}" for kind in KINDS if kind != "negotiation-grows-with-the-set"]
+        names += ["L/named-apart-from-the-world", "L/removed-by-its-members"]
+    else:
+        names.append("L/non-member-blocked-meanwhile")
+    names += ["PQ/disjoint-sets-at-once", "PQ/ids-unique-and-counted"]
+    names.append("local-bad/caller-not-in-its-ranks")
+    if rank in local_ranks(size)["P"]:
+        names.append("local-bad/removed-by-the-world")
+    if rank in (0, 1):
+        names.append("local-bad/duplicate-ranks")
     names += [
         "bad/duplicate-ranks",
         "bad/rank-outside-the-world",
@@ -239,6 +259,91 @@ def raises(error_type, *fragments):
     return verdict
 
 
+def members_only(check, report: dict, rank: int, size: int, outdir: Path) -> None:
+    """Sets made by their members only: every kind on L while its non-member is blocked
+    elsewhere, P and Q made at once by disjoint ranks, and the bad inputs."""
+    local = local_ranks(size)
+    done = outdir / "L-done"
+    if rank in local["L"]:
+        ps = sets.add_process_set(local["L"], members_only=True)
+        run_kinds(check, ps, "L", rank)
+        check(
+            "L/named-apart-from-the-world",
+            lambda: (
+                ps.process_set_id == "[" + ",".join(map(str, local["L"])) + "]#0"
+                and ps.members_only
+                and f"process set {ps.process_set_id} (world ranks 0, 1" in ps.describe()
+            ),
+        )
+
+        def removed():
+            sets.remove_process_set(ps, members_only=True)
+            return ps not in sets.all_process_sets()
+
+        check("L/removed-by-its-members", removed)
+        if rank == 0:
+            done.write_text("the members made, used and removed L")
+    else:
+        # Blocked in work of its own until the members are done: they need nothing from it.
+        def blocked():
+            deadline = time.monotonic() + 120
+            while not done.exists():
+                if time.monotonic() > deadline:
+                    return False, "the members never finished L while this rank was away"
+                time.sleep(0.01)
+            return True, done.read_text()
+
+        check("L/non-member-blocked-meanwhile", blocked)
+
+    mine = "P" if rank in local["P"] else "Q"
+
+    def disjoint():
+        members = local[mine]
+        made = [sets.add_process_set(members, members_only=True) for _ in range(2)]
+        sums = [ps.allreduce(data(rank, 6, i), op=ringplug.Sum) for i, ps in enumerate(made)]
+        wanted = [sum(data(r, 6, i) for r in members) for i in range(2)]
+        for ps in made:
+            sets.remove_process_set(ps, members_only=True)
+        report["PQ/ids"] = [ps.process_set_id for ps in made]
+        return all(np.allclose(a, b) for a, b in zip(sums, wanted, strict=True)), ""
+
+    check("PQ/disjoint-sets-at-once", disjoint)
+    ids = ringplug.allgather_object(report.pop("PQ/ids", None))
+    text = {k: "[" + ",".join(map(str, local[k])) + "]" for k in ("P", "Q")}
+    check(
+        "PQ/ids-unique-and-counted",
+        lambda: (
+            all(
+                ids[r] == [text["P" if r in local["P"] else "Q"] + n for n in ("#0", "#1")]
+                for r in range(size)
+            ),
+            str(ids),
+        ),
+    )
+
+    # Bad input: the caller is not in its ranks (refused on it alone, at once: the members it
+    # named never hear of it); duplicates (refused on every member it named, alike).
+    check(
+        "local-bad/caller-not-in-its-ranks",
+        lambda: sets.add_process_set([r for r in range(size) if r != rank], members_only=True),
+        raises(ValueError, f"rank {rank} passed", f"which does not name rank {rank}"),
+    )
+    if rank in (0, 1):
+        check(
+            "local-bad/duplicate-ranks",
+            lambda: sets.add_process_set([0, 1, 1] if rank == 0 else [0, 1], members_only=True),
+            raises(ValueError, "process set [0,1]#", "rank 0 passed rank 1 more than once"),
+        )
+    if rank in local["P"]:
+        pair = sets.add_process_set(local["P"], members_only=True)
+        check(
+            "local-bad/removed-by-the-world",
+            lambda: sets.remove_process_set(pair),
+            raises(ValueError, "made by its members only", "members_only=True"),
+        )
+        sets.remove_process_set(pair, members_only=True)
+
+
 def main(outdir: str) -> None:
     ringplug.init()
     rank, size = ringplug.rank(), ringplug.size()
@@ -318,6 +423,7 @@ def main(outdir: str) -> None:
         return True, f"{len(handles)} in flight"
 
     check("overlapping-sets-in-flight", overlapping)
+    members_only(check, report, rank, size, Path(outdir))
 
     # Bad input: the same error on every rank, and nobody left waiting.
     check(

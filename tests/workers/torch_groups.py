@@ -20,6 +20,8 @@ Scenarios:
   ``DeviceMesh`` with DTensor (4 ranks), bad groups refused; no gloo group anywhere.
 - ``frozen``: rank 2 of the group [1, 2] stops calling (3 ranks, small stall settings): rank
   1's monitored barrier and all_reduce fail naming world rank 2 and the set; the job goes on.
+- ``missing``: rank 2 never calls ``new_group([0, 1, 2], use_local_synchronization=True)``
+  (3 ranks, after ``frozen``): ranks 0 and 1 fail after RINGPLUG_TIMEOUT naming it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 import ringplug
+from ringplug.core import runtime
 from ringplug.core.process_sets import all_process_sets
 from ringplug.torch import backend
 
@@ -337,19 +340,7 @@ def sets(rank: int, size: int, checks: dict[str, bool], details: dict[str, str])
         "sort_ranks=False",
         "increasing order",
     )
-    if rank in pair:
-        refused(
-            "bad/use_local_synchronization",
-            lambda: dist.new_group(pair, use_local_synchronization=True),
-            NotImplementedError,
-            "use_local_synchronization",
-            "every rank",
-        )
-    else:
-        # torch itself answers None outside the group, without asking the backend.
-        checks["bad/use_local_synchronization"] = (
-            dist.new_group(pair, use_local_synchronization=True) is None
-        )
+    local_sync(rank, size, checks, details, refused)
     try:  # torch refuses it on CPU before any backend sees it (no bound device)
         dist.split_group(split_ranks=[pair])
         checks["bad/split_group"] = False
@@ -364,6 +355,53 @@ def sets(rank: int, size: int, checks: dict[str, bool], details: dict[str, str])
     kinds = {type(pg).__name__ for pg in c10d._world.pg_map}
     checks["no-gloo-group"] = kinds == {"RingProcessGroup"}
     details["group-kinds"] = str(sorted(kinds))
+
+
+def local_sync(rank: int, size: int, checks: dict[str, bool], details: dict[str, str], refused):
+    """``new_group(use_local_synchronization=True)``, which only the members call: two
+    disjoint groups made at once by different ranks (P = 0 and the last rank, Q = the ranks
+    between), every kind on them against numpy, a group of every rank, removal among the
+    members, and the bad inputs."""
+    last = size - 1
+    local = {"P": [0, last], "Q": list(range(1, last))}
+    mine = "P" if rank in local["P"] else "Q"
+    other = "Q" if mine == "P" else "P"
+    members = local[mine]
+    group = dist.new_group(members, use_local_synchronization=True)
+    for name, ok in _on(group, rank, members).items():
+        checks[f"local-{mine}/{name}"] = ok
+    checks[f"local-{mine}/named-by-its-members"] = group.process_set.process_set_id == (
+        "[" + ",".join(map(str, members)) + "]#0"
+    )
+    for name, ok in every_kind(group, rank, members).items():
+        checks[f"local-{mine}/{name}"] = ok
+    # The other group's ranks are not this rank's business: torch answers None at once.
+    checks["local/other-group-is-none-here"] = (
+        dist.new_group(local[other], use_local_synchronization=True) is None
+    )
+    everyone = dist.new_group(use_local_synchronization=True)
+    t = full(rank + 1)
+    dist.all_reduce(t, group=everyone)
+    checks["local/every-rank"] = torch.equal(t, full(sum(range(1, size + 1)))) and (
+        everyone.process_set is not None and everyone.process_set.members_only
+    )
+    process_set = group.process_set
+    dist.destroy_process_group(group)
+    checks[f"local-{mine}/destroyed-among-members"] = process_set not in all_process_sets()
+    dist.destroy_process_group(everyone)
+    if rank in local["P"]:
+        refused(
+            "local-bad/duplicate-ranks",  # torch's own check, before the backend
+            lambda: dist.new_group([0, last, last], use_local_synchronization=True),
+            ValueError,
+            "duplicate",
+        )
+        refused(
+            "local-bad/sort_ranks-false",
+            lambda: dist.new_group([last, 0], sort_ranks=False, use_local_synchronization=True),
+            ValueError,
+            "sort_ranks=False",
+        )
 
 
 def mesh_checks(rank: int, checks: dict[str, bool], details: dict[str, str]) -> None:
@@ -443,6 +481,43 @@ def frozen(rank: int, size: int, checks: dict[str, bool], details: dict[str, str
             checks["frozen/group-shut-down-here-too"] = "process set 1" in str(exc)
 
 
+def missing(rank: int, size: int, checks: dict[str, bool], details: dict[str, str]) -> None:
+    """Fault injection: ranks 0 and 1 make ``new_group([0, 1, 2],
+    use_local_synchronization=True)``, and rank 2 never calls it (it is blocked in work of
+    its own until a file says they gave up): ranks 0 and 1 fail after RINGPLUG_TIMEOUT with
+    `MembersMissingError` naming rank 2 and the set; the job goes on."""
+    from ringplug.core.errors import MembersMissingError
+
+    gave_up = OUTDIR / f"members-gave-up-{rank}"
+    timeout = runtime.settings().timeout
+    if rank in (0, 1):
+        started = time.monotonic()
+        try:
+            dist.new_group([0, 1, 2], use_local_synchronization=True)
+            checks["missing/raised"] = False
+        except MembersMissingError as exc:
+            waited = time.monotonic() - started
+            text = str(exc)
+            checks["missing/names-rank-and-set"] = (
+                exc.caused_by == (2,)
+                and "for rank(s) 2 to make process set [0,1,2]#0 (world ranks 0, 1, 2)" in text
+                and "never called" in text
+            )
+            checks["missing/after-its-timeout"] = waited >= 0.9 * timeout
+            checks["missing/is-a-timeout"] = isinstance(exc, TimeoutError)
+            details["missing"] = f"{waited:.1f} s of {timeout:g}: {text}"
+        gave_up.write_text("gave up")
+    else:  # blocked elsewhere, never calling new_group, until both members gave up
+        deadline = time.monotonic() + 180
+        while not all((OUTDIR / f"members-gave-up-{r}").exists() for r in (0, 1)):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    tensor = full(rank)
+    dist.all_reduce(tensor)
+    checks["missing/job-goes-on"] = torch.equal(tensor, full(sum(range(size))))
+
+
 def monitored_missing(
     rank: int, size: int, checks: dict[str, bool], details: dict[str, str]
 ) -> None:
@@ -479,10 +554,14 @@ SCENARIOS = {
     "monitored-missing": monitored_missing,
     "sets": sets,
     "frozen": frozen,
+    "missing": missing,
 }
+OUTDIR = Path(".")
 
 
 def main(scenario: str, start: str, outdir: Path) -> None:
+    global OUTDIR
+    OUTDIR = outdir
     ringplug.init()
     if start == "strategy":
         backend.init_process_group()

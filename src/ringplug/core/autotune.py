@@ -1,4 +1,5 @@
-"""Autotune: tunes the engine's fusion threshold and cycle time while the job trains.
+"""Autotune: tunes the engine's fusion threshold, cycle time and allreduce algorithm while the
+job trains.
 
 With ``RINGPLUG_AUTOTUNE=1`` (``ringrun --autotune``) the world's engine hands every cycle's
 plan to an :class:`Autotuner` (`Cycle.run_plan` calls :meth:`Autotuner.after_cycle`). The
@@ -20,34 +21,47 @@ The search is a model-guided local search on a small grid, not Horovod's Gaussia
    setting) names its best setting: a fusion threshold just above the largest cycle's bytes
    (larger ones fuse nothing more, so the grid is cut there) and no cycle time; it is
    scored next, then every other smaller threshold (a coarse spread, stopped where the
-   score falls: the model leaves out what a buffer larger than the cache costs);
+   score falls: the model leaves out what a buffer larger than the cache costs). The
+   spread's best is then scored a second time (it keeps the mean of its two scores, and
+   gives way to any setting that beats that), so that one lucky score does not decide
+   where the local search looks;
 4. from the best so far, the untried grid neighbours (one grid step in one of the two
    settings) are scored one per sample, every one without cycle time first, then
-   cheapest by the model; a neighbour takes over only when it beats the best by
-   ``margin`` (3%: the noise of a shared machine does not walk the search around), and
-   one with a cycle time takes over from one without only when it beats it by
-   :data:`CYCLE_MARGIN` (10%). The model does not price what a cycle time costs beyond
-   its wait: any cycle time above 0 switches off the engine's caller-run cycles and its
-   gathering of a burst of submissions into one cycle, which costs from nothing to a
-   third of a step. So cycle times are tried only once the best threshold without one
-   is found (its threshold neighbours without one come first even while the start, with
-   its cycle time, is the best), and kept only on a clear win;
-5. when no neighbour of the best is left untried (converged), or only room for this is
-   left of the budget, the best, the start and a runner-up (the best setting without
-   cycle time if the best has one, else the highest other without one within 15%) are
-   scored once more, back to back (:meth:`Search.contenders`). Of the best and the
-   runner-up the higher second score wins (the best's first score, the highest of
+   cheapest by the model. A neighbour that beats the best by ``margin`` (3%: the noise of
+   a shared machine does not walk the search around) is scored again at once, and takes
+   over only if both its scores beat the best (one outlying score, on a quiet moment of
+   the machine, cannot make it the best: a 2-rank fusion run once followed such a score to
+   64 MiB, 0.74 of the best's throughput); it keeps the mean of the two. One with a cycle
+   time must beat one without by :data:`CYCLE_MARGIN` (10%). The model does not price what
+   a cycle time costs beyond its wait: any cycle time above 0 switches off the engine's
+   caller-run cycles and its gathering of a burst of submissions into one cycle, which
+   costs from nothing to a third of a step. So cycle times are tried only once the best
+   threshold without one is found (its threshold neighbours without one come first even
+   while the start, with its cycle time, is the best), and kept only on a clear win;
+5. once no neighbour of the best is left untried, the allreduce algorithms of the job's
+   table (``mpi``, ``doubling``, ``ring``, and ``hierarchical`` where the ranks span hosts:
+   `core.algorithms`) are tried at the best threshold and cycle time, each forced at every
+   size as ``RINGPLUG_ALGORITHM=allreduce=NAME`` would, except the one the table already
+   takes for the step's buffers; a winner is scored again as in 4. None are tried where
+   ``RINGPLUG_ALGORITHM`` forces the allreduce, or once a GPU collective ran;
+6. when nothing is left to try (converged), or only room for this is left of the budget,
+   the best (or a challenger there was no room to score again), the start and a runner-up
+   (the best it challenged; else the best setting with the table's algorithm and without
+   cycle time if the best forces one or has one; else the highest other without one
+   within 15%) are scored once more, back to back (:meth:`Search.contenders`). Of the best
+   and the runner-up the higher second score wins (the best's first score, the highest of
    several noisy ones, is too high), a cycle time only by 10%, and within the margin the
-   one the model finds cheaper; and the winner is kept only if its second score beats the
-   start's second score, else the start is kept (tuning never leaves a job slower than
-   it started, as far as the scores can tell);
-6. then, or after ``RINGPLUG_AUTOTUNE_MAX_SAMPLES`` samples, the best is applied and
+   one the model finds cheaper (the table's algorithm before a forced one); and the
+   winner is kept only if its second score beats the start's second score, else the
+   start is kept (tuning never leaves a job slower than it started, as far as the scores
+   can tell);
+7. then, or after ``RINGPLUG_AUTOTUNE_MAX_SAMPLES`` samples, the best is applied and
    tuning stops.
 
-With the defaults that is at most (1 + 11) x 4 = 48 training steps; from a bad start it
-usually ends after 8 to 11 samples. Results do not depend on the setting beyond
-floating-point reassociation: the fusion threshold changes which tensors are summed in one
-buffer, never what is summed, and the cycle time only when a cycle starts.
+With the defaults that is at most (1 + 15) x 3 = 48 training steps. Results do not depend
+on the setting beyond floating-point reassociation: the fusion threshold changes which
+tensors are summed in one buffer, never what is summed, the cycle time only when a cycle
+starts, and the algorithm only the order in which the ranks' values are added.
 """
 
 from __future__ import annotations
@@ -77,7 +91,11 @@ class Tunable(Protocol):
     transport: Any  # transport.host.Transport
     tuner: Autotuner | None
 
-    def apply_tuned_setting(self, fusion_threshold: int, cycle_time: float) -> None: ...
+    def apply_tuned_setting(
+        self, fusion_threshold: int, cycle_time: float, algorithm: str = ...
+    ) -> None: ...
+
+    def tunable_algorithms(self) -> tuple[tuple[str, ...], Callable[[int], str]]: ...
 
 
 logger = logging.getLogger(__name__)
@@ -112,6 +130,9 @@ MIN_SAMPLES_TO_RESCORE = 6
 """The smallest budget (samples) that keeps room for the re-scores; a smaller one searches
 to its end and keeps the best first score."""
 
+TABLE = ""
+"""The allreduce algorithm of a :class:`Candidate` that leaves it to the algorithm table."""
+
 CYCLE_GRID_MS: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 """Cycle times tried, in milliseconds."""
 
@@ -126,25 +147,35 @@ CSV_COLUMNS = (
     "sample",
     "fusion_threshold",
     "cycle_time_ms",
+    "allreduce_algorithm",
     "score",
     "best_score",
     "converged",
     "steps",
 )
 """The columns of ``RINGPLUG_AUTOTUNE_LOG``: the sample's number (from 1), its setting
-(bytes, milliseconds), its score (bytes reduced per second), the best score so far, 1 on the
-row after which tuning stopped, and the training steps spent tuning by the end of it."""
+(bytes, milliseconds, and the allreduce algorithm: ``table`` for the algorithm table's
+choice by size, else the one forced at every size), its score (bytes reduced per second),
+the best score so far, 1 on the row after which tuning stopped, and the training steps
+spent tuning by the end of it."""
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One setting the search may try: a fusion threshold (bytes) and a cycle time (ms)."""
+    """One setting the search may try: a fusion threshold (bytes), a cycle time (ms) and
+    the allreduce algorithm (``""``: the algorithm table's choice by size; a name of
+    `core.algorithms`, such as ``"ring"``: that one at every size, as
+    ``RINGPLUG_ALGORITHM=allreduce=ring`` would)."""
 
     fusion_threshold: int
     cycle_time_ms: float
+    algorithm: str = TABLE
 
     def __str__(self) -> str:
-        return f"fusion {self.fusion_threshold} B, cycle {self.cycle_time_ms:g} ms"
+        return (
+            f"fusion {self.fusion_threshold} B, cycle {self.cycle_time_ms:g} ms, "
+            f"allreduce {self.algorithm or 'by the table'}"
+        )
 
 
 class CostModel:
@@ -188,18 +219,34 @@ class Search:
     Args:
         start: the setting the job started with (scored first, and again at the end).
         model: the cost model measured at the start.
-        max_samples: the most settings scored, the final re-scores included.
+        max_samples: the most settings scored, the re-scores included.
         margin: how much better (relative) a neighbour must score to become the best.
             Defaults to 0.03.
+        algorithms: the allreduce algorithms to try once the threshold and cycle time have
+            converged (`core.algorithms` names: the candidates of the job's table). Defaults
+            to none.
+        table_choice: the algorithm the table takes for an allreduce of so many bytes (the
+            one of `algorithms` it takes for the step's buffers is not tried again).
+            Defaults to none of them.
     """
 
     def __init__(
-        self, start: Candidate, model: CostModel, max_samples: int, margin: float = 0.03
+        self,
+        start: Candidate,
+        model: CostModel,
+        max_samples: int,
+        margin: float = 0.03,
+        algorithms: Sequence[str] = (),
+        table_choice: Callable[[int], str] = lambda nbytes: TABLE,
     ) -> None:
         self.model = model
         self.max_samples = max_samples
         self.margin = margin
+        self.algorithms = tuple(algorithms)
+        self.table_choice = table_choice
         self.fusion_grid = tuple(v for v in FUSION_GRID if v <= model.largest_useful_threshold())
+        # Each setting's score of record: its only score, or the lower of its first two
+        # (see `checking`), or its final re-score.
         self.scores: dict[Candidate, float] = {}
         self.order: list[Candidate] = []  # scored, in order
         self.history: list[tuple[Candidate, float]] = []  # each sample's setting and score
@@ -207,8 +254,14 @@ class Search:
         self.current = start
         self.best: Candidate | None = None
         self.converged = False
-        self.queue: list[Candidate] = []  # the coarse spread, tried before the local search
+        self.queue: list[Candidate] = []  # the coarse spread, then the algorithms to try
         self._spread: set[Candidate] = set()
+        # The setting scored again next: a challenger whose one score beat the best's (it
+        # takes over only if the lower of its two scores does too), or the spread's best
+        # before the local search moves around it. One outlying score leads nowhere.
+        self.checking: Candidate | None = None
+        self.checked: list[Candidate] = []  # each setting scored twice, in order
+        self._searching_algorithms = False  # the threshold and cycle time have converged
         self._confirming: list[Candidate] | None = None  # the final re-scores, in order
         self.rescores: dict[Candidate, float] = {}  # ... their scores
 
@@ -225,23 +278,54 @@ class Search:
         self.history.append((candidate, score))
         if self._confirming is not None:
             return self._confirm(candidate, score)
-        self.scores[candidate] = score
-        if self.best is None or self._beats(candidate, score, self.best, self.best_score):
-            self.best = candidate
-        coarse = [c for c in self.order if c in self._spread]
-        falling = len(coarse) >= 2 and coarse[-1] == candidate
-        if falling and self.scores[coarse[-2]] > score * (1 + self.margin):
-            # Falling as the threshold falls: the smaller ones are worse still (one best
-            # threshold; the local search looks at the neighbours).
-            self.queue.clear()
+        if candidate == self.checking:
+            self._settle(candidate, score)
+        else:
+            self.scores[candidate] = score
+            if self.best is None:
+                self.best = candidate
+            elif self._beats(candidate, score, self.best, self.best_score):
+                if candidate in self._spread:
+                    self.best = candidate  # checked when the spread ends (`_next`)
+                else:
+                    self.checking = candidate
+            coarse = [c for c in self.order if c in self._spread]
+            falling = len(coarse) >= 2 and coarse[-1] == candidate
+            if falling and self.scores[coarse[-2]] > score * (1 + self.margin):
+                # Falling as the threshold falls: the smaller ones are worse still (one best
+                # threshold; the local search looks at the neighbours).
+                self.queue.clear()
         following = self._next()
         if following is None:
-            self.converged = self._untried_neighbours() == []
+            self.converged = self._searching_algorithms and not self.queue
             following = self._start_confirming()
             if following is None:
+                self.checking = None  # no room to check it: a challenger is not taken
                 return None
         self.current = following
         return following
+
+    def _settle(self, candidate: Candidate, score: float) -> None:
+        """A second score of :attr:`checking`. A challenger takes over only if both its
+        scores beat the best's (one score that came out too high, on a quiet moment of a
+        shared machine, cannot make it the best); the spread's best checked gives way to
+        the highest setting that beats it now. Either keeps the mean of its two scores."""
+        assert self.best is not None
+        self.checking = None
+        self.checked.append(candidate)
+        first = self.scores[candidate]
+        self.scores[candidate] = (first + score) / 2
+        if candidate != self.best:
+            if self._beats(candidate, min(first, score), self.best, self.best_score):
+                self.best = candidate
+            return
+        rivals = [
+            other
+            for other, other_score in self.scores.items()
+            if self._beats(other, other_score, candidate, self.scores[candidate])
+        ]
+        if rivals:
+            self.best = max(rivals, key=self.scores.__getitem__)
 
     def _beats(self, candidate: Candidate, score: float, other: Candidate, against: float) -> bool:
         """Whether `candidate` scoring `score` clearly beats `other` scoring `against`: by
@@ -254,28 +338,33 @@ class Search:
         return score > against * (1 + needed)
 
     def contenders(self) -> list[Candidate]:
-        """What the final re-scores would score now, in order: the best, the start right
-        after it (the best is kept only if it beats the start's own second score), and a
-        runner-up: the best setting without cycle time where the best has one (a cycle
-        time is kept only if it wins again, clearly), else the highest other setting
-        without cycle time within :data:`CONFIRM_WITHIN` of the best. Fewer than two:
-        nothing to re-score."""
-        best = self.best
+        """What the final re-scores would score now, in order: the best (or a challenger
+        the budget left no room to score again), the start right after it (the best is
+        kept only if it beats the start's own second score), and a runner-up: the best
+        it challenged; else the best setting with the table's algorithm and no cycle time
+        where the best forces an algorithm or has a cycle time (either is kept only if it
+        wins again, clearly); else the highest other setting without cycle time within
+        :data:`CONFIRM_WITHIN` of the best. Fewer than two: nothing to re-score."""
+        challenger = self.checking if self.checking != self.best else None
+        best = challenger or self.best
         if best is None:
             return []
         found = [best]
         if self.start != best:
             found.append(self.start)
-        others = [c for c in self.scores if c not in found]
-        if best.cycle_time_ms > 0:
+        if challenger is not None and self.best not in found:
+            assert self.best is not None
+            return [*found, self.best]
+        others = [c for c in self.scores if c not in found and c.algorithm == TABLE]
+        if best.cycle_time_ms > 0 or best.algorithm != TABLE:
             others = [c for c in others if c.cycle_time_ms == 0] or others
         else:  # a cycle time that did not beat it clearly gets no second chance
             others = [c for c in others if c.cycle_time_ms == 0]
         if others:
             runner_up = max(others, key=self.scores.__getitem__)
-            without_cycle = best.cycle_time_ms > 0 and runner_up.cycle_time_ms == 0
-            close = self.scores[runner_up] * (1 + CONFIRM_WITHIN) >= self.best_score
-            if without_cycle or close:
+            plainer = best.cycle_time_ms > 0 or best.algorithm != TABLE
+            close = self.scores[runner_up] * (1 + CONFIRM_WITHIN) >= self.scores[best]
+            if plainer or close:
                 found.append(runner_up)
         return found if len(found) >= 2 else []
 
@@ -301,6 +390,7 @@ class Search:
         if waiting:
             self.current = waiting[0]
             return self.current
+        self.checking = None
         second = self.rescores
         tuned = [c for c in self._confirming if c != self.start] or [self.start]
         winner = tuned[0]
@@ -316,11 +406,14 @@ class Search:
 
     def _next(self) -> Candidate | None:
         """The next setting to score, or ``None`` when the search is over: no untried
-        neighbour of the best, or only room left for the final re-scores (:data:`RESCORES`,
-        the most there can be after any next score; none in a budget too small for them)."""
+        neighbour of the best and no algorithm left to try, or only room left for the
+        final re-scores (:data:`RESCORES`, the most there can be after any next score;
+        none in a budget too small for them)."""
         reserve = RESCORES if self.max_samples >= MIN_SAMPLES_TO_RESCORE else 0
         if len(self.order) + 1 + reserve > self.max_samples:
             return None
+        if self.checking is not None:
+            return self.checking
         if len(self.order) == 1:
             self.queue = self.coarse()
             self._spread = set(self.queue)
@@ -328,8 +421,36 @@ class Search:
             candidate = self.queue.pop(0)
             if candidate not in self.scores:
                 return candidate
-        untried = self._untried_neighbours()
-        return untried[0] if untried else None
+        best = self.best
+        if best != self.start and best not in self.checked and best in self._spread:
+            # The spread's best, on one score: checked before the search moves around it.
+            self.checking = best
+            return best
+        if not self._searching_algorithms:
+            untried = self._untried_neighbours()
+            if untried:
+                return untried[0]
+            self._searching_algorithms = True
+            self.queue = self.algorithm_trials()
+        while self.queue:
+            candidate = self.queue.pop(0)
+            if candidate not in self.scores:
+                return candidate
+        return None
+
+    def algorithm_trials(self) -> list[Candidate]:
+        """The best setting with each allreduce algorithm of :attr:`algorithms` forced,
+        but for the one the table already takes for the step's buffers (as large as the
+        threshold, or the largest cycle's bytes where that is less)."""
+        assert self.best is not None
+        best = self.best
+        buffer = min(best.fusion_threshold, max(self.model.cycle_bytes))
+        taken = self.table_choice(buffer)
+        return [
+            Candidate(best.fusion_threshold, best.cycle_time_ms, name)
+            for name in self.algorithms
+            if name != taken
+        ]
 
     def coarse(self) -> list[Candidate]:
         """The model's best setting, then every other fusion threshold below it with no
@@ -360,12 +481,13 @@ class Search:
         found.sort(key=self._model_order)
         return found
 
-    def _model_order(self, candidate: Candidate) -> tuple[bool, float, int, float]:
+    def _model_order(self, candidate: Candidate) -> tuple[bool, bool, float, int, float]:
         """Every setting without cycle time first (a cycle time costs more than the model
-        says: see :data:`CYCLE_MARGIN`), then cheapest by the model; ties: larger
-        threshold, then shorter cycle time."""
+        says: see :data:`CYCLE_MARGIN`), then the table's algorithm before a forced one,
+        then cheapest by the model; ties: larger threshold, then shorter cycle time."""
         return (
             candidate.cycle_time_ms > 0,
+            candidate.algorithm != TABLE,
             self.model.step_seconds(candidate),
             -candidate.fusion_threshold,
             candidate.cycle_time_ms,
@@ -374,9 +496,9 @@ class Search:
     def _neighbours(self, centre: Candidate) -> list[Candidate]:
         found = []
         for value in _adjacent(self.fusion_grid, centre.fusion_threshold):
-            found.append(Candidate(value, centre.cycle_time_ms))
+            found.append(Candidate(value, centre.cycle_time_ms, centre.algorithm))
         for value in _adjacent(CYCLE_GRID_MS, centre.cycle_time_ms):
-            found.append(Candidate(centre.fusion_threshold, value))
+            found.append(Candidate(centre.fusion_threshold, value, centre.algorithm))
         return found
 
 
@@ -410,8 +532,11 @@ class Autotuner:
         share: broadcasts rank 0's score to every rank (a collective; called at the end of
             the same cycle on every rank) and returns it.
         apply: makes a setting the engine's (fusion threshold in bytes, cycle time in
-            seconds), from the next cycle on.
+            seconds, allreduce algorithm: ``""`` for the table's), from the next cycle on.
         clock: the time in seconds. Defaults to ``time.perf_counter``.
+        algorithms: called once, at the same cycle on every rank, when the search begins
+            (it may be collective): the allreduce algorithms to try, and the one the table
+            takes for a buffer of so many bytes. Defaults to none to try.
     """
 
     def __init__(
@@ -419,11 +544,16 @@ class Autotuner:
         settings: Settings,
         rank: int,
         share: Callable[[float], float],
-        apply: Callable[[int, float], None],
+        apply: Callable[[int, float, str], None],
         clock: Callable[[], float] = time.perf_counter,
+        algorithms: Callable[[], tuple[Sequence[str], Callable[[int], str]]] = lambda: (
+            (),
+            lambda nbytes: TABLE,
+        ),
     ) -> None:
         self.rank = rank
         self._share, self._apply, self._clock = share, apply, clock
+        self._algorithms = algorithms
         self.steps_per_sample = settings.autotune_steps_per_sample
         self.warmup_samples = settings.autotune_warmup_samples
         self.max_samples = settings.autotune_max_samples
@@ -492,7 +622,14 @@ class Autotuner:
             self.warmup_samples -= 1
             return
         if self.search is None:
-            self.search = Search(self.start, CostModel(self._step_cycle_bytes), self.max_samples)
+            names, table_choice = self._algorithms()
+            self.search = Search(
+                self.start,
+                CostModel(self._step_cycle_bytes),
+                self.max_samples,
+                algorithms=names,
+                table_choice=table_choice,
+            )
         # Their total time, not a median of step times: rank 0's step boundaries jitter as
         # the peers run ahead or behind (a short step then a long one), which a sum of
         # consecutive steps cancels and a median of them does not.
@@ -510,7 +647,7 @@ class Autotuner:
 
     def _set(self, cycle: int, candidate: Candidate) -> None:
         self.applied.append((cycle, candidate))
-        self._apply(candidate.fusion_threshold, candidate.cycle_time_ms * 1e-3)
+        self._apply(candidate.fusion_threshold, candidate.cycle_time_ms * 1e-3, candidate.algorithm)
         if self.done and self.rank == 0:
             logger.info(
                 "autotune %s after %d steps: %s",
@@ -528,6 +665,7 @@ class Autotuner:
                 len(search.order),
                 tried.fusion_threshold,
                 f"{tried.cycle_time_ms:g}",
+                tried.algorithm or "table",
                 f"{score:.6g}",
                 f"{search.best_score:.6g}",
                 int(self.done),
@@ -557,16 +695,23 @@ def for_engine(engine: Tunable) -> Autotuner:
         engine.transport.broadcast(buffer, 0)
         return float(buffer[0])
 
-    return Autotuner(engine.settings, engine.rank, share, engine.apply_tuned_setting)
+    return Autotuner(
+        engine.settings,
+        engine.rank,
+        share,
+        engine.apply_tuned_setting,
+        algorithms=engine.tunable_algorithms,
+    )
 
 
 def tune_from(engine: Tunable, fusion_threshold: int, cycle_time: float) -> Autotuner:
     """Make `fusion_threshold` (bytes) and `cycle_time` (seconds) `engine`'s setting and tune
     afresh from there, with the budget of its settings (benchmarks and tests start from a
     bad setting this way; ``RINGPLUG_AUTOTUNE=1`` refuses a fixed one). Every rank calls it
-    at the same point, with no collective in flight (after a barrier)."""
+    at the same point, with no collective in flight (after a barrier). The allreduce
+    algorithm goes back to the table's."""
     if engine.tuner is not None:
         engine.tuner.close()
-    engine.apply_tuned_setting(fusion_threshold, cycle_time)
+    engine.apply_tuned_setting(fusion_threshold, cycle_time, TABLE)
     engine.tuner = for_engine(engine)
     return engine.tuner

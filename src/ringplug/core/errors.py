@@ -42,6 +42,13 @@ class BarrierTimeoutError(RingplugError, TimeoutError):
     their own timeout passes."""
 
 
+class MembersMissingError(RingplugError, TimeoutError):
+    """A process set made by its members only (`add_process_set(members_only=True)`, torch's
+    ``new_group(use_local_synchronization=True)``): some members never called to make it
+    within ``RINGPLUG_TIMEOUT``. Raised on each member that did, naming the set and the
+    members that never came (`caused_by`)."""
+
+
 class PeerFailedError(RingplugError):
     """Another rank failed this collective while running it (an exception on its engine
     thread: out of memory, a read-only output, ...); the message has its error text."""

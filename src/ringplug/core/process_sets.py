@@ -26,7 +26,27 @@ inspector) and MPI_Comm_create_group among the members only.
 Creation is collective: every rank of the world calls `add_process_set` with the same ranks,
 in the same order of calls; the ranks compare what each passed before any communicator is
 made, so duplicate ranks, ranks outside the world and ranks that disagree are the same clear
-error on every rank. Removal is collective too, and refused on every rank while any member
+error on every rank.
+
+Or only the members call (`add_process_set(ranks, members_only=True)`, torch's
+``new_group(use_local_synchronization=True)``), and the rest of the world takes no part at
+all: each member sends its proposal (its ranks, and how many members-only sets of exactly
+these ranks it made before) to the other members, point to point on MPI_COMM_WORLD under a
+tag of its own, and polls for theirs until ``RINGPLUG_TIMEOUT``, after which it raises
+`MembersMissingError` naming the members that never called. The members then compare the
+proposals as the world's ranks do (the same error on each), and make the communicator with
+MPI_Comm_create_group, which only the members enter. Such a set is named, not numbered:
+its id is the string ``"[0,2]#1"`` (its ranks, and the count of members-only sets of those
+ranks before it), which no other set can have: the world's sets have integer ids (Horovod's),
+and members-only sets made at once by disjoint groups of ranks differ in their ranks. The
+proposals of one pair of ranks are matched in the order each sends them, so members that
+make their shared members-only sets in different orders do not hang: those whose proposals
+crossed get `MismatchError`, a member left waiting `MembersMissingError`. A member that gave
+up leaves its proposal queued for the late member (taken at `shutdown()`, since MPI_Finalize
+refuses unmatched messages): treat that error as fatal for these ranks, as every
+RINGPLUG_TIMEOUT.
+
+Removal is collective too, and refused on every rank while any member
 has a collective of the set in flight. A rank that is not in a set gets a `ProcessSet` whose
 collectives refuse at once (`included()` says whether to call them).
 
@@ -39,19 +59,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
+import sys
 import threading
+import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import collectives, log, runtime
 from .engine.engine import Engine
-from .errors import MismatchError, RingplugError
+from .errors import MembersMissingError, MismatchError, RingplugError
 from .kinds.objects import allgather_object
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["ProcessSet", "add_process_set", "all_process_sets", "remove_process_set"]
+
+# The MPI tag of the proposals of members-only sets, on MPI_COMM_WORLD (which nothing else
+# sends on: engines run on duplicates); under 32767, the least MPI_TAG_UB MPI allows.
+_PROPOSAL_TAG = 32101
 
 
 class _Sets:
@@ -64,7 +94,12 @@ class _Sets:
         # outside such a set cannot know when the members removed it, so no rank gives its
         # id again.
         self.retired: set[int] = set()
-        self.hooked = False
+        # Sets made by their members only, by name (never given again: see `_add_among_members`),
+        # and how many this rank made of each list of ranks.
+        self.by_name: dict[str, ProcessSet] = {}
+        self.made_of: dict[tuple[int, ...], int] = {}
+        # Proposals sent to members that never took them (their sender gave up waiting).
+        self.abandoned: list[Any] = []
 
     def free_id(self) -> int:
         """The smallest id no set has (0 is the world, as in Horovod): the id of a set that
@@ -96,13 +131,25 @@ class ProcessSet:
     """
 
     def __init__(
-        self, set_id: int, ranks: tuple[int, ...], engine: Engine | None, comm: MPI.Comm | None
+        self,
+        set_id: int | str,
+        ranks: tuple[int, ...],
+        engine: Engine | None,
+        comm: MPI.Comm | None,
     ) -> None:
+        # An int agreed by the world (Horovod's ids), or the name of a set made by its
+        # members only ("[0,2]#0").
         self.process_set_id = set_id
         self.ranks = ranks
         self._engine = engine
         self._comm = comm
         self._removed = False
+
+    @property
+    def members_only(self) -> bool:
+        """Whether the set was made by its members only (``add_process_set(ranks,
+        members_only=True)``), so is removed by them only."""
+        return isinstance(self.process_set_id, str)
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={list(self.ranks)})"
@@ -191,8 +238,9 @@ for _name in _METHODS:
 del _name
 
 
-def add_process_set(ranks: Iterable[int]) -> ProcessSet:
-    """Make a process set of `ranks` (ranks of the world); every rank of the world calls it.
+def add_process_set(ranks: Iterable[int], *, members_only: bool = False) -> ProcessSet:
+    """Make a process set of `ranks` (ranks of the world); every rank of the world calls it,
+    or with `members_only` the set's members only.
 
     Collective over the world: every rank passes the same ranks (in any order; duplicates
     and ranks outside the world are refused), in the same order of calls as its other
@@ -201,15 +249,25 @@ def add_process_set(ranks: Iterable[int]) -> ProcessSet:
 
     Args:
         ranks: the world's ranks in the set, at least one.
+        members_only: only the set's members call it (as torch's ``new_group(...,
+            use_local_synchronization=True)``), each with the same ranks; the other ranks
+            take no part and may be busy elsewhere. The set's id is then a name such as
+            ``"[0,2]#0"`` (never an id of the world's sets), and it is removed by its members
+            only (``remove_process_set(s, members_only=True)``).
 
     Returns:
-        The set, with the same `process_set_id` on every rank.
+        The set, with the same `process_set_id` on every rank (every member).
 
     Raises:
-        ValueError: on every rank, when any rank passed duplicates, a rank outside the world
-            or something that is not a list of ranks.
-        MismatchError: on every rank, when ranks passed different sets.
+        ValueError: on every rank (member), when any passed duplicates, a rank outside the
+            world or something that is not a list of ranks; with `members_only`, on a rank
+            that is not in the ranks it passed.
+        MismatchError: on every rank (member), when they passed different sets.
+        MembersMissingError: with `members_only`, on the members that called, when others
+            did not within ``RINGPLUG_TIMEOUT`` (it names them).
     """
+    if members_only:
+        return _add_among_members(ranks)
     world = runtime.world_engine()
     _check_threads(world)
     proposal = _proposal(ranks)
@@ -231,14 +289,19 @@ def add_process_set(ranks: Iterable[int]) -> ProcessSet:
             "make and remove the same sets in the same order."
         )
     members = agreed_ranks([offer[1] for offer in offers], world.size, set_id)
+    process_set = _make(set_id, members, world, tag=set_id)
     with _sets.lock:
-        if not _sets.hooked:
-            runtime.before_shutdown.append(_stop_all)
-            _sets.hooked = True
+        _sets.by_id[set_id] = process_set
+    return process_set
+
+
+def _make(set_id: int | str, members: tuple[int, ...], world: Engine, tag: int) -> ProcessSet:
+    """The set of `members` once they agreed on it: on a member, its communicator (made
+    with `tag`) and engine; elsewhere a set whose collectives refuse."""
     engine = comm = None
     if world.rank in members:
         with _within_timeout(members, set_id, world):
-            comm = _communicator(members, set_id) if world.size > 1 else None
+            comm = _communicator(members, tag) if world.size > 1 else None
             engine = Engine(  # duplicates `comm` twice, among the members
                 comm,
                 dataclasses.replace(world.settings, timeline=None),
@@ -252,9 +315,112 @@ def add_process_set(ranks: Iterable[int]) -> ProcessSet:
         engine.scope_text = f" This was in {process_set.describe()}."
         engine.timeline = world.timeline
         world.followers.append(engine)
-    with _sets.lock:
-        _sets.by_id[set_id] = process_set
     return process_set
+
+
+def _add_among_members(ranks: Iterable[int]) -> ProcessSet:
+    """`add_process_set(ranks, members_only=True)`: the members exchange their proposals
+    point to point, compare them, and make the set (see the module's docstring)."""
+    world = runtime.world_engine()
+    _check_threads(world)
+    proposal = _proposal(ranks)
+    problem = _problem(proposal, world.size)
+    if problem.endswith("more than once"):
+        problem = ""  # the members it names hear of it too, below
+    elif not problem and world.rank not in proposal:
+        problem = f"passed [{_ranks_text(proposal)}], which does not name rank {world.rank}"
+    if problem:
+        raise ValueError(
+            f"add_process_set(members_only=True) refused: rank {world.rank} {problem}. With "
+            "members_only, only the set's members call it, each with the same distinct ranks "
+            f"of the world (0..{world.size - 1}), itself among them; other ranks call nothing "
+            "(torch's new_group(use_local_synchronization=True) returns None on them)."
+        )
+    members = tuple(sorted(set(proposal)))
+    with _sets.lock:
+        count = _sets.made_of.get(members, 0)
+        _sets.made_of[members] = count + 1
+    set_id = f"[{','.join(map(str, members))}]#{count}"
+    where = f"process set {set_id} (world ranks {_ranks_text(members)})"
+    offers = _exchange((proposal, count), members, world, where)
+    problems = [f"rank {r} {text}" for r in members if (text := _problem(offers[r][0], world.size))]
+    if problems:
+        raise ValueError(
+            f"add_process_set(members_only=True) of {where} refused: "
+            + "; ".join(problems)
+            + ". Pass distinct ranks of the world, the same on every member."
+        )
+    passed: dict[tuple[int, ...], list[int]] = {}
+    for r in members:
+        passed.setdefault(tuple(sorted(offers[r][0])), []).append(r)
+    if len(passed) > 1:
+        raise MismatchError(
+            f"The members of {where}, made by its members only, disagree on it: "
+            + "; ".join(
+                f"rank(s) {_ranks_text(who)} passed [{_ranks_text(m)}]" for m, who in passed.items()
+            )
+            + ". Ranks that share members-only sets must make them with the same ranks, "
+            "and in the same order."
+        )
+    counts = {r: offers[r][1] for r in members}
+    if len(set(counts.values())) > 1:
+        raise MismatchError(
+            f"The members of {where} made different numbers of members-only sets of these "
+            "ranks before ("
+            + "; ".join(f"rank {r}: {n}" for r, n in counts.items())
+            + "): each member must make (and remove) the same ones, in the same order."
+        )
+    tag = 16384 + zlib.crc32(set_id.encode()) % 16000  # any tag serves; distinct helps MPI
+    process_set = _make(set_id, members, world, tag=tag)
+    with _sets.lock:
+        _sets.by_name[set_id] = process_set
+    return process_set
+
+
+def _exchange(
+    proposal: tuple[Any, ...], members: tuple[int, ...], world: Engine, where: str
+) -> dict[int, tuple[Any, ...]]:
+    """Every member's proposal, by world rank: this rank's sent to each other member, and
+    theirs received, polling until RINGPLUG_TIMEOUT (no MPI call here blocks)."""
+    got: dict[int, tuple[Any, ...]] = {world.rank: proposal}
+    peers = [r for r in members if r != world.rank]
+    if not peers:
+        return got
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    sends = [comm.isend(proposal, dest=r, tag=_PROPOSAL_TAG) for r in peers]
+    timeout = world.settings.timeout
+    deadline = time.monotonic() + timeout
+    pause = 0.0002
+    while True:
+        for r in peers:
+            if r not in got:
+                message = comm.improbe(source=r, tag=_PROPOSAL_TAG)
+                if message is not None:
+                    got[r] = message.recv()
+        if len(got) == len(members) and MPI.Request.Testall(sends):
+            return got
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(pause)  # polls: the others may be busy for long, this rank must not block
+        pause = min(2 * pause, 0.02)
+    with _sets.lock:
+        _sets.abandoned.extend(sends)
+    missing = tuple(r for r in peers if r not in got)
+    if not missing:  # every proposal came, but one of this rank's was never taken
+        raise MembersMissingError(
+            f"rank {world.rank} waited {timeout:g} s (RINGPLUG_TIMEOUT) for the other members "
+            f"of {where} to take its proposal; one of them gave up or is gone."
+        )
+    raise MembersMissingError(
+        f"rank {world.rank} waited {timeout:g} s (RINGPLUG_TIMEOUT) for rank(s) "
+        f"{_ranks_text(missing)} to make {where} with it, but they never called: the set is "
+        "made by its members only (add_process_set(ranks, members_only=True), torch's "
+        "dist.new_group(ranks, use_local_synchronization=True)), and each member must call "
+        "it, in the same order as the other members-only sets it shares with them.",
+        caused_by=missing,
+    )
 
 
 def remove_process_set(process_set: ProcessSet, *, members_only: bool = False) -> None:
@@ -274,6 +440,12 @@ def remove_process_set(process_set: ProcessSet, *, members_only: bool = False) -
     """
     world = runtime.world_engine()
     busy = process_set.in_flight()
+    if process_set.members_only and not members_only:
+        raise ValueError(
+            f"remove_process_set({process_set.describe()}): the set was made by its members "
+            "only, so only they remove it: remove_process_set(process_set, members_only=True) "
+            "on each member."
+        )
     if members_only:
         _remove_among_members(process_set, busy, world)
         return
@@ -329,9 +501,10 @@ def _refuse_pending(process_set: ProcessSet, reports: list[tuple[int, int, list[
 
 
 def all_process_sets() -> list[ProcessSet]:
-    """The process sets made and not removed since `init()`, by id."""
+    """The process sets made and not removed since `init()`: the world's by id, then those
+    made by their members only, in the order they were made."""
     with _sets.lock:
-        return [_sets.by_id[i] for i in sorted(_sets.by_id)]
+        return [_sets.by_id[i] for i in sorted(_sets.by_id)] + list(_sets.by_name.values())
 
 
 def _proposal(ranks: Iterable[int]) -> tuple[Any, ...]:
@@ -411,7 +584,7 @@ def _check_threads(world: Engine) -> None:
 
 
 @contextlib.contextmanager
-def _within_timeout(members: tuple[int, ...], set_id: int, world: Engine) -> Iterator[None]:
+def _within_timeout(members: tuple[int, ...], set_id: int | str, world: Engine) -> Iterator[None]:
     """Bound the members' MPI calls that make a set (they have no deadline of their own):
     a member that agreed and never arrives ends the job naming the wait."""
     done = threading.Event()
@@ -434,14 +607,15 @@ def _within_timeout(members: tuple[int, ...], set_id: int, world: Engine) -> Ite
         done.set()
 
 
-def _communicator(members: tuple[int, ...], set_id: int) -> MPI.Comm:
-    """MPI_Comm_create_group among the members (the others do not take part)."""
+def _communicator(members: tuple[int, ...], tag: int) -> MPI.Comm:
+    """MPI_Comm_create_group among the members (the others do not take part); `tag` tells
+    apart the calls of overlapping sets made at once."""
     from mpi4py import MPI
 
     everyone = MPI.COMM_WORLD.Get_group()
     group = everyone.Incl(list(members))
     try:
-        return MPI.COMM_WORLD.Create_group(group, tag=set_id)
+        return MPI.COMM_WORLD.Create_group(group, tag=tag)
     finally:
         group.Free()
         everyone.Free()
@@ -450,10 +624,14 @@ def _communicator(members: tuple[int, ...], set_id: int) -> MPI.Comm:
 def _close(process_set: ProcessSet, world: Engine | None, retire: bool = False) -> None:
     """Stop the set's engine (its members agree on it in its last cycle) and free its
     communicator; with `retire`, its id is never given again (see `_Sets.retired`)."""
+    set_id = process_set.process_set_id
     with _sets.lock:
-        _sets.by_id.pop(process_set.process_set_id, None)
-        if retire:
-            _sets.retired.add(process_set.process_set_id)
+        if isinstance(set_id, str):
+            _sets.by_name.pop(set_id, None)
+        else:
+            _sets.by_id.pop(set_id, None)
+            if retire:
+                _sets.retired.add(set_id)
     process_set._removed = True
     engine, process_set._engine = process_set._engine, None
     if engine is None:
@@ -468,13 +646,25 @@ def _close(process_set: ProcessSet, world: Engine | None, retire: bool = False) 
 
 
 def _stop_all() -> None:
-    """At `shutdown()`: stop every set's engine before the world's, and forget the sets."""
+    """At `shutdown()`: stop every set's engine before the world's, forget the sets, and
+    take the proposals of members-only sets that this rank never made (their senders gave
+    up on it): MPI_Finalize refuses to free MPI_COMM_WORLD with messages left unmatched."""
     world = runtime.current_engine()
     for process_set in all_process_sets():
         _close(process_set, world)
     with _sets.lock:
         _sets.by_id.clear()
         _sets.retired.clear()
+        _sets.by_name.clear()
+        _sets.made_of.clear()
+        _sets.abandoned.clear()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        while (message := mpi.COMM_WORLD.improbe(tag=_PROPOSAL_TAG)) is not None:
+            logger.debug("dropped an unanswered proposal: %r", message.recv())
+
+
+runtime.before_shutdown.append(_stop_all)
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:

@@ -33,7 +33,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -430,15 +430,14 @@ def is_user_frame(frame: Frame) -> bool:
     return not file.startswith(_ROOTS)
 
 
-def thread_lines(thread: ThreadStack) -> list[str]:
-    """A thread as a traceback prints it, the innermost user frame marked."""
+def thread_lines(thread: ThreadStack, where: bool = True) -> list[str]:
+    """A thread as a traceback prints it, the innermost user frame marked; ringplug's own
+    threads in one line, saying where they are if `where`."""
     frames = thread.frames
     if thread.name.startswith("ringplug-") and frames:
-        # ringplug's own threads: where they are, in one line (equal on ranks alike).
         frame = frames[-1]
-        return [
-            f"  thread {thread.name}: ringplug's, in {frame.function} ({Path(frame.file).name})"
-        ]
+        at = f", in {frame.function} ({Path(frame.file).name})" if where else ""
+        return [f"  thread {thread.name}: ringplug's{at}"]
     user = max((i for i, f in enumerate(frames) if is_user_frame(f)), default=-1)
     shown = range(max(0, len(frames) - _SHOWN_FRAMES), len(frames))
     lines = [f"  thread {thread.name}{' (main)' if thread.main else ''}:"]
@@ -460,16 +459,17 @@ def thread_lines(thread: ThreadStack) -> list[str]:
     return lines
 
 
-def body_lines(report: ProcessStacks) -> list[str]:
-    """A report without its process ids: equal for ranks stuck alike."""
+def body_lines(report: ProcessStacks, where: bool = True) -> list[str]:
+    """A report without its process ids; without `where` (of ringplug's own threads, which
+    move between waits from moment to moment), equal for ranks stuck alike."""
     lines = []
     if report.note:
         lines.append(f"  {report.note}")
     for thread in report.threads:
-        lines += thread_lines(thread)
+        lines += thread_lines(thread, where)
     for child in report.children:
         lines.append(f"  child process ({child.state}):")
-        lines += ["  " + line for line in body_lines(child)]
+        lines += ["  " + line for line in body_lines(child, where)]
     return lines
 
 
@@ -506,7 +506,7 @@ def grouped_lines(
     """Every rank's report, ranks with the same stacks printed once together."""
     groups: dict[tuple[str, ...], list[int]] = {}
     for rank in sorted(reports):
-        groups.setdefault(tuple(body_lines(reports[rank])), []).append(rank)
+        groups.setdefault(tuple(body_lines(reports[rank], where=False)), []).append(rank)
     lines: list[str] = []
     for body, ranks in sorted(groups.items(), key=lambda item: item[1][0]):
         if len(ranks) == 1:
@@ -516,8 +516,31 @@ def grouped_lines(
         else:
             states = sorted({reports[r].state for r in ranks})
             lines.append(f"ranks {rank_ranges(ranks)} ({', '.join(states)}):")
-            lines += body
+            lines += _merged(body, {r: body_lines(reports[r]) for r in ranks})
     return lines
+
+
+def _merged(body: Sequence[str], detailed: Mapping[int, list[str]]) -> list[str]:
+    """The lines of a group of ranks: `body`'s, where each rank's own line (`detailed`,
+    line for line) says where ringplug's thread is, and where ranks differ, which is where:
+    ``thread ringplug-engine: ringplug's, in _sleep (engine.py) on rank 0; in wait
+    (threading.py) on ranks 2-3``."""
+    out = []
+    for index, line in enumerate(body):
+        places: dict[str, list[int]] = {}
+        for rank, lines in detailed.items():
+            places.setdefault(lines[index][len(line) :].removeprefix(", "), []).append(rank)
+        if len(places) == 1:
+            out.append(line + (f", {next(iter(places))}" if next(iter(places)) else ""))
+            continue
+        out.append(
+            f"{line}, "
+            + "; ".join(
+                f"{place} on rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}"
+                for place, ranks in places.items()
+            )
+        )
+    return out
 
 
 def innermost_user_frame(report: ProcessStacks) -> Frame | None:

@@ -773,7 +773,8 @@ class RunSettings:
     )
     autotune: bool | None = setting(
         SWITCH,
-        "tune the fusion threshold and the cycle time while training, keeping the best "
+        "tune the fusion threshold, the cycle time and the allreduce algorithm while "
+        "training, keeping the best "
         f"({config.AUTOTUNE.name}=1; see --autotune-log-file and the other --autotune-* "
         "flags); not with --fusion-threshold-mb or --cycle-time-ms",
         flags=[Flag(("--autotune",), horovodrun=True, sets=True)],

@@ -23,8 +23,10 @@ over some of the ranks (``new_group(ranks=[...])``, ``new_subgroups``, a ``Devic
 dimensions) runs on a process set of the core (`ringplug.add_process_set`): an engine of its
 own over its members, with everything above, CPU and CUDA tensors alike; ranks outside it
 get ``GroupMember.NON_GROUP_MEMBER``, and ``destroy_process_group(group)`` removes the set
-among its members. ``monitored_barrier`` works on every group: a rank that does not arrive
-within the timeout is named (`BarrierTimeoutError`). The store
+among its members. ``new_group(..., use_local_synchronization=True)``, which torch calls on
+the members only, makes the set among them (``add_process_set(members_only=True)``).
+``monitored_barrier`` works on every group: a rank that does not arrive within the timeout
+is named (`BarrierTimeoutError`). The store
 (``dist.distributed_c10d._get_default_store()``, and every group's) is a TCPStore that rank
 0 serves: ``set``/``get``/``wait``/``add`` reach every rank, and wait at most
 ``RINGPLUG_TIMEOUT``.
@@ -572,6 +574,11 @@ class RingProcessGroup(dist.ProcessGroup):
         every rank makes together: its ranks are compared first, so ranks that pass
         different groups fail alike with `MismatchError`); it runs on the set's engine,
         and ranks outside it get None (torch's ``GroupMember.NON_GROUP_MEMBER``).
+
+        With ``use_local_synchronization=True`` torch calls here on the group's members
+        only (it does not pass the flag: it names the group by a hash of its ranks
+        instead, `_members_only`), and the group is a process set its members make among
+        themselves (``add_process_set(ranks, members_only=True)``), even over every rank.
         """
         members = list(range(self.size())) if ranks is None else [int(r) for r in ranks]
         name = str(group_name or f"group{next(_groups)}")
@@ -580,10 +587,10 @@ class RingProcessGroup(dist.ProcessGroup):
                 "new_group on a ringplug group over some of the ranks: torch makes groups "
                 "on the default group (dist.new_group), which every rank calls."
             )
-        if members == list(range(self.size())):
+        members_only = _members_only(members, name)
+        if members == list(range(self.size())) and not members_only:
             group = RingProcessGroup(self.rank(), self.size(), f"g{name}", self._store, timeout)
         else:
-            _refuse_members_only_creation(members, name)
             if members != sorted(members):
                 raise ValueError(
                     f"dist.new_group(ranks={members}, sort_ranks=False) on the ringplug "
@@ -591,14 +598,17 @@ class RingProcessGroup(dist.ProcessGroup):
                     "set's). Pass sort_ranks=True (the default), or the ranks in increasing "
                     "order."
                 )
-            process_set = add_process_set(members)
+            process_set = add_process_set(members, members_only=members_only)
             if not process_set.included():
                 remove_process_set(process_set, members_only=True)  # forgotten here at once
                 return None
+            # The requests' names need only agree among the members: torch's name for a
+            # members-only group may not (its hash counts the groups each rank has).
+            tag = str(process_set.process_set_id).replace("#", ".") if members_only else name
             group = RingProcessGroup(
                 process_set.rank(),
                 process_set.size(),
-                f"g{name}",
+                f"g{tag}",
                 self._store,
                 timeout,
                 process_set=process_set,
@@ -617,11 +627,14 @@ class RingProcessGroup(dist.ProcessGroup):
             remove_process_set(process_set, members_only=True)
 
     def split_group(self, ranks: Sequence[int], *args: Any, **kwargs: Any) -> None:
-        """torch's ``split_group``: refused, saying what to use instead."""
+        """torch's ``split_group``: refused, saying what to use instead. torch 2.13 itself
+        refuses ``dist.split_group`` before asking any backend unless an accelerator is
+        available (or torchcomms is on), so on CPU this is never reached."""
         raise NotImplementedError(
             "dist.split_group on the ringplug backend: ringplug makes groups with "
             "dist.new_group (or new_subgroups, new_subgroups_by_enumeration), which every rank "
-            "calls; use one of them."
+            "calls, or which only the members call with use_local_synchronization=True; use "
+            "one of them."
         )
 
     # ------------------------------------------------------------------ the rest
@@ -642,23 +655,16 @@ _NO_P2P = (
 )
 
 
-def _refuse_members_only_creation(members: list[int], name: str) -> None:
-    """``new_group(use_local_synchronization=True)``: torch then calls on the members only
-    (it names such a group by a hash of its ranks), and a process set is made by every rank
-    of the job. Refused on the members (the others never get here), saying what to do."""
+def _members_only(members: list[int], name: str) -> bool:
+    """Whether torch asks for a group with ``use_local_synchronization=True``, calling on its
+    members only: it does not pass the flag to ``new_group``, but names such a group by a
+    hash of its ranks (``_hash_ranks_to_str``, just computed, so equal here), where other
+    groups get a number."""
     c10d = importlib.import_module("torch.distributed.distributed_c10d")
     try:
-        hashed = name == c10d._hash_ranks_to_str(members)
+        return bool(name == c10d._hash_ranks_to_str(members))
     except (AttributeError, TypeError):  # a torch without it names groups otherwise
-        hashed = False
-    if hashed:
-        raise NotImplementedError(
-            f"dist.new_group(ranks={members}, use_local_synchronization=True) on the "
-            "ringplug backend: ringplug makes a group with every rank of the job taking part "
-            "(the ranks compare the group first, so a rank that passes another group fails "
-            "instead of hanging), and torch calls only the members here. Call new_group on "
-            "every rank, without use_local_synchronization."
-        )
+        return False
 
 
 def gloo_group(

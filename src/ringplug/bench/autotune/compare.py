@@ -6,7 +6,8 @@ trains, every rank alike, in segments of steps:
 
 1. ``--warmup`` steps at the bad setting (fusion threshold 64 KiB, cycle time 20 ms);
 2. tuning: `ringplug.core.autotune.tune_from` the bad setting, with the settings' budget
-   (``RINGPLUG_AUTOTUNE_*``: by default at most 48 steps), for ``--tuning-steps`` steps;
+   (``RINGPLUG_AUTOTUNE_*``: by default at most 48 steps; the allreduce algorithm too,
+   the sweep's settings keep the table's), for ``--tuning-steps`` steps;
    the tuner reports the steps it used and whether it converged;
 3. ``--sweep-rounds`` rounds in which each setting of the hand-picked sweep (:data:`SWEEP`)
    runs ``--iters`` timed steps (after one untimed step that pays for the switch), the
@@ -116,7 +117,9 @@ def _balanced_order(count: int, turn: int) -> list[int]:
 
 
 def _label(candidate: Candidate) -> str:
-    return f"{candidate.fusion_threshold >> 10}K/{candidate.cycle_time_ms:g}ms"
+    """``4096K/0ms``, and ``/ring`` where it forces the allreduce's algorithm."""
+    forced = f"/{candidate.algorithm}" if candidate.algorithm else ""
+    return f"{candidate.fusion_threshold >> 10}K/{candidate.cycle_time_ms:g}ms{forced}"
 
 
 class Schedule:
@@ -175,7 +178,7 @@ class Schedule:
                     setting = BAD
                 assert isinstance(setting, Candidate)
                 self.engine.apply_tuned_setting(
-                    setting.fusion_threshold, setting.cycle_time_ms * 1e-3
+                    setting.fusion_threshold, setting.cycle_time_ms * 1e-3, setting.algorithm
                 )
             self._label, self._first = label, step
         self._started = time.perf_counter()

@@ -10,6 +10,14 @@ per host, within each host again.
    where MPI cannot reduce), the ring from there on.
 3. Each leader broadcasts the result to its host (MPI's Ibcast).
 
+From the ring threshold on, where every host has as many ranks as the others, every rank
+crosses the network instead of its leader alone (the shape of NCCL's and Horovod's
+hierarchical allreduce): a ring reduce-scatter within the host leaves each rank one
+reduced chunk; the ranks of equal place on their hosts (a "column", one per host)
+allreduce that chunk; a ring allgather within the host gives every rank every chunk. The
+network then carries 1/local_size of the buffer per rank, in local_size streams at once,
+and no leader copies the whole buffer in and out twice.
+
 Every rank gets the leader's bytes, so the result is the same on every rank (the order of
 its sums is not the flat algorithms': floats differ from theirs in the last bits).
 
@@ -67,14 +75,19 @@ class Hierarchy:
     Args:
         host: the ranks of this rank's host, in the parent's order (rank 0: the leader).
         leaders: the leaders of every host, in host order; None on the other ranks.
+        column: where every host has as many ranks, the ranks of this rank's place on
+            each host, in host order (the leaders' column is `leaders`); else None.
     """
 
     host: MPI.Comm
     leaders: MPI.Comm | None
+    column: MPI.Comm | None = None
 
     def free(self) -> None:
         self.host.Free()
-        if self.leaders is not None:
+        if self.column is not None:
+            self.column.Free()  # the leaders' column is `leaders`
+        elif self.leaders is not None:
             self.leaders.Free()
 
 
@@ -92,6 +105,9 @@ def split(comm: MPI.Comm, hosts: Sequence[str], waiter: Waiter) -> Hierarchy:
     order = list(dict.fromkeys(hosts))
     host = comm.Split(order.index(hosts[rank]), rank)
     leader = host.Get_rank() == 0
+    if len({hosts.count(name) for name in order}) == 1:  # every host as many ranks
+        column = comm.Split(host.Get_rank(), rank)
+        return Hierarchy(host, column if leader else None, column)
     leaders = comm.Split(0 if leader else MPI.UNDEFINED, rank)
     return Hierarchy(host, leaders if leader else None)
 
@@ -119,6 +135,9 @@ def allreduce(
 
     host = hierarchy.host
     local = host.Get_size()
+    if hierarchy.column is not None and local > 1 and flat.nbytes >= ring_threshold:
+        _by_columns(hierarchy.column, host, flat, op, code, mpi_op, scratch, ring_threshold, waiter)
+        return
     if local > 1:
         if mpi_op is not None:
             send = MPI.IN_PLACE if host.Get_rank() == 0 else flat
@@ -136,6 +155,34 @@ def allreduce(
     if local > 1:
         request = host.Ibcast(flat.reshape(-1).view(np.uint8), 0)
         _wait(waiter, request, "Ibcast", "hierarchical allreduce: the result to the host")
+
+
+def _by_columns(
+    column: MPI.Comm,
+    host: MPI.Comm,
+    flat: np.ndarray,
+    op: ReduceOp,
+    code: DType,
+    mpi_op: Any,
+    scratch: np.ndarray,
+    ring_threshold: int,
+    waiter: Waiter,
+) -> None:
+    """The large buffers' form (see the module's note): reduce-scatter within the host,
+    allreduce of this rank's chunk along its column, allgather within the host."""
+    from mpi4py import MPI
+
+    bounds = ring.even_bounds(flat.size, host.Get_size())
+    ring.reduce_scatter(host, flat, bounds, op, code, scratch, 0, 1.0, waiter)
+    mine = (host.Get_rank() + 1) % host.Get_size()  # the chunk the reduce-scatter left here
+    chunk = flat[bounds[mine] : bounds[mine + 1]]
+    if column.Get_size() > 1 and chunk.size:
+        if chunk.nbytes >= ring_threshold or mpi_op is None:
+            _numpy_allreduce(column, chunk, op, code, scratch, ring_threshold, waiter)
+        else:
+            request = column.Iallreduce(MPI.IN_PLACE, chunk, mpi_op)
+            _wait(waiter, request, "Iallreduce", "hierarchical allreduce: along the column")
+    ring.allgather_chunks(host, flat, bounds, 0, waiter)
 
 
 def _numpy_allreduce(
