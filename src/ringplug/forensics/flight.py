@@ -41,6 +41,21 @@ _SEARCH_DEPTH = 10  # frames above ringplug's searched for a user frame
 _SEQ, _NAME, _SIGNATURE, _SITE, _SUBMITTED, _ANNOUNCED, _DONE, _FAILED = range(8)
 
 
+def _site_at(depth: int, usual: int) -> tuple[Any, int] | None:
+    """The call site `depth` frames above the caller of this function: the frame `usual`
+    frames further up where it is known to be the user's (one frame object, not a walk),
+    else the innermost user frame found by a walk (`_call_site`)."""
+    if usual:
+        try:
+            frame = sys._getframe(depth + usual + 1)
+        except ValueError:
+            frame = None
+        known = _KINDS.get(id(frame.f_code)) if frame is not None else None
+        if known is not None and known[1] == 2:  # (known ones)
+            return (frame.f_code, frame.f_lasti)
+    return _call_site(depth + 2)
+
+
 class FlightRecorder:
     """The last `capacity` collectives of this rank (0: records nothing).
 
@@ -68,16 +83,7 @@ class FlightRecorder:
         if self.capacity and name not in self.sites:
             if len(self.sites) >= _SITES_KEPT:
                 self.sites.clear()
-            site = None
-            if usual:
-                try:
-                    frame = sys._getframe(depth + usual)  # one frame object, not a walk
-                except ValueError:
-                    frame = None
-                known = _KINDS.get(id(frame.f_code)) if frame is not None else None
-                if known is not None and known[1] == 2:  # (known ones)
-                    site = (frame.f_code, frame.f_lasti)
-            self.sites[name] = site or _call_site(depth + 1)
+            self.sites[name] = _site_at(depth, usual)
 
     def add(
         self, name: str, signature: Any, submitted: float, track: bool = False
@@ -137,16 +143,7 @@ class FlightRecorder:
                 self.note_site(name, depth + 1)
                 site = sites[name]
         else:
-            site = None
-            try:
-                frame = sys._getframe(depth + usual)  # one frame object, not a walk
-            except ValueError:
-                frame = None
-            known = _KINDS.get(id(frame.f_code)) if frame is not None else None
-            if known is not None and known[1] == 2:  # (known ones)
-                site = (frame.f_code, frame.f_lasti)
-            else:
-                site = _call_site(depth + 1)
+            site = _site_at(depth, usual)
         count = self._count
         entry = [count, name, request.signature, site, request.submitted, 0.0, 0.0, ""]
         self._ring[count % self.capacity] = entry

@@ -129,14 +129,21 @@ def allreduce(
         mpi_op: MPI's op for `flat` (bool viewed as uint8 with MAX/MIN by the caller), or
             None where MPI cannot reduce `code` with `op`.
         scratch: the ring's scratch buffer.
-        ring_threshold: from this many bytes the leaders take the ring.
+        ring_threshold: from this many bytes the leaders (or columns) take the ring.
     """
     from mpi4py import MPI
 
     host = hierarchy.host
     local = host.Get_size()
+    step = _AllreduceOn(op, code, scratch, ring_threshold, waiter)
     if hierarchy.column is not None and local > 1 and flat.nbytes >= ring_threshold:
-        _by_columns(hierarchy.column, host, flat, op, code, mpi_op, scratch, ring_threshold, waiter)
+        # The large buffers' form (see the module's note).
+        bounds = ring.even_bounds(flat.size, local)
+        ring.reduce_scatter(host, flat, bounds, op, code, scratch, 0, 1.0, waiter)
+        mine = (host.Get_rank() + 1) % local  # the chunk the reduce-scatter left here
+        chunk = flat[bounds[mine] : bounds[mine + 1]]
+        step(hierarchy.column, chunk, mpi_op, "hierarchical allreduce: along the column")
+        ring.allgather_chunks(host, flat, bounds, 0, waiter)
         return
     if local > 1:
         if mpi_op is not None:
@@ -144,62 +151,37 @@ def allreduce(
             request = host.Ireduce(send, flat if host.Get_rank() == 0 else None, mpi_op, 0)
             _wait(waiter, request, "Ireduce", "hierarchical allreduce: within the host")
         else:
-            _numpy_allreduce(host, flat, op, code, scratch, ring_threshold, waiter)
-    if hierarchy.leaders is not None and hierarchy.leaders.Get_size() > 1:
-        leaders = hierarchy.leaders
-        if flat.nbytes >= ring_threshold or mpi_op is None:
-            _numpy_allreduce(leaders, flat, op, code, scratch, ring_threshold, waiter)
-        else:
-            request = leaders.Iallreduce(MPI.IN_PLACE, flat, mpi_op)
-            _wait(waiter, request, "Iallreduce", "hierarchical allreduce: among the hosts")
+            step(host, flat, None, "hierarchical allreduce: within the host")
+    if hierarchy.leaders is not None:
+        step(hierarchy.leaders, flat, mpi_op, "hierarchical allreduce: among the hosts")
     if local > 1:
         request = host.Ibcast(flat.reshape(-1).view(np.uint8), 0)
         _wait(waiter, request, "Ibcast", "hierarchical allreduce: the result to the host")
 
 
-def _by_columns(
-    column: MPI.Comm,
-    host: MPI.Comm,
-    flat: np.ndarray,
-    op: ReduceOp,
-    code: DType,
-    mpi_op: Any,
-    scratch: np.ndarray,
-    ring_threshold: int,
-    waiter: Waiter,
-) -> None:
-    """The large buffers' form (see the module's note): reduce-scatter within the host,
-    allreduce of this rank's chunk along its column, allgather within the host."""
-    from mpi4py import MPI
+@dataclass
+class _AllreduceOn:
+    """An allreduce over one of the hierarchy's communicators, in place: MPI's Iallreduce
+    below the ring threshold where MPI can reduce; else ringplug's own, recursive doubling
+    below the threshold and the ring from it on."""
 
-    bounds = ring.even_bounds(flat.size, host.Get_size())
-    ring.reduce_scatter(host, flat, bounds, op, code, scratch, 0, 1.0, waiter)
-    mine = (host.Get_rank() + 1) % host.Get_size()  # the chunk the reduce-scatter left here
-    chunk = flat[bounds[mine] : bounds[mine + 1]]
-    if column.Get_size() > 1 and chunk.size:
-        if chunk.nbytes >= ring_threshold or mpi_op is None:
-            _numpy_allreduce(column, chunk, op, code, scratch, ring_threshold, waiter)
+    op: ReduceOp
+    code: DType
+    scratch: np.ndarray
+    ring_threshold: int
+    waiter: Waiter
+
+    def __call__(self, comm: MPI.Comm, buf: np.ndarray, mpi_op: Any, phase: str) -> None:
+        from mpi4py import MPI
+
+        if comm.Get_size() < 2 or not buf.size:
+            return
+        if buf.nbytes >= self.ring_threshold:
+            ring.allreduce(comm, buf, self.op, self.code, self.scratch, 1.0, self.waiter)
+        elif mpi_op is None:
+            doubling.allreduce(comm, buf, self.op, self.code, self.waiter)
         else:
-            request = column.Iallreduce(MPI.IN_PLACE, chunk, mpi_op)
-            _wait(waiter, request, "Iallreduce", "hierarchical allreduce: along the column")
-    ring.allgather_chunks(host, flat, bounds, 0, waiter)
-
-
-def _numpy_allreduce(
-    comm: MPI.Comm,
-    flat: np.ndarray,
-    op: ReduceOp,
-    code: DType,
-    scratch: np.ndarray,
-    ring_threshold: int,
-    waiter: Waiter,
-) -> None:
-    """ringplug's own allreduce on `comm`: recursive doubling below the threshold, the ring
-    from it on."""
-    if flat.nbytes >= ring_threshold:
-        ring.allreduce(comm, flat, op, code, scratch, 1.0, waiter)
-    else:
-        doubling.allreduce(comm, flat, op, code, waiter)
+            _wait(self.waiter, comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op), "Iallreduce", phase)
 
 
 def _wait(waiter: Waiter, request: MPI.Request, call: str, phase: str) -> None:
