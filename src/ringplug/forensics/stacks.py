@@ -527,17 +527,19 @@ def _merged(body: Sequence[str], detailed: Mapping[int, list[str]]) -> list[str]
     (threading.py) on ranks 2-3``."""
     out = []
     for index, line in enumerate(body):
-        places: dict[str, list[int]] = {}
+        seen: dict[str, list[int]] = {}  # each rank's own line -> the ranks that have it
         for rank, lines in detailed.items():
-            places.setdefault(lines[index][len(line) :].removeprefix(", "), []).append(rank)
-        if len(places) == 1:
-            out.append(line + (f", {next(iter(places))}" if next(iter(places)) else ""))
+            seen.setdefault(lines[index], []).append(rank)
+        if len(seen) == 1:
+            out.append(next(iter(seen)))
             continue
+        # Only ringplug's thread lines differ: `line` + ", in FUNCTION (FILE)".
         out.append(
             f"{line}, "
             + "; ".join(
-                f"{place} on rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}"
-                for place, ranks in places.items()
+                f"{own[len(line) + 2 :]} on rank{'s' if len(ranks) > 1 else ''} "
+                f"{rank_ranges(ranks)}"
+                for own, ranks in seen.items()
             )
         )
     return out

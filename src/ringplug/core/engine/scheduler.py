@@ -55,7 +55,7 @@ _POLL_AFTER_CYCLE_SECONDS = 1e-3
 # gradients that a backward pass hands over further apart than the gap, run at once.
 _BURST_LEAST = 64
 _BURST_GAP_SECONDS = 300e-6
-_BURST_WAIT_SECONDS = 1e-3
+BURST_WAIT_SECONDS = 1e-3
 # A caller about to wait for its collective takes the cycles over from the engine thread
 # when the turn is free within this long; otherwise the engine thread runs them.
 _DRIVE_ACQUIRE_SECONDS = 1e-3
@@ -379,6 +379,3 @@ def _idle_cycle_period(engine: Scheduled) -> float:
     stall inspector)."""
     settings = engine.settings
     return min(max(min(settings.stall_check_seconds, settings.timeout) / 4, 0.05), 1.0)
-
-
-BURST_WAIT_SECONDS = _BURST_WAIT_SECONDS
