@@ -11,7 +11,16 @@ import sys
 import pytest
 
 from ringplug.bench import scale_model
-from ringplug.bench.scale_model import Fit, Point, fit_model
+from ringplug.bench.scale_job import CallCounter
+from ringplug.bench.scale_model import (
+    CallFit,
+    CpuModel,
+    Fit,
+    Point,
+    StepPoint,
+    fit_calls,
+    fit_model,
+)
 
 
 @pytest.mark.multirank
@@ -19,7 +28,7 @@ def test_counts_on_2_and_3_ranks_are_ceil_log2_p_messages_a_cycle_as_profiled(tm
     output = tmp_path / "scale.json"
     result = subprocess.run(
         [sys.executable, "-m", "ringplug.bench.cli", "scale", "--ranks", "2,3",
-         "--parts", "counts,cpu,model", "--steps", "2", "--json", str(output)],
+         "--parts", "counts,cpu,model", "--steps", "2", "--cpu-steps", "2", "--json", str(output)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -35,9 +44,18 @@ def test_counts_on_2_and_3_ranks_are_ceil_log2_p_messages_a_cycle_as_profiled(tm
             if "pmpi" in report:  # the profiling library built here: the same counts
                 assert report["pmpi"]["messages"] == sum(report["window"]["messages"].values())
                 assert report["pmpi"]["bytes"] == sum(report["window"]["bytes"].values())
-    # A row per size in the counts table, then in the CPU table.
+    # A row per size in the counts table, then one per size and step in the CPU table.
     sizes = [line.split()[0] for line in result.stdout.splitlines() if line[:6].strip().isdigit()]
-    assert sizes == ["2", "3", "2", "3"]
+    assert sizes == ["2", "3"] + ["2"] * 3 + ["3"] * 3
+    for size in (2, 3):
+        for report in document["calls"][str(size)]["reports"]:
+            one, many = report["phases"]["1x4K"], report["phases"]["32x4K"]
+            # Without a job of 8 ranks nothing doubles; the gathered agreement has calls.
+            assert one["calls"]["doubling"] == many["calls"]["doubling"] == 0
+            assert one["calls"]["agreement"] > 0
+            # 31 more tensors make more calls outside the agreement, none inside it
+            # beyond what taking in their forms costs.
+            assert many["calls"]["rest"] > one["calls"]["rest"] + 31
     predicted = document["model"]["predictions"]
     assert {row["ranks"] for row in predicted} == {64, 512, 4096}
     assert all(0 < row["efficiency"] <= 1 for row in predicted)
@@ -101,8 +119,9 @@ def test_the_fit_keeps_every_coefficient_at_least_zero_and_reports_its_error():
 
 def test_with_python_free_the_prediction_is_nccls_data_plane_and_latency():
     free = Fit(0.0, 0.0, 0.0, {})
+    no_calls = CpuModel(CallFit(0.0, 0.0, 0.0, 0.0, 0.0, {}), 1e-6)
     model, network = scale_model.HOROVOD_MODELS[0], scale_model.ROCE
-    row = scale_model.predict(free, free, model, network, 512, "free")
+    row = scale_model.predict(free, no_calls, model, network, 512, "free")
     buffers = math.ceil(model.gradient_bytes / scale_model.FUSION_BYTES)
     data = 2 * 511 / 512 * model.gradient_bytes / network.busbw_bytes_s
     data += buffers * 2 * 9 * network.latency_s
@@ -114,3 +133,63 @@ def test_with_python_free_the_prediction_is_nccls_data_plane_and_latency():
     assert row.efficiency_no_overlap == pytest.approx(
         model.compute_s / (model.compute_s + control + data)
     )
+
+
+def test_the_call_fit_recovers_the_calls_that_made_the_points():
+    # rest = 80 + 45 tensors; agreement = 10 + 12 rounds; doubling = 20 a round.
+    shapes = [(1, 3, 3), (8, 3, 3), (32, 3, 3), (1, 4, 0), (8, 4, 0), (8, 5, 0)]
+    points = [
+        StepPoint(f"s{i}", n, r, d, 10 + 12 * r, 20 * d, 80 + 45 * n)
+        for i, (n, r, d) in enumerate(shapes)
+    ]
+    fit = fit_calls(points)
+    assert fit.per_cycle == pytest.approx(80)
+    assert fit.per_tensor == pytest.approx(45)
+    assert fit.agreement_once == pytest.approx(10)
+    assert fit.agreement_per_round == pytest.approx(12)
+    assert fit.doubling_per_round == pytest.approx(20)
+    assert fit.rms_error == pytest.approx(0, abs=1e-9)
+    # 512 ranks: 9 rounds; 2 tensors.
+    assert fit.cycle(512, 2, doubling=False) == pytest.approx(80 + 90 + 10 + 108)
+    assert fit.cycle(512, 2, doubling=True) == pytest.approx(80 + 90 + 10 + 108 + 180)
+    cpu = CpuModel(fit, 0.5e-6)
+    expected = 0.5e-6 * (80 + 10 + 108 + 180)
+    assert scale_model.engine_cpu_per_cycle(cpu, 512) == pytest.approx(expected)
+
+
+def _test(polls: list[int]):
+    """A wait's test that finds nothing until its last call, making `polls[k]` calls of
+    `len` in its k-th call (the last one's extra calls are its work)."""
+    calls = iter(polls)
+
+    def test() -> bool:
+        n = next(calls)
+        for _ in range(n):
+            len(())
+        return n == polls[-1]
+
+    return test
+
+
+def _wait(done) -> None:  # the engine's wait, in small: poll `done` until it is true
+    while not done():
+        pass
+
+
+def _agree(test) -> None:  # a part of the engine that waits
+    len(())
+    _wait(test)
+
+
+def test_the_call_counter_counts_the_work_in_a_wait_but_not_its_polling():
+    counter = CallCounter(wait=_wait, parts={_agree: "agreement"})
+    # Two tests found nothing (2 calls each), one did work but not enough to end the wait
+    # (2 + 3), the last ended it (2 + 5): 3 + 5 calls of work, whatever the polling was.
+    for polls in ([2, 2, 5, 7], [2, 5, 2, 2, 2, 2, 7]):
+        test = _test(polls)
+        counted = counter.count(lambda test=test: _agree(test))
+        # _agree and its len: 2; the test that ended the wait (its call, next, 7 lens): 9;
+        # the work beyond polling in the others (a poll being the 4 calls of the cheapest
+        # test): 3. The lambda is called outside every part: the rest's one call.
+        assert counted["agreement"] == 2 + 9 + 3, (polls, counted)
+        assert counted["rest"] == 1, counted

@@ -9,8 +9,11 @@ It starts every job itself (run it as a plain command, not under ringrun) and ha
   where a C compiler and MPI's headers are at hand, what an MPI profiling library preloaded
   into the ranks counted (tests/pmpi/count_sends.c, built here); next to them, the figures
   of the all-to-all negotiation this replaced (its p - 1 sends, quoted from issue 44).
-- ``cpu``: from the same jobs, the CPU time per engine cycle: of the engine's thread, and of
-  the whole process (a waiting caller runs cycles too), in the 8 x 4 KiB step.
+- ``cpu``: the small step again with 1, 8 and 32 tensors: in the counts jobs, its CPU time
+  outside the engine's waits; in jobs of their own (`scale_job.CallCounter`), the function
+  calls it makes outside the waits, counted by part (the agreement, recursive doubling,
+  the rest). Calls do not change when ranks share the cores; what one call costs is
+  measured in the jobs whose ranks each have a core.
 - ``sets``: a process set of k ranks inside a world of p (``--sets``, default 4 in 16 and 8
   in 32), spread over the world, runs the 8 x 4 KiB step and the 1 MiB allreduce on its own
   engine: per member per step, the set engine's messages and bytes and the profiling
@@ -20,9 +23,11 @@ It starts every job itself (run it as a plain command, not under ringrun) and ha
   shaped with ``tc``) of ``--hosts`` hosts, one rank each, then two; ringplug, MPI's own
   Allreduce and torch gloo side by side on 4 KiB, 1 MiB, 64 MiB and ResNet-50's gradients.
   It needs root; without it the part is skipped, saying why.
-- ``model``: an alpha-beta-gamma model (`ringplug.bench.scale_model`) fitted to the points
-  of the other parts, its error on each, and what it predicts at 64, 512 and 4096 ranks for
-  Horovod's 512-GPU benchmark setting and for a CPU job.
+- ``model``: an alpha-beta-gamma model of wall time and a model of the calls of an agreed
+  cycle (`ringplug.bench.scale_model`) fitted to the points of the other parts, their
+  error on each, and what they predict at 64, 512 and 4096 ranks: the engine's CPU per
+  agreed cycle, and the step overhead and scaling efficiency of Horovod's 512-GPU
+  benchmark setting and of a CPU job.
 
 Example:
     ringplug-bench scale --max-ranks 16 --parts counts,cpu,model --json scale.json
@@ -42,17 +47,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..core.engine.exchange import GATHER_ONLY_UP_TO
+from ..core.transport.traffic import DATA, NEGOTIATION
 from . import scale_model
 from .netbed import BedUnavailable, NetBed, Shape, uniform_hosts
-from .scale_model import Fit, Point
+from .scale_model import CpuModel, Fit, Point, StepPoint
 
 PARTS = ("counts", "cpu", "sets", "bed", "model")
 # Issue 44's measurement of the all-to-all negotiation (rank 0, an MPI profiling library):
 # p -> (sends per 8 x 4 KiB step, bytes sent per step, sends per 1 MiB allreduce).
 ALL_TO_ALL = {2: (1, 33e3, 3), 4: (3, 98e3, 9), 8: (7, 230e3, 21), 16: (16, 527e3, 60)}
 PROFILER = Path(__file__).resolve().parents[3] / "tests" / "pmpi" / "count_sends.c"
-STEP_TENSORS = {"8x4K": 8, "1M": 1, "16M": 1}
-STEP_BYTES = {"8x4K": 8 * 4096, "1M": 1 << 20, "16M": 16 << 20}
+STEP_TENSORS = {"1x4K": 1, "8x4K": 8, "32x4K": 32, "1M": 1, "16M": 1}
+STEP_BYTES = {"1x4K": 4096, "8x4K": 8 * 4096, "32x4K": 32 * 4096, "1M": 1 << 20, "16M": 16 << 20}
+SMALL_STEPS = ("1x4K", "8x4K", "32x4K")
 JOB_TIMEOUT_S = 420
 
 
@@ -65,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-ranks", type=int, default=32, help="leave out larger sizes")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per phase")
+    parser.add_argument(
+        "--cpu-steps",
+        type=int,
+        default=100,
+        help="measured steps of each small step (1, 8 and 32 x 4 KiB) of the counts jobs, "
+        "whose CPU the cpu part reports (default 100: a few steps are mostly warm-up)",
+    )
     parser.add_argument(
         "--sets",
         default="16:4,32:8",
@@ -101,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     document: dict = {"bench": "scale", "env": _environment(), "parts": parts}
     if args.measured:
         earlier = json.loads(Path(args.measured).read_text())
-        document.update({k: earlier[k] for k in ("counts", "sets", "bed", "pmpi") if k in earlier})
+        kept = ("counts", "calls", "sets", "bed", "pmpi")
+        document.update({k: earlier[k] for k in kept if k in earlier})
         document["measured"] = {"from": args.measured, "env": earlier.get("env")}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ringplug-bench-scale-") as tmp:
@@ -110,12 +126,17 @@ def run(args: argparse.Namespace) -> int:
             library, why = build_profiler(workdir)
             document["pmpi"] = str(PROFILER) if library else f"not used: {why}"
             document["counts"] = {
-                str(p): count_job(p, args.steps, workdir / f"counts-{p}", library) for p in sizes
+                str(p): count_job(p, args.steps, args.cpu_steps, workdir / f"counts-{p}", library)
+                for p in sizes
             }
+            if "cpu" in parts or "model" in parts:
+                document["calls"] = {
+                    str(p): call_job(p, args.steps, workdir / f"calls-{p}") for p in sizes
+                }
         if "counts" in parts and "counts" in document:
             print_counts(document["counts"], document["pmpi"])
-        if "cpu" in parts and "counts" in document:
-            print_cpu(document["counts"])
+        if "cpu" in parts and "calls" in document:
+            print_cpu(document)
         if "sets" in parts:
             if not args.measured:
                 document["sets"] = set_jobs(args, workdir)
@@ -177,19 +198,33 @@ def build_profiler(where: Path) -> tuple[Path | None, str]:
     return built, ""
 
 
-def count_job(ranks: int, steps: int, outdir: Path, library: Path | None) -> dict:
+def count_job(ranks: int, steps: int, cpu_steps: int, outdir: Path, library: Path | None) -> dict:
     """One job of `ranks` ranks on this machine: every rank's counts, and the profiling
     library's (tag -> [messages, bytes] per phase) where it was preloaded."""
     outdir.mkdir(parents=True)
     preload = ["env", f"LD_PRELOAD={library}"] if library else []
     command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks), *preload,
                sys.executable, "-m", "ringplug.bench.scale_job", "counts", str(outdir),
-               str(steps)]  # fmt: skip
+               str(steps), str(cpu_steps)]  # fmt: skip
     started = time.perf_counter()
     _run_job(command, f"the counts job on {ranks} ranks")
     reports = [json.loads((outdir / f"counts-{rank}.json").read_text()) for rank in range(ranks)]
     _add_profiled_sends(reports, outdir, library)
     print(f"# counts job on {ranks} ranks: {time.perf_counter() - started:.1f} s", flush=True)
+    return {"ranks": ranks, "reports": reports}
+
+
+def call_job(ranks: int, steps: int, outdir: Path) -> dict:
+    """One job of `ranks` ranks counting the function calls of the small steps (no
+    profiling library: its calls would be counted too)."""
+    outdir.mkdir(parents=True)
+    command = [sys.executable, "-m", "ringplug.run.cli", "-np", str(ranks),
+               sys.executable, "-m", "ringplug.bench.scale_job", "calls", str(outdir),
+               str(max(steps, 5))]  # fmt: skip
+    started = time.perf_counter()
+    _run_job(command, f"the calls job on {ranks} ranks")
+    reports = [json.loads((outdir / f"calls-{rank}.json").read_text()) for rank in range(ranks)]
+    print(f"# calls job on {ranks} ranks: {time.perf_counter() - started:.1f} s", flush=True)
     return {"ranks": ranks, "reports": reports}
 
 
@@ -348,30 +383,47 @@ def print_counts(jobs: dict, pmpi: str) -> None:
         )
 
 
-def print_cpu(jobs: dict) -> None:
+def print_cpu(document: dict) -> None:
+    per_call, _ = seconds_per_call(document)
     print(
-        "# cpu: CPU time per engine cycle in the 8 x 4 KiB step (submissions included), "
-        "median over ranks; waiting: polling MPI in the engine's waits (most of it where "
-        "ranks outnumber cores); work = process - waiting"
+        "# cpu: per small step of so many 4 KiB tensors (submissions included), median over "
+        "ranks: the function calls (Python's and C's) made outside the engine's waits, "
+        "counted, by part (inside the agreement, inside recursive doubling, the rest); the "
+        "CPU outside the waits, measured (process CPU less the CPU polling in the waits); "
+        "and the calls at the CPU a call costs where each rank has a core "
+        f"({per_call * 1e9:.0f} ns), with measured / that (where ranks outnumber the cores, "
+        "sharing them costs the rest)"
     )
     print(
-        f"#{'p':>4} | {'cycles/step':>11} {'by callers':>10} | {'engine thread us':>16} "
-        f"{'process us':>10} {'waiting us':>10} {'work us':>8} | {'wall/step ms':>12}"
+        f"#{'p':>4} {'step':>6} | {'cycles':>6} {'agree':>5} {'data':>4} {'coll':>4} | "
+        f"{'agree':>6} {'double':>6} {'rest':>6} | {'cpu us':>8} {'calls x cost us':>15} "
+        f"{'ratio':>6} | {'waiting us':>10} | {'wall/step ms':>12}"
     )
-    for key, job in jobs.items():
-        rows = [r["phases"]["8x4K"] for r in job["reports"]]
-        cycles = _median([r["cycles"] for r in rows])
-        thread = _median([r["engine_thread_cpu_s"] / max(r["cycles"], 1e-9) for r in rows])
-        process = _median([r["process_cpu_s"] / max(r["cycles"], 1e-9) for r in rows])
-        waiting = _median([r["wait_cpu_s"] / max(r["cycles"], 1e-9) for r in rows])
-        work = _median([_work_cpu(r) / max(r["cycles"], 1e-9) for r in rows])
-        callers = _median([r["cycles_by_callers"] for r in rows])
-        print(
-            f" {int(key):>4} | {cycles:>11.2f} {callers:>10.2f} "
-            f"| {thread * 1e6:>16.1f} {process * 1e6:>10.1f} {waiting * 1e6:>10.1f} "
-            f"{work * 1e6:>8.1f} | "
-            f"{_median([r['wall_s'] for r in rows]) * 1e3:>12.2f}"
-        )
+    for key, job in document["calls"].items():
+        counted = document.get("counts", {}).get(key, {}).get("reports", [])
+        for phase in SMALL_STEPS:
+            shape = job["reports"][0]["phases"][phase]
+            parts = [
+                _median([r["phases"][phase]["calls"][part] for r in job["reports"]])
+                for part in ("agreement", "doubling", "rest")
+            ]
+            calls = sum(parts)
+            rows = [r["phases"][phase] for r in counted if phase in r["phases"]]
+            work = _median([_work_cpu(r) for r in rows]) if rows else math.nan
+            waiting = _median([r["wait_cpu_s"] for r in rows]) if rows else math.nan
+            wall = _median([r["wall_s"] for r in rows]) if rows else math.nan
+            print(
+                f" {int(key):>4} {phase:>6} | {shape['cycles']:>6.2f} "
+                f"{shape['messages'].get(NEGOTIATION, 0.0):>5.1f} "
+                f"{shape['messages'].get(DATA, 0.0):>4.1f} {_total(shape, 'collectives'):>4.1f} | "
+                f"{parts[0]:>6.0f} {parts[1]:>6.0f} {parts[2]:>6.0f} | {work * 1e6:>8.1f} "
+                f"{calls * per_call * 1e6:>15.1f} {work / (calls * per_call):>6.2f} | "
+                f"{waiting * 1e6:>10.1f} | {wall * 1e3:>12.2f}"
+            )
+
+
+def _calls(phase: dict) -> float:
+    return sum(phase["calls"].values())
 
 
 def _work_cpu(phase: dict) -> float:
@@ -464,26 +516,59 @@ def engine_point(label: str, counts: dict, ranks: int, nbytes: int, tensors: int
     return Point(label, messages, sent, calls, seconds)
 
 
-def cpu_points(document: dict) -> list[Point]:
-    """The CPU fit's points: the 8 x 4 KiB step's CPU outside the engine's waits, by p
-    (median over ranks), against the messages and bytes the engine sent and its Python calls
-    (the tensors submitted, the cycles, the MPI collectives called). The 1 MiB and 16 MiB
-    phases are left out: their CPU is the data plane's (copies and sums), not the cycle's."""
-    points: list[Point] = []
-    for key, job in document.get("counts", {}).items():
-        rows = [r["phases"]["8x4K"] for r in job["reports"]]
-        counts = rows[0]
-        calls = STEP_TENSORS["8x4K"] + counts["cycles"] + _total(counts, "collectives")
-        points.append(
-            Point(
-                f"cpu 8x4K p={key}",
-                _total(counts, "messages"),
-                _total(counts, "bytes"),
-                calls,
-                _median([_work_cpu(r) for r in rows]),
-            )  # fmt: skip
-        )
+def step_points(document: dict, agreeing_only: bool = True) -> list[StepPoint]:
+    """The call fit's points: each small step (1, 8 and 32 tensors of 4 KiB) that took one
+    cycle (a step that took more also ran cycles where some rank had not submitted yet: a
+    late rank's cost, not an agreed cycle's), the medians over ranks of its calls by part;
+    with `agreeing_only`, only those of the jobs of more than `GATHER_ONLY_UP_TO` ranks
+    (smaller ones gather every rank's form instead of agreeing, as large jobs do)."""
+    points: list[StepPoint] = []
+    for key, job in document.get("calls", {}).items():
+        ranks = int(key)
+        if agreeing_only and ranks <= GATHER_ONLY_UP_TO:
+            continue
+        for phase in SMALL_STEPS:
+            rows = [r["phases"][phase] for r in job["reports"]]
+            if _median([r["cycles"] for r in rows]) != 1.0:
+                continue
+            doubled = _median([r["calls"]["doubling"] for r in rows]) > 0
+            points.append(
+                StepPoint(
+                    f"{phase} p={key}",
+                    STEP_TENSORS[phase],
+                    scale_model.rounds(ranks),
+                    scale_model.rounds(ranks) if doubled else 0,
+                    _median([r["calls"]["agreement"] for r in rows]),
+                    _median([r["calls"]["doubling"] for r in rows]),
+                    _median([r["calls"]["rest"] for r in rows]),
+                )  # fmt: skip
+            )
     return points
+
+
+def seconds_per_call(document: dict) -> tuple[float, dict[str, float]]:
+    """The CPU one call costs: the CPU measured outside the waits over the calls counted,
+    in the one-tensor step (whose calls are mostly the cycle's and its messages', MPI's
+    among them: dearer than a tensor's, which the 32-tensor step shows) of the jobs whose
+    ranks each had a core, their median; and every small step's ratio there, by label."""
+    cores = os.cpu_count() or 1
+    ratios: dict[str, float] = {}
+    for key, job in document.get("calls", {}).items():
+        counted = document.get("counts", {}).get(key)
+        if int(key) > cores or not counted:
+            continue
+        for phase in SMALL_STEPS:
+            calls = _median([_calls(r["phases"][phase]) for r in job["reports"]])
+            rows = [r["phases"][phase] for r in counted["reports"] if phase in r["phases"]]
+            if rows and calls:
+                ratios[f"{phase} p={key}"] = _median([_work_cpu(r) for r in rows]) / calls
+    ones = [ratio for label, ratio in ratios.items() if label.startswith(f"{SMALL_STEPS[0]} ")]
+    if not ones:
+        raise SystemExit(
+            f"ringplug-bench scale: the CPU model needs a job of at most {cores} ranks (one "
+            "core each) to measure what a call costs: add 2 to --ranks"
+        )
+    return _median(ones), ratios
 
 
 def model_points(document: dict) -> list[Point]:
@@ -534,41 +619,77 @@ def model_points(document: dict) -> list[Point]:
     return points
 
 
-def fit_points(document: dict) -> tuple[Fit, Fit]:
-    """The wall-time fit and the CPU fit."""
-    wall, cpu = model_points(document), cpu_points(document)
-    if not wall or not cpu:
+def fit_points(document: dict) -> tuple[Fit, CpuModel]:
+    """The wall-time fit and the CPU model."""
+    wall, steps = model_points(document), step_points(document)
+    if not steps:
+        print(
+            f"# no job of more than {GATHER_ONLY_UP_TO} ranks agreed a step in one cycle: the "
+            "call fit takes the smaller jobs' steps, which gather every rank's form instead "
+            "of agreeing (add 8 or more to --ranks for what large jobs do)"
+        )
+        steps = step_points(document, agreeing_only=False)
+    if not wall or not steps:
         raise SystemExit("ringplug-bench scale: the model needs the counts part's points")
-    return scale_model.fit_model(wall), scale_model.fit_model(cpu)
+    per_call, _ = seconds_per_call(document)
+    return scale_model.fit_model(wall), CpuModel(scale_model.fit_calls(steps), per_call)
 
 
-def _print_fit(name: str, fit: Fit) -> None:
-    rate = f"{1 / fit.beta / 1e9:.2f} GB/s" if fit.beta else "no cost per byte"
-    print(
-        f"# {name}: alpha = {fit.alpha * 1e6:.2f} us/message, beta = {fit.beta * 1e9:.3f} "
-        f"ns/byte ({rate}), gamma = {fit.gamma * 1e6:.2f} us/call; error on its points "
-        f"(predicted / measured - 1), rms {fit.rms_error:.0%}:"
-    )
-    for label, error in fit.errors.items():
+def _print_errors(errors: dict[str, float], terms: int) -> None:
+    for label, error in errors.items():
         print(f"#   {label:<36} {error:+.0%}")
-    if len(fit.errors) <= 3:
+    if len(errors) <= terms:
         print(
             "#   (no more points than terms: the fit is underdetermined, not a test of the model)"
         )
 
 
-def print_model(fits: tuple[Fit, Fit]) -> dict:
+def print_model(fits: tuple[Fit, CpuModel]) -> dict:
     wall, cpu = fits
+    rate = f"{1 / wall.beta / 1e9:.2f} GB/s" if wall.beta else "no cost per byte"
     print(
-        "# model: seconds = alpha * messages + beta * bytes + gamma * Python calls, least "
-        "squares of the relative error, coefficients >= 0"
+        "# models: least squares of the relative error, coefficients >= 0; error on the "
+        "points (predicted / measured - 1)"
     )
-    _print_fit("wall-time fit", wall)
-    _print_fit("CPU fit (CPU outside the engine's waits)", cpu)
+    print(
+        f"# wall-time fit, seconds = alpha * messages + beta * bytes + gamma * Python calls: "
+        f"alpha = {wall.alpha * 1e6:.2f} us/message, beta = {wall.beta * 1e9:.3f} ns/byte "
+        f"({rate}), gamma = {wall.gamma * 1e6:.2f} us/call; rms {wall.rms_error:.0%}:"
+    )
+    _print_errors(wall.errors, 3)
+    fit = cpu.calls
+    print(
+        "# call fit, on the steps agreed in one cycle by jobs of more than "
+        f"{GATHER_ONLY_UP_TO} ranks (smaller ones gather every rank's form instead of "
+        "agreeing): calls outside the waits by part, rest = a + b * tensors, agreement = "
+        "c + d * rounds, recursive doubling = e * rounds (all its calls over its rounds): "
+        f"a = {fit.per_cycle:.1f}, b = {fit.per_tensor:.1f}, c = {fit.agreement_once:.1f}, "
+        f"d = {fit.agreement_per_round:.1f}, e = {fit.doubling_per_round:.1f}; rms "
+        f"{fit.rms_error:.0%}:"
+    )
+    _print_errors(fit.errors, 4)
+    print(
+        f"# CPU per call: {cpu.seconds_per_call * 1e9:.0f} ns (the one-tensor step where each "
+        "rank had a core; the cpu part shows the others)"
+    )
+    for p in (64, 512, 4096):
+        cost = [
+            cpu.seconds_per_call * fit.cycle(p, tensors, doubling) * 1e6
+            for tensors in (1, 8)
+            for doubling in (False, True)
+        ]
+        print(
+            f"# predicted engine CPU per agreed cycle at {p} ranks (target at 512: under 100 "
+            f"us), the data by MPI's allreduce / by recursive doubling: {cost[0]:.1f} / "
+            f"{cost[1]:.1f} us with 1 tensor, {cost[2]:.1f} / {cost[3]:.1f} us with 8 (of "
+            f"which {fit.per_tensor * 8 * cpu.seconds_per_call * 1e6:.1f} us the tensors', "
+            "the same at any p)"
+        )
     found = scale_model.predictions(wall, cpu)
     print(
         "# predicted (modelled, not measured): per step; efficiency = compute / (compute + "
-        "overhead), the data plane overlapping the backward pass except its last buffer"
+        "overhead), the data plane overlapping the backward pass except its last buffer; "
+        "control: the cycles' latency and CPU, and every tensor's CPU"
     )
     print(
         f"# {'setting':<44} {'p':>5} | {'engine cpu/cycle us':>19} {'control ms':>10} "
@@ -587,18 +708,28 @@ def print_model(fits: tuple[Fit, Fit]) -> dict:
     )
     for model in (*scale_model.HOROVOD_MODELS, scale_model.CPU_JOB):
         print(
-            f"#   {model.name}: {model.parameters:,} parameters, {model.compute_s * 1e3:.0f} "
-            f"ms compute per step ({model.source})"
+            f"#   {model.name}: {model.parameters:,} parameters in {model.tensors} tensors, "
+            f"{model.compute_s * 1e3:.0f} ms compute per step ({model.source})"
         )
     for network in (scale_model.ROCE, scale_model.CPU_LINK):
         print(f"#   {network.name}: {network.source}")
     return {
-        name: {
-            "alpha_s": fit.alpha,
-            "beta_s_per_byte": fit.beta,
-            "gamma_s": fit.gamma,
+        "wall": {
+            "alpha_s": wall.alpha,
+            "beta_s_per_byte": wall.beta,
+            "gamma_s": wall.gamma,
+            "errors": wall.errors,
+            "rms_error": wall.rms_error,
+        },
+        "cpu": {
+            "calls_per_cycle": fit.per_cycle,
+            "calls_per_tensor": fit.per_tensor,
+            "agreement_calls_once": fit.agreement_once,
+            "agreement_calls_per_round": fit.agreement_per_round,
+            "doubling_calls_per_round": fit.doubling_per_round,
             "errors": fit.errors,
             "rms_error": fit.rms_error,
-        }
-        for name, fit in (("wall", wall), ("cpu", cpu))
-    } | {"predictions": [row.__dict__ for row in found]}
+            "seconds_per_call": cpu.seconds_per_call,
+        },
+        "predictions": [row.__dict__ for row in found],
+    }

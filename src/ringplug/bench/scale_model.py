@@ -1,26 +1,38 @@
-"""The cost model of `ringplug-bench scale`: alpha per message, beta per byte, gamma per call
-of Python, fitted by least squares to measured points, and what it predicts for large jobs.
+"""The cost models of `ringplug-bench scale`, fitted by least squares to measured points, and
+what they predict for large jobs.
 
-A measured point is what one rank did in a timed operation (messages and bytes it sent,
-Python calls it made) and the seconds it took; the model says
-``seconds = alpha * messages + beta * bytes + gamma * calls``. The fit minimises the
-squared *relative* error over the points (a 4 KiB call and a 64 MiB one count alike) with
-every coefficient at least zero.
+Two models, each fitted by minimising the squared *relative* error over its points (a 4 KiB
+call and a 64 MiB one count alike) with every coefficient at least zero:
 
-Two fits take this form: one of wall time (a network's alpha and beta, Python's gamma),
-one of the CPU time a rank spends outside its waits (alpha and gamma are then the CPU of a
-message and of a call; no bytes). The predictions put the fitted control plane (ringplug's
-negotiation: ceil(log2 p) messages per cycle, and the cycle's CPU) next to a data plane
-taken from published figures, for
-Horovod's 512-GPU benchmark (:data:`HOROVOD_MODELS`, :data:`ROCE`) and for a CPU job whose
-data plane is ringplug's ring on 10 Gbit/s links (:data:`CPU_JOB`). Every assumption is a
-named constant below, with where it comes from.
+- **wall time** (:func:`fit_model`): a measured point is what one rank did in a timed
+  operation (messages and bytes it sent, Python calls it made) and the seconds it took;
+  ``seconds = alpha * messages + beta * bytes + gamma * calls`` (a network's alpha and
+  beta, Python's gamma).
+- **calls outside the waits** (:func:`fit_calls`): a point is one small step of one rank,
+  agreed in one cycle (so many 4 KiB tensors), and the function calls it made outside its
+  waits, counted by part: inside the agreement (``once + per_round * rounds``), inside
+  recursive doubling (``per_round * rounds``) and the rest (``per_cycle + per_tensor *
+  tensors``). The CPU is the calls times the CPU one call costs, measured where each
+  rank has a core (:class:`CpuModel`): the calls do not change when ranks share cores;
+  the CPU time of each does.
+
+The predictions put the fitted control plane (ringplug's negotiation: ceil(log2 p)
+messages per cycle, and the cycle's and the tensors' CPU) next to a data plane taken from
+published figures, for Horovod's 512-GPU benchmark (:data:`HOROVOD_MODELS`, :data:`ROCE`)
+and for a CPU job whose data plane is ringplug's ring on 10 Gbit/s links (:data:`CPU_JOB`).
+Every assumption is a named constant below, with where it comes from.
 
 Example:
     >>> points = [Point("a", 1, 0, 0, 2e-6), Point("b", 0, 1e6, 0, 1e-3), Point("c", 0, 0, 1, 5e-6)]
     >>> fit = fit_model(points)
     >>> round(fit.alpha * 1e6, 3), round(fit.beta * 1e9, 3), round(fit.gamma * 1e6, 3)
     (2.0, 1.0, 5.0)
+    >>> calls = fit_calls([
+    ...     StepPoint("1", 1, 3, 3, 48, 57, 130), StepPoint("8", 8, 4, 0, 60, 0, 494)])
+    >>> terms = (calls.per_cycle, calls.per_tensor, calls.agreement_once,
+    ...          calls.agreement_per_round, calls.doubling_per_round)
+    >>> [round(c, 6) for c in terms], round(calls.cycle(512, 1, doubling=False), 6)
+    ([78.0, 52.0, 12.0, 12.0, 19.0], 250.0)
 """
 
 from __future__ import annotations
@@ -58,24 +70,109 @@ class Fit:
 
     @property
     def rms_error(self) -> float:
-        values = list(self.errors.values())
-        return math.sqrt(sum(e * e for e in values) / len(values)) if values else 0.0
+        return _rms(self.errors)
 
 
 def fit_model(points: list[Point]) -> Fit:
-    """Least squares of relative error with alpha, beta, gamma >= 0: the unconstrained
-    solution on every subset of the three terms, keeping the best one that has no negative
-    coefficient (exact for three unknowns)."""
+    """Least squares of relative error with alpha, beta, gamma >= 0."""
     if not points:
         raise ValueError("the model needs at least one measured point")
-    rows = np.array([[p.messages, p.bytes, p.calls] for p in points], dtype=np.float64)
-    seconds = np.array([p.seconds for p in points], dtype=np.float64)
+    coefficients, errors = _fit_relative(
+        [[p.messages, p.bytes, p.calls] for p in points],
+        [p.seconds for p in points],
+        [p.label for p in points],
+    )
+    return Fit(*coefficients, errors)
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One small step of one rank in one cycle, for the CPU model: the ranks, the tensors
+    it submitted, the rounds its agreement and its recursive doubling (0: another
+    algorithm moved the data) took, and the function calls it made outside its waits,
+    by part: inside the agreement, inside recursive doubling, and the rest."""
+
+    label: str
+    tensors: float
+    agreement_rounds: float
+    doubling_rounds: float
+    agreement: float
+    doubling: float
+    rest: float
+
+
+@dataclass(frozen=True)
+class CallFit:
+    """The calls of an agreed cycle by part: the rest (the cycle's own, its MPI
+    collective's, and per tensor its submission, its place in the fused buffer and its
+    completion), the agreement (once, and per round) and recursive doubling (per round: all
+    of its calls counted per round, an upper bound); and the fits' relative errors."""
+
+    per_cycle: float
+    per_tensor: float
+    agreement_once: float
+    agreement_per_round: float
+    doubling_per_round: float
+    errors: dict[str, float]
+
+    def cycle(self, ranks: int, tensors: int, doubling: bool) -> float:
+        """The calls of one agreed cycle of `tensors` tensors on `ranks` ranks, its data
+        moved by recursive doubling or (`doubling` False) by an MPI collective."""
+        steps = rounds(ranks)
+        calls = self.per_cycle + self.per_tensor * tensors
+        calls += self.agreement_once + self.agreement_per_round * steps
+        return calls + (self.doubling_per_round * steps if doubling else 0.0)
+
+    @property
+    def rms_error(self) -> float:
+        return _rms(self.errors)
+
+
+def fit_calls(points: list[StepPoint]) -> CallFit:
+    """Least squares of relative error, every coefficient >= 0: the rest against the
+    tensors, the agreement against its rounds; recursive doubling's calls per round are
+    their median over the points that doubled."""
+    if not points:
+        raise ValueError("the CPU model needs at least one counted step")
+    labels = [p.label for p in points]
+    (per_cycle, per_tensor), rest_errors = _fit_relative(
+        [[1.0, p.tensors] for p in points], [p.rest for p in points], labels
+    )
+    (once, per_round), agreement_errors = _fit_relative(
+        [[1.0, p.agreement_rounds] for p in points], [p.agreement for p in points], labels
+    )
+    doubled = sorted(p.doubling / p.doubling_rounds for p in points if p.doubling_rounds)
+    doubling = doubled[len(doubled) // 2] if doubled else 0.0
+    errors = {f"rest: {label}": e for label, e in rest_errors.items()}
+    errors |= {f"agreement: {label}": e for label, e in agreement_errors.items()}
+    return CallFit(per_cycle, per_tensor, once, per_round, doubling, errors)
+
+
+@dataclass(frozen=True)
+class CpuModel:
+    """The CPU of the engine's work: the calls it makes (`calls`) at the CPU one call costs
+    where each rank has a core (`seconds_per_call`)."""
+
+    calls: CallFit
+    seconds_per_call: float
+
+
+def _fit_relative(
+    rows: list[list[float]], measured: list[float], labels: list[str]
+) -> tuple[list[float], dict[str, float]]:
+    """The coefficients (one per column of `rows`, each >= 0) that minimise the squared
+    relative error against `measured`: the unconstrained solution on every subset of the
+    columns, keeping the best one with no negative coefficient (exact for the few terms
+    these models have), and the relative error at each label."""
+    matrix = np.array(rows, dtype=np.float64)
+    values = np.array(measured, dtype=np.float64)
     # Each row divided by its own measurement: the residual is the relative error.
-    weighted = rows / seconds[:, None]
-    target = np.ones(len(points))
+    weighted = matrix / values[:, None]
+    target = np.ones(len(values))
+    terms = matrix.shape[1]
     best: tuple[float, np.ndarray] | None = None
     for used in itertools.chain.from_iterable(
-        itertools.combinations(range(3), k) for k in (3, 2, 1)
+        itertools.combinations(range(terms), k) for k in range(terms, 0, -1)
     ):
         columns = list(used)
         if not weighted[:, columns].any():
@@ -83,15 +180,20 @@ def fit_model(points: list[Point]) -> Fit:
         solution, *_ = np.linalg.lstsq(weighted[:, columns], target, rcond=None)
         if (solution < 0).any():
             continue
-        coefficients = np.zeros(3)
+        coefficients = np.zeros(terms)
         coefficients[columns] = solution
         residual = float(np.sum((weighted @ coefficients - target) ** 2))
         if best is None or residual < best[0] - 1e-15:
             best = (residual, coefficients)
-    coefficients = best[1] if best is not None else np.zeros(3)
-    predicted = rows @ coefficients
-    errors = {p.label: float(predicted[i] / p.seconds - 1.0) for i, p in enumerate(points)}
-    return Fit(float(coefficients[0]), float(coefficients[1]), float(coefficients[2]), errors)
+    coefficients = best[1] if best is not None else np.zeros(terms)
+    predicted = matrix @ coefficients
+    errors = {label: float(predicted[i] / values[i] - 1.0) for i, label in enumerate(labels)}
+    return [float(c) for c in coefficients], errors
+
+
+def _rms(errors: dict[str, float]) -> float:
+    values = list(errors.values())
+    return math.sqrt(sum(e * e for e in values) / len(values)) if values else 0.0
 
 
 def rounds(ranks: int) -> int:
@@ -105,6 +207,7 @@ class Model:
 
     name: str
     parameters: int  # float32 gradients: 4 bytes each
+    tensors: int  # gradient tensors per step (each one submission)
     compute_s: float  # forward and backward of one step on one worker
     source: str
 
@@ -122,6 +225,9 @@ HOROVOD_MODELS = (
     Model(
         "ResNet-101",
         44_549_160,  # torchvision.models.resnet101's parameters
+        # 104 convolutions (no bias) each with a batch norm (weight, bias), and the fc's
+        # weight and bias: 104 x 3 + 2.
+        314,
         HOROVOD_BATCH / 115.0,
         "torchvision parameter count; 115 images/s per P100 assumed: TensorFlow's published "
         "219 images/s for ResNet-50 (P100, batch 64, synthetic data) scaled by FLOPs "
@@ -130,6 +236,9 @@ HOROVOD_MODELS = (
     Model(
         "Inception V3",
         27_161_264,  # torchvision.models.inception_v3's parameters (with the aux head)
+        # 94 convolutions with batch norms (as Keras' InceptionV3 has), 2 more in the aux
+        # head, and two fc layers: 96 x 3 + 4.
+        292,
         HOROVOD_BATCH / 142.0,
         "torchvision parameter count; 142 images/s per P100: TensorFlow's published "
         "benchmark (DGX-1, batch 64, synthetic data)",
@@ -164,6 +273,7 @@ CPU_LINK = Network(
 CPU_JOB = Model(
     "ResNet-50 on CPU hosts",
     25_557_032,  # torchvision.models.resnet50's parameters
+    161,  # 53 convolutions with batch norms and the fc: 53 x 3 + 2
     2.0,
     "assumed: a step of batch 32 on one many-core CPU host takes about 2 s",
 )
@@ -179,32 +289,34 @@ BACKWARD_SHARE = 2 / 3
 class Prediction:
     setting: str
     ranks: int
-    engine_cpu_per_cycle_s: float
-    control_s: float  # per step: the negotiation's messages and Python calls
+    engine_cpu_per_cycle_s: float  # the cycle's own CPU, without its tensors'
+    control_s: float  # per step: the negotiation's latency, the cycles' and tensors' CPU
     data_s: float  # per step: the data plane
     step_overhead_s: float  # what the step pays beyond its compute, with overlap
     efficiency: float  # compute / (compute + overhead), with overlap
     efficiency_no_overlap: float
 
 
-def engine_cpu_per_cycle(cpu: Fit, ranks: int) -> float:
-    """CPU seconds of one agreed cycle on `ranks` ranks, by the CPU fit: one Python call
-    (the cycle) and its ceil(log2 p) negotiation messages."""
-    return cpu.gamma + cpu.alpha * rounds(ranks)
+def engine_cpu_per_cycle(cpu: CpuModel, ranks: int, tensors: int = 0) -> float:
+    """CPU seconds of one agreed cycle of `tensors` small tensors on `ranks` ranks, its data
+    moved by recursive doubling (the dearer in calls: the algorithm table chooses by time,
+    and may take MPI's allreduce instead), at the CPU a call costs."""
+    return cpu.seconds_per_call * cpu.calls.cycle(ranks, tensors, doubling=True)
 
 
 def predict(
-    wall: Fit, cpu: Fit, model: Model, network: Network, ranks: int, setting: str
+    wall: Fit, cpu: CpuModel, model: Model, network: Network, ranks: int, setting: str
 ) -> Prediction:
-    """A step of `model` on `ranks` workers: ringplug's control plane (per cycle, the CPU
-    fit's cost of the cycle and ceil(log2 p) message latencies) and the data plane of
+    """A step of `model` on `ranks` workers: ringplug's control plane (per cycle, its CPU
+    and ceil(log2 p) message latencies; per tensor, its CPU) and the data plane of
     `network`. A network with a latency of its own (NCCL's) gives the messages' latency;
     one without (ringplug's ring) takes the wall fit's alpha for both."""
     buffers = math.ceil(model.gradient_bytes / FUSION_BYTES)
     cycles = buffers + 1
     cpu_per_cycle = engine_cpu_per_cycle(cpu, ranks)
     message_s = network.latency_s if network.latency_s > 0 else wall.alpha
-    control = cycles * (message_s * rounds(ranks) + cpu_per_cycle)
+    tensors_cpu = model.tensors * cpu.calls.per_tensor * cpu.seconds_per_call
+    control = cycles * (message_s * rounds(ranks) + cpu_per_cycle) + tensors_cpu
     share = 2 * (ranks - 1) / ranks * model.gradient_bytes
     if network.latency_s > 0:  # NCCL: trees for the latency, the ring's bandwidth
         latency = buffers * 2 * rounds(ranks) * network.latency_s
@@ -225,7 +337,9 @@ def predict(
     )
 
 
-def predictions(wall: Fit, cpu: Fit, ranks: tuple[int, ...] = (64, 512, 4096)) -> list[Prediction]:
+def predictions(
+    wall: Fit, cpu: CpuModel, ranks: tuple[int, ...] = (64, 512, 4096)
+) -> list[Prediction]:
     """Horovod's two 512-GPU models on NCCL over RoCE, and the CPU job, at each of `ranks`."""
     found = []
     for model in HOROVOD_MODELS:
