@@ -69,14 +69,15 @@ def allreduce(
         _swap(comm, None, data, pairing, waiter, "recursive doubling: the result")
         return
     incoming = np.empty_like(buf)
+    received = incoming.view(np.uint8)
     if pairing is not None:
-        _swap(comm, None, incoming.view(np.uint8), pairing, waiter, "recursive doubling: pairing")
+        _swap(comm, None, received, pairing, waiter, "recursive doubling: pairing")
         _combine_in_order(buf, incoming, pairing < rank, op, code)
     for step, partner in enumerate(partners):
         _swap(
             comm,
             data,
-            incoming.view(np.uint8),
+            received,
             partner,
             waiter,
             f"recursive doubling step {step + 1} of {len(partners)}",
@@ -106,15 +107,13 @@ def _swap(
     phase: str,
 ) -> None:
     """Send `outgoing` to `peer` and receive `incoming` from it (either may be None)."""
-    from mpi4py import MPI
-
     requests = []
     if incoming is not None:
         requests.append(comm.Irecv(incoming, peer, DOUBLING_TAG))
     if outgoing is not None:
         requests.append(comm.Isend(outgoing, peer, DOUBLING_TAG))
     if waiter is None:
-        MPI.Request.Waitall(requests)
+        type(requests[0]).Waitall(requests)  # MPI.Request's, without importing it per step
         return
     if outgoing is not None:
         waiter.traffic.sent(DATA, outgoing.nbytes)
