@@ -217,6 +217,7 @@ def test_a_member_that_makes_a_local_sync_group_after_the_others_gave_up_is_told
     assert result.returncode == 0, result.stdout + result.stderr
     late = checked(tmp_path, "missing", "backend", 3)[2]
     assert late["checks"]["missing/late-member-refused"], late["details"]
+    assert late["checks"]["missing/every-member-tries-again-and-makes-it"]
 
 
 def test_a_store_the_ranks_cannot_reach_says_why_when_used_and_nothing_else_breaks():
