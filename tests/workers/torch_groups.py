@@ -522,10 +522,13 @@ def missing(rank: int, size: int, checks: dict[str, bool], details: dict[str, st
             checks["missing/late-member-refused"] = False
         except MembersMissingError as exc:
             text = str(exc)
+            named = (
+                "rank 2 cannot make process set [0,1,2]#0 (world ranks 0, 1, 2): rank(s) 0, 1 "
+                "gave up on it (rank 0 waited"
+            )
             checks["missing/late-member-refused"] = (
                 exc.caused_by == (0, 1)
-                and "rank 2 cannot make process set [0,1,2]#0 (world ranks 0, 1, 2): rank(s) "
-                "0, 1 gave up on it" in text
+                and named in text
                 and f"rank 0 waited {timeout:g} s (RINGPLUG_TIMEOUT) for rank(s) 2" in text
                 and "call it again on every member" in text
             )

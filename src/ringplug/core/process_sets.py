@@ -429,13 +429,7 @@ def _negotiation(comm: MPI.Comm, set_id: str, peers: list[int], world: Engine) -
     try:
         yield
     except BaseException as exc:
-        if isinstance(exc, MembersMissingError) and exc.caused_by:
-            why = (
-                f"waited {world.settings.timeout:g} s (RINGPLUG_TIMEOUT) for rank(s) "
-                f"{_ranks_text(exc.caused_by)}, then raised MembersMissingError"
-            )
-        else:
-            why = f"raised {type(exc).__name__}"
+        why = getattr(exc, "withdrawal", None) or f"raised {type(exc).__name__}"
         _send(comm, (_WITHDRAW, set_id, world.rank, why), peers)
         raise
     finally:
@@ -530,7 +524,7 @@ def _exchange(
         time.sleep(pause)  # polls: the others may be busy for long, this rank must not block
         pause = min(2 * pause, 0.02)
     missing = tuple(r for r in peers if r not in got)
-    raise MembersMissingError(
+    error = MembersMissingError(
         f"rank {world.rank} waited {timeout:g} s (RINGPLUG_TIMEOUT) for rank(s) "
         f"{_ranks_text(missing)} to make {where} with it, but they never called: the set is "
         "made by its members only (add_process_set(ranks, members_only=True), torch's "
@@ -538,6 +532,12 @@ def _exchange(
         "it, in the same order as the other members-only sets it shares with them.",
         caused_by=missing,
     )
+    # What the other members hear of it (`_negotiation`).
+    error.withdrawal = (
+        f"waited {timeout:g} s (RINGPLUG_TIMEOUT) for rank(s) {_ranks_text(missing)}, then "
+        "raised MembersMissingError"
+    )
+    raise error
 
 
 def _confirm(comm: MPI.Comm, set_id: str, peers: list[int], world: Engine, where: str) -> None:
@@ -567,20 +567,22 @@ def _confirm(comm: MPI.Comm, set_id: str, peers: list[int], world: Engine, where
         time.sleep(pause)
         pause = min(2 * pause, 0.02)
     silent = tuple(r for r in peers if r not in confirmed)
-    raise MembersMissingError(
+    error = MembersMissingError(
         f"rank {world.rank} has every member's proposal for {where}, but rank(s) "
         f"{_ranks_text(silent)} neither confirmed it nor gave up within "
         f"{timeout + _READY_GRACE_SECONDS:g} s (RINGPLUG_TIMEOUT and a grace): they are stuck "
         "or gone.",
         caused_by=silent,
     )
+    error.withdrawal = f"never heard rank(s) {_ranks_text(silent)} confirm it"
+    raise error
 
 
 def _gave_up(withdrawn: dict[int, str], world: Engine, where: str) -> MembersMissingError:
     """The error of a member whose peers withdrew from the set (most often: it called late,
     after they had given up waiting for it)."""
     who = tuple(sorted(withdrawn))
-    return MembersMissingError(
+    error = MembersMissingError(
         f"rank {world.rank} cannot make {where}: rank(s) {_ranks_text(who)} gave up on it ("
         + "; ".join(f"rank {r} {why}" for r, why in sorted(withdrawn.items()))
         + "), so no member made it. A member that calls after the others waited "
@@ -591,6 +593,8 @@ def _gave_up(withdrawn: dict[int, str], world: Engine, where: str) -> MembersMis
         "they share; to try again, call it again on every member.",
         caused_by=who,
     )
+    error.withdrawal = f"heard that rank(s) {_ranks_text(who)} gave up on it"
+    return error
 
 
 def remove_process_set(process_set: ProcessSet, *, members_only: bool = False) -> None:
