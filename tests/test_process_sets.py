@@ -111,6 +111,17 @@ def test_a_set_made_by_its_members_only_runs_every_kind_while_its_non_member_is_
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("ranks", [3, 4])
+def test_an_any_source_any_tag_receive_on_the_world_never_takes_a_members_only_proposal(
+    reports, ranks
+):
+    # Rank 0 had it pending while it made L with ranks 1..p-2; rank p-1 sent the message.
+    case = reports(ranks)[0]["L/any-source-receive-takes-the-applications-message"]
+    assert case["ok"], case["detail"]
+    assert case["detail"] == f"from rank {ranks - 1}, tag 7: ('application', {ranks - 1})"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [3, 4])
 def test_disjoint_ranks_make_members_only_sets_at_once_with_ids_of_their_own(reports, ranks):
     for rank, report in enumerate(reports(ranks)[:-2]):
         for case in ("PQ/disjoint-sets-at-once", "PQ/ids-unique-and-counted"):

@@ -210,6 +210,16 @@ def test_a_member_that_never_makes_a_local_sync_group_is_named_on_those_that_did
     assert all(report["checks"]["missing/job-goes-on"] for report in reports)
 
 
+def test_a_member_that_makes_a_local_sync_group_after_the_others_gave_up_is_told_who_gave_up(
+    frozen_job,
+):
+    result, tmp_path = frozen_job
+    assert result.returncode == 0, result.stdout + result.stderr
+    late = checked(tmp_path, "missing", "backend", 3)[2]
+    assert late["checks"]["missing/late-member-refused"], late["details"]
+    assert late["checks"]["missing/every-member-tries-again-and-makes-it"]
+
+
 def test_a_store_the_ranks_cannot_reach_says_why_when_used_and_nothing_else_breaks():
     # rank 0 with no address the other hosts route to (or a rank that cannot connect): the
     # job still trains, and only a use of the store fails, at once and saying why.

@@ -7,8 +7,10 @@ p ranks: A = 0..p-2 (not a power of two on 4 ranks), B = {1, p-1} (passed as [p-
 overlaps A at rank 1), C = {0, p-1} (two ranks, for Adasum).
 
 Sets made by their members only (``members_only=True``): L = 0..p-2, made and used while rank
-p-1 is blocked elsewhere (it waits for a file the members write when done); P = {0, p-1} and
-Q = 1..p-2, made at once by disjoint groups of ranks, twice each.
+p-1 is blocked elsewhere (it waits for a file the members write when done) and rank 0 has the
+application's receive from any source with any tag pending on MPI_COMM_WORLD (rank p-1 sends
+it its message once L is done); P = {0, p-1} and Q = 1..p-2, made at once by disjoint groups of
+ranks, twice each.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def expected_case_names(rank: int, size: int) -> list[str]:
     if rank in local_ranks(size)["L"]:
         names += [f"L/{kind}" for kind in KINDS if kind != "negotiation-grows-with-the-set"]
         names += ["L/named-apart-from-the-world", "L/removed-by-its-members"]
+        if rank == 0:
+            names.append("L/any-source-receive-takes-the-applications-message")
     else:
         names.append("L/non-member-blocked-meanwhile")
     names += ["PQ/disjoint-sets-at-once", "PQ/ids-unique-and-counted"]
@@ -264,6 +268,10 @@ def members_only(check, report: dict, rank: int, size: int, outdir: Path) -> Non
     elsewhere, P and Q made at once by disjoint ranks, and the bad inputs."""
     local = local_ranks(size)
     done = outdir / "L-done"
+    if rank == 0:
+        # The application's own receive on MPI_COMM_WORLD, from any source with any tag (as
+        # mpi4py users write), pending while the members exchange their proposals.
+        received = MPI.COMM_WORLD.irecv(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
     if rank in local["L"]:
         ps = sets.add_process_set(local["L"], members_only=True)
         run_kinds(check, ps, "L", rank)
@@ -282,7 +290,25 @@ def members_only(check, report: dict, rank: int, size: int, outdir: Path) -> Non
 
         check("L/removed-by-its-members", removed)
         if rank == 0:
-            done.write_text("the members made, used and removed L")
+            # Whole when it appears: rank p-1 reads it as soon as it exists.
+            written = outdir / "L-done.tmp"
+            written.write_text("the members made, used and removed L")
+            written.replace(done)
+
+            def applications_message():
+                status = MPI.Status()
+                deadline = time.monotonic() + 120
+                while not (taken := received.test(status=status))[0]:
+                    if time.monotonic() > deadline:
+                        return False, "rank 0 never received the application's message"
+                    time.sleep(0.01)
+                source, tag, message = status.Get_source(), status.Get_tag(), taken[1]
+                return (
+                    (source, tag, message) == (size - 1, 7, ("application", size - 1)),
+                    f"from rank {source}, tag {tag}: {message!r}",
+                )
+
+            check("L/any-source-receive-takes-the-applications-message", applications_message)
     else:
         # Blocked in work of its own until the members are done: they need nothing from it.
         def blocked():
@@ -294,6 +320,7 @@ def members_only(check, report: dict, rank: int, size: int, outdir: Path) -> Non
             return True, done.read_text()
 
         check("L/non-member-blocked-meanwhile", blocked)
+        MPI.COMM_WORLD.send(("application", rank), dest=0, tag=7)
 
     mine = "P" if rank in local["P"] else "Q"
 

@@ -485,7 +485,8 @@ def missing(rank: int, size: int, checks: dict[str, bool], details: dict[str, st
     """Fault injection: ranks 0 and 1 make ``new_group([0, 1, 2],
     use_local_synchronization=True)``, and rank 2 never calls it (it is blocked in work of
     its own until a file says they gave up): ranks 0 and 1 fail after RINGPLUG_TIMEOUT with
-    `MembersMissingError` naming rank 2 and the set; the job goes on."""
+    `MembersMissingError` naming rank 2 and the set; rank 2 then calls, late, and fails at
+    once naming ranks 0 and 1; the job goes on."""
     from ringplug.core.errors import MembersMissingError
 
     gave_up = OUTDIR / f"members-gave-up-{rank}"
@@ -513,6 +514,31 @@ def missing(rank: int, size: int, checks: dict[str, bool], details: dict[str, st
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
+        # Then it calls, late: it finds their proposals, then their withdrawals, and fails
+        # naming them ("gave up on it" is the withdrawals' error, never a wait's), not alone
+        # in MPI_Comm_create_group until a watchdog ends the job.
+        try:
+            dist.new_group([0, 1, 2], use_local_synchronization=True)
+            checks["missing/late-member-refused"] = False
+        except MembersMissingError as exc:
+            text = str(exc)
+            named = (
+                "rank 2 cannot make process set [0,1,2]#0 (world ranks 0, 1, 2): rank(s) 0, 1 "
+                "gave up on it (rank 0 waited"
+            )
+            checks["missing/late-member-refused"] = (
+                exc.caused_by == (0, 1)
+                and named in text
+                and f"rank 0 waited {timeout:g} s (RINGPLUG_TIMEOUT) for rank(s) 2" in text
+                and "call it again on every member" in text
+            )
+            details["missing-late"] = text
+    # Every member calls again, as the late member's error says: each member's count of
+    # such sets moved on alike, so this one is made.
+    group = dist.new_group([0, 1, 2], use_local_synchronization=True)
+    tensor = full(rank)
+    dist.all_reduce(tensor, group=group)
+    checks["missing/every-member-tries-again-and-makes-it"] = torch.equal(tensor, full(3))
     tensor = full(rank)
     dist.all_reduce(tensor)
     checks["missing/job-goes-on"] = torch.equal(tensor, full(sum(range(size))))

@@ -46,7 +46,12 @@ class MembersMissingError(RingplugError, TimeoutError):
     """A process set made by its members only (`add_process_set(members_only=True)`, torch's
     ``new_group(use_local_synchronization=True)``): some members never called to make it
     within ``RINGPLUG_TIMEOUT``. Raised on each member that did, naming the set and the
-    members that never came (`caused_by`)."""
+    members that never came (`caused_by`); and on a member that calls after the others gave
+    up on it, naming those (`caused_by`)."""
+
+    # Why this member gave up, in the words the set's other members are sent (so that one
+    # that calls late can say it): "waited 15 s (RINGPLUG_TIMEOUT) for rank(s) 2, ...".
+    withdrawal: str = ""
 
 
 class PeerFailedError(RingplugError):

@@ -21,7 +21,8 @@ state. The cost is a thread per set this rank is in, asleep when the set is idle
 for peers with the same growing interval as the world's engine), and two communicators per
 set (the negotiation's and the data plane's). Creating a set costs one allgather of the
 proposed ranks on the world (through the world's engine, so with its deadline and stall
-inspector) and MPI_Comm_create_group among the members only.
+inspector) and MPI_Comm_create_group among the members only, on a duplicate of the world
+that `runtime.init()` made for process sets' own traffic.
 
 Creation is collective: every rank of the world calls `add_process_set` with the same ranks,
 in the same order of calls; the ranks compare what each passed before any communicator is
@@ -30,21 +31,32 @@ error on every rank.
 
 Or only the members call (`add_process_set(ranks, members_only=True)`, torch's
 ``new_group(use_local_synchronization=True)``), and the rest of the world takes no part at
-all: each member sends its proposal (its ranks, and how many members-only sets of exactly
-these ranks it made before) to the other members, point to point on MPI_COMM_WORLD under a
-tag of its own, and polls for theirs until ``RINGPLUG_TIMEOUT``, after which it raises
+all. Their messages go point to point on a duplicate of MPI_COMM_WORLD that `runtime.init()`
+made for process sets (so no receive of the application's on MPI_COMM_WORLD, from any source
+with any tag, can take one), each naming the set it is about. Each member sends its proposal
+(its ranks, and how many members-only sets of exactly these ranks it made before) to the
+other members, and polls for theirs until ``RINGPLUG_TIMEOUT``, after which it raises
 `MembersMissingError` naming the members that never called. The members then compare the
-proposals as the world's ranks do (the same error on each), and make the communicator with
-MPI_Comm_create_group, which only the members enter. Such a set is named, not numbered:
-its id is the string ``"[0,2]#1"`` (its ranks, and the count of members-only sets of those
-ranks before it), which no other set can have: the world's sets have integer ids (Horovod's),
-and members-only sets made at once by disjoint groups of ranks differ in their ranks. The
-proposals of one pair of ranks are matched in the order each sends them, so members that
-make their shared members-only sets in different orders do not hang: those whose proposals
-crossed get `MismatchError`, a member left waiting `MembersMissingError`. A member that gave
-up leaves its proposal queued for the late member (taken at `shutdown()`, since MPI_Finalize
-refuses unmatched messages): treat that error as fatal for these ranks, as every
-RINGPLUG_TIMEOUT.
+proposals as the world's ranks do (the same error on each), tell each other they are ready,
+and make the communicator with MPI_Comm_create_group, which only the members enter. Such a
+set is named, not numbered: its id is the string ``"[0,2]#1"`` (its ranks, and the count of
+members-only sets of those ranks before it), which no other set can have: the world's sets
+have integer ids (Horovod's), and members-only sets made at once by disjoint groups of
+ranks differ in their ranks. The proposals of one pair of ranks are matched in the order
+each sends them, so members that make their shared members-only sets in different orders
+do not hang: those whose proposals crossed get `MismatchError`, a member left waiting
+`MembersMissingError`.
+
+A member that fails to make a set (it gave up waiting, or the proposals disagreed) sends
+the others a withdrawal naming the set, so a member that calls late, after the others gave
+up, reads their stale proposals and then their withdrawals, and raises `MembersMissingError`
+naming them at once, instead of entering MPI_Comm_create_group alone. That is why the
+members wait for each other's "ready" before making the communicator: a proposal alone
+cannot say whether its sender is still waiting. A member that has every proposal waits for
+the readies for ``RINGPLUG_TIMEOUT`` and a grace more, longer than any member that sent its
+proposal can still be waiting for the others, so it hears "ready" or a withdrawal from each
+live member. Every member advances its count of sets of those ranks whatever the outcome,
+so calling again on every member tries again.
 
 Removal is collective too, and refused on every rank while any member
 has a collective of the set in flight. A rank that is not in a set gets a `ProcessSet` whose
@@ -60,7 +72,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import sys
 import threading
 import time
 import zlib
@@ -79,9 +90,25 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ProcessSet", "add_process_set", "all_process_sets", "remove_process_set"]
 
-# The MPI tag of the proposals of members-only sets, on MPI_COMM_WORLD (which nothing else
-# sends on: engines run on duplicates); under 32767, the least MPI_TAG_UB MPI allows.
+# The MPI tag of members-only sets' messages, on `runtime.sets_comm()` (a duplicate of the
+# world that nothing else sends on); under 32767, the least MPI_TAG_UB MPI allows.
 _PROPOSAL_TAG = 32101
+# What members-only sets' messages say: (kind, set id, sender's world rank, payload).
+_PROPOSE = "propose"  # payload: (the ranks passed, how many sets of them the sender made)
+_READY = "ready"  # the sender has every member's proposal, and they agree
+_WITHDRAW = "withdraw"  # the sender failed to make the set; payload: why, in words
+# How much longer than RINGPLUG_TIMEOUT a member with every proposal waits for the others'
+# "ready" (see the module's docstring): messages in flight, a busy machine.
+_READY_GRACE_SECONDS = 5.0
+
+
+@dataclasses.dataclass
+class _Inbox:
+    """What one other rank sent this one about members-only sets, not taken yet."""
+
+    proposals: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    ready: set[str] = dataclasses.field(default_factory=set)
+    withdrawn: dict[str, str] = dataclasses.field(default_factory=dict)  # set id: why
 
 
 class _Sets:
@@ -98,8 +125,11 @@ class _Sets:
         # and how many this rank made of each list of ranks.
         self.by_name: dict[str, ProcessSet] = {}
         self.made_of: dict[tuple[int, ...], int] = {}
-        # Proposals sent to members that never took them (their sender gave up waiting).
-        self.abandoned: list[Any] = []
+        # Members-only sets' messages, by sender; the ids of the sets this rank made or gave
+        # up on (their late messages are dropped); this rank's sends not yet complete.
+        self.inbox: dict[int, _Inbox] = {}
+        self.finished: set[str] = set()
+        self.sending: list[Any] = []
 
     def free_id(self) -> int:
         """The smallest id no set has (0 is the world, as in Horovod): the id of a set that
@@ -342,7 +372,26 @@ def _add_among_members(ranks: Iterable[int]) -> ProcessSet:
         _sets.made_of[members] = count + 1
     set_id = f"[{','.join(map(str, members))}]#{count}"
     where = f"process set {set_id} (world ranks {_ranks_text(members)})"
-    offers = _exchange((proposal, count), members, world, where)
+    peers = [r for r in members if r != world.rank]
+    comm = runtime.sets_comm()
+    if comm is None or not peers:
+        _agree({world.rank: (proposal, count)}, members, world, where)
+    else:
+        with _negotiation(comm, set_id, peers, world):
+            offers = _exchange(comm, (proposal, count), set_id, members, world, where)
+            _agree(offers, members, world, where)
+            _confirm(comm, set_id, peers, world, where)
+    tag = 16384 + zlib.crc32(set_id.encode()) % 16000  # any tag serves; distinct helps MPI
+    process_set = _make(set_id, members, world, tag=tag)
+    with _sets.lock:
+        _sets.by_name[set_id] = process_set
+    return process_set
+
+
+def _agree(
+    offers: dict[int, tuple[Any, ...]], members: tuple[int, ...], world: Engine, where: str
+) -> None:
+    """Raise, the same on every member, when the members' proposals are wrong or differ."""
     problems = [f"rank {r} {text}" for r in members if (text := _problem(offers[r][0], world.size))]
     if problems:
         raise ValueError(
@@ -370,50 +419,112 @@ def _add_among_members(ranks: Iterable[int]) -> ProcessSet:
             + "; ".join(f"rank {r}: {n}" for r, n in counts.items())
             + "): each member must make (and remove) the same ones, in the same order."
         )
-    tag = 16384 + zlib.crc32(set_id.encode()) % 16000  # any tag serves; distinct helps MPI
-    process_set = _make(set_id, members, world, tag=tag)
+
+
+@contextlib.contextmanager
+def _negotiation(comm: MPI.Comm, set_id: str, peers: list[int], world: Engine) -> Iterator[None]:
+    """Around the members' messages about `set_id`: when this rank fails to make it, tell
+    the other members (one that calls late then fails at once, naming this rank); either
+    way, drop whatever comes about it later."""
+    try:
+        yield
+    except BaseException as exc:
+        why = getattr(exc, "withdrawal", None) or f"raised {type(exc).__name__}"
+        _send(comm, (_WITHDRAW, set_id, world.rank, why), peers)
+        raise
+    finally:
+        with _sets.lock:
+            _sets.finished.add(set_id)
+            for inbox in _sets.inbox.values():
+                inbox.proposals.pop(set_id, None)
+                inbox.ready.discard(set_id)
+                inbox.withdrawn.pop(set_id, None)
+
+
+def _send(comm: MPI.Comm, message: tuple[Any, ...], peers: list[int]) -> None:
+    """`message` to each of `peers`, without blocking (the requests complete in `_collect`)."""
+    requests = [comm.isend(message, dest=r, tag=_PROPOSAL_TAG) for r in peers]
     with _sets.lock:
-        _sets.by_name[set_id] = process_set
-    return process_set
+        _sets.sending.extend(requests)
+
+
+def _collect(comm: MPI.Comm) -> None:
+    """File every members-only sets' message that has come for this rank, by sender; drop
+    those about sets this rank made or gave up on (a late member's proposal, say)."""
+    from mpi4py import MPI
+
+    with _sets.lock:
+        while (message := comm.improbe(source=MPI.ANY_SOURCE, tag=_PROPOSAL_TAG)) is not None:
+            kind, set_id, sender, payload = message.recv()
+            if set_id in _sets.finished:
+                continue
+            inbox = _sets.inbox.setdefault(sender, _Inbox())
+            if kind == _PROPOSE:
+                inbox.proposals[set_id] = payload
+            elif kind == _READY:
+                inbox.ready.add(set_id)
+            else:  # the sender gave up on the set (its proposal stays: see `_exchange`)
+                inbox.withdrawn[set_id] = payload
+                inbox.ready.discard(set_id)
+        _sets.sending = [request for request in _sets.sending if not request.Test()]
+
+
+def _withdrawn(set_id: str, peers: list[int]) -> dict[int, str]:
+    """The peers that withdrew from `set_id`, and why (call under `_sets.lock`)."""
+    found = {}
+    for r in peers:
+        inbox = _sets.inbox.get(r)
+        if inbox is not None and set_id in inbox.withdrawn:
+            found[r] = inbox.withdrawn[set_id]
+    return found
 
 
 def _exchange(
-    proposal: tuple[Any, ...], members: tuple[int, ...], world: Engine, where: str
+    comm: MPI.Comm,
+    offer: tuple[Any, ...],
+    set_id: str,
+    members: tuple[int, ...],
+    world: Engine,
+    where: str,
 ) -> dict[int, tuple[Any, ...]]:
-    """Every member's proposal, by world rank: this rank's sent to each other member, and
-    theirs received, polling until RINGPLUG_TIMEOUT (no MPI call here blocks)."""
-    got: dict[int, tuple[Any, ...]] = {world.rank: proposal}
+    """Every member's proposal, by world rank: this rank's `offer` sent to each other member,
+    and theirs received, polling until RINGPLUG_TIMEOUT (no MPI call here blocks)."""
+    got: dict[int, tuple[Any, ...]] = {world.rank: offer}
     peers = [r for r in members if r != world.rank]
-    if not peers:
-        return got
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    sends = [comm.isend(proposal, dest=r, tag=_PROPOSAL_TAG) for r in peers]
+    _send(comm, (_PROPOSE, set_id, world.rank, offer), peers)
     timeout = world.settings.timeout
     deadline = time.monotonic() + timeout
     pause = 0.0002
     while True:
-        for r in peers:
-            if r not in got:
-                message = comm.improbe(source=r, tag=_PROPOSAL_TAG)
-                if message is not None:
-                    got[r] = message.recv()
-        if len(got) == len(members) and MPI.Request.Testall(sends):
+        _collect(comm)
+        with _sets.lock:
+            for r in peers:
+                inbox = _sets.inbox.get(r)
+                if r in got or inbox is None:
+                    continue
+                # Proposals of sets their sender withdrew from are stale, but for this one:
+                # its members compare its proposals first, so that a member that withdrew
+                # because they were wrong is the same error here (`_agree`).
+                for other in [i for i in inbox.proposals if i in inbox.withdrawn]:
+                    if other != set_id:
+                        del inbox.proposals[other]
+                if set_id in inbox.proposals:
+                    got[r] = inbox.proposals.pop(set_id)
+                elif inbox.proposals:  # r proposed another set first: crossed (`_agree`)
+                    got[r] = inbox.proposals.pop(next(iter(inbox.proposals)))
+            # A member whose proposal came and which then withdrew is heard of in `_agree`
+            # or `_confirm`.
+            withdrawn = _withdrawn(set_id, [r for r in peers if r not in got])
+        if withdrawn:
+            raise _gave_up(withdrawn, world, where)
+        if len(got) == len(members):
             return got
         if time.monotonic() >= deadline:
             break
         time.sleep(pause)  # polls: the others may be busy for long, this rank must not block
         pause = min(2 * pause, 0.02)
-    with _sets.lock:
-        _sets.abandoned.extend(sends)
     missing = tuple(r for r in peers if r not in got)
-    if not missing:  # every proposal came, but one of this rank's was never taken
-        raise MembersMissingError(
-            f"rank {world.rank} waited {timeout:g} s (RINGPLUG_TIMEOUT) for the other members "
-            f"of {where} to take its proposal; one of them gave up or is gone."
-        )
-    raise MembersMissingError(
+    error = MembersMissingError(
         f"rank {world.rank} waited {timeout:g} s (RINGPLUG_TIMEOUT) for rank(s) "
         f"{_ranks_text(missing)} to make {where} with it, but they never called: the set is "
         "made by its members only (add_process_set(ranks, members_only=True), torch's "
@@ -421,6 +532,69 @@ def _exchange(
         "it, in the same order as the other members-only sets it shares with them.",
         caused_by=missing,
     )
+    # What the other members hear of it (`_negotiation`).
+    error.withdrawal = (
+        f"waited {timeout:g} s (RINGPLUG_TIMEOUT) for rank(s) {_ranks_text(missing)}, then "
+        "raised MembersMissingError"
+    )
+    raise error
+
+
+def _confirm(comm: MPI.Comm, set_id: str, peers: list[int], world: Engine, where: str) -> None:
+    """Tell the other members this rank has every proposal, and wait for them to say the
+    same (or that they gave up), for longer than any of them can still be waiting for
+    proposals (see the module's docstring)."""
+    _send(comm, (_READY, set_id, world.rank, None), peers)
+    timeout = world.settings.timeout
+    deadline = time.monotonic() + timeout + _READY_GRACE_SECONDS
+    confirmed: set[int] = set()
+    pause = 0.0002
+    while True:
+        _collect(comm)
+        with _sets.lock:
+            for r in peers:
+                inbox = _sets.inbox.get(r)
+                if inbox is not None and set_id in inbox.ready:
+                    inbox.ready.discard(set_id)
+                    confirmed.add(r)
+            withdrawn = _withdrawn(set_id, peers)
+        if withdrawn:
+            raise _gave_up(withdrawn, world, where)
+        if len(confirmed) == len(peers):
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+    silent = tuple(r for r in peers if r not in confirmed)
+    error = MembersMissingError(
+        f"rank {world.rank} has every member's proposal for {where}, but rank(s) "
+        f"{_ranks_text(silent)} neither confirmed it nor gave up within "
+        f"{timeout + _READY_GRACE_SECONDS:g} s (RINGPLUG_TIMEOUT and a grace): they are stuck "
+        "or gone.",
+        caused_by=silent,
+    )
+    error.withdrawal = f"never heard rank(s) {_ranks_text(silent)} confirm it"
+    raise error
+
+
+def _gave_up(withdrawn: dict[int, str], world: Engine, where: str) -> MembersMissingError:
+    """The error of a member whose peers withdrew from the set (most often: it called late,
+    after they had given up waiting for it)."""
+    who = tuple(sorted(withdrawn))
+    error = MembersMissingError(
+        f"rank {world.rank} cannot make {where}: rank(s) {_ranks_text(who)} gave up on it ("
+        + "; ".join(f"rank {r} {why}" for r, why in sorted(withdrawn.items()))
+        + "), so no member made it. A member that calls after the others waited "
+        f"RINGPLUG_TIMEOUT ({world.settings.timeout:g} s) for it is too late: every member "
+        "must call add_process_set(ranks, members_only=True) (torch's dist.new_group(ranks, "
+        "use_local_synchronization=True)) within RINGPLUG_TIMEOUT of the others (raise it if "
+        "a member is busy for longer), in the same order as the other members-only sets "
+        "they share; to try again, call it again on every member.",
+        caused_by=who,
+    )
+    error.withdrawal = f"heard that rank(s) {_ranks_text(who)} gave up on it"
+    return error
 
 
 def remove_process_set(process_set: ProcessSet, *, members_only: bool = False) -> None:
@@ -609,13 +783,15 @@ def _within_timeout(members: tuple[int, ...], set_id: int | str, world: Engine) 
 
 def _communicator(members: tuple[int, ...], tag: int) -> MPI.Comm:
     """MPI_Comm_create_group among the members (the others do not take part); `tag` tells
-    apart the calls of overlapping sets made at once."""
-    from mpi4py import MPI
-
-    everyone = MPI.COMM_WORLD.Get_group()
+    apart the calls of overlapping sets made at once. The parent is `runtime.sets_comm()`,
+    a duplicate of the world (so the members' ranks are its ranks), where nothing of the
+    application's can meet the call's messages."""
+    parent = runtime.sets_comm()
+    assert parent is not None  # a world of more than one rank runs on MPI
+    everyone = parent.Get_group()
     group = everyone.Incl(list(members))
     try:
-        return MPI.COMM_WORLD.Create_group(group, tag=tag)
+        return parent.Create_group(group, tag=tag)
     finally:
         group.Free()
         everyone.Free()
@@ -646,9 +822,9 @@ def _close(process_set: ProcessSet, world: Engine | None, retire: bool = False) 
 
 
 def _stop_all() -> None:
-    """At `shutdown()`: stop every set's engine before the world's, forget the sets, and
-    take the proposals of members-only sets that this rank never made (their senders gave
-    up on it): MPI_Finalize refuses to free MPI_COMM_WORLD with messages left unmatched."""
+    """At `shutdown()`: stop every set's engine before the world's, and forget the sets and
+    the members-only sets' messages (`runtime.shutdown()` takes those still coming, on the
+    sets' communicator, before it frees it)."""
     world = runtime.current_engine()
     for process_set in all_process_sets():
         _close(process_set, world)
@@ -657,11 +833,9 @@ def _stop_all() -> None:
         _sets.retired.clear()
         _sets.by_name.clear()
         _sets.made_of.clear()
-        _sets.abandoned.clear()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        while (message := mpi.COMM_WORLD.improbe(tag=_PROPOSAL_TAG)) is not None:
-            logger.debug("dropped an unanswered proposal: %r", message.recv())
+        _sets.inbox.clear()
+        _sets.finished.clear()
+        # `sending` stays: a request must outlive its send, which the next `_collect` sees.
 
 
 runtime.before_shutdown.append(_stop_all)

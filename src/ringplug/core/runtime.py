@@ -18,7 +18,7 @@ import threading
 import time
 import traceback as traceback_module
 from types import TracebackType
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from .. import wire
 from ..config import Settings, read_settings
@@ -26,6 +26,9 @@ from ..forensics import stacks
 from . import log
 from .engine.engine import Engine
 from .errors import NotInitializedError, PeerEngineFailedError, PeerLeftError, RingplugError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,11 @@ class _State:
         self.lock = threading.Lock()
         self.engine: Engine | None = None
         self.topology: Topology | None = None
+        # A duplicate of MPI_COMM_WORLD for process sets' own traffic (`process_sets`): the
+        # proposals of members-only sets, and the parent of MPI_Comm_create_group; so no
+        # receive of the application's on MPI_COMM_WORLD, even from any source with any tag,
+        # can match them. None without MPI.
+        self.sets_comm: MPI.Comm | None = None
         self.previous_excepthook = None
         self.atexit_registered = False
         self.mpi_started = False  # ringplug initialised MPI, so it finalizes it at exit
@@ -176,6 +184,9 @@ def init() -> None:
         if agreed != settings:
             logger.warning("RINGPLUG_* settings differ between ranks; using rank 0's: %s", agreed)
         _state.topology = _topology(mpi, world)
+        # Made here, where every rank takes part (MPI_Comm_dup is collective), so that a
+        # set made later by some ranks only needs nothing from the others.
+        _state.sets_comm = world.Dup()
         _state.engine = Engine(
             world,
             agreed,
@@ -377,6 +388,35 @@ def shutdown() -> None:
         engine.stop()
         _state.left_early = engine.left_early
         _state.timeout = engine.settings.timeout
+    sets_comm, _state.sets_comm = _state.sets_comm, None
+    if sets_comm is not None:
+        _free_drained(sets_comm)
+
+
+def sets_comm() -> MPI.Comm | None:
+    """The communicator of process sets' own traffic (a duplicate of the world's, made at
+    `init()`, so with the world's ranks); None before `init()` and without MPI."""
+    return _state.sets_comm
+
+
+def _free_drained(comm: MPI.Comm, seconds: float = 2.0) -> None:
+    """Take the messages left for this rank on `comm` (the proposals and withdrawals of
+    members-only sets it never made or gave up on), then free it.
+
+    MPI_Finalize would otherwise find them unmatched. Once the world's engine has stopped
+    (its last cycle agreed with every rank), each rank has sent all it ever will on `comm`;
+    the loop takes what has arrived and stops after `seconds` whatever it finds."""
+    from mpi4py import MPI
+
+    if MPI.Is_finalized():
+        return
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        message = comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+        if message is None:
+            break
+        logger.debug("dropped a message no process set took: %r", message.recv())
+    comm.Free()
 
 
 def is_initialized() -> bool:
