@@ -5,10 +5,11 @@ buffer (`FlightRecorder`): the number of each in the rank's sequence, its name, 
 call site, and when it was submitted, entered negotiation and completed. Recording one
 costs a list of a few fields and a look at the caller's frame (usually one frame, known by
 its code object's id; the line is worked out only when the record is written), not a copy
-of anything: about 0.7 us of CPU per synchronous call. On 2 ranks sharing 2 busy cores that
-was 8-13% of a synchronous 4 KiB allreduce (`ringplug-bench allreduce --impls
-ringplug,ringplug-norecord`, 2026-12-06, load 3-7; before the rebuild of issue 44 as well),
-above the 5% issue 44 asks for.
+of anything: about 5,000 instructions (0.6-0.7 us) of CPU per synchronous unnamed call. On
+2 ranks sharing 2 busy cores that is 9-10% of a synchronous 4 KiB allreduce
+(`ringplug-bench allreduce --impls ringplug,ringplug-norecord`, 2026-12-06, load 3.0-3.3;
+11% before), above the 5% issue 44 asks for (docs/benchmarks.md, "One scheduler and one
+cycle").
 
 On a stall (when rank 0 warns about it), a timeout or an engine failure every rank that
 can writes its record: under ringrun as an event that ringrun gathers into one file per job
@@ -50,8 +51,7 @@ def _site_at(depth: int, usual: int) -> tuple[Any, int] | None:
             frame = sys._getframe(depth + usual + 1)
         except ValueError:
             frame = None
-        known = _KINDS.get(id(frame.f_code)) if frame is not None else None
-        if known is not None and known[1] == 2:  # (known ones)
+        if frame is not None and id(frame.f_code) in _USERS:
             return (frame.f_code, frame.f_lasti)
     return _call_site(depth + 2)
 
@@ -130,20 +130,27 @@ class FlightRecorder:
             count += 1
         self._count = count
 
-    def add_own(self, request: Any, depth: int, usual: int) -> None:
+    def add_own(self, request: Any, up: int) -> None:
         """`add_latest` of the one request whose cycle its submitting thread runs now (a
-        synchronous call's): `note_site`'s look at the frames is done here, `depth` frames
-        up (`usual`: as `note_site`'s), and a name that never repeats is not kept in
-        `sites` meanwhile. One call instead of two per synchronous call."""
+        synchronous call's), with its call site: a name that repeats, where it was first
+        submitted from (`note_site`); one that never repeats (an unnamed call's, not kept in
+        `sites`), the frame `up` frames above this function's when it is the user's (one
+        frame looked at, the usual case), else the innermost user frame (`_call_site`)."""
         name = request.name
-        sites = self.sites
         if request.cacheable:
+            sites = self.sites
             site = sites.get(name)
             if site is None and name not in sites:
-                self.note_site(name, depth + 1)
+                self.note_site(name, 3)  # walked from `Scheduler.submit` up
                 site = sites[name]
         else:
-            site = _site_at(depth, usual)
+            # `_site_at`, written out: this runs on every unnamed synchronous call
+            try:
+                frame = sys._getframe(up)
+            except ValueError:  # called from fewer frames than usual
+                frame = None
+            code = frame.f_code if frame is not None else None
+            site = (code, frame.f_lasti) if id(code) in _USERS else _call_site(3)
         count = self._count
         entry = [count, name, request.signature, site, request.submitted, 0.0, 0.0, ""]
         self._ring[count % self.capacity] = entry
@@ -209,6 +216,7 @@ class FlightRecorder:
 # bytes each time (15 us for a script's top level, whose loop calls ringplug); the code
 # object is kept, so its id is never another's.
 _KINDS: dict[int, tuple[Any, int]] = {}
+_USERS: set[int] = set()  # the ids of the user's code objects in `_KINDS`
 _MOST_FRAMES = 40  # walked up from the submission, at most
 _SITES_KEPT = 4096
 
@@ -225,6 +233,8 @@ def _frame_kind(code: Any) -> int:
     else:
         kind = 2 if is_user_frame(Frame(name, 0, "")) else 1
     _KINDS[id(code)] = (code, kind)
+    if kind == 2:
+        _USERS.add(id(code))
     return kind
 
 

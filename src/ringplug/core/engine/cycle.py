@@ -152,8 +152,8 @@ class Cycle:
                     engine.flight.add_latest(fresh)
             elif engine.flight.capacity:
                 # The caller's own request, on its thread: its site is found from here (the
-                # user's frame is usually 3 above `Scheduler.submit`, 2 up).
-                engine.flight.add_own(fresh[0], 2, 3)
+                # user's frame is usually 3 above `Scheduler.submit`, 5 above `add_own`).
+                engine.flight.add_own(fresh[0], 5)
             if fresh:
                 pending = self.pending
                 for request in fresh:

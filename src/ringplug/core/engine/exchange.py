@@ -8,6 +8,7 @@ never answers is named (see `waiting.Waiter`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import pickle
 import struct
@@ -113,7 +114,7 @@ def form_length(data: bytes | bytearray) -> int:
         return 0
     _, _, _, length, count, eager_length = _FORM.unpack_from(data, 1)
     unpadded = 1 + _FORM.size + length + 16 * count
-    return unpadded + _padding(unpadded, eager_length)
+    return unpadded + (-unpadded % _ALIGN if eager_length else 0)  # `_padding`, written out
 
 
 def decode(data: bytes | bytearray) -> Message:
@@ -181,6 +182,13 @@ class Exchange:
 
             self._status = MPI.Status()
             self._byte, self._testall = MPI.BYTE, MPI.Request.Testall
+            if size == 2:
+                # `_pair`'s test that the peer's message has arrived, and the peer a long wait
+                # names, made once: the wait polls MPI's probe without a Python frame of its
+                # own, and a cycle makes no functions for it.
+                peer = 1 - rank
+                self._peer_sent = functools.partial(comm.Iprobe, peer, CONTROL_TAG, self._status)
+                self._the_peer = lambda: [peer]
 
     def peer_started(self) -> bool:
         """Whether a peer's message of a cycle this rank has not run yet has arrived."""
@@ -219,16 +227,12 @@ class Exchange:
     def _pair(self, wire: bytes, pending: Collection[str]) -> list[bytes | bytearray]:
         """`gather` on 2 ranks (one round: this rank's message for the peer's), without its
         general machinery: a synchronous call's cycle on 2 ranks costs that much less."""
-        ctrl, byte, status = self.comm, self._byte, self._status
+        ctrl, byte, status, peer_sent = self.comm, self._byte, self._status, self._peer_sent
         peer = 1 - self.rank
         send = ctrl.Isend([wire, byte], peer, CONTROL_TAG)
         self.waiter.traffic.sent(NEGOTIATION, len(wire))
-        if not ctrl.Iprobe(peer, CONTROL_TAG, status):
-            self.waiter.wait(
-                lambda: ctrl.Iprobe(peer, CONTROL_TAG, status),
-                lambda: _pending_text(pending),
-                missing=lambda: [peer],
-            )
+        if not peer_sent():
+            self.waiter.wait(peer_sent, lambda: _pending_text(pending), missing=self._the_peer)
         buffer = bytearray(status.Get_count(byte))
         ctrl.Recv([buffer, byte], peer, CONTROL_TAG)
         if not send.Test():
