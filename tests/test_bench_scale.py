@@ -153,8 +153,10 @@ def test_the_call_fit_recovers_the_calls_that_made_the_points():
     assert fit.cycle(512, 2, doubling=False) == pytest.approx(80 + 90 + 10 + 108)
     assert fit.cycle(512, 2, doubling=True) == pytest.approx(80 + 90 + 10 + 108 + 180)
     cpu = CpuModel(fit, 0.5e-6)
-    expected = 0.5e-6 * (80 + 10 + 108 + 180)
+    expected = 0.5e-6 * (80 + 10 + 108)
     assert scale_model.engine_cpu_per_cycle(cpu, 512) == pytest.approx(expected)
+    with_doubling = scale_model.engine_cpu_per_cycle(cpu, 512, tensors=1, doubling=True)
+    assert with_doubling == pytest.approx(expected + 0.5e-6 * (45 + 180))
 
 
 def _test(polls: list[int]):

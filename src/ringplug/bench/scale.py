@@ -674,7 +674,7 @@ def print_model(fits: tuple[Fit, CpuModel]) -> dict:
     )
     for p in (64, 512, 4096):
         cost = [
-            cpu.seconds_per_call * fit.cycle(p, tensors, doubling) * 1e6
+            scale_model.engine_cpu_per_cycle(cpu, p, tensors, doubling) * 1e6
             for tensors in (1, 8)
             for doubling in (False, True)
         ]

@@ -297,11 +297,13 @@ class Prediction:
     efficiency_no_overlap: float
 
 
-def engine_cpu_per_cycle(cpu: CpuModel, ranks: int, tensors: int = 0) -> float:
+def engine_cpu_per_cycle(
+    cpu: CpuModel, ranks: int, tensors: int = 0, doubling: bool = False
+) -> float:
     """CPU seconds of one agreed cycle of `tensors` small tensors on `ranks` ranks, its data
-    moved by recursive doubling (the dearer in calls: the algorithm table chooses by time,
-    and may take MPI's allreduce instead), at the CPU a call costs."""
-    return cpu.seconds_per_call * cpu.calls.cycle(ranks, tensors, doubling=True)
+    moved by one collective call (MPI's allreduce, NCCL's) or, with `doubling`, by
+    ringplug's recursive doubling, at the CPU a call costs."""
+    return cpu.seconds_per_call * cpu.calls.cycle(ranks, tensors, doubling)
 
 
 def predict(
@@ -313,6 +315,8 @@ def predict(
     one without (ringplug's ring) takes the wall fit's alpha for both."""
     buffers = math.ceil(model.gradient_bytes / FUSION_BYTES)
     cycles = buffers + 1
+    # Buffers of up to 64 MiB go by one collective call each (NCCL's, or the ring, whose
+    # CPU is the data plane's), not by recursive doubling.
     cpu_per_cycle = engine_cpu_per_cycle(cpu, ranks)
     message_s = network.latency_s if network.latency_s > 0 else wall.alpha
     tensors_cpu = model.tensors * cpu.calls.per_tensor * cpu.seconds_per_call
