@@ -43,7 +43,8 @@ def parse_bytes(text: str) -> int:
     return result
 
 
-def _bytes_text(count: int) -> str:
+def bytes_text(count: int) -> str:
+    """A byte count as `parse_bytes` reads it, in the largest unit that divides it: "64K"."""
     for unit in ("G", "M", "K"):
         if count and count % _UNITS[unit] == 0:
             return f"{count // _UNITS[unit]}{unit}"
@@ -221,7 +222,7 @@ class Variable:
         if self.default is None:
             return "unset"
         if self.form == BYTES:
-            return _bytes_text(self.default)
+            return bytes_text(self.default)
         if isinstance(self.default, float):
             return f"{self.default:g}"
         return str(self.default)
