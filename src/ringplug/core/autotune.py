@@ -509,7 +509,9 @@ class Search:
         algorithm is to be tried, the one the table's choice takes most time on first
         (by its fitted models; by bytes without them), each with the algorithms to try.
 
-        The buffers are grouped by the band of the table's allreduce row they fall in; a
+        The buffers are grouped by the band of the table's allreduce row for what MPI can
+        reduce (float32 and float64 sums: gradients); a band laid over it covers the other
+        row too where that row has the algorithm (16-bit floats keep theirs otherwise). A
         group's range runs from the power of 2 at or below its smallest buffer to the one
         above its largest, cut to the table's band (so every size in it has one table
         choice, and sizes no buffer has keep the table's choice). Its algorithms are those

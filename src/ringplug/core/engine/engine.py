@@ -257,12 +257,8 @@ class Engine:
             ValueError: a band the table refuses (`AlgorithmTable.overriding`), before
                 anything changes.
         """
-        self.settings = dataclasses.replace(
-            self.settings, fusion_threshold=fusion_threshold, cycle_time=cycle_time
-        )
-        if self._gpu is not None:
-            self._gpu.settings = self.settings
         bands = tuple(bands)
+        table = None
         if bands != self.tuned_bands:
             # The table as it was before any tuned band (made collectively at the first
             # collective that chose one; here, if not yet, at this cycle on every rank).
@@ -271,6 +267,12 @@ class Engine:
             table = self._untuned_table
             for band in bands:
                 table = table.overriding(band)
+        self.settings = dataclasses.replace(
+            self.settings, fusion_threshold=fusion_threshold, cycle_time=cycle_time
+        )
+        if self._gpu is not None:
+            self._gpu.settings = self.settings
+        if table is not None:
             self.transport.use_algorithms(table)
             self.tuned_bands = bands
 
