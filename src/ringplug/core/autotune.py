@@ -393,8 +393,8 @@ class Search:
         """What the final re-scores would score now, in order: the best (or a challenger
         the budget left no room to score again), the start right after it (the best is
         kept only if it beats the start's own second score), and a runner-up: the best
-        it challenged; else the best setting with the table's algorithm and no cycle time
-        where the best forces an algorithm or has a cycle time (either is kept only if it
+        it challenged; else the best setting with the table's crossovers and no cycle time
+        where the best has bands or a cycle time (either is kept only if it
         wins again, clearly); else the highest other setting without cycle time within
         :data:`CONFIRM_WITHIN` of the best. Fewer than two: nothing to re-score."""
         challenger = self.checking if self.checking != self.best else None
