@@ -5,6 +5,7 @@ ranks every algorithm of every kind against numpy and the calibration every rank
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from ringplug.core.algorithms import (
     REDUCESCATTER,
     SERIES,
     AlgorithmTable,
+    Band,
     Model,
     bands_from_models,
     cache_key,
@@ -94,6 +96,63 @@ def test_forcing_keeps_mpi_away_from_what_mpi_cannot_reduce():
     assert table.choose(ALLREDUCE, 1 << 30) == "mpi"
     assert table.choose(ALLREDUCE, 10, mpi_reduces=False) == "doubling"  # its fixed band
     assert table.choose(BROADCAST, 1 << 30) == "mpi"
+
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def test_a_band_below_a_crossover_moves_it_down():
+    table = fixed_table(4, MIB).overriding(Band("ring", 256 * KIB, MIB))
+    assert table.bands[(ALLREDUCE, True)] == ((0, "mpi"), (256 * KIB, "ring"))
+    assert table.bands[(ALLREDUCE, False)] == ((0, "doubling"), (256 * KIB, "ring"))
+    assert table.row_text() == "mpi<256K<ring"
+
+
+def test_a_band_above_a_crossover_moves_it_up():
+    table = fixed_table(4, MIB).overriding(Band("mpi", MIB, 4 * MIB))
+    assert table.bands[(ALLREDUCE, True)] == ((0, "mpi"), (4 * MIB, "ring"))
+    # MPI cannot reduce that row: it keeps its bands
+    assert table.bands[(ALLREDUCE, False)] == ((0, "doubling"), (MIB, "ring"))
+
+
+def test_a_band_inside_another_adds_two_crossovers_and_leaves_every_other_size():
+    plain = fixed_table(4, MIB)
+    table = plain.overriding(Band("doubling", 4 * MIB, 8 * MIB))
+    assert table.row_text() == "mpi<1M<ring<4M<doubling<8M<ring"
+    for nbytes in (0, 100, MIB - 1, MIB, 4 * MIB - 1, 8 * MIB, 1 << 30):
+        assert table.choose(ALLREDUCE, nbytes) == plain.choose(ALLREDUCE, nbytes), nbytes
+    assert table.choose(ALLREDUCE, 4 * MIB) == "doubling"
+    assert table.choose(ALLREDUCE, 8 * MIB - 1) == "doubling"
+    # other kinds are untouched
+    assert table.bands[(REDUCESCATTER, True)] == plain.bands[(REDUCESCATTER, True)]
+    assert table.crossovers()[:2] == [
+        (ALLREDUCE, True, MIB, "mpi", "ring"),
+        (ALLREDUCE, True, 4 * MIB, "ring", "doubling"),
+    ]
+
+
+def test_an_open_band_takes_every_larger_size_and_bands_stack():
+    table = fixed_table(4, MIB).overriding(Band("doubling", 16 * MIB))
+    assert table.bands[(ALLREDUCE, True)] == ((0, "mpi"), (MIB, "ring"), (16 * MIB, "doubling"))
+    table = table.overriding(Band("ring", 64 * KIB, 128 * KIB))
+    assert table.row_text() == "mpi<64K<ring<128K<mpi<1M<ring<16M<doubling"
+    assert str(Band("doubling", 16 * MIB)) == "doubling@[16M,inf)"
+    assert str(Band("ring", 100_000, 128 * KIB)) == "ring@[100000,128K)"
+
+
+@pytest.mark.parametrize(
+    "band, says",
+    [
+        (Band("ring", MIB, MIB), "no range; give 0 <= start < end"),
+        (Band("ring", 2 * MIB, MIB), "no range"),
+        (Band("ring", -1, MIB), "no range"),
+        (Band("chain", 0, MIB), "allreduce has no algorithm 'chain'; use one of doubling"),
+        (Band("ring", 0, MIB, kind="alltoall"), "'alltoall' is no collective kind"),
+    ],
+)
+def test_a_bad_band_is_refused_saying_what_is_allowed(band, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        fixed_table(4, MIB).overriding(band)
 
 
 def test_the_forced_setting_reads_names_and_pairs():

@@ -17,7 +17,14 @@ import pytest
 
 from ringplug import config
 from ringplug.config import Settings, read_settings
-from ringplug.core.algorithms import fixed_table
+from ringplug.core.algorithms import (
+    ALLREDUCE,
+    AlgorithmTable,
+    Band,
+    Model,
+    fixed_table,
+    table_from_models,
+)
 from ringplug.core.autotune import (
     CSV_COLUMNS,
     CYCLE_GRID_MS,
@@ -114,8 +121,8 @@ class Job:
             clock=lambda: self.now,
         )
 
-    def _apply(self, fusion_threshold: int, cycle_time: float, algorithm: str = "") -> None:
-        self.setting = Candidate(fusion_threshold, cycle_time * 1e3, algorithm)
+    def _apply(self, fusion_threshold: int, cycle_time: float, bands=()) -> None:
+        self.setting = Candidate(fusion_threshold, cycle_time * 1e3, tuple(bands))
 
     def step(self, plan: list[Response]) -> None:
         self.cycle += 1
@@ -232,19 +239,21 @@ def test_the_log_has_a_row_per_scored_sample_ending_with_the_converged_one(tmp_p
     job = Job(BAD_START, bowl, log=log)
     job.train(300, gradients(100, MIB))
     with open(log, newline="") as handle:
-        rows = list(csv.reader(handle))
-    assert tuple(rows[0]) == CSV_COLUMNS
-    body = rows[1:]
+        assert tuple(next(csv.reader(handle))) == CSV_COLUMNS
+        handle.seek(0)
+        body = list(csv.DictReader(handle))
     search = job.tuner.search
-    assert [int(r[0]) for r in body] == list(range(1, len(search.order) + 1))
-    tried = [Candidate(int(r[1]), float(r[2]), "" if r[3] == "table" else r[3]) for r in body]
+    assert [int(r["sample"]) for r in body] == list(range(1, len(search.order) + 1))
+    tried = [Candidate(int(r["fusion_threshold"]), float(r["cycle_time_ms"])) for r in body]
     assert tried == search.order
     assert tried[0] == Candidate(64 << 10, 20.0)
-    assert [r[6] for r in body] == ["0"] * (len(body) - 1) + ["1"]
+    # no algorithm table offered: the table's choice, no crossovers to show
+    assert {(r["allreduce_algorithm"], r["allreduce_crossovers"]) for r in body} == {("table", "")}
+    assert [r["converged"] for r in body] == ["0"] * (len(body) - 1) + ["1"]
     # the last row's best score is the kept setting's last score (its final re-score)
-    kept = [float(r[4]) for r, c in zip(body, tried, strict=True) if c == job.setting]
-    assert float(body[-1][5]) == kept[-1]
-    assert int(body[-1][7]) == job.tuner.steps
+    kept = [float(r["score"]) for r, c in zip(body, tried, strict=True) if c == job.setting]
+    assert float(body[-1]["best_score"]) == kept[-1]
+    assert int(body[-1]["steps"]) == job.tuner.steps
 
 
 def test_only_rank_0_writes_the_log(tmp_path):
@@ -568,76 +577,181 @@ def test_one_lucky_score_in_the_spread_does_not_decide_where_the_search_looks(se
     assert search.checked[0] == Candidate(128 * MIB, 0.0)
 
 
-# --------------------------------------------------------------- the allreduce algorithm
-TABLE_TAKES_MPI = (("mpi", "doubling", "ring"), lambda nbytes: "mpi")
-"""What a 2-rank job on one host offers: the table's allreduce candidates; the table takes
-MPI's for the step's buffers."""
+# ---------------------------------------------- the allreduce's crossovers, around the buffers
+FIXED = fixed_table(2, MIB)
+"""The table of a 2-rank job: MPI's allreduce below 1 MiB, the ring from there on."""
+
+OFFERED = (("mpi", "doubling", "ring"), FIXED)
+"""What a 2-rank job on one host offers: the table's allreduce candidates and the table."""
+
+BIG_STEP = gradients(160, 625_000)  # 100 MB a step: one buffer in the ring's band
+SMALL_CYCLE = [
+    Response.everywhere(
+        f"bias.{i}", Signature(Kind.ALLREDUCE, int(DType.FLOAT32), 0, -1, (1000,)), 2
+    )
+    for i in range(25)
+]  # 100,000 bytes: fused whole, one buffer in MPI's band
 
 
-def ring_faster(factor: float):
-    """As `resnet_like`, with the ring `factor` times the time of the table's choice, and
-    recursive doubling 5% slower."""
+def algorithm_at(candidate: Candidate, nbytes: int) -> str:
+    """The allreduce algorithm a buffer of `nbytes` runs with at `candidate`: the band
+    covering it, else the fixed table's (written out: MPI's below 1 MiB, the ring above)."""
+    for band in candidate.bands:
+        if band.start <= nbytes and (band.end is None or nbytes < band.end):
+            return band.algorithm
+    return "mpi" if nbytes < MIB else "ring"
+
+
+def big_buffers(factors: dict[str, float]):
+    """As `resnet_like`, with the step's buffers (the threshold's size) taking `factors`
+    times the time by the algorithm they run with (1 where not named)."""
 
     def seconds(candidate: Candidate) -> float:
         plain = resnet_like(Candidate(candidate.fusion_threshold, candidate.cycle_time_ms))
-        return plain * {"ring": factor, "doubling": 1.05}.get(candidate.algorithm, 1.0)
+        buffer = min(candidate.fusion_threshold, 100_000_000)
+        return plain * factors.get(algorithm_at(candidate, buffer), 1.0)
 
     return seconds
 
 
-def algorithm_job(objective) -> Job:
-    job = Job(BAD_START, objective)
-    job.tuner._algorithms = lambda: TABLE_TAKES_MPI
-    job.train(300, gradients(160, 625_000))
+def algorithm_job(objective, plans=(BIG_STEP,), steps: int = 300, log=None) -> Job:
+    """Tune from the bad start with `OFFERED`; each step runs `plans`, one cycle each."""
+    job = Job(BAD_START, objective, log=log)
+    job.tuner._algorithms = lambda: OFFERED
+    for _ in range(steps):
+        job.now += objective(job.setting)
+        for plan in plans:
+            job.cycle += 1
+            job.tuner.after_cycle(job.cycle, plan)
     return job
 
 
-def test_an_algorithm_that_wins_clearly_is_kept_after_the_threshold_and_cycle_time():
-    job = algorithm_job(ring_faster(0.85))
+def test_an_algorithm_that_wins_clearly_on_the_buffers_sizes_gets_a_band_there_only():
+    job = algorithm_job(big_buffers({"doubling": 0.85, "mpi": 1.3}))
     search = job.tuner.search
-    assert job.setting == Candidate(128 * MIB, 0.0, "ring")
+    # the 100 MB buffer's range: from the power of 2 below it to the one above
+    assert job.setting == Candidate(128 * MIB, 0.0, (Band("doubling", 64 * MIB, 128 * MIB),))
     tried = searched(search)
-    forced = [i for i, c in enumerate(tried) if c.algorithm]
-    # after every setting of the table's algorithm; the table's own (mpi) not forced
-    assert forced and min(forced) > max(i for i, c in enumerate(tried) if not c.algorithm)
-    assert {c.algorithm for c in tried if c.algorithm} == {"doubling", "ring"}
+    banded = [i for i, c in enumerate(tried) if c.bands]
+    # after every setting of the table's crossovers; the table's own choice (ring) not tried
+    assert banded and min(banded) > max(i for i, c in enumerate(tried) if not c.bands)
+    assert {c.bands for c in tried if c.bands} == {
+        (Band("mpi", 64 * MIB, 128 * MIB),),
+        (Band("doubling", 64 * MIB, 128 * MIB),),
+    }
     assert search.converged
-    assert job.tuner.applied[-1][1] == Candidate(128 * MIB, 0.0, "ring")
+    assert job.tuner.applied[-1][1] == job.setting
     assert job.tuner.steps <= STEP_BUDGET
 
 
 def test_an_algorithm_within_the_margin_leaves_the_choice_to_the_table():
-    job = algorithm_job(ring_faster(0.99))
+    job = algorithm_job(big_buffers({"doubling": 0.99}))
     assert job.setting == Candidate(128 * MIB, 0.0)
     assert job.tuner.steps <= STEP_BUDGET
 
 
 def test_an_algorithm_lucky_once_is_scored_again_at_once_and_dropped():
-    lucky = Lucky(ring_faster(1.0), Candidate(128 * MIB, 0.0, "ring"), 0.8)
-    job = algorithm_job(lucky)
+    banded = Candidate(128 * MIB, 0.0, (Band("doubling", 64 * MIB, 128 * MIB),))
+    job = algorithm_job(Lucky(big_buffers({}), banded, 0.8))
     order = job.tuner.search.order
-    at = order.index(Candidate(128 * MIB, 0.0, "ring"))
-    assert order[at + 1] == Candidate(128 * MIB, 0.0, "ring")
+    at = order.index(banded)
+    assert order[at + 1] == banded
     assert job.setting == Candidate(128 * MIB, 0.0)
 
 
 def test_no_algorithm_is_tried_where_none_is_offered():
-    job = Job(BAD_START, ring_faster(0.5))  # the default: nothing to try
-    job.train(300, gradients(160, 625_000))
-    assert all(c.algorithm == "" for c in job.tuner.search.order)
+    job = Job(BAD_START, big_buffers({"doubling": 0.5}))  # the default: nothing to try
+    job.train(300, BIG_STEP)
+    assert all(not c.bands for c in job.tuner.search.order)
 
 
-def test_the_log_names_each_trials_algorithm(tmp_path):
+def two_bands(candidate: Candidate) -> float:
+    """A step of a 100 MB cycle (as `big_buffers`: the ring, the table's choice there,
+    is best) and a 100 KB one (5 ms with MPI's allreduce, the table's choice there;
+    recursive doubling takes half of that, the ring 1.2 times)."""
+    big = big_buffers({"mpi": 1.3, "doubling": 1.1})(candidate)
+    small = 0.005 * {"doubling": 0.5, "ring": 1.2}.get(algorithm_at(candidate, 100_000), 1.0)
+    return big + small
+
+
+def test_buffers_in_two_bands_each_get_their_trials_within_the_step_budget():
+    job = algorithm_job(two_bands, plans=(BIG_STEP, SMALL_CYCLE))
+    search = job.tuner.search
+    tried = {c.bands for c in searched(search) if c.bands}
+    big, small = (64 * MIB, 128 * MIB), (64 << 10, 128 << 10)
+    # the big buffer's band first (more bytes), the table's ring not tried there; then the
+    # small one's, the table's MPI not tried there
+    assert tried == {
+        (Band("mpi", *big),),
+        (Band("doubling", *big),),
+        (Band("doubling", *small),),
+        (Band("ring", *small),),
+    }
+    assert job.setting == Candidate(128 * MIB, 0.0, (Band("doubling", *small),))
+    assert job.tuner.steps <= STEP_BUDGET
+    assert len(search.order) <= BAD_START.autotune_max_samples
+
+
+def test_the_log_names_each_trials_bands_and_the_crossovers_they_make(tmp_path):
     log = tmp_path / "trials.csv"
-    job = Job(BAD_START, ring_faster(0.85), log=log)
-    job.tuner._algorithms = lambda: TABLE_TAKES_MPI
-    job.train(300, gradients(160, 625_000))
+    job = algorithm_job(two_bands, plans=(BIG_STEP, SMALL_CYCLE), log=log)
     with open(log, newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [r["allreduce_algorithm"] for r in rows] == [
-        c.algorithm or "table" for c in job.tuner.search.order
+        " ".join(str(band) for band in c.bands) or "table" for c in job.tuner.search.order
     ]
-    assert {"table", "doubling", "ring"} <= {r["allreduce_algorithm"] for r in rows}
+    shown = {(r["allreduce_algorithm"], r["allreduce_crossovers"]) for r in rows}
+    assert ("table", "mpi<1M<ring") in shown
+    assert ("doubling@[64K,128K)", "mpi<64K<doubling<128K<mpi<1M<ring") in shown
+    assert ("mpi@[64M,128M)", "mpi<1M<ring<64M<mpi<128M<ring") in shown
+
+
+def priced_table(mpi_beta: float) -> AlgorithmTable:
+    """A measured table of 2 ranks: MPI's allreduce 20 us + `mpi_beta` s/B, recursive
+    doubling 30 us + 3 ns/B (never cheapest), the ring 100 us + 0.3 ns/B."""
+    models = {
+        "allreduce/mpi": Model(20e-6, mpi_beta),
+        "allreduce/doubling": Model(30e-6, 3e-9),
+        "allreduce/ring": Model(100e-6, 0.3e-9),
+        "reducescatter/ring": Model(100e-6, 0.3e-9),
+        "allgather/mpi": Model(20e-6, 1e-9),
+        "allgather/ring": Model(100e-6, 0.3e-9),
+        "broadcast/mpi": Model(20e-6, 1e-9),
+        "broadcast/chain": Model(100e-6, 0.3e-9),
+    }
+    return table_from_models(2, models, 1.0)
+
+
+def trials_for(table: AlgorithmTable, buffers: list[int]):
+    model = CostModel([sum(buffers)], buffers=lambda threshold: buffers)
+    search = Search(BAD, model, 15, algorithms=("mpi", "doubling", "ring"), table=table)
+    return search.band_trials(128 * MIB)
+
+
+BAD = Candidate(64 << 10, 20.0)
+
+
+def test_the_table_models_order_the_bands_and_skip_hopeless_algorithms():
+    # MPI's 0.5 ns/B crosses the ring at 80 us / 0.2 ns = 400,000 bytes. At 50 MiB the
+    # ring costs 15.8 ms, MPI's 26 ms (tried), doubling's 157 ms (skipped); at 100 KB
+    # MPI's costs 70 us, the ring's 130 us (tried), doubling's 330 us (skipped).
+    table = priced_table(0.5e-9)
+    assert table.bands[(ALLREDUCE, True)] == ((0, "mpi"), (400_000, "ring"))
+    assert trials_for(table, [100_000, 50 * MIB]) == [
+        (32 * MIB, 64 * MIB, ("mpi",)),  # the ring's band first: it takes the most time
+        (64 << 10, 128 << 10, ("ring",)),
+    ]
+
+
+def test_a_band_with_nothing_worth_trying_is_left_to_the_table_and_a_range_stops_at_its_band():
+    # MPI's 1 ns/B: at 50 MiB 52 ms, over twice the ring's 15.8 ms: that band is not tuned.
+    # At 100 KB MPI's costs 120 us: the ring (130 us) is tried, doubling (330 us) not.
+    # MPI's crosses the ring at 80 us / 0.7 ns = 114,286 bytes: the 100 KB buffer's range
+    # stops there, not at 128 KiB (the ring takes those sizes already).
+    table = priced_table(1e-9)
+    crossover = table.bands[(ALLREDUCE, True)][1][0]
+    assert crossover == 114_286
+    assert trials_for(table, [100_000, 50 * MIB]) == [(64 << 10, crossover, ("ring",))]
 
 
 class FakeTransport:
@@ -655,19 +769,22 @@ class FakeTransport:
 
 def offered(transport: FakeTransport, size: int = 4, host_only: bool = True):
     scheduler = SimpleNamespace(host_only=host_only)
-    engine = SimpleNamespace(transport=transport, size=size, scheduler=scheduler)
+    engine = SimpleNamespace(
+        transport=transport, size=size, scheduler=scheduler, _untuned_table=None
+    )
     return Engine.tunable_algorithms(engine)
 
 
 def test_the_hierarchical_allreduce_is_offered_only_where_the_ranks_span_hosts():
-    names, table_choice = offered(FakeTransport(spans=True))
+    transport = FakeTransport(spans=True)
+    names, table = offered(transport)
     assert names == ("mpi", "doubling", "ring", "hierarchical")
-    assert (table_choice(64 << 10), table_choice(4 * MIB)) == ("mpi", "ring")
+    assert table is transport.algorithms
     assert offered(FakeTransport(spans=False))[0] == ("mpi", "doubling", "ring")
 
 
 def test_no_algorithm_is_offered_where_it_is_forced_on_one_rank_or_after_a_gpu_collective():
-    assert offered(FakeTransport(spans=True, forced={"allreduce": "ring"}))[0] == ()
+    assert offered(FakeTransport(spans=True, forced={"allreduce": "ring"})) == ((), None)
     assert offered(FakeTransport(spans=True), size=1)[0] == ()
     assert offered(FakeTransport(spans=True), host_only=False)[0] == ()
     # forcing another kind leaves the allreduce to tune

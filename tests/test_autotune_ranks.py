@@ -21,8 +21,29 @@ WORKER = Path(__file__).parent / "workers" / "autotune.py"
 BAD_START = ("65536", "0.02")  # 64 KiB, 20 ms
 JOB_TIMEOUT_S = 180
 # Every bucket through the algorithm table (none carried in the negotiation), and the fixed
-# table (MPI's allreduce for a bucket), in both jobs: the tuned job tries the others.
+# table (MPI's allreduce below 1 MiB, the ring from there on), in both jobs: the tuned job
+# tries the others on the sizes of its buffers (about 100 KiB a step fused whole).
 JOB_ENV = {"RINGPLUG_EAGER_THRESHOLD": "0", "RINGPLUG_CALIBRATION": "fixed"}
+MIB = 1 << 20
+
+
+def expected_algorithm(bands: list[list], nbytes: int) -> str:
+    """The allreduce algorithm of `nbytes` bytes under the fixed table with `bands` (as the
+    worker reports them: [algorithm, start, end or None]) laid over it."""
+    for algorithm, start, end in bands:
+        if start <= nbytes and (end is None or nbytes < end):
+            return algorithm
+    return "mpi" if nbytes < MIB else "ring"
+
+
+def check_bands_taken(report: dict) -> set[tuple]:
+    """Check that at each step's start the transport took, for every probed size, the
+    algorithm of the bands the engine had applied (and the fixed table's elsewhere); return
+    the bands every applied setting held, as tuples."""
+    for step in report["steps"][1:]:
+        bands = step["before"][2]
+        assert step["taken"] == [expected_algorithm(bands, n) for n in report["probes"]], step
+    return {tuple(band) for _, _, _, bands in report["applied"] for band in bands}
 
 
 def _job(
@@ -72,6 +93,7 @@ def test_every_rank_applies_the_same_settings_at_the_same_cycles(jobs):
     rank_0, rank_1 = tuned
     assert rank_0["tuned"] and rank_0["done"]
     assert len(rank_0["applied"]) >= 3
+    # the same fusion thresholds, cycle times and allreduce bands, at the same cycles
     assert rank_0["applied"] == rank_1["applied"]
     # and each step ran with the same setting on both ranks
     assert [s["before"] for s in rank_0["steps"]] == [s["before"] for s in rank_1["steps"]]
@@ -79,19 +101,21 @@ def test_every_rank_applies_the_same_settings_at_the_same_cycles(jobs):
 
 
 @pytest.mark.multirank
-def test_every_rank_tries_the_same_allreduce_algorithms_and_its_transport_takes_them(jobs):
+def test_every_rank_tries_the_same_bands_and_its_transport_takes_them(jobs):
     tuned, log, _ = jobs
-    for report in tuned:
-        assert report["offered"] == ["mpi", "doubling", "ring"]  # one host: no hierarchical
-        forced = {algorithm for _, _, _, algorithm in report["applied"] if algorithm}
-        # the fixed table takes MPI's for a bucket: the other two are tried
-        assert forced == {"doubling", "ring"}
-        for step in report["steps"][1:]:
-            # the forced algorithm, else the table's, is what the transport takes
-            assert step["taken"] == (step["before"][2] or "mpi"), step
+    tried = [check_bands_taken(report) for report in tuned]
+    assert tried[0] == tried[1]
+    assert tuned[0]["offered"] == ["mpi", "doubling", "ring"]  # one host: no hierarchical
+    # the step's buffers are under 1 MiB, where the fixed table takes MPI's: the other two
+    # are tried there, on one range around the buffers' sizes, and never above 1 MiB
+    assert {algorithm for algorithm, _, _ in tried[0]} == {"doubling", "ring"}
+    assert len({(start, end) for _, start, end in tried[0]}) == 1
+    assert all(0 < start < end <= MIB for _, start, end in tried[0])
     with open(log, newline="") as handle:
-        logged = {row["allreduce_algorithm"] for row in csv.DictReader(handle)}
-    assert logged == {"table", "doubling", "ring"}
+        rows = list(csv.DictReader(handle))
+    logged = {(row["allreduce_algorithm"], row["allreduce_crossovers"]) for row in rows}
+    assert ("table", "mpi<1M<ring") in logged
+    assert {text.split("@")[0] for text, _ in logged} == {"table", "doubling", "ring"}
 
 
 @pytest.mark.multirank
@@ -111,12 +135,13 @@ def test_on_ranks_of_two_hosts_the_hierarchical_allreduce_is_tried_too(tmp_path)
     )
     plain = _job(tmp_path / "plain", ranks=4, env=hosts)
     assert tuned[0]["offered"] == ["mpi", "doubling", "ring", "hierarchical"]
+    # every rank applied the same bands at the same cycles, and its transport took them
     assert all(report["applied"] == tuned[0]["applied"] for report in tuned)
-    forced = {algorithm for _, _, _, algorithm in tuned[0]["applied"] if algorithm}
-    assert forced == {"doubling", "ring", "hierarchical"}
+    tried = [check_bands_taken(report) for report in tuned]
+    assert all(bands == tried[0] for bands in tried)
+    assert {algorithm for algorithm, _, _ in tried[0]} == {"doubling", "ring", "hierarchical"}
+    assert all(0 < start < end <= MIB for _, start, end in tried[0])
     for report in tuned:
-        for step in report["steps"][1:]:
-            assert step["taken"] == (step["before"][2] or "mpi"), step
         # the ranks trained alike
         np.testing.assert_array_equal(report["parameters"][0], tuned[0]["parameters"][0])
     for tuned_p, plain_p in zip(tuned[0]["parameters"], plain[0]["parameters"], strict=True):
@@ -128,14 +153,15 @@ def test_tuning_moves_off_the_bad_start_and_ends_within_its_budget(jobs):
     tuned, _, _ = jobs
     report = tuned[0]
     settings_seen = [tuple(s["before"]) for s in report["steps"]]
-    assert settings_seen[1] == (65536, 0.02, "")  # the start the worker gave
+    assert settings_seen[1][:2] == (65536, 0.02)  # the start the worker gave
+    assert settings_seen[1][2] == []  # ... with the table's choice at every size
     assert settings_seen[-1][:2] != (65536, 0.02)  # 20 ms a cycle is never the best
-    last_cycle, fusion, cycle_ms, algorithm = report["applied"][-1]
-    assert tuple(report["final"]) == (fusion, cycle_ms * 1e-3, algorithm)
+    last_cycle, fusion, cycle_ms, bands = report["applied"][-1]
+    assert tuple(report["final"]) == (fusion, cycle_ms * 1e-3, bands)
     # (1 warm-up + at most 24 scored samples) x 2 steps each
     assert report["tuning_steps"] <= 50
     # once done, the setting stays
-    assert len(set(settings_seen[report["tuning_steps"] + 3 :])) == 1
+    assert len({repr(s) for s in settings_seen[report["tuning_steps"] + 3 :]}) == 1
 
 
 @pytest.mark.multirank
@@ -148,22 +174,26 @@ def test_the_trial_log_lists_each_scored_setting_in_the_order_applied(jobs):
         "fusion_threshold",
         "cycle_time_ms",
         "allreduce_algorithm",
+        "allreduce_crossovers",
         "score",
         "best_score",
         "converged",
         "steps",
     ]
-    tried = [
-        (
-            int(r["fusion_threshold"]),
-            float(r["cycle_time_ms"]),
-            "" if r["allreduce_algorithm"] == "table" else r["allreduce_algorithm"],
+
+    def text(bands: list[list]) -> str:
+        """The log's form of a setting's bands, written out: ``ring@[64K,128K)``."""
+        return " ".join(
+            f"{a}@[{s >> 10}K,{'inf' if e is None else f'{e >> 10}K'})" for a, s, e in bands
         )
+
+    tried = [
+        (int(r["fusion_threshold"]), float(r["cycle_time_ms"]), r["allreduce_algorithm"])
         for r in rows
     ]
-    applied = [tuple(entry[1:]) for entry in tuned[0]["applied"]]
+    applied = [(f, c, text(bands) or "table") for _, f, c, bands in tuned[0]["applied"]]
     # the start is scored first; each later row is the setting applied before it
-    assert tried[0] == (65536, 20.0, "")
+    assert tried[0] == (65536, 20.0, "table")
     assert tried[1:] == applied[: len(tried) - 1]
     assert [r["converged"] for r in rows] == ["0"] * (len(rows) - 1) + ["1"]
     assert all(float(r["score"]) > 0 for r in rows)

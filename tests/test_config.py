@@ -165,7 +165,7 @@ def test_every_ringplug_variable_named_in_the_source_is_declared_once():
 @pytest.mark.parametrize("variable", config.VARIABLES, ids=lambda v: v.name)
 def test_each_declared_default_is_a_value_the_variable_takes(variable):
     if variable.default is not None and variable.form not in (config.PATH, config.PROGRAM):
-        text = config._bytes_text(variable.default) if variable.form == config.BYTES else None
+        text = config.bytes_text(variable.default) if variable.form == config.BYTES else None
         assert variable.parse(text or f"{variable.default}") == variable.default
 
 

@@ -43,7 +43,8 @@ def parse_bytes(text: str) -> int:
     return result
 
 
-def _bytes_text(count: int) -> str:
+def bytes_text(count: int) -> str:
+    """A byte count as `parse_bytes` reads it, in the largest unit that divides it: "64K"."""
     for unit in ("G", "M", "K"):
         if count and count % _UNITS[unit] == 0:
             return f"{count // _UNITS[unit]}{unit}"
@@ -221,7 +222,7 @@ class Variable:
         if self.default is None:
             return "unset"
         if self.form == BYTES:
-            return _bytes_text(self.default)
+            return bytes_text(self.default)
         if isinstance(self.default, float):
             return f"{self.default:g}"
         return str(self.default)
@@ -297,7 +298,8 @@ AUTOTUNE = Variable(
     SWITCH,
     False,
     "`1` (ringrun's `--autotune`) tunes `RINGPLUG_FUSION_THRESHOLD`, `RINGPLUG_CYCLE_TIME` "
-    "and the host allreduce's algorithm (unless `RINGPLUG_ALGORITHM` forces it) while "
+    "and the host allreduce's algorithm crossovers around the step's buffers (unless "
+    "`RINGPLUG_ALGORITHM` forces the allreduce) while "
     "training (every rank applies rank 0's choice at the same cycle) and keeps the best; "
     "not together with a fixed fusion threshold or cycle time",
     field="autotune",
@@ -310,7 +312,8 @@ AUTOTUNE_LOG = Variable(
     PATH,
     None,
     "the CSV file where rank 0 writes every autotune trial (sample, fusion_threshold, "
-    "cycle_time_ms, allreduce_algorithm, score, best_score, converged, steps)",
+    "cycle_time_ms, allreduce_algorithm, allreduce_crossovers, score, best_score, converged, "
+    "steps)",
     field="autotune_log",
     flag="--autotune-log-file",
     metavar="PATH",

@@ -4,12 +4,12 @@ DistributedOptimizer, and report what the engine's autotuner applied and when.
 Usage: autotune.py OUTDIR [FUSION_BYTES CYCLE_SECONDS]. With a setting, the ranks start
 tuning afresh from it after the first step (`autotune.tune_from`; ringrun refuses a fixed
 setting with --autotune). Each rank writes OUTDIR/rank-R.json: the final parameters, the
-(cycle, fusion threshold, cycle time) of each setting its tuner applied, and per step the
-engine's setting at its start and end (fusion threshold, cycle time, allreduce algorithm:
-"" for the table's), the algorithm the transport then takes for one bucket, and the
-collectives the step ran. Whether autotune
-is on, and its budget, come from the environment (ringrun's --autotune flags), as every
-adapter reads them.
+(cycle, fusion threshold, cycle time, allreduce bands) of each setting its tuner applied,
+and per step the engine's setting at its start and end (fusion threshold, cycle time,
+allreduce bands as [algorithm, start, end] lists: none for the table's choice at every
+size), the algorithm the transport then takes for an allreduce of each of `PROBES` bytes,
+and the collectives the step ran. Whether autotune is on, and its budget, come from the
+environment (ringrun's --autotune flags), as every adapter reads them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,13 @@ STEPS = 70
 # Small buckets: each step submits a dozen bucket allreduces, so the fusion threshold
 # decides how many collectives a step runs.
 BUCKET_BYTES = 16 << 10
+# Allreduce sizes whose algorithm each step reports: a bucket, the step's buffers fused
+# whole (about 100 KiB), sizes no buffer has.
+PROBES = (4 << 10, BUCKET_BYTES, 100_000, 1 << 20, 8 << 20)
+
+
+def bands_json(bands) -> list[list]:
+    return [[band.algorithm, band.start, band.end] for band in bands]
 
 
 def main(outdir: Path, start: list[str]) -> None:
@@ -51,11 +58,11 @@ def main(outdir: Path, start: list[str]) -> None:
     data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
     steps = []
 
-    def setting() -> tuple[int, float, str]:
+    def setting() -> tuple[int, float, list[list]]:
         return (
             engine.settings.fusion_threshold,
             engine.settings.cycle_time,
-            engine._tuned_algorithm,
+            bands_json(engine.tuned_bands),
         )
 
     for step in range(STEPS):
@@ -63,10 +70,10 @@ def main(outdir: Path, start: list[str]) -> None:
             ringplug.barrier()  # nothing in flight on any rank
             autotune.tune_from(engine, int(start[0]), float(start[1]))
         before = setting()
-        # What the transport takes for a bucket now, once its table is made (making it is
+        # What the transport takes for each probe now, once its table is made (making it is
         # collective: the engine thread's; read here between steps, while it is idle).
         table = engine.transport._algorithms
-        taken = table.choose(ALLREDUCE, BUCKET_BYTES, True) if table is not None else ""
+        taken = [table.choose(ALLREDUCE, n, True) for n in PROBES] if table is not None else []
         collectives = engine.collectives_run
         inputs = torch.randn(32, 64, generator=data)
         target = torch.randn(32, 8, generator=data)
@@ -85,7 +92,8 @@ def main(outdir: Path, start: list[str]) -> None:
     report = {
         "tuned": tuner is not None,
         "applied": [
-            (cycle, c.fusion_threshold, c.cycle_time_ms, c.algorithm) for cycle, c in tuner.applied
+            (cycle, c.fusion_threshold, c.cycle_time_ms, bands_json(c.bands))
+            for cycle, c in tuner.applied
         ]
         if tuner
         else [],
@@ -93,6 +101,7 @@ def main(outdir: Path, start: list[str]) -> None:
         "tuning_steps": tuner.steps if tuner else 0,
         "final": setting(),
         "offered": list(tuner.search.algorithms) if tuner and tuner.search else [],
+        "probes": PROBES,
         "steps": steps,
         "parameters": [p.detach().double().reshape(-1).tolist() for p in model.parameters()],
     }

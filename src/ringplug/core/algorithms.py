@@ -36,6 +36,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import bytes_text
+
 ALLREDUCE = "allreduce"
 REDUCESCATTER = "reducescatter"
 ALLGATHER = "allgather"
@@ -170,6 +172,34 @@ def bands_from_models(models: Mapping[str, Model]) -> tuple[tuple[int, str], ...
 
 
 @dataclass(frozen=True)
+class Band:
+    """One algorithm for the collectives of one kind from `start` bytes up to, not including,
+    `end` (``None``: every larger size): what autotune tries in place of the table's choice
+    on the sizes a job's fused buffers have (`AlgorithmTable.overriding`).
+
+    Args:
+        algorithm: a candidate of `kind` (`CANDIDATES`), such as ``"ring"``.
+        start: the smallest size it takes, in bytes.
+        end: the first size it does not take; ``None`` for no end. Defaults to ``None``.
+        kind: the collective kind. Defaults to ``"allreduce"``.
+    """
+
+    algorithm: str
+    start: int
+    end: int | None = None
+    kind: str = ALLREDUCE
+
+    def __str__(self) -> str:
+        """``ring@[64K,4M)``: the algorithm, then the sizes it takes (``inf``: no end)."""
+        end = "inf" if self.end is None else bytes_text(self.end)
+        return f"{self.algorithm}@[{bytes_text(self.start)},{end})"
+
+    def covers(self, nbytes: int) -> bool:
+        """Whether a collective of `nbytes` bytes falls in this band."""
+        return self.start <= nbytes and (self.end is None or nbytes < self.end)
+
+
+@dataclass(frozen=True)
 class AlgorithmTable:
     """The algorithm of every collective kind by size, for one communicator's ranks.
 
@@ -219,6 +249,58 @@ class AlgorithmTable:
         return AlgorithmTable(
             self.size, bands, self.source, self.models, self.seconds, f"forced {note}"
         )
+
+    def overriding(self, band: Band) -> AlgorithmTable:
+        """This table with `band`'s algorithm on its sizes and every other size as it was:
+        the crossovers at the band's edges move (an algorithm taken on both sides of an
+        edge leaves none there), the others stay. Rows whose candidates lack the algorithm
+        keep their bands (Max of float16 cannot take MPI's).
+
+        Raises:
+            ValueError: an unknown kind, an algorithm no row of the kind has, or a range
+                that is empty or starts below 0, saying what is allowed.
+        """
+        offered = sorted(
+            {n for (k, _), names in CANDIDATES.items() if k == band.kind for n in names}
+        )
+        if not offered:
+            raise ValueError(
+                f"algorithm band {band}: {band.kind!r} is no collective kind; use one of "
+                f"{', '.join(KINDS)}."
+            )
+        if band.algorithm not in offered:
+            raise ValueError(
+                f"algorithm band {band}: {band.kind} has no algorithm {band.algorithm!r}; use "
+                f"one of {', '.join(offered)}."
+            )
+        if band.start < 0 or (band.end is not None and band.end <= band.start):
+            raise ValueError(
+                f"algorithm band {band.algorithm}: sizes from {band.start} to {band.end} bytes "
+                "are no range; give 0 <= start < end (end None for no end)."
+            )
+        bands = dict(self.bands)
+        for (kind, reduces), rows in self.bands.items():
+            if kind != band.kind or band.algorithm not in CANDIDATES[(kind, reduces)]:
+                continue
+            edges = sorted({start for start, _ in rows} | {band.start} | {band.end or 0})
+            merged: list[tuple[int, str]] = []
+            for edge in edges:
+                name = band.algorithm if band.covers(edge) else self.choose(kind, edge, reduces)
+                if not merged or merged[-1][1] != name:
+                    merged.append((edge, name))
+            bands[(kind, reduces)] = tuple(merged)
+        note = f"{self.note}; {band}" if self.note else str(band)
+        return AlgorithmTable(self.size, bands, self.source, self.models, self.seconds, note)
+
+    def row_text(self, kind: str = ALLREDUCE, mpi_reduces: bool = True) -> str:
+        """One row's bands as text: ``mpi<64K<ring`` (MPI's below 64 KiB, the ring from
+        there on)."""
+        parts = []
+        for start, name in self.bands[(kind, mpi_reduces)]:
+            if start:
+                parts.append(bytes_text(start))
+            parts.append(name)
+        return "<".join(parts)
 
     def to_json(self) -> str:
         return json.dumps(

@@ -1,5 +1,5 @@
-"""Autotune: tunes the engine's fusion threshold, cycle time and allreduce algorithm while the
-job trains.
+"""Autotune: tunes the engine's fusion threshold, cycle time and the allreduce's algorithm
+crossovers while the job trains.
 
 With ``RINGPLUG_AUTOTUNE=1`` (``ringrun --autotune``) the world's engine hands every cycle's
 plan to an :class:`Autotuner` (`Cycle.run_plan` calls :meth:`Autotuner.after_cycle`). The
@@ -38,20 +38,29 @@ The search is a model-guided local search on a small grid, not Horovod's Gaussia
    costs from nothing to a third of a step. So cycle times are tried only once the best
    threshold without one is found (its threshold neighbours without one come first even
    while the start, with its cycle time, is the best), and kept only on a clear win;
-5. once no neighbour of the best is left untried, the allreduce algorithms of the job's
-   table (``mpi``, ``doubling``, ``ring``, and ``hierarchical`` where the ranks span hosts:
-   `core.algorithms`) are tried at the best threshold and cycle time, each forced at every
-   size as ``RINGPLUG_ALGORITHM=allreduce=NAME`` would, except the one the table already
-   takes for the step's buffers; a winner is scored again as in 4. None are tried where
-   ``RINGPLUG_ALGORITHM`` forces the allreduce, or once a GPU collective ran;
+5. once no neighbour of the best is left untried, the algorithm table's crossovers around
+   the sizes the step actually reduces: the step's fused allreduce buffers at the best
+   threshold (the engine's own batching of the plans measured at the start) are grouped
+   by the band of the table's allreduce row they fall in, and for each group, the one the
+   table's choice takes most time on first (:meth:`Search.band_trials`), the other
+   algorithms of the row (``mpi``, ``doubling``, ``ring``, and ``hierarchical`` where the
+   ranks span hosts: `core.algorithms`) are tried on that group's range of sizes only (a
+   `core.algorithms.Band`, such as ``ring@[64K,128K)``: from the power of 2 at or below
+   its smallest buffer to the one above its largest, within the table's band), every
+   other size keeping the table's choice: so a crossover moves, or a band appears around
+   the buffers, and nothing changes where the job has no buffer. The table's fitted
+   models order them and leave out those they price at :data:`MODEL_SKIP` times the
+   table's choice or more. A winner is scored again as in 4, and the next group's trials
+   keep it. None are tried where ``RINGPLUG_ALGORITHM`` forces the allreduce, or once a
+   GPU collective ran;
 6. when nothing is left to try (converged), or only room for this is left of the budget,
    the best (or a challenger there was no room to score again), the start and a runner-up
-   (the best it challenged; else the best setting with the table's algorithm and without
-   cycle time if the best forces one or has one; else the highest other without one
+   (the best it challenged; else the best setting with the table's crossovers and without
+   cycle time if the best has bands or a cycle time; else the highest other without one
    within 15%) are scored once more, back to back (:meth:`Search.contenders`). Of the best
    and the runner-up the higher second score wins (the best's first score, the highest of
    several noisy ones, is too high), a cycle time only by 10%, and within the margin the
-   one the model finds cheaper (the table's algorithm before a forced one); and the
+   one the model finds cheaper (the table's crossovers before bands); and the
    winner is kept only if its second score beats the start's second score, else the
    start is kept (tuning never leaves a job slower than it started, as far as the scores
    can tell);
@@ -66,6 +75,7 @@ starts, and the algorithm only the order in which the ranks' values are added.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import logging
 import math
@@ -78,7 +88,9 @@ import numpy as np
 
 from ..config import Settings
 from ..wire import Kind, Response
+from .algorithms import ALLREDUCE, SERIES, AlgorithmTable, Band
 from .dtypes import ITEMSIZE
+from .engine.batches import batches
 
 
 class Tunable(Protocol):
@@ -92,10 +104,10 @@ class Tunable(Protocol):
     tuner: Autotuner | None
 
     def apply_tuned_setting(
-        self, fusion_threshold: int, cycle_time: float, algorithm: str = ...
+        self, fusion_threshold: int, cycle_time: float, bands: tuple[Band, ...] = ...
     ) -> None: ...
 
-    def tunable_algorithms(self) -> tuple[tuple[str, ...], Callable[[int], str]]: ...
+    def tunable_algorithms(self) -> tuple[tuple[str, ...], AlgorithmTable | None]: ...
 
 
 logger = logging.getLogger(__name__)
@@ -130,8 +142,15 @@ MIN_SAMPLES_TO_RESCORE = 6
 """The smallest budget (samples) that keeps room for the re-scores; a smaller one searches
 to its end and keeps the best first score."""
 
-TABLE = ""
-"""The allreduce algorithm of a :class:`Candidate` that leaves it to the algorithm table."""
+TABLE = "table"
+"""What the log's ``allreduce_algorithm`` column says of a :class:`Candidate` that leaves
+every size to the algorithm table."""
+
+MODEL_SKIP = 2.0
+"""An algorithm that the table's fitted models (`AlgorithmTable.models`) price at more than
+this many times the table's choice on a band's buffers is not tried there (on the CI
+machine forcing MPI's allreduce scored 0.33 to 0.83 of the table's choice, recursive
+doubling 0.24 to 1.02: the models' order held; their ratios are microbenchmarks')."""
 
 CYCLE_GRID_MS: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 """Cycle times tried, in milliseconds."""
@@ -148,6 +167,7 @@ CSV_COLUMNS = (
     "fusion_threshold",
     "cycle_time_ms",
     "allreduce_algorithm",
+    "allreduce_crossovers",
     "score",
     "best_score",
     "converged",
@@ -155,26 +175,35 @@ CSV_COLUMNS = (
 )
 """The columns of ``RINGPLUG_AUTOTUNE_LOG``: the sample's number (from 1), its setting
 (bytes, milliseconds, and the allreduce algorithm: ``table`` for the algorithm table's
-choice by size, else the one forced at every size), its score (bytes reduced per second),
-the best score so far, 1 on the row after which tuning stopped, and the training steps
-spent tuning by the end of it."""
+choice at every size, else the bands tried in its place, such as ``ring@[64K,128K)``: the
+ring from 64 KiB up to, not including, 128 KiB, the table's choice elsewhere), the
+allreduce's crossovers that result (``mpi<64K<ring``: MPI's below 64 KiB, the ring from
+there on; empty where no table was offered), its score (bytes reduced per second), the
+best score so far, 1 on the row after which tuning stopped, and the training steps spent
+tuning by the end of it."""
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One setting the search may try: a fusion threshold (bytes), a cycle time (ms) and
-    the allreduce algorithm (``""``: the algorithm table's choice by size; a name of
-    `core.algorithms`, such as ``"ring"``: that one at every size, as
-    ``RINGPLUG_ALGORITHM=allreduce=ring`` would)."""
+    the allreduce's bands (`core.algorithms.Band`: an algorithm on a range of sizes in
+    place of the algorithm table's choice there; none: the table's choice at every size)."""
 
     fusion_threshold: int
     cycle_time_ms: float
-    algorithm: str = TABLE
+    bands: tuple[Band, ...] = ()
+
+    @property
+    def algorithm_text(self) -> str:
+        """The log's ``allreduce_algorithm``: ``table``, or the bands (``ring@[64K,128K)``,
+        several separated by spaces)."""
+        return " ".join(str(band) for band in self.bands) or TABLE
 
     def __str__(self) -> str:
+        allreduce = " ".join(str(band) for band in self.bands) or "by the table"
         return (
             f"fusion {self.fusion_threshold} B, cycle {self.cycle_time_ms:g} ms, "
-            f"allreduce {self.algorithm or 'by the table'}"
+            f"allreduce {allreduce}"
         )
 
 
@@ -189,11 +218,30 @@ class CostModel:
     Args:
         cycle_bytes: the allreduce bytes of each cycle of one step.
         latency: seconds per collective. Defaults to :data:`LATENCY_SECONDS`.
+        buffers: the sizes of a step's fused allreduce buffers at a fusion threshold (bytes
+            in, bytes out; :func:`fused_buffers` of the step's plans). Defaults to each
+            cycle's bytes cut in buffers of the threshold and one of the rest.
     """
 
-    def __init__(self, cycle_bytes: Sequence[int], latency: float = LATENCY_SECONDS) -> None:
+    def __init__(
+        self,
+        cycle_bytes: Sequence[int],
+        latency: float = LATENCY_SECONDS,
+        buffers: Callable[[int], list[int]] | None = None,
+    ) -> None:
         self.cycle_bytes = [b for b in cycle_bytes if b > 0] or [1]
         self.latency = latency
+        self._buffers = buffers
+
+    def buffers(self, threshold: int) -> list[int]:
+        """The sizes of one step's fused allreduce buffers at `threshold` (bytes)."""
+        if self._buffers is not None:
+            return [b for b in self._buffers(threshold) if b > 0]
+        found = []
+        for nbytes in self.cycle_bytes:
+            whole, rest = divmod(nbytes, max(threshold, 1))
+            found += [threshold] * whole + ([rest] if rest else [])
+        return found
 
     def step_seconds(self, candidate: Candidate) -> float:
         """The predicted communication time of a step beyond its bytes, in seconds."""
@@ -223,11 +271,12 @@ class Search:
         margin: how much better (relative) a neighbour must score to become the best.
             Defaults to 0.03.
         algorithms: the allreduce algorithms to try once the threshold and cycle time have
-            converged (`core.algorithms` names: the candidates of the job's table). Defaults
-            to none.
-        table_choice: the algorithm the table takes for an allreduce of so many bytes (the
-            one of `algorithms` it takes for the step's buffers is not tried again).
-            Defaults to none of them.
+            converged (`core.algorithms` names: the candidates of the job's table), on the
+            sizes of the step's fused buffers. Defaults to none.
+        table: the job's algorithm table, as it is without autotune's bands (its allreduce
+            row says where the buffers fall and what it takes there; its fitted models,
+            where measured, order the algorithms and skip the hopeless). Defaults to none:
+            no algorithm is tried.
     """
 
     def __init__(
@@ -237,13 +286,16 @@ class Search:
         max_samples: int,
         margin: float = 0.03,
         algorithms: Sequence[str] = (),
-        table_choice: Callable[[int], str] = lambda nbytes: TABLE,
+        table: AlgorithmTable | None = None,
     ) -> None:
         self.model = model
         self.max_samples = max_samples
         self.margin = margin
-        self.algorithms = tuple(algorithms)
-        self.table_choice = table_choice
+        self.algorithms = tuple(algorithms) if table is not None else ()
+        self.table = table
+        # The size ranges whose algorithm is still to be tried (see `band_trials`), each
+        # with its algorithms; made when the threshold and cycle time have converged.
+        self.bands_left: list[tuple[int, int | None, tuple[str, ...]]] = []
         self.fusion_grid = tuple(v for v in FUSION_GRID if v <= model.largest_useful_threshold())
         # Each setting's score of record: its only score, or the lower of its first two
         # (see `checking`), or its final re-score.
@@ -297,7 +349,7 @@ class Search:
                 self.queue.clear()
         following = self._next()
         if following is None:
-            self.converged = self._searching_algorithms and not self.queue
+            self.converged = self._searching_algorithms and not self.queue and not self.bands_left
             following = self._start_confirming()
             if following is None:
                 self.checking = None  # no room to check it: a challenger is not taken
@@ -341,8 +393,8 @@ class Search:
         """What the final re-scores would score now, in order: the best (or a challenger
         the budget left no room to score again), the start right after it (the best is
         kept only if it beats the start's own second score), and a runner-up: the best
-        it challenged; else the best setting with the table's algorithm and no cycle time
-        where the best forces an algorithm or has a cycle time (either is kept only if it
+        it challenged; else the best setting with the table's crossovers and no cycle time
+        where the best has bands or a cycle time (either is kept only if it
         wins again, clearly); else the highest other setting without cycle time within
         :data:`CONFIRM_WITHIN` of the best. Fewer than two: nothing to re-score."""
         challenger = self.checking if self.checking != self.best else None
@@ -355,14 +407,14 @@ class Search:
         if challenger is not None and self.best not in found:
             assert self.best is not None
             return [*found, self.best]
-        others = [c for c in self.scores if c not in found and c.algorithm == TABLE]
-        if best.cycle_time_ms > 0 or best.algorithm != TABLE:
+        others = [c for c in self.scores if c not in found and not c.bands]
+        if best.cycle_time_ms > 0 or best.bands:
             others = [c for c in others if c.cycle_time_ms == 0] or others
         else:  # a cycle time that did not beat it clearly gets no second chance
             others = [c for c in others if c.cycle_time_ms == 0]
         if others:
             runner_up = max(others, key=self.scores.__getitem__)
-            plainer = best.cycle_time_ms > 0 or best.algorithm != TABLE
+            plainer = best.cycle_time_ms > 0 or bool(best.bands)
             close = self.scores[runner_up] * (1 + CONFIRM_WITHIN) >= self.scores[best]
             if plainer or close:
                 found.append(runner_up)
@@ -431,26 +483,80 @@ class Search:
             if untried:
                 return untried[0]
             self._searching_algorithms = True
-            self.queue = self.algorithm_trials()
-        while self.queue:
-            candidate = self.queue.pop(0)
-            if candidate not in self.scores:
-                return candidate
-        return None
+            assert self.best is not None
+            self.bands_left = self.band_trials(self.best.fusion_threshold)
+        while True:
+            while self.queue:
+                candidate = self.queue.pop(0)
+                if candidate not in self.scores:
+                    return candidate
+            if not self.bands_left:
+                return None
+            # The next range's algorithms, each added to the best's bands so far (a range
+            # tuned before keeps the algorithm that won there).
+            start, end, names = self.bands_left.pop(0)
+            best = self.best
+            assert best is not None
+            self.queue = [
+                Candidate(
+                    best.fusion_threshold, best.cycle_time_ms, (*best.bands, Band(name, start, end))
+                )
+                for name in names
+            ]
 
-    def algorithm_trials(self) -> list[Candidate]:
-        """The best setting with each allreduce algorithm of :attr:`algorithms` forced,
-        but for the one the table already takes for the step's buffers (as large as the
-        threshold, or the largest cycle's bytes where that is less)."""
-        assert self.best is not None
-        best = self.best
-        buffer = min(best.fusion_threshold, max(self.model.cycle_bytes))
-        taken = self.table_choice(buffer)
-        return [
-            Candidate(best.fusion_threshold, best.cycle_time_ms, name)
-            for name in self.algorithms
-            if name != taken
-        ]
+    def band_trials(self, threshold: int) -> list[tuple[int, int | None, tuple[str, ...]]]:
+        """The size ranges of the step's fused allreduce buffers at `threshold` whose
+        algorithm is to be tried, the one the table's choice takes most time on first
+        (by its fitted models; by bytes without them), each with the algorithms to try.
+
+        The buffers are grouped by the band of the table's allreduce row for what MPI can
+        reduce (float32 and float64 sums: gradients); a band laid over it covers the other
+        row too where that row has the algorithm (16-bit floats keep theirs otherwise). A
+        group's range runs from the power of 2 at or below its smallest buffer to the one
+        above its largest, cut to the table's band (so every size in it has one table
+        choice, and sizes no buffer has keep the table's choice). Its algorithms are those
+        of :attr:`algorithms` but the table's choice there, cheapest by the models first,
+        less any that the models price at :data:`MODEL_SKIP` times the table's choice or
+        more (untried; without a model an algorithm is tried, after those with one)."""
+        table = self.table
+        if table is None or not self.algorithms:
+            return []
+        row = table.bands[(ALLREDUCE, True)]
+        starts = [start for start, _ in row]
+        groups: dict[int, list[int]] = {}
+        for nbytes in self.model.buffers(threshold):
+            groups.setdefault(bisect.bisect_right(starts, nbytes) - 1, []).append(nbytes)
+        found = []
+        for index, sizes in groups.items():
+            taken = row[index][1]
+            band_end = starts[index + 1] if index + 1 < len(starts) else None
+            start = max(starts[index], 1 << (min(sizes).bit_length() - 1))
+            end: int | None = 1 << max(sizes).bit_length()
+            if band_end is not None:
+                end = min(end, band_end)
+            priced = {name: _priced(table, name, sizes) for name in self.algorithms}
+            limit = priced[taken] * MODEL_SKIP if priced[taken] is not None else math.inf
+            names = [
+                name
+                for name in self.algorithms
+                if name != taken and (priced[name] is None or priced[name] < limit)
+            ]
+            names.sort(key=lambda name: (priced[name] is None, priced[name] or 0.0))
+            weight = priced[taken] if priced[taken] is not None else float(sum(sizes))
+            if names:
+                found.append((weight, start, end, tuple(names)))
+        found.sort(key=lambda entry: -entry[0])
+        return [(start, end, names) for _, start, end, names in found]
+
+    def crossovers(self, candidate: Candidate) -> str:
+        """The allreduce's crossovers at `candidate` (its bands laid over :attr:`table`),
+        as `AlgorithmTable.row_text` writes them: ``mpi<64K<ring``; ``""`` without a table."""
+        if self.table is None:
+            return ""
+        table = self.table
+        for band in candidate.bands:
+            table = table.overriding(band)
+        return table.row_text(ALLREDUCE, True)
 
     def coarse(self) -> list[Candidate]:
         """The model's best setting, then every other fusion threshold below it with no
@@ -483,11 +589,11 @@ class Search:
 
     def _model_order(self, candidate: Candidate) -> tuple[bool, bool, float, int, float]:
         """Every setting without cycle time first (a cycle time costs more than the model
-        says: see :data:`CYCLE_MARGIN`), then the table's algorithm before a forced one,
+        says: see :data:`CYCLE_MARGIN`), then the table's algorithm before bands of another,
         then cheapest by the model; ties: larger threshold, then shorter cycle time."""
         return (
             candidate.cycle_time_ms > 0,
-            candidate.algorithm != TABLE,
+            bool(candidate.bands),
             self.model.step_seconds(candidate),
             -candidate.fusion_threshold,
             candidate.cycle_time_ms,
@@ -496,9 +602,9 @@ class Search:
     def _neighbours(self, centre: Candidate) -> list[Candidate]:
         found = []
         for value in _adjacent(self.fusion_grid, centre.fusion_threshold):
-            found.append(Candidate(value, centre.cycle_time_ms, centre.algorithm))
+            found.append(Candidate(value, centre.cycle_time_ms, centre.bands))
         for value in _adjacent(CYCLE_GRID_MS, centre.cycle_time_ms):
-            found.append(Candidate(centre.fusion_threshold, value, centre.algorithm))
+            found.append(Candidate(centre.fusion_threshold, value, centre.bands))
         return found
 
 
@@ -509,6 +615,24 @@ def _adjacent(grid: Sequence[float], value: float) -> list:
         return [grid[i] for i in (index - 1, index + 1) if 0 <= i < len(grid)]
     nearest = min(grid, key=lambda v: (abs(math.log1p(v) - math.log1p(value)), v))
     return [nearest]
+
+
+def _priced(table: AlgorithmTable, name: str, sizes: Sequence[int]) -> float | None:
+    """What `table`'s fitted model of allreduce algorithm `name` gives a step's buffers of
+    `sizes` bytes (seconds), or None where the table has no model of it."""
+    model = table.models.get(SERIES[(ALLREDUCE, name)])
+    return None if model is None else sum(model.seconds(nbytes) for nbytes in sizes)
+
+
+def fused_buffers(plans: Sequence[Sequence[Response]], threshold: int) -> list[int]:
+    """The bytes of each fused allreduce buffer that `plans` (one step's cycles) run at a
+    fusion `threshold`: the engine's own batching (`engine.batches`)."""
+    found = []
+    for plan in plans:
+        for item in batches(list(plan), threshold):
+            if isinstance(item, list) and item[0].signature.kind is Kind.ALLREDUCE:
+                found.append(allreduce_bytes(item))
+    return found
 
 
 def allreduce_bytes(responses: Sequence[Response]) -> int:
@@ -522,8 +646,8 @@ def allreduce_bytes(responses: Sequence[Response]) -> int:
 
 
 class Autotuner:
-    """Tunes one engine's fusion threshold and cycle time; every rank has one, and they
-    decide alike (see the module's docstring).
+    """Tunes one engine's fusion threshold, cycle time and allreduce algorithm bands; every
+    rank has one, and they decide alike (see the module's docstring).
 
     Args:
         settings: the engine's settings at the start (the starting setting, the budget, the
@@ -532,11 +656,12 @@ class Autotuner:
         share: broadcasts rank 0's score to every rank (a collective; called at the end of
             the same cycle on every rank) and returns it.
         apply: makes a setting the engine's (fusion threshold in bytes, cycle time in
-            seconds, allreduce algorithm: ``""`` for the table's), from the next cycle on.
+            seconds, the allreduce's bands: none for the table's choice at every size),
+            from the next cycle on.
         clock: the time in seconds. Defaults to ``time.perf_counter``.
         algorithms: called once, at the same cycle on every rank, when the search begins
-            (it may be collective): the allreduce algorithms to try, and the one the table
-            takes for a buffer of so many bytes. Defaults to none to try.
+            (it may be collective): the allreduce algorithms to try, and the algorithm
+            table they are tried in (None: none to try). Defaults to none.
     """
 
     def __init__(
@@ -544,11 +669,11 @@ class Autotuner:
         settings: Settings,
         rank: int,
         share: Callable[[float], float],
-        apply: Callable[[int, float, str], None],
+        apply: Callable[[int, float, tuple[Band, ...]], None],
         clock: Callable[[], float] = time.perf_counter,
-        algorithms: Callable[[], tuple[Sequence[str], Callable[[int], str]]] = lambda: (
+        algorithms: Callable[[], tuple[Sequence[str], AlgorithmTable | None]] = lambda: (
             (),
-            lambda nbytes: TABLE,
+            None,
         ),
     ) -> None:
         self.rank = rank
@@ -566,6 +691,8 @@ class Autotuner:
         self._seen: set[str] = set()  # names of the step in progress
         self._cycle_bytes: list[int] = []  # allreduce bytes of each cycle of this step
         self._step_cycle_bytes: list[int] = []  # ... of the last full step
+        self._plans: list[Sequence[Response]] = []  # each cycle's plan of this step
+        self._step_plans: list[Sequence[Response]] = []  # ... of the last full step
         self._sample_steps = 0
         self._sample_bytes = 0
         self._step_started = math.nan
@@ -601,6 +728,7 @@ class Autotuner:
             )
         nbytes = allreduce_bytes(responses)
         self._cycle_bytes.append(nbytes)
+        self._plans.append(responses)
         self._sample_bytes += nbytes
 
     def _end_step(self, cycle: int) -> None:
@@ -609,6 +737,7 @@ class Autotuner:
         self._durations.append(now - self._step_started)
         self._step_started = now
         self._step_cycle_bytes, self._cycle_bytes = self._cycle_bytes, []
+        self._step_plans, self._plans = self._plans, []
         self.steps += 1
         self._sample_steps += 1
         if self._sample_steps < self.steps_per_sample:
@@ -622,13 +751,17 @@ class Autotuner:
             self.warmup_samples -= 1
             return
         if self.search is None:
-            names, table_choice = self._algorithms()
+            names, table = self._algorithms()
+            plans = self._step_plans  # the buffers of a step measured at the start
             self.search = Search(
                 self.start,
-                CostModel(self._step_cycle_bytes),
+                CostModel(
+                    self._step_cycle_bytes,
+                    buffers=lambda threshold: fused_buffers(plans, threshold),
+                ),
                 self.max_samples,
                 algorithms=names,
-                table_choice=table_choice,
+                table=table,
             )
         # Their total time, not a median of step times: rank 0's step boundaries jitter as
         # the peers run ahead or behind (a short step then a long one), which a sum of
@@ -647,7 +780,7 @@ class Autotuner:
 
     def _set(self, cycle: int, candidate: Candidate) -> None:
         self.applied.append((cycle, candidate))
-        self._apply(candidate.fusion_threshold, candidate.cycle_time_ms * 1e-3, candidate.algorithm)
+        self._apply(candidate.fusion_threshold, candidate.cycle_time_ms * 1e-3, candidate.bands)
         if self.done and self.rank == 0:
             logger.info(
                 "autotune %s after %d steps: %s",
@@ -665,7 +798,8 @@ class Autotuner:
                 len(search.order),
                 tried.fusion_threshold,
                 f"{tried.cycle_time_ms:g}",
-                tried.algorithm or "table",
+                tried.algorithm_text,
+                search.crossovers(tried),
                 f"{score:.6g}",
                 f"{search.best_score:.6g}",
                 int(self.done),
@@ -709,9 +843,9 @@ def tune_from(engine: Tunable, fusion_threshold: int, cycle_time: float) -> Auto
     afresh from there, with the budget of its settings (benchmarks and tests start from a
     bad setting this way; ``RINGPLUG_AUTOTUNE=1`` refuses a fixed one). Every rank calls it
     at the same point, with no collective in flight (after a barrier). The allreduce
-    algorithm goes back to the table's."""
+    goes back to the table's choice at every size."""
     if engine.tuner is not None:
         engine.tuner.close()
-    engine.apply_tuned_setting(fusion_threshold, cycle_time, TABLE)
+    engine.apply_tuned_setting(fusion_threshold, cycle_time, ())
     engine.tuner = for_engine(engine)
     return engine.tuner

@@ -6,8 +6,8 @@ trains, every rank alike, in segments of steps:
 
 1. ``--warmup`` steps at the bad setting (fusion threshold 64 KiB, cycle time 20 ms);
 2. tuning: `ringplug.core.autotune.tune_from` the bad setting, with the settings' budget
-   (``RINGPLUG_AUTOTUNE_*``: by default at most 48 steps; the allreduce algorithm too,
-   the sweep's settings keep the table's), for ``--tuning-steps`` steps;
+   (``RINGPLUG_AUTOTUNE_*``: by default at most 48 steps; the allreduce's crossovers
+   too, the sweep's settings keep the table's), for ``--tuning-steps`` steps;
    the tuner reports the steps it used and whether it converged;
 3. ``--sweep-rounds`` rounds in which each setting of the hand-picked sweep (:data:`SWEEP`)
    runs ``--iters`` timed steps (after one untimed step that pays for the switch), the
@@ -117,9 +117,10 @@ def _balanced_order(count: int, turn: int) -> list[int]:
 
 
 def _label(candidate: Candidate) -> str:
-    """``4096K/0ms``, and ``/ring`` where it forces the allreduce's algorithm."""
-    forced = f"/{candidate.algorithm}" if candidate.algorithm else ""
-    return f"{candidate.fusion_threshold >> 10}K/{candidate.cycle_time_ms:g}ms{forced}"
+    """``4096K/0ms``, and ``/ring@[64K,128K)`` where it lays bands of another allreduce
+    algorithm over the table."""
+    bands = "".join(f"/{band}" for band in candidate.bands)
+    return f"{candidate.fusion_threshold >> 10}K/{candidate.cycle_time_ms:g}ms{bands}"
 
 
 class Schedule:
@@ -178,7 +179,7 @@ class Schedule:
                     setting = BAD
                 assert isinstance(setting, Candidate)
                 self.engine.apply_tuned_setting(
-                    setting.fusion_threshold, setting.cycle_time_ms * 1e-3, setting.algorithm
+                    setting.fusion_threshold, setting.cycle_time_ms * 1e-3, setting.bands
                 )
             self._label, self._first = label, step
         self._started = time.perf_counter()
@@ -331,7 +332,9 @@ def run(args: argparse.Namespace) -> int:
         f"tuning used {tuner.steps} steps (target <= 50), "
         f"{len(tuner.search.order)} samples, "
         f"{'converged' if tuner.search.converged else 'ran out of samples'}; "
-        f"tuning took {schedule.tuning_seconds:.2f} s"
+        f"tuning took {schedule.tuning_seconds:.2f} s; allreduce crossovers "
+        f"{tuner.search.crossovers(schedule.tuned) or 'not tuned'} (the table's: "
+        f"{tuner.search.crossovers(BAD) or 'none offered'})"
     )
     if args.json:
         with open(args.json, "w") as handle:
@@ -352,6 +355,8 @@ def run(args: argparse.Namespace) -> int:
                     "tuning_steps": tuner.steps,
                     "samples": len(tuner.search.order),
                     "converged": tuner.search.converged,
+                    "table_crossovers": tuner.search.crossovers(BAD),
+                    "tuned_crossovers": tuner.search.crossovers(schedule.tuned),
                     "trials": [(_label(c), score) for c, score in tuner.search.history],
                 },
                 handle,

@@ -5,7 +5,9 @@ thread the scheduler gave the turn to (`scheduler`):
 
 1. **take** the requests submitted since the last cycle (or the one request of the caller
    that runs this cycle for it), and read this cycle's settings (`settings`: the one place
-   the cycle reads `Engine.settings`, so that a change takes effect at the next cycle);
+   the cycle reads `Engine.settings`, once it has taken its requests, so that a change
+   takes effect at the next cycle, and one made before a request was submitted holds for
+   every cycle that runs it);
 2. **negotiate** (`negotiate`): every rank gets every rank's message. Its fast path: a lone
    request of a form the ranks agreed on before is named by its form alone (its cache slot,
    and its data when small, see `carried`); when every rank sent that same form, recognised
@@ -114,7 +116,7 @@ class Cycle:
         # The fast path's carried data: every rank's message as received, and where the
         # data starts in each (`run_plan` completes the lone request from them).
         self._carried_alone: tuple[list[bytes | bytearray], int] | None = None
-        # This cycle's settings: `run` reads `Engine.settings` once, at its start.
+        # This cycle's settings: `run` reads `Engine.settings` once it has taken its requests.
         self.settings: Settings = engine.settings
         # The last plan's responses, the fusion threshold and their batches (a repeated
         # step reuses them).
@@ -137,14 +139,11 @@ class Cycle:
         try:
             # A waiting caller's own cycle starts as it submits: one clock reading less.
             start = fresh[0].submitted if by_caller and fresh else time.perf_counter()
-            # The one place a cycle reads the engine's settings: replacing `Engine.settings`
-            # (a frozen dataclass) changes the fusion threshold and cycle time from here on.
-            self.settings = settings = engine.settings
             on_engine_thread = not by_caller
             stopping = False
             if fresh is None:
-                if settings.cycle_time > 0:
-                    time.sleep(settings.cycle_time)  # let more requests gather for fusion
+                if engine.settings.cycle_time > 0:
+                    time.sleep(engine.settings.cycle_time)  # let more requests gather for fusion
                 elif on_engine_thread:
                     scheduler.let_burst_finish(start + BURST_WAIT_SECONDS)
                 fresh, stopping = scheduler.take_submissions(on_engine_thread)
@@ -154,6 +153,15 @@ class Cycle:
                 # The caller's own request, on its thread: its site is found from here (the
                 # user's frame is usually 3 above `Scheduler.submit`, 5 above `add_own`).
                 engine.flight.add_own(fresh[0], 5)
+            # Where a cycle reads the engine's settings (its wait aside): replacing
+            # `Engine.settings` (a frozen dataclass) changes the fusion threshold and cycle
+            # time from here on. Read once the requests are taken, not before the wait: a
+            # setting changed between two steps (`autotune.tune_from`, the bench's segments:
+            # after a barrier, before submitting) then holds on every rank for every request
+            # submitted after it. Read before the wait, it was the old one where the engine
+            # thread had begun this cycle and the new one on the other ranks, which fused
+            # the same plan differently (MPI's messages truncated: the job failed).
+            self.settings = engine.settings
             if fresh:
                 pending = self.pending
                 for request in fresh:

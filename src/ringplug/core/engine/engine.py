@@ -33,7 +33,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ... import wire
@@ -43,7 +43,7 @@ from ...forensics.flight import FlightRecorder
 from ...forensics.stacks import own_stacks, report_lines
 from ...wire import UNNAMED, Response
 from .. import autotune, log
-from ..algorithms import ALLREDUCE, CANDIDATES, HIERARCHICAL, AlgorithmTable
+from ..algorithms import ALLREDUCE, CANDIDATES, HIERARCHICAL, AlgorithmTable, Band
 from ..dtypes import ITEMSIZE
 from ..errors import (
     CommunicatorFailed,
@@ -144,8 +144,8 @@ class Engine:
         self.scheduler = Scheduler(self, self.cycle.run, thread_name)
         if settings.timeline:
             self.start_timeline(settings.timeline)
-        # The allreduce algorithm autotune applied ("": the table's) and the table before it.
-        self._tuned_algorithm = ""
+        # The allreduce bands autotune applied (none: the table's) and the table before them.
+        self.tuned_bands: tuple[Band, ...] = ()
         self._untuned_table: AlgorithmTable | None = None
         # RINGPLUG_AUTOTUNE: the world's engine tells its tuner each cycle's plan
         # (`Cycle.run_plan`), and the tuner changes the settings (`apply_tuned_setting`).
@@ -245,45 +245,53 @@ class Engine:
         self.stalls.scope_text = text
 
     def apply_tuned_setting(
-        self, fusion_threshold: int, cycle_time: float, algorithm: str = ""
+        self, fusion_threshold: int, cycle_time: float, bands: tuple[Band, ...] = ()
     ) -> None:
         """Make the autotuner's setting this engine's from the next cycle on (every rank
-        calls it at the end of the same cycle; the next `Cycle.run` reads the settings):
-        the fusion threshold (bytes), the cycle time (seconds) and the host allreduce's
-        algorithm (``""``: the algorithm table's choice by size; a name: that one at every
-        size, as ``RINGPLUG_ALGORITHM=allreduce=NAME``)."""
+        calls it at the end of the same cycle with the same setting; the next `Cycle.run`
+        reads the settings): the fusion threshold (bytes), the cycle time (seconds) and the
+        host allreduce's bands (`core.algorithms.Band`, each laid over the algorithm table
+        as it was before autotune, in order; none: the table as it was).
+
+        Raises:
+            ValueError: a band the table refuses (`AlgorithmTable.overriding`), before
+                anything changes.
+        """
+        bands = tuple(bands)
+        table = None
+        if bands != self.tuned_bands:
+            # The table as it was before any tuned band (made collectively at the first
+            # collective that chose one; here, if not yet, at this cycle on every rank).
+            if self._untuned_table is None:
+                self._untuned_table = self.transport.algorithms
+            table = self._untuned_table
+            for band in bands:
+                table = table.overriding(band)
         self.settings = dataclasses.replace(
             self.settings, fusion_threshold=fusion_threshold, cycle_time=cycle_time
         )
         if self._gpu is not None:
             self._gpu.settings = self.settings
-        if algorithm != self._tuned_algorithm:
-            # The table as it was before any tuned algorithm (made collectively at the first
-            # collective that chose one; here, if not yet, at this cycle on every rank).
-            if self._untuned_table is None:
-                self._untuned_table = self.transport.algorithms
-            table = self._untuned_table
-            self.transport.use_algorithms(
-                table.forcing({ALLREDUCE: algorithm}) if algorithm else table
-            )
-            self._tuned_algorithm = algorithm
+        if table is not None:
+            self.transport.use_algorithms(table)
+            self.tuned_bands = bands
 
-    def tunable_algorithms(self) -> tuple[tuple[str, ...], Callable[[int], str]]:
+    def tunable_algorithms(self) -> tuple[tuple[str, ...], AlgorithmTable | None]:
         """What autotune may try for the host allreduce (every rank calls it at the same
         cycle; collective the first time): the algorithms of the table's allreduce row,
         the hierarchical one only where the ranks span hosts (`Transport.spans_hosts`),
-        and the one the table takes for a buffer of so many bytes. None where
+        and the table they are tried in (as it is without autotune's bands). None where
         ``RINGPLUG_ALGORITHM`` forces the allreduce, on one rank, or once a GPU collective
         ran (NCCL's allreduce is not the table's)."""
         if self.size == 1 or ALLREDUCE in self.transport.forced or not self.scheduler.host_only:
-            return (), lambda nbytes: ""
-        table = self.transport.algorithms
+            return (), None
+        table = self._untuned_table or self.transport.algorithms
         names = tuple(
             name
             for name in CANDIDATES[(ALLREDUCE, True)]
             if name != HIERARCHICAL or self.transport.spans_hosts()
         )
-        return names, lambda nbytes: table.choose(ALLREDUCE, nbytes, True)
+        return names, table
 
     def gpu_plane(self) -> GpuPlane:
         """The GPU data plane (NCCL), made at the first GPU collective."""
