@@ -493,8 +493,7 @@ def _exchange(
     peers = [r for r in members if r != world.rank]
     _send(comm, (_PROPOSE, set_id, world.rank, offer), peers)
     timeout = world.settings.timeout
-    deadline = time.monotonic() + timeout
-    pause = 0.0002
+    polls = _Polls(timeout)
     while True:
         _collect(comm)
         with _sets.lock:
@@ -519,10 +518,8 @@ def _exchange(
             raise _gave_up(withdrawn, world, where)
         if len(got) == len(members):
             return got
-        if time.monotonic() >= deadline:
+        if not polls.pause():
             break
-        time.sleep(pause)  # polls: the others may be busy for long, this rank must not block
-        pause = min(2 * pause, 0.02)
     missing = tuple(r for r in peers if r not in got)
     error = MembersMissingError(
         f"rank {world.rank} waited {timeout:g} s (RINGPLUG_TIMEOUT) for rank(s) "
@@ -546,9 +543,8 @@ def _confirm(comm: MPI.Comm, set_id: str, peers: list[int], world: Engine, where
     proposals (see the module's docstring)."""
     _send(comm, (_READY, set_id, world.rank, None), peers)
     timeout = world.settings.timeout
-    deadline = time.monotonic() + timeout + _READY_GRACE_SECONDS
+    polls = _Polls(timeout + _READY_GRACE_SECONDS)
     confirmed: set[int] = set()
-    pause = 0.0002
     while True:
         _collect(comm)
         with _sets.lock:
@@ -562,10 +558,8 @@ def _confirm(comm: MPI.Comm, set_id: str, peers: list[int], world: Engine, where
             raise _gave_up(withdrawn, world, where)
         if len(confirmed) == len(peers):
             return
-        if time.monotonic() >= deadline:
+        if not polls.pause():
             break
-        time.sleep(pause)
-        pause = min(2 * pause, 0.02)
     silent = tuple(r for r in peers if r not in confirmed)
     error = MembersMissingError(
         f"rank {world.rank} has every member's proposal for {where}, but rank(s) "
@@ -576,6 +570,23 @@ def _confirm(comm: MPI.Comm, set_id: str, peers: list[int], world: Engine, where
     )
     error.withdrawal = f"never heard rank(s) {_ranks_text(silent)} confirm it"
     raise error
+
+
+class _Polls:
+    """The pauses between a members-only wait's polls, from 0.2 ms doubling up to 20 ms,
+    for `seconds`: the others may be busy for long, and this rank must not block in MPI."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.seconds = 0.0002
+
+    def pause(self) -> bool:
+        """Sleep before the next poll; False, without sleeping, once the time is up."""
+        if time.monotonic() >= self.deadline:
+            return False
+        time.sleep(self.seconds)
+        self.seconds = min(2 * self.seconds, 0.02)
+        return True
 
 
 def _gave_up(withdrawn: dict[int, str], world: Engine, where: str) -> MembersMissingError:
