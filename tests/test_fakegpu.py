@@ -155,15 +155,16 @@ def test_every_collective_computes_what_numpy_computes(battery_run, kind):
 
 
 def test_process_sets_run_gpu_collectives_on_nccl_communicators_of_their_own(fakes):
-    # Sets [1, 2] and [0, 2] of 3 ranks (rank 2 in both): each set's engine makes an NCCL
-    # communicator of its members at its first GPU collective; results against numpy.
+    # Sets [1, 2] and [0, 2] of 3 ranks (rank 2 in both), and [0, 1] made by its members
+    # only: each set's engine makes an NCCL communicator of its members at its first GPU
+    # collective; results against numpy.
     env = fake_env(fakes, **SETUPS[3], **FAST)
     result = run_ringrun(
         "-np", "3", sys.executable, str(WORKER), "sets", extra_env=env, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
     found = reports_of(result.stdout)
-    for label in ("A", "B"):
+    for label in ("A", "B", "C"):
         mine = {name.split("/", 1)[1]: got for name, got in found.items() if name[0] == label}
         assert sorted(mine) == sorted(battery.SET_CASES), sorted(found)
         assert mismatches(mine, 2) == [], label

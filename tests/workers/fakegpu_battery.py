@@ -314,13 +314,15 @@ SET_CASES = (
 
 
 def run_on_sets(rank: int, device: int) -> None:
-    """Two overlapping process sets of 3 ranks, [1, 2] and [0, 2]: each runs `SET_CASES`
-    on its own engine, through an NCCL communicator of its own members (made at its first
-    GPU collective); each member prints its report with the set's label and its rank in
-    the set."""
+    """Two overlapping process sets of 3 ranks, [1, 2] and [0, 2], and [0, 1] made by its
+    members only (rank 2 takes no part): each runs `SET_CASES` on its own engine, through an
+    NCCL communicator of its own members (made at its first GPU collective); each member
+    prints its report with the set's label and its rank in the set."""
     from ringplug.core import runtime
 
     made = {"A": ringplug.add_process_set([1, 2]), "B": ringplug.add_process_set([0, 2])}
+    if rank in (0, 1):
+        made["C"] = ringplug.add_process_set([0, 1], members_only=True)
     chosen = [case for case in cases() if case["name"] in SET_CASES]
     for label, process_set in made.items():
         if not process_set.included():
@@ -333,8 +335,8 @@ def run_on_sets(rank: int, device: int) -> None:
                 print("case:" + json.dumps(report), flush=True)
         finally:
             runtime.scope.reset(token)
-    for process_set in made.values():
-        ringplug.remove_process_set(process_set)
+    for label, process_set in made.items():
+        ringplug.remove_process_set(process_set, members_only=label == "C")
     ringplug.barrier()
 
 
