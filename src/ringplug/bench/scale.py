@@ -384,7 +384,7 @@ def print_counts(jobs: dict, pmpi: str) -> None:
 
 
 def print_cpu(document: dict) -> None:
-    per_call, _ = seconds_per_call(document)
+    per_call = seconds_per_call(document)
     print(
         "# cpu: per small step of so many 4 KiB tensors (submissions included), median over "
         "ranks: the function calls (Python's and C's) made outside the engine's waits, "
@@ -546,29 +546,28 @@ def step_points(document: dict, agreeing_only: bool = True) -> list[StepPoint]:
     return points
 
 
-def seconds_per_call(document: dict) -> tuple[float, dict[str, float]]:
+def seconds_per_call(document: dict) -> float:
     """The CPU one call costs: the CPU measured outside the waits over the calls counted,
     in the one-tensor step (whose calls are mostly the cycle's and its messages', MPI's
-    among them: dearer than a tensor's, which the 32-tensor step shows) of the jobs whose
-    ranks each had a core, their median; and every small step's ratio there, by label."""
+    among them: dearer than a tensor's, as the cpu part's ratios show) of the jobs whose
+    ranks each had a core, their median."""
     cores = os.cpu_count() or 1
-    ratios: dict[str, float] = {}
+    one = SMALL_STEPS[0]
+    ratios = []
     for key, job in document.get("calls", {}).items():
         counted = document.get("counts", {}).get(key)
         if int(key) > cores or not counted:
             continue
-        for phase in SMALL_STEPS:
-            calls = _median([_calls(r["phases"][phase]) for r in job["reports"]])
-            rows = [r["phases"][phase] for r in counted["reports"] if phase in r["phases"]]
-            if rows and calls:
-                ratios[f"{phase} p={key}"] = _median([_work_cpu(r) for r in rows]) / calls
-    ones = [ratio for label, ratio in ratios.items() if label.startswith(f"{SMALL_STEPS[0]} ")]
-    if not ones:
+        calls = _median([_calls(r["phases"][one]) for r in job["reports"]])
+        rows = [r["phases"][one] for r in counted["reports"] if one in r["phases"]]
+        if rows and calls:
+            ratios.append(_median([_work_cpu(r) for r in rows]) / calls)
+    if not ratios:
         raise SystemExit(
             f"ringplug-bench scale: the CPU model needs a job of at most {cores} ranks (one "
             "core each) to measure what a call costs: add 2 to --ranks"
         )
-    return _median(ones), ratios
+    return _median(ratios)
 
 
 def model_points(document: dict) -> list[Point]:
@@ -631,7 +630,7 @@ def fit_points(document: dict) -> tuple[Fit, CpuModel]:
         steps = step_points(document, agreeing_only=False)
     if not wall or not steps:
         raise SystemExit("ringplug-bench scale: the model needs the counts part's points")
-    per_call, _ = seconds_per_call(document)
+    per_call = seconds_per_call(document)
     return scale_model.fit_model(wall), CpuModel(scale_model.fit_calls(steps), per_call)
 
 
