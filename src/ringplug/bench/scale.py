@@ -51,6 +51,7 @@ from ..core.engine.exchange import GATHER_ONLY_UP_TO
 from ..core.transport.traffic import DATA, NEGOTIATION
 from . import scale_model
 from .netbed import BedUnavailable, NetBed, Shape, uniform_hosts
+from .scale_job import SMALL_PHASES
 from .scale_model import CpuModel, Fit, Point, StepPoint
 
 PARTS = ("counts", "cpu", "sets", "bed", "model")
@@ -60,7 +61,6 @@ ALL_TO_ALL = {2: (1, 33e3, 3), 4: (3, 98e3, 9), 8: (7, 230e3, 21), 16: (16, 527e
 PROFILER = Path(__file__).resolve().parents[3] / "tests" / "pmpi" / "count_sends.c"
 STEP_TENSORS = {"1x4K": 1, "8x4K": 8, "32x4K": 32, "1M": 1, "16M": 1}
 STEP_BYTES = {"1x4K": 4096, "8x4K": 8 * 4096, "32x4K": 32 * 4096, "1M": 1 << 20, "16M": 16 << 20}
-SMALL_STEPS = ("1x4K", "8x4K", "32x4K")
 JOB_TIMEOUT_S = 420
 
 
@@ -401,7 +401,7 @@ def print_cpu(document: dict) -> None:
     )
     for key, job in document["calls"].items():
         counted = document.get("counts", {}).get(key, {}).get("reports", [])
-        for phase in SMALL_STEPS:
+        for phase in SMALL_PHASES:
             shape = job["reports"][0]["phases"][phase]
             parts = [
                 _median([r["phases"][phase]["calls"][part] for r in job["reports"]])
@@ -527,7 +527,7 @@ def step_points(document: dict, agreeing_only: bool = True) -> list[StepPoint]:
         ranks = int(key)
         if agreeing_only and ranks <= GATHER_ONLY_UP_TO:
             continue
-        for phase in SMALL_STEPS:
+        for phase in SMALL_PHASES:
             rows = [r["phases"][phase] for r in job["reports"]]
             if _median([r["cycles"] for r in rows]) != 1.0:
                 continue
@@ -552,7 +552,7 @@ def seconds_per_call(document: dict) -> float:
     among them: dearer than a tensor's, as the cpu part's ratios show) of the jobs whose
     ranks each had a core, their median."""
     cores = os.cpu_count() or 1
-    one = SMALL_STEPS[0]
+    one = SMALL_PHASES[0]
     ratios = []
     for key, job in document.get("calls", {}).items():
         counted = document.get("counts", {}).get(key)
