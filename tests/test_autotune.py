@@ -193,7 +193,7 @@ def test_a_step_ends_where_a_name_comes_again_however_many_cycles_it_took():
             job.cycle += 1
             job.tuner.after_cycle(job.cycle, part)
     assert job.tuner.steps == 4  # the fifth is still in progress
-    assert job.tuner._step_cycle_bytes == [2 * MIB, 2 * MIB, 2 * MIB]
+    assert job.tuner.step_cycle_bytes == [2 * MIB, 2 * MIB, 2 * MIB]
 
 
 def test_warmup_samples_at_the_start_setting_are_not_scored():

@@ -250,16 +250,24 @@ class AlgorithmTable:
             self.size, bands, self.source, self.models, self.seconds, f"forced {note}"
         )
 
-    def overriding(self, band: Band) -> AlgorithmTable:
-        """This table with `band`'s algorithm on its sizes and every other size as it was:
-        the crossovers at the band's edges move (an algorithm taken on both sides of an
-        edge leaves none there), the others stay. Rows whose candidates lack the algorithm
-        keep their bands (Max of float16 cannot take MPI's).
+    def overriding(self, *bands: Band) -> AlgorithmTable:
+        """This table with each of `bands` laid over it in order: a band's algorithm on its
+        sizes and every other size as it was, so the crossovers at the band's edges move (an
+        algorithm taken on both sides of an edge leaves none there) and the others stay.
+        Rows whose candidates lack the algorithm keep their bands (Max of float16 cannot
+        take MPI's). No bands: this table.
 
         Raises:
             ValueError: an unknown kind, an algorithm no row of the kind has, or a range
                 that is empty or starts below 0, saying what is allowed.
         """
+        table = self
+        for band in bands:
+            table = table._with_band(band)
+        return table
+
+    def _with_band(self, band: Band) -> AlgorithmTable:
+        """`overriding` with one band."""
         offered = sorted(
             {n for (k, _), names in CANDIDATES.items() if k == band.kind for n in names}
         )

@@ -200,7 +200,7 @@ class Candidate:
         return " ".join(str(band) for band in self.bands) or TABLE
 
     def __str__(self) -> str:
-        allreduce = " ".join(str(band) for band in self.bands) or "by the table"
+        allreduce = self.algorithm_text if self.bands else "by the table"
         return (
             f"fusion {self.fusion_threshold} B, cycle {self.cycle_time_ms:g} ms, "
             f"allreduce {allreduce}"
@@ -553,10 +553,7 @@ class Search:
         as `AlgorithmTable.row_text` writes them: ``mpi<64K<ring``; ``""`` without a table."""
         if self.table is None:
             return ""
-        table = self.table
-        for band in candidate.bands:
-            table = table.overriding(band)
-        return table.row_text(ALLREDUCE, True)
+        return self.table.overriding(*candidate.bands).row_text(ALLREDUCE, True)
 
     def coarse(self) -> list[Candidate]:
         """The model's best setting, then every other fusion threshold below it with no
@@ -689,8 +686,6 @@ class Autotuner:
         # (cycle, setting) each time this rank applied one, for tests and the log.
         self.applied: list[tuple[int, Candidate]] = []
         self._seen: set[str] = set()  # names of the step in progress
-        self._cycle_bytes: list[int] = []  # allreduce bytes of each cycle of this step
-        self._step_cycle_bytes: list[int] = []  # ... of the last full step
         self._plans: list[Sequence[Response]] = []  # each cycle's plan of this step
         self._step_plans: list[Sequence[Response]] = []  # ... of the last full step
         self._sample_steps = 0
@@ -726,17 +721,14 @@ class Autotuner:
                 "each step runs (every framework adapter names its gradients)",
                 _NO_STEP_CYCLES,
             )
-        nbytes = allreduce_bytes(responses)
-        self._cycle_bytes.append(nbytes)
         self._plans.append(responses)
-        self._sample_bytes += nbytes
+        self._sample_bytes += allreduce_bytes(responses)
 
     def _end_step(self, cycle: int) -> None:
         self._cycles_in_step = 0
         now = self._clock() if self.rank == 0 else 0.0
         self._durations.append(now - self._step_started)
         self._step_started = now
-        self._step_cycle_bytes, self._cycle_bytes = self._cycle_bytes, []
         self._step_plans, self._plans = self._plans, []
         self.steps += 1
         self._sample_steps += 1
@@ -756,7 +748,7 @@ class Autotuner:
             self.search = Search(
                 self.start,
                 CostModel(
-                    self._step_cycle_bytes,
+                    self.step_cycle_bytes,
                     buffers=lambda threshold: fused_buffers(plans, threshold),
                 ),
                 self.max_samples,
@@ -777,6 +769,11 @@ class Autotuner:
         else:
             self._set(cycle, following)
         self._write_row(search)
+
+    @property
+    def step_cycle_bytes(self) -> list[int]:
+        """The allreduce bytes of each cycle of the last full step."""
+        return [allreduce_bytes(plan) for plan in self._step_plans]
 
     def _set(self, cycle: int, candidate: Candidate) -> None:
         self.applied.append((cycle, candidate))

@@ -264,9 +264,7 @@ class Engine:
             # collective that chose one; here, if not yet, at this cycle on every rank).
             if self._untuned_table is None:
                 self._untuned_table = self.transport.algorithms
-            table = self._untuned_table
-            for band in bands:
-                table = table.overriding(band)
+            table = self._untuned_table.overriding(*bands)
         self.settings = dataclasses.replace(
             self.settings, fusion_threshold=fusion_threshold, cycle_time=cycle_time
         )
