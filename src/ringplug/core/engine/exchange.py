@@ -114,7 +114,7 @@ def form_length(data: bytes | bytearray) -> int:
         return 0
     _, _, _, length, count, eager_length = _FORM.unpack_from(data, 1)
     unpadded = 1 + _FORM.size + length + 16 * count
-    return unpadded + (-unpadded % _ALIGN if eager_length else 0)  # `_padding`, written out
+    return unpadded + _padding(unpadded, eager_length)
 
 
 def decode(data: bytes | bytearray) -> Message:
