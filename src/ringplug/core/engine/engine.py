@@ -182,7 +182,7 @@ class Engine:
             if scheduler.join_handle is not None:
                 raise ValueError("join() is already in progress on this rank.")
             scheduler.join_handle = Handle("join")
-            scheduler.lock.notify_all()
+            scheduler.ring()
             return scheduler.join_handle
 
     def stop(self, timeout: float = 60.0) -> None:
@@ -190,7 +190,7 @@ class Engine:
         scheduler = self.scheduler
         with scheduler.lock:
             scheduler.stop_requested = True
-            scheduler.lock.notify_all()
+            scheduler.ring()
         if threading.current_thread() is not scheduler.thread:
             scheduler.thread.join(timeout)
         if scheduler.thread.is_alive():
@@ -212,7 +212,7 @@ class Engine:
         """Record a timeline to `path` (rank 0 writes; other ranks ignore the call)."""
         if self.rank != 0:
             return
-        with self.scheduler.mutex:
+        with self.scheduler.lock:
             if self.timeline is not None:
                 self.timeline.stop()
             self.timeline = Timeline(path, self.rank)
@@ -220,7 +220,7 @@ class Engine:
                 follower.timeline = self.timeline
 
     def stop_timeline(self) -> None:
-        with self.scheduler.mutex:
+        with self.scheduler.lock:
             for follower in self.followers:
                 follower.timeline = None
             if self.timeline is not None:
@@ -358,7 +358,7 @@ class Engine:
                 results.append(result)
                 errors.append(failure)
         now = time.perf_counter()
-        with self.scheduler.mutex:
+        with self.scheduler.lock:
             in_flight = self.scheduler.in_flight
             for request in requests:
                 if request is not None:
@@ -374,7 +374,7 @@ class Engine:
             result = request.result  # the usual allreduce: its output array
         else:
             result, error = self._outcome(request, result, error)
-        # One dictionary operation, atomic: `Scheduler.submit` holds its mutex only to check
+        # One dictionary operation, atomic: `Scheduler.submit` holds its lock only to check
         # a name and add it as one step.
         self.scheduler.in_flight.pop(request.name, None)
         if request.flight is not None:
@@ -472,7 +472,7 @@ class Engine:
 
     def in_flight_names(self) -> list[str]:
         """The names of this rank's collectives submitted and not complete, sorted."""
-        with self.scheduler.mutex:
+        with self.scheduler.lock:
             return sorted(self.scheduler.in_flight)
 
     @property

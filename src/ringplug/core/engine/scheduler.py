@@ -19,9 +19,9 @@ The scheduler also admits submissions (a name in flight once, none after a failu
 shutdown) and keeps the queue the next cycle takes (`take_submissions`). It knows nothing
 of what a cycle does: it calls `run_cycle(fresh)` (`Cycle.run`).
 
-Locks: `lock` (a condition over the re-entrant `mutex`, which hot paths take directly: a
-Condition's `with` is a Python call around the C one) guards the queue, the in-flight
-names, the join handle and the flags below; `turn` is held by the thread running cycles.
+Locks: `lock` (re-entrant) guards the queue, the in-flight names, the join handle and the
+flags below; `turn` is held by the thread running cycles; the engine thread sleeps on
+`bell`, which whoever gives it work releases (`ring`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ BURST_WAIT_SECONDS = 1e-3
 # A caller about to wait for its collective takes the cycles over from the engine thread
 # when the turn is free within this long; otherwise the engine thread runs them.
 _DRIVE_ACQUIRE_SECONDS = 1e-3
-# While a caller drives, the engine thread sleeps until the caller hands over (it notifies);
+# While a caller drives, the engine thread sleeps until the caller hands over (it rings);
 # this is only a backstop. Waking often to look slows a caller spinning in an Iallreduce:
 # the woken thread takes the GIL from it (figures: docs/benchmarks.md, "Design measurements").
 _DRIVEN_SLEEP_SECONDS = 0.05
@@ -110,8 +110,7 @@ class Scheduler:
     ) -> None:
         self.engine = engine
         self.run_cycle = run_cycle
-        self.mutex = threading.RLock()
-        self.lock = threading.Condition(self.mutex)
+        self.lock = threading.RLock()
         self.turn = threading.Lock()  # held by the thread that runs cycles (talks to MPI)
         self.queue: collections.deque[Request] = collections.deque()
         # name -> handle of every collective submitted and not complete: names are unique
@@ -123,7 +122,13 @@ class Scheduler:
         self.ended = False  # a cycle shut the engine down (on whichever thread ran it)
         self.host_only = True  # no GPU collective yet: callers may run cycles
         self.handoff = False  # a driving caller left work in flight for the engine thread
-        self.sleeping = False  # the engine thread waits on `lock` (see `_sleep`)
+        self.sleeping = False  # the engine thread waits for the bell (see `_sleep`)
+        # What the engine thread sleeps on (`_sleep`) and `ring` wakes it with: a lock held
+        # while nobody rang, released by the ringer (a C call on each side, where a
+        # Condition's wait and notify were Python code of several microseconds each).
+        self.bell = threading.Lock()
+        self.bell.acquire()
+        self.rings = 0  # how often `ring` woke the engine thread (for tests and benchmarks)
         self.waited_at = 0.0  # when a caller last began waiting for a handle (`drive`)
         self.idle_period = _idle_cycle_period(engine)
         self.thread = threading.Thread(target=self.run_engine_thread, name=thread_name, daemon=True)
@@ -136,7 +141,7 @@ class Scheduler:
         (`kinds.base.submit`, and a plain allreduce's own `_submit`)."""
         if request.signature.place == GPU:
             self.host_only = False  # the GPU plane keeps to the engine thread (its device)
-        with self.mutex:
+        with self.lock:
             if self.failure is not None:
                 raise self.failure
             if self.stop_requested:
@@ -174,8 +179,7 @@ class Scheduler:
                     record.note_site(request.name, 1, 0 if request.cacheable else 3)
                 self.queue.append(request)
                 if self.sleeping and not (drive and self.host_only):
-                    self.sleeping = False  # woken: later submissions need not notify
-                    self.lock.notify_all()
+                    self.ring()
         if run_here:
             try:
                 self.engine.counters.cycles_by_callers += 1
@@ -199,7 +203,7 @@ class Scheduler:
                 fresh = [r for r in fresh if r.signature.place != GPU]
                 if self.queue:
                     self.handoff = True
-                    self.lock.notify_all()
+                    self.ring()
             cycle = self.engine.cycle
             if self.join_handle is not None and not cycle.joined_cycle:
                 cycle.joined_cycle = cycle.number + 1
@@ -257,10 +261,10 @@ class Scheduler:
         if not handle._done or self.engine.cycle.pending:
             with self.lock:
                 self.handoff = True  # the engine thread takes over, polling as in flight
-                self.lock.notify_all()
+                self.ring()
         elif self.queue:
             with self.lock:
-                self.lock.notify_all()  # submitted meanwhile by another thread
+                self.ring()  # submitted meanwhile by another thread
 
     # ------------------------------------------------------------------ the engine thread
     def start(self) -> None:
@@ -334,18 +338,24 @@ class Scheduler:
                 if not driving:
                     self.turn.release()
             elif not driving and (ready or connected):
-                # A caller drives the cycles: sleep until it hands over (it notifies) instead
+                # A caller drives the cycles: sleep until it hands over (it rings) instead
                 # of polling beside it, which took the GIL and a core from it on every MPI call.
                 with self.lock:
-                    if not (self.handoff or self.stop_requested or self.ended):
-                        self._sleep(_DRIVEN_SLEEP_SECONDS)
+                    asleep = not (self.handoff or self.stop_requested or self.ended)
+                    if asleep:
+                        self._fall_asleep()
+                if asleep:
+                    self._sleep(_DRIVEN_SLEEP_SECONDS)
                 continue
             if engine.size == 1 and not cycle.pending:
                 if driving:
                     return False
                 with self.lock:
-                    if not (self.queue or self.stop_requested or self.join_handle):
-                        self._sleep(0.05)
+                    asleep = not (self.queue or self.stop_requested or self.join_handle)
+                    if asleep:
+                        self._fall_asleep()
+                if asleep:
+                    self._sleep(0.05)
                 return False
             if time.perf_counter() < spin_until:
                 time.sleep(0)
@@ -353,25 +363,40 @@ class Scheduler:
             if driving:
                 return False  # a long wait: the engine thread polls and the caller sleeps
             with self.lock:
-                if not (self.queue or self.stop_requested or self.handoff):
-                    self._sleep(delay)
+                asleep = not (self.queue or self.stop_requested or self.handoff)
+                if asleep:
+                    self._fall_asleep()
+            if asleep:
+                self._sleep(delay)
             if in_flight:
                 delay = next_delay(delay, engine.counters.last_activity)
 
-    def _sleep(self, seconds: float) -> None:
-        """Wait on `lock` (held) for at most `seconds`, or until notified. `sleeping` tells
-        `submit` whether anyone waits there (only the engine thread does): notifying nobody
-        cost 0.5 us of every asynchronous submission."""
+    def _fall_asleep(self) -> None:
+        """Mark the engine thread asleep (`lock` held, after finding no reason to run a
+        cycle), so that the next `ring` wakes it; a ring left from before is dropped."""
+        self.bell.acquire(blocking=False)
         self.sleeping = True
-        try:
-            self.lock.wait(seconds)
-        finally:
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep (`lock` not held) for at most `seconds`, or until rung. A ring between
+        `_fall_asleep` and here is not lost: the bell is released, and this returns at once.
+        `sleeping` tells `submit` whether anyone sleeps (only the engine thread does):
+        ringing nobody cost 0.5 us of every asynchronous submission."""
+        if self.bell.acquire(timeout=seconds):
+            return  # rung: `ring` took `sleeping` back
+        self.sleeping = False
+
+    def ring(self) -> None:
+        """Wake the engine thread if it sleeps (`lock` held: one ring per sleep)."""
+        if self.sleeping:
             self.sleeping = False
+            self.rings += 1
+            self.bell.release()
 
     def wake(self) -> None:
         """Wake the engine thread (a join, a stop)."""
         with self.lock:
-            self.lock.notify_all()
+            self.ring()
 
 
 def _idle_cycle_period(engine: Scheduled) -> float:
