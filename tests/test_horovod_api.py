@@ -106,8 +106,8 @@ def test_horovod_semantics_where_they_differ_from_ringplug_torch(run, ranks):
     # optimizer on one set, non-members refused, init(process_sets=...)).
     reports = run("hvd_semantics.py", ranks)
     for rank, checks in enumerate(reports):
-        assert len(checks) >= (48 if rank else 46) + 29
-        assert sum(name.startswith("ps-") for name in checks) == 29
+        assert len(checks) >= (48 if rank else 46) + 31
+        assert sum(name.startswith("ps-") for name in checks) == 31
         assert [name for name, ok in checks.items() if not ok] == []
 
 

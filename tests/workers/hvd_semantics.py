@@ -421,6 +421,14 @@ def process_sets(check, rank: int, size: int) -> None:
             == sum(r + 1 for r in members)
         ),
     )
+    # Horovod's arguments by position, the set last: it reaches the set's engine too.
+    check(
+        "ps-allreduce-set-by-position",
+        lambda: (
+            hvd.allreduce(mine_t, None, None, hvd.Compression.none, hvd.Sum, 1.0, 1.0, mine).item()
+            == sum(r + 1 for r in members)
+        ),
+    )
     check(
         "ps-allreduce-average",
         lambda: hvd.allreduce(mine_t, process_set=mine).item() == np.mean([r + 1 for r in members]),
@@ -462,6 +470,10 @@ def process_sets(check, rank: int, size: int) -> None:
     check(
         "ps-broadcast-inplace-world-root",
         lambda: hvd.broadcast_(torch.tensor([float(rank)]), root, process_set=mine).item() == root,
+    )
+    check(
+        "ps-broadcast-inplace-set-by-position",
+        lambda: hvd.broadcast_(torch.tensor([float(rank)]), root, None, mine).item() == root,
     )
     check(
         "ps-broadcast-root-outside-refused",

@@ -36,6 +36,7 @@ from .. import core
 from ..core import collectives as _core
 from ..core import runtime
 from ..core.errors import RingplugError
+from ..core.kinds.base import waited_at_once
 from ..core.ops import ReduceOp, integer_scaling
 from . import _kernel, _status
 
@@ -187,7 +188,11 @@ def run(
     """Run the collective `start` begins, now (eagerly) or as a stateful graph op whose
     outputs have dtypes `touts` and static `shapes`."""
     if tf.executing_eagerly():
-        return waited(start_eagerly(start, kind, inputs, name), touts)
+        # Waited for at once: its caller runs its cycle itself, waking no engine thread
+        # (see `ringplug.core.kinds.base.waited_at_once`).
+        with waited_at_once():
+            started = start_eagerly(start, kind, inputs, name)
+        return waited(started, touts)
     request = op_name(kind, name)
     tensors = [tf.convert_to_tensor(t) for t in inputs]
     # The graph runs the op on TensorFlow's threads, outside the scope it was written in.

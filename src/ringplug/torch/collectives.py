@@ -35,6 +35,7 @@ from ..core import collectives as core
 from ..core import device_collectives as device
 from ..core.dtypes import DType
 from ..core.gpu.device import DeviceBuffer
+from ..core.kinds.base import waited_at_once
 from ..core.ops import Average, ReduceOp, Sum, as_op, integer_scaling
 
 # torch dtype -> (the dtype the core reads the bytes as, or None to use the tensor's own)
@@ -106,6 +107,18 @@ class TensorHandle:
         return self._finish(results)
 
     synchronize = wait
+
+
+def _at_once(start: Callable[[], TensorHandle]) -> Any:
+    """What the one collective `start()` submits returns, waited for at once. Submitted
+    inside `waited_at_once`, its caller runs its cycle itself where the engine allows (as
+    the numpy API's synchronous calls do): a synchronous call on the host wakes no engine
+    thread, which on a rank sharing its cores cost it more than the collective (figures:
+    docs/benchmarks.md, "Design measurements"). Several requests waited for together keep
+    to the asynchronous path, which negotiates them in one cycle."""
+    with waited_at_once():
+        handle = start()
+    return handle.wait()
 
 
 def _check(tensor: torch.Tensor, what: str, name: str | None) -> None:
@@ -181,6 +194,28 @@ def as_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
     if tensor.dtype is torch.bfloat16:
         return tensor.detach().view(torch.int16).numpy().view(np.uint16), "bfloat16"
     return tensor.detach().numpy(), None
+
+
+# What `_plain_array` takes: the floating types numpy has (bfloat16 is read from its raw
+# words, and integers are scaled here: both go the usual way).
+_PLAIN = frozenset({torch.float32, torch.float64, torch.float16})
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_array(tensor: Any) -> np.ndarray | None:
+    """A numpy view of `tensor` when a synchronous allreduce can hand it to the core's own
+    synchronous call as it is (one layer, as `ringplug.allreduce` on an array: this module's
+    checks, conversions and handle cost a small call a third of its time): a dense,
+    contiguous CPU tensor of a type in `_PLAIN`; else None, and the usual path checks it."""
+    if (
+        type(tensor) in _PLAIN_TYPES
+        and tensor.dtype in _PLAIN
+        and tensor.is_cpu
+        and not tensor.is_sparse
+        and tensor.is_contiguous()
+    ):
+        return tensor.detach().numpy()
+    return None
 
 
 def from_numpy(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -356,12 +391,22 @@ def allreduce(
     scales = (prescale_factor, postscale_factor)
     if _tracks_grad([tensor]):
         return _Allreduce.apply(False, as_op(op), name, scales, tensor)[0]
+    array = _plain_array(tensor)
+    if array is not None:
+        reduced = core.allreduce(
+            array, op, name=name, prescale_factor=scales[0], postscale_factor=scales[1]
+        )
+        return torch.from_numpy(reduced)
     return _reduce_copies([tensor], False, op, name, scales)[0]
 
 
 def allreduce_(tensor: torch.Tensor, op: ReduceOp | str = Average, **kwargs: Any) -> torch.Tensor:
     """Reduce `tensor` over every rank in place; returns `tensor`."""
-    return allreduce_async_(tensor, op, **kwargs).wait()
+    array = _plain_array(tensor)
+    if array is not None:
+        core.allreduce(array, op, out=array, **kwargs)
+        return tensor
+    return _at_once(lambda: allreduce_async_(tensor, op, **kwargs))
 
 
 def grouped_allreduce_async_(
@@ -430,7 +475,7 @@ def grouped_allreduce_(
     tensors: Sequence[torch.Tensor], op: ReduceOp | str = Average, **kwargs: Any
 ) -> list[torch.Tensor]:
     """Reduce several tensors of one dtype in place, negotiated and fused as one."""
-    return grouped_allreduce_async_(tensors, op, **kwargs).wait()
+    return _at_once(lambda: grouped_allreduce_async_(tensors, op, **kwargs))
 
 
 def grouped_allreduce(
@@ -455,8 +500,8 @@ def _reduce_copies(
     """The reductions of copies of `tensors`: one grouped request, or one tensor's."""
     kwargs = {"name": name, "prescale_factor": scales[0], "postscale_factor": scales[1]}
     if grouped:
-        return grouped_allreduce_async(tensors, op, **kwargs).wait()
-    return [allreduce_async(tensors[0], op, **kwargs).wait()]
+        return _at_once(lambda: grouped_allreduce_async(tensors, op, **kwargs))
+    return [_at_once(lambda: allreduce_async(tensors[0], op, **kwargs))]
 
 
 def _copy(tensor: Any) -> Any:
@@ -570,7 +615,9 @@ def broadcast_(
     refuse_joined: bool = False,
 ) -> torch.Tensor:
     """Overwrite `tensor` with root's on every rank; returns `tensor`."""
-    return broadcast_async_(tensor, root_rank, name=name, refuse_joined=refuse_joined).wait()
+    return _at_once(
+        lambda: broadcast_async_(tensor, root_rank, name=name, refuse_joined=refuse_joined)
+    )
 
 
 def broadcast(
@@ -587,7 +634,9 @@ def broadcast(
     """
     if _tracks_grad([tensor]):
         return _Broadcast.apply(tensor, root_rank, name, refuse_joined)
-    return broadcast_async(tensor, root_rank, name=name, refuse_joined=refuse_joined).wait()
+    return _at_once(
+        lambda: broadcast_async(tensor, root_rank, name=name, refuse_joined=refuse_joined)
+    )
 
 
 class _Broadcast(torch.autograd.Function):
@@ -595,12 +644,12 @@ class _Broadcast(torch.autograd.Function):
     @_remembers_scope
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any, refuse: bool) -> Any:
         ctx.root_rank = root_rank
-        return broadcast_async(tensor, root_rank, name=name, refuse_joined=refuse).wait()
+        return _at_once(lambda: broadcast_async(tensor, root_rank, name=name, refuse_joined=refuse))
 
     @staticmethod
     @_in_forward_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
-        summed = allreduce_async(grad, "sum").wait()
+        summed = _at_once(lambda: allreduce_async(grad, "sum"))
         return (
             (summed if runtime.rank() == ctx.root_rank else torch.zeros_like(summed)),
             None,
@@ -687,7 +736,7 @@ def allgather(
     """
     if _tracks_grad([tensor]):
         return _Allgather.apply(name, refuse_joined, tensor)[0]
-    return allgather_async(tensor, name=name, refuse_joined=refuse_joined).wait()
+    return _at_once(lambda: allgather_async(tensor, name=name, refuse_joined=refuse_joined))
 
 
 def grouped_allgather(
@@ -797,7 +846,7 @@ def reducescatter(
     scales = (prescale_factor, postscale_factor)
     if _tracks_grad([tensor]):
         return _Reducescatter.apply(as_op(op), [name], scales, tensor)[0]
-    return _reducescatters([tensor], [name], op, scales).wait()[0]
+    return _at_once(lambda: _reducescatters([tensor], [name], op, scales))[0]
 
 
 def grouped_reducescatter(
@@ -846,7 +895,7 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     @_remembers_scope
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any) -> Any:
-        received, counts = alltoall_async(tensor, splits, name=name).wait()
+        received, counts = _at_once(lambda: alltoall_async(tensor, splits, name=name))
         ctx.counts = counts
         ctx.mark_non_differentiable(counts)
         return received, counts
@@ -855,7 +904,7 @@ class _Alltoall(torch.autograd.Function):
     @_in_forward_scope
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[Any, None, None]:
         # Each row's gradient goes back to the rank it came from.
-        return alltoall_async(grad, ctx.counts).wait()[0], None, None
+        return _at_once(lambda: alltoall_async(grad, ctx.counts))[0], None, None
 
 
 def alltoall(
@@ -872,4 +921,4 @@ def alltoall(
     """
     if _tracks_grad([tensor]):
         return _Alltoall.apply(tensor, splits, name)
-    return alltoall_async(tensor, splits, name=name).wait()
+    return _at_once(lambda: alltoall_async(tensor, splits, name=name))
