@@ -150,7 +150,7 @@ class FlightRecorder:
             except ValueError:  # called from fewer frames than usual
                 frame = None
             code = frame.f_code if frame is not None else None
-            site = (code, frame.f_lasti) if id(code) in _USERS else _call_site(3)
+            site = (code, frame.f_lasti) if id(code) in _USERS else _site_above(frame)
         count = self._count
         entry = [count, name, request.signature, site, request.submitted, 0.0, 0.0, ""]
         self._ring[count % self.capacity] = entry
@@ -217,6 +217,10 @@ class FlightRecorder:
 # object is kept, so its id is never another's.
 _KINDS: dict[int, tuple[Any, int]] = {}
 _USERS: set[int] = set()  # the ids of the user's code objects in `_KINDS`
+# id(code object) -> (the code object, the ids of the code of the frames above one of its
+# frames up to the site, when last walked: `_site_above`). Ids of code objects in `_KINDS`,
+# which keeps them, so no id is another's.
+_CHAINS: dict[int, tuple[Any, tuple[int, ...]]] = {}
 _MOST_FRAMES = 40  # walked up from the submission, at most
 _SITES_KEPT = 4096
 
@@ -260,9 +264,41 @@ def _call_site(depth: int) -> tuple[Any, int] | None:
         frame = sys._getframe(depth)
     except ValueError:
         return None
-    first = None
+    return _walk(frame)[0]
+
+
+def _site_above(frame: Any) -> tuple[Any, int] | None:
+    """`_call_site` from `frame` (None: none), remembered by the chain of functions walked.
+
+    The walk's answer depends only on the code objects it passes, so where the frames
+    above `frame` run the same functions as the last walk from `frame`'s function (a call
+    through a framework layer, `ringplug.torch` or the Horovod API, takes the same way
+    every time), the site is the frame at the same height, found by comparing each
+    frame's code with the chain kept (`_CHAINS`), which costs less than judging it."""
+    if frame is None:
+        return None
+    kept = _CHAINS.get(id(frame.f_code))
+    if kept is not None:
+        above = frame
+        for code_id in kept[1]:
+            above = above.f_back
+            if above is None or id(above.f_code) != code_id:
+                break
+        else:
+            return above.f_code, above.f_lasti
+    site, chain = _walk(frame)
+    if site is not None:
+        _CHAINS[id(frame.f_code)] = (frame.f_code, chain)
+    return site
+
+
+def _walk(frame: Any) -> tuple[tuple[Any, int] | None, tuple[int, ...]]:
+    """`_call_site` from `frame` up, and the ids of the code of the frames above `frame` up
+    to the site's."""
+    first, first_at = None, 0
     outside = 0
     kinds = _KINDS
+    passed = []
     for _ in range(_MOST_FRAMES):
         if frame is None:
             break
@@ -270,14 +306,18 @@ def _call_site(depth: int) -> tuple[Any, int] | None:
         known = kinds.get(id(code))  # a call each frame costs more than the walk
         kind = known[1] if known is not None else _frame_kind(code)
         if kind == 2:
-            return code, frame.f_lasti
+            return (code, frame.f_lasti), tuple(passed[1:] + [id(code)]) if passed else ()
         if kind == 1:
-            first = first or frame
+            if first is None:
+                first, first_at = frame, len(passed)
             outside += 1
             if outside > _SEARCH_DEPTH:
                 break
+        passed.append(id(code))
         frame = frame.f_back
-    return (first.f_code, first.f_lasti) if first is not None else None
+    if first is None:
+        return None, ()
+    return (first.f_code, first.f_lasti), tuple(passed[1 : first_at + 1])
 
 
 def _line(code: Any, offset: int) -> int:
