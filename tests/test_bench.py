@@ -90,6 +90,43 @@ def test_table_prints_a_row_per_size_with_ratios_on_rank_0_only(bench_run):
     assert not any(line.startswith("[1]") for line in result.stdout.splitlines())
 
 
+def test_the_record_and_torch_rows_run_beside_ringplugs_own(tmp_path):
+    # ringplug-norecord: the same engine with its flight record off, up to 64K, with the
+    # record's cost; ringplug-torch: ringplug.torch.allreduce_, checked like the others.
+    result = run_ringrun(
+        "-np",
+        "2",
+        BENCH,
+        "allreduce",
+        "--min-size",
+        "32K",
+        "--max-size",
+        "128K",
+        "--budget",
+        "0.005",
+        "--min-iters",
+        "3",
+        "--warmup",
+        "1",
+        "--impls",
+        "ringplug,ringplug-norecord,ringplug-torch,mpi",
+        "--json",
+        str(tmp_path / "allreduce.json"),
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((tmp_path / "allreduce.json").read_text())
+    seen = {(row["impl"], row["bytes"]) for row in document["results"]}
+    sizes = [32768, 65536, 131072]
+    assert seen == {
+        (impl, size) for impl in ("ringplug", "ringplug-torch", "mpi") for size in sizes
+    } | {("ringplug-norecord", size) for size in sizes[:2]}
+    rows = [line for line in result.stdout.splitlines() if line.startswith("[0]    ")]
+    assert [row.split()[1] for row in rows] == ["32K", "64K", "128K"]
+    assert ["record " in row for row in rows] == [True, True, False]
+    assert all("ringplug-torch " in row for row in rows)
+
+
 def test_plot_is_a_png(bench_run):
     _, _, outdir = bench_run
     assert (outdir / "allreduce.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

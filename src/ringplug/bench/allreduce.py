@@ -15,6 +15,7 @@ torch's call is followed by a synchronize), so the times compare like for like.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from collections.abc import Callable
 
 import numpy as np
@@ -34,7 +35,7 @@ from .common import (
     write_json,
 )
 
-IMPLS = ("ringplug", "ringplug-norecord", "mpi", "gloo", "python", "memory")
+IMPLS = ("ringplug", "ringplug-norecord", "ringplug-torch", "mpi", "gloo", "python", "memory")
 DEFAULT_IMPLS = ("ringplug", "mpi", "gloo", "python", "memory")
 # Sizes up to this get the "ringplug-norecord" row (the flight record's cost is a cost
 # per call, which shows on small calls and hides on large ones).
@@ -58,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"comma-separated subset of {','.join(IMPLS)} (gloo needs torch; default "
         f"{','.join(DEFAULT_IMPLS)}; ringplug-norecord: ringplug with its flight record off, "
-        f"in the same engine, up to {NORECORD_UP_TO >> 10}K), "
+        f"in the same engine, up to {NORECORD_UP_TO >> 10}K; ringplug-torch: "
+        "ringplug.torch.allreduce_ on a CPU tensor over the same memory, needs torch), "
         f"or with --device cuda of {','.join(CUDA_IMPLS)}",
     )
     parser.add_argument(
@@ -90,6 +92,8 @@ def _runners(impls: list[str], buf: np.ndarray) -> dict[str, Callable[[], object
         runners.update(_with_and_without_record(buf, "ringplug" in impls))
     elif "ringplug" in impls:
         runners["ringplug"] = lambda: ringplug.allreduce(buf, op=ringplug.Sum, out=buf)
+    if "ringplug-torch" in impls:
+        runners["ringplug-torch"] = _torch_in_place(buf)
     if "mpi" in impls:
         from mpi4py import MPI
 
@@ -144,6 +148,17 @@ def _with_and_without_record(buf: np.ndarray, with_record: bool) -> dict[str, Ca
         runners["ringplug"] = recording
     runners["ringplug-norecord"] = not_recording
     return runners
+
+
+def _torch_in_place(buf: np.ndarray) -> Callable[[], object]:
+    """The "ringplug-torch" row: `buf` reduced in place through `ringplug.torch.allreduce_`,
+    as a torch script (Horovod's, Lightning's metrics) calls it: on a tensor over `buf`."""
+    import torch
+
+    import ringplug.torch as rpt
+
+    tensor = torch.from_numpy(buf)
+    return lambda: rpt.allreduce_(tensor, "sum")
 
 
 def python_floor(buf: np.ndarray) -> Callable[[], None]:
@@ -217,6 +232,8 @@ def _verify(dtype: np.dtype, count: int, impls: list[str]) -> None:
     checks = {"ringplug": lambda probe: ringplug.allreduce(probe, op=ringplug.Sum, out=probe)}
     if "python" in impls:
         checks["python"] = lambda probe: python_floor(probe)()
+    if "ringplug-torch" in impls:
+        checks["ringplug-torch"] = lambda probe: _torch_in_place(probe)()
     for impl, reduce_probe in checks.items():
         probe = np.full(count, ringplug.rank() + 1, dtype)
         reduce_probe(probe)
@@ -241,6 +258,10 @@ def run(args: argparse.Namespace) -> int:
             if ringplug.rank() == 0:
                 print("# torch is not installed: skipping gloo")
             impls.remove("gloo")
+    if "ringplug-torch" in impls and importlib.util.find_spec("torch") is None:
+        if ringplug.rank() == 0:
+            print("# torch is not installed: skipping ringplug-torch")
+        impls.remove("ringplug-torch")
     dtype = np.dtype(args.dtype)
     sizes = size_range(args.min_size, args.max_size)
     ranks = ringplug.size()
