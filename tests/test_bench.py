@@ -21,18 +21,18 @@ BENCH = str(Path(sys.executable).parent / "ringplug-bench")
 SIZES = [4096, 8192, 16384]
 
 
-@pytest.fixture(scope="module")
-def bench_run(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("bench")
+def run_allreduce_bench(outdir: Path, min_size: str, max_size: str, *options: str):
+    """`ringplug-bench allreduce` on 2 ranks with a tiny budget, its JSON in `outdir`: the
+    result and the JSON document."""
     result = run_ringrun(
         "-np",
         "2",
         BENCH,
         "allreduce",
         "--min-size",
-        "4K",
+        min_size,
         "--max-size",
-        "16K",
+        max_size,
         "--budget",
         "0.005",
         "--min-iters",
@@ -41,12 +41,20 @@ def bench_run(tmp_path_factory):
         "1",
         "--json",
         str(outdir / "allreduce.json"),
-        "--plot",
-        str(outdir / "allreduce.png"),
+        *options,
         timeout=180,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    return result, json.loads((outdir / "allreduce.json").read_text()), outdir
+    return result, json.loads((outdir / "allreduce.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("bench")
+    result, document = run_allreduce_bench(
+        outdir, "4K", "16K", "--plot", str(outdir / "allreduce.png")
+    )
+    return result, document, outdir
 
 
 def test_json_has_one_record_per_implementation_and_size(bench_run):
@@ -93,29 +101,9 @@ def test_table_prints_a_row_per_size_with_ratios_on_rank_0_only(bench_run):
 def test_the_record_and_torch_rows_run_beside_ringplugs_own(tmp_path):
     # ringplug-norecord: the same engine with its flight record off, up to 64K, with the
     # record's cost; ringplug-torch: ringplug.torch.allreduce_, checked like the others.
-    result = run_ringrun(
-        "-np",
-        "2",
-        BENCH,
-        "allreduce",
-        "--min-size",
-        "32K",
-        "--max-size",
-        "128K",
-        "--budget",
-        "0.005",
-        "--min-iters",
-        "3",
-        "--warmup",
-        "1",
-        "--impls",
-        "ringplug,ringplug-norecord,ringplug-torch,mpi",
-        "--json",
-        str(tmp_path / "allreduce.json"),
-        timeout=180,
+    result, document = run_allreduce_bench(
+        tmp_path, "32K", "128K", "--impls", "ringplug,ringplug-norecord,ringplug-torch,mpi"
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    document = json.loads((tmp_path / "allreduce.json").read_text())
     seen = {(row["impl"], row["bytes"]) for row in document["results"]}
     sizes = [32768, 65536, 131072]
     assert seen == {
