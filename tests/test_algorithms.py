@@ -5,6 +5,7 @@ ranks every algorithm of every kind against numpy and the calibration every rank
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from ringplug.core.algorithms import (
     Band,
     Model,
     bands_from_models,
+    bands_from_points,
     cache_key,
     fit,
     fixed_table,
@@ -73,6 +75,64 @@ def test_an_algorithm_never_cheapest_gets_no_band():
         "ring": Model(50e-6, 0.1e-9),  # crosses mpi at 45e-6 / 0.2e-9 = 225,000 B
     }
     assert bands_from_models(models) == ((0, "mpi"), (225_000, "ring"))
+
+
+KB4, KB64, KB512, MB4 = 4 << 10, 64 << 10, 512 << 10, 4 << 20
+
+
+def test_a_crossover_lies_where_the_measured_points_cross_not_where_fitted_lines_do():
+    # MPI's own allreduce on 2 ranks of the CI machine (us): its cost bends between 64 KiB
+    # and 4 MiB (MPICH changes algorithm), so the line fitted to all four points crosses the
+    # ring's far below where the measurements do.
+    mpi = [(KB4, 5.6e-6), (KB64, 23.2e-6), (KB512, 84.7e-6), (MB4, 500.3e-6)]
+    ring = [(KB4, 21.0e-6), (KB64, 50.4e-6), (KB512, 156.0e-6), (MB4, 453.9e-6)]
+    models = {"mpi": fit(mpi), "ring": fit(ring)}
+    # Between 512 KiB and 4 MiB each costs the line through its two points there.
+    gap = (ring[2][1] - mpi[2][1]) / (
+        (mpi[3][1] - mpi[2][1]) / (MB4 - KB512) - (ring[3][1] - ring[2][1]) / (MB4 - KB512)
+    )
+    assert bands_from_points(models) == ((0, "mpi"), (math.ceil(KB512 + gap), "ring"))
+    assert 2 << 20 < KB512 + gap < 3 << 20
+    (_, _), (fitted, _) = bands_from_models(models)
+    assert fitted < 3 * (1 << 20) // 2  # where the lines cross: MPI was faster at 1 MiB
+    table = table_from_models(
+        2, {"allreduce/mpi": models["mpi"], "allreduce/ring": models["ring"], **_others()}, 1.0
+    )
+    assert [table.choose(ALLREDUCE, n) for n in (1 << 20, 2 << 20, MB4)] == ["mpi", "mpi", "ring"]
+
+
+def test_below_the_smallest_measured_size_its_winner_holds():
+    # Doubling's line through its 4 KiB and 64 KiB points starts below MPI's at 0 bytes;
+    # nothing was measured there, so the 4 KiB winner (MPI) keeps the smallest sizes.
+    mpi = [(KB4, 5.6e-6), (KB64, 23.2e-6)]
+    doubling = [(KB4, 7.1e-6), (KB64, 53.3e-6)]
+    models = {"mpi": fit(mpi), "doubling": fit(doubling)}
+    assert bands_from_points(models) == ((0, "mpi"),)
+    # A crossing between two measured sizes is a band; models without points are lines.
+    ring = [(KB4, 40.0e-6), (KB64, 45.0e-6)]
+    between = bands_from_points({"doubling": fit(doubling), "ring": fit(ring)})
+    assert [name for _, name in between] == ["doubling", "ring"] and KB4 < between[1][0] < KB64
+    lines = {"doubling": Model(10e-6, 1e-9), "ring": Model(100e-6, 0.1e-9)}
+    assert (
+        bands_from_points(lines) == bands_from_models(lines) == ((0, "doubling"), (100_000, "ring"))
+    )
+
+
+def _others() -> dict[str, Model]:
+    """The series a table needs beside allreduce's mpi and ring, measured at the same sizes
+    and too dear to win anything."""
+    dear = fit([(n, 1.0) for n in (KB4, KB64, KB512, MB4)])
+    return {
+        name: dear
+        for name in (
+            "allreduce/doubling",
+            "reducescatter/ring",
+            "allgather/mpi",
+            "allgather/ring",
+            "broadcast/mpi",
+            "broadcast/chain",
+        )
+    }
 
 
 def test_choose_reads_the_band_of_the_size():
@@ -309,18 +369,29 @@ def test_every_rank_gets_the_same_measured_table(reports, ranks):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("ranks", RANKS)
-def test_the_measured_bands_are_the_cheapest_models(reports, ranks):
+def test_the_measured_bands_are_the_cheapest_by_the_measured_points(reports, ranks):
     table = AlgorithmTable.from_json(reports(ranks)[0][0]["table"])
     for (kind, reduces), names in CANDIDATES.items():
-        for nbytes in (1, 4096, 65536, 1 << 20, 16 << 20, 1 << 30):
+        for nbytes in (1, 4096, 30_000, 65536, 300_000, 1 << 20, 3 << 20, 16 << 20, 1 << 30):
             cost = {
-                name: table.models[SERIES[(kind, name)]].alpha
-                + table.models[SERIES[(kind, name)]].beta * nbytes
+                name: interpolated(table.models[SERIES[(kind, name)]].points, nbytes)
                 for name in names
                 if SERIES[(kind, name)] in table.models
             }
             chosen = table.choose(kind, nbytes, reduces)
             assert cost[chosen] <= min(cost.values()) * (1 + 1e-9), (kind, reduces, nbytes, cost)
+
+
+def interpolated(points: list[tuple[int, float]], nbytes: int) -> float:
+    """The cost the measurement says for `nbytes`: the first point's below it, the line
+    through the two measured points around it, the last two points' line above them."""
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    pairs = list(zip(points, points[1:], strict=False))
+    for k, ((n0, t0), (n1, t1)) in enumerate(pairs):
+        if nbytes <= n1 or k == len(pairs) - 1:
+            return t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0)
+    raise AssertionError("one measured point only")
 
 
 @pytest.mark.multirank

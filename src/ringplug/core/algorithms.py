@@ -87,7 +87,9 @@ MEASURED = "measured"
 CACHED = "cached"
 FIXED = "fixed"
 
-_FORMAT = 2  # of the cached JSON; a different one is measured again (2: hierarchical)
+# Of the cached JSON; a different one is measured again (2: hierarchical; 3: bands from the
+# measured points, `bands_from_points`).
+_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,41 @@ def bands_from_models(models: Mapping[str, Model]) -> tuple[tuple[int, str], ...
         if not bands or bands[-1][1] != winner:
             bands.append((start, winner))
     return tuple(bands)
+
+
+def bands_from_points(models: Mapping[str, Model]) -> tuple[tuple[int, str], ...]:
+    """The cheapest of `models` by size, read from their measured points.
+
+    Between two measured sizes each algorithm costs the line through its two points there;
+    above the last size, the last such line; below the first, the first size's winner (no
+    measurement says more about smaller sizes). So a crossover lies where the measurements
+    cross. One line fitted over every size put it where those lines cross instead, which is
+    far from there when an algorithm's cost bends: MPI's own allreduce changes algorithm
+    with the size, and its fit put the ring from 149 KB on 2 ranks here, where MPI's
+    allreduce was faster up to 2-4 MiB (docs/benchmarks.md). `bands_from_models` where the
+    models lack two points at the same sizes.
+    """
+    sizes = [n for n, _ in next(iter(models.values())).points]
+    if len(sizes) < 2 or any([n for n, _ in m.points] != sizes for m in models.values()):
+        return bands_from_models(models)
+    bands: list[tuple[int, str]] = []
+    last = len(sizes) - 2
+    for i in range(last + 1):
+        lines = {name: _through(m.points[i], m.points[i + 1]) for name, m in models.items()}
+        piece = bands_from_models(lines)
+        start, end = sizes[i], None if i == last else sizes[i + 1]
+        holding = [name for edge, name in piece if edge <= start][-1]
+        inside = [(e, name) for e, name in piece if e > start and (end is None or e < end)]
+        for edge, name in [(start, holding), *inside]:
+            if not bands or bands[-1][1] != name:
+                bands.append((edge, name))
+    return ((0, bands[0][1]), *bands[1:])
+
+
+def _through(first: tuple[int, float], second: tuple[int, float]) -> Model:
+    """The line through two measured (bytes, seconds) points."""
+    beta = (second[1] - first[1]) / (second[0] - first[0])
+    return Model(first[1] - beta * first[0], beta)
 
 
 @dataclass(frozen=True)
@@ -406,7 +443,7 @@ def table_from_models(size: int, models: Mapping[str, Model], seconds: float) ->
             for name in names
             if name not in OPTIONAL or SERIES[(kind, name)] in models
         }
-        bands[(kind, reduces)] = bands_from_models(priced)
+        bands[(kind, reduces)] = bands_from_points(priced)
     return AlgorithmTable(size, bands, MEASURED, dict(models), seconds)
 
 
