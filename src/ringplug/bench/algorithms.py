@@ -64,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     rank, size = ringplug.rank(), ringplug.size()
     settings = runtime.settings()
     transport = Transport(MPI.COMM_WORLD, settings)
+    # Its waits spin and yield as the engine's do: with the waiter's defaults a rank with a
+    # core of its own slept between tests, and MPI's Iallreduce of 1 MiB took 507 us
+    # where the engine's took 170 (2 ranks), which moved the crossovers too.
+    transport.waiter.spin_like(runtime.engine().waiter)
     deadline = settings.calibration_seconds if args.deadline is None else args.deadline
     began = time.perf_counter()
     table = calibration.measure(transport, deadline)
@@ -114,7 +118,7 @@ def table_lines(table: AlgorithmTable) -> list[str]:
             error = model.seconds(n) / seconds - 1
             cells.append(f"{seconds * 1e6:>9.1f} ({error:+4.0%})")
         lines.append(f"# {name:<20} {' '.join(f'{c:>16}' for c in cells)} | {model_text(model)}")
-    lines.append("# crossovers (where the models cross; the bands every rank uses):")
+    lines.append("# crossovers (where the measured points cross; the bands every rank uses):")
     for (kind, reduces), bands in table.bands.items():
         label = (
             kind if reduces or kind in ("allgather", "broadcast") else f"{kind} (MPI cannot reduce)"

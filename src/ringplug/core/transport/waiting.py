@@ -226,6 +226,12 @@ class Waiter:
         self.spin_seconds = SPIN_SECONDS_WITH_A_CORE_EACH
         self.pause = os.sched_yield if hasattr(os, "sched_yield") else _sleep_zero
 
+    def spin_like(self, other: Waiter) -> None:
+        """Test and yield as `other` does (an engine's waiter, which knows whether every
+        local rank has a core): a transport of its own, as `ringplug-bench algorithms`
+        makes, must time its algorithms as the engine's transport runs them."""
+        self.spin_seconds, self.pause = other.spin_seconds, other.pause
+
     # ------------------------------------------------------------------ waiting
     def wait_requests(self, requests: Sequence[Any], phase: str = "") -> None:
         """Wait until every MPI request in `requests` completed (see `wait`)."""
