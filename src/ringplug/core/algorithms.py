@@ -305,9 +305,7 @@ class AlgorithmTable:
 
     def _with_band(self, band: Band) -> AlgorithmTable:
         """`overriding` with one band."""
-        offered = sorted(
-            {n for (k, _), names in CANDIDATES.items() if k == band.kind for n in names}
-        )
+        offered = sorted(_offered(band.kind))
         if not offered:
             raise ValueError(
                 f"algorithm band {band}: {band.kind!r} is no collective kind; use one of "
@@ -433,6 +431,13 @@ def fixed_table(size: int, ring_threshold: int, note: str = "") -> AlgorithmTabl
     )
 
 
+def _offered(kind: str) -> set[str]:
+    """The algorithms some row of `kind` has (none for a name that is no kind)."""
+    return {
+        name for (row_kind, _), names in CANDIDATES.items() if row_kind == kind for name in names
+    }
+
+
 def table_from_models(size: int, models: Mapping[str, Model], seconds: float) -> AlgorithmTable:
     """The measured table: each row's bands from the models of its candidates (an
     `OPTIONAL` one only where `models` has its series)."""
@@ -456,9 +461,7 @@ def parse_forced(text: str | None) -> dict[str, str]:
     """
     if not text or not text.strip():
         return {}
-    offered = {
-        kind: {n for (k, _), ns in CANDIDATES.items() if k == kind for n in ns} for kind in KINDS
-    }
+    offered = {kind: _offered(kind) for kind in KINDS}
     every = sorted(set().union(*offered.values()))
     forced: dict[str, str] = {}
     for part in text.split(","):

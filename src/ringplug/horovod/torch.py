@@ -23,7 +23,7 @@ import torch
 
 from .. import core
 from ..compression import Compression, compressed
-from ..core.kinds.base import waited_at_once
+from ..core.kinds.base import at_once
 from ..torch import averaging as _averaging
 from ..torch import collectives as rt
 from ..torch import optimizer as _optimizer
@@ -215,11 +215,11 @@ def allreduce_(
     process_set: Any = _SET,
 ) -> torch.Tensor:
     """`allreduce` in place; returns `tensor`."""
-    with waited_at_once():
-        handle = allreduce_async_(
+    return at_once(
+        lambda: allreduce_async_(
             tensor, average, name, op, prescale_factor, postscale_factor, process_set
         )
-    return handle.wait()
+    )
 
 
 @on_process_set
@@ -300,11 +300,11 @@ def grouped_allreduce_(
     process_set: Any = _SET,
 ) -> list[torch.Tensor]:
     """`grouped_allreduce` in place; returns `tensors`."""
-    with waited_at_once():
-        handle = grouped_allreduce_async_(
+    return at_once(
+        lambda: grouped_allreduce_async_(
             tensors, average, name, op, prescale_factor, postscale_factor, process_set
         )
-    return handle.wait()
+    )
 
 
 @on_process_set
@@ -401,9 +401,7 @@ def broadcast_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = _SET
 ) -> torch.Tensor:
     """Overwrite `tensor` with root's on every rank; returns `tensor`."""
-    with waited_at_once():  # its caller runs the cycle: no engine thread woken
-        handle = broadcast_async_(tensor, root_rank, name, process_set)
-    return handle.wait()
+    return at_once(lambda: broadcast_async_(tensor, root_rank, name, process_set))
 
 
 @on_process_set

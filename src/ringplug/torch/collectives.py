@@ -35,7 +35,7 @@ from ..core import collectives as core
 from ..core import device_collectives as device
 from ..core.dtypes import DType
 from ..core.gpu.device import DeviceBuffer
-from ..core.kinds.base import waited_at_once
+from ..core.kinds.base import at_once
 from ..core.ops import Average, ReduceOp, Sum, as_op, integer_scaling
 
 # torch dtype -> (the dtype the core reads the bytes as, or None to use the tensor's own)
@@ -107,18 +107,6 @@ class TensorHandle:
         return self._finish(results)
 
     synchronize = wait
-
-
-def _at_once(start: Callable[[], TensorHandle]) -> Any:
-    """What the one collective `start()` submits returns, waited for at once. Submitted
-    inside `waited_at_once`, its caller runs its cycle itself where the engine allows (as
-    the numpy API's synchronous calls do): a synchronous call on the host wakes no engine
-    thread, which on a rank sharing its cores cost it more than the collective (figures:
-    docs/benchmarks.md, "Design measurements"). Several requests waited for together keep
-    to the asynchronous path, which negotiates them in one cycle."""
-    with waited_at_once():
-        handle = start()
-    return handle.wait()
 
 
 def _check(tensor: torch.Tensor, what: str, name: str | None) -> None:
@@ -406,7 +394,7 @@ def allreduce_(tensor: torch.Tensor, op: ReduceOp | str = Average, **kwargs: Any
     if array is not None:
         core.allreduce(array, op, out=array, **kwargs)
         return tensor
-    return _at_once(lambda: allreduce_async_(tensor, op, **kwargs))
+    return at_once(lambda: allreduce_async_(tensor, op, **kwargs))
 
 
 def grouped_allreduce_async_(
@@ -475,7 +463,7 @@ def grouped_allreduce_(
     tensors: Sequence[torch.Tensor], op: ReduceOp | str = Average, **kwargs: Any
 ) -> list[torch.Tensor]:
     """Reduce several tensors of one dtype in place, negotiated and fused as one."""
-    return _at_once(lambda: grouped_allreduce_async_(tensors, op, **kwargs))
+    return at_once(lambda: grouped_allreduce_async_(tensors, op, **kwargs))
 
 
 def grouped_allreduce(
@@ -500,8 +488,8 @@ def _reduce_copies(
     """The reductions of copies of `tensors`: one grouped request, or one tensor's."""
     kwargs = {"name": name, "prescale_factor": scales[0], "postscale_factor": scales[1]}
     if grouped:
-        return _at_once(lambda: grouped_allreduce_async(tensors, op, **kwargs))
-    return [_at_once(lambda: allreduce_async(tensors[0], op, **kwargs))]
+        return at_once(lambda: grouped_allreduce_async(tensors, op, **kwargs))
+    return [at_once(lambda: allreduce_async(tensors[0], op, **kwargs))]
 
 
 def _copy(tensor: Any) -> Any:
@@ -615,7 +603,7 @@ def broadcast_(
     refuse_joined: bool = False,
 ) -> torch.Tensor:
     """Overwrite `tensor` with root's on every rank; returns `tensor`."""
-    return _at_once(
+    return at_once(
         lambda: broadcast_async_(tensor, root_rank, name=name, refuse_joined=refuse_joined)
     )
 
@@ -634,7 +622,7 @@ def broadcast(
     """
     if _tracks_grad([tensor]):
         return _Broadcast.apply(tensor, root_rank, name, refuse_joined)
-    return _at_once(
+    return at_once(
         lambda: broadcast_async(tensor, root_rank, name=name, refuse_joined=refuse_joined)
     )
 
@@ -644,12 +632,12 @@ class _Broadcast(torch.autograd.Function):
     @_remembers_scope
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any, refuse: bool) -> Any:
         ctx.root_rank = root_rank
-        return _at_once(lambda: broadcast_async(tensor, root_rank, name=name, refuse_joined=refuse))
+        return at_once(lambda: broadcast_async(tensor, root_rank, name=name, refuse_joined=refuse))
 
     @staticmethod
     @_in_forward_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
-        summed = _at_once(lambda: allreduce_async(grad, "sum"))
+        summed = at_once(lambda: allreduce_async(grad, "sum"))
         return (
             (summed if runtime.rank() == ctx.root_rank else torch.zeros_like(summed)),
             None,
@@ -736,7 +724,7 @@ def allgather(
     """
     if _tracks_grad([tensor]):
         return _Allgather.apply(name, refuse_joined, tensor)[0]
-    return _at_once(lambda: allgather_async(tensor, name=name, refuse_joined=refuse_joined))
+    return at_once(lambda: allgather_async(tensor, name=name, refuse_joined=refuse_joined))
 
 
 def grouped_allgather(
@@ -846,7 +834,7 @@ def reducescatter(
     scales = (prescale_factor, postscale_factor)
     if _tracks_grad([tensor]):
         return _Reducescatter.apply(as_op(op), [name], scales, tensor)[0]
-    return _at_once(lambda: _reducescatters([tensor], [name], op, scales))[0]
+    return at_once(lambda: _reducescatters([tensor], [name], op, scales))[0]
 
 
 def grouped_reducescatter(
@@ -895,7 +883,7 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     @_remembers_scope
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any) -> Any:
-        received, counts = _at_once(lambda: alltoall_async(tensor, splits, name=name))
+        received, counts = at_once(lambda: alltoall_async(tensor, splits, name=name))
         ctx.counts = counts
         ctx.mark_non_differentiable(counts)
         return received, counts
@@ -904,7 +892,7 @@ class _Alltoall(torch.autograd.Function):
     @_in_forward_scope
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[Any, None, None]:
         # Each row's gradient goes back to the rank it came from.
-        return _at_once(lambda: alltoall_async(grad, ctx.counts))[0], None, None
+        return at_once(lambda: alltoall_async(grad, ctx.counts))[0], None, None
 
 
 def alltoall(
@@ -921,4 +909,4 @@ def alltoall(
     """
     if _tracks_grad([tensor]):
         return _Alltoall.apply(tensor, splits, name)
-    return _at_once(lambda: alltoall_async(tensor, splits, name=name))
+    return at_once(lambda: alltoall_async(tensor, splits, name=name))

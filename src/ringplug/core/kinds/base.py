@@ -106,11 +106,19 @@ def waited_at_once_now() -> bool:
     return _blocking_call.active
 
 
+def at_once(start: Callable[[], Any]) -> Any:
+    """What the handle `start()` returns gives when waited for, its submissions made
+    inside `waited_at_once`: the caller runs their cycle itself where the engine allows,
+    and no engine thread is woken (for the blocking forms here and the framework layers'
+    synchronous calls, which start an asynchronous one)."""
+    with waited_at_once():
+        handle = start()
+    return handle.wait()
+
+
 def submit_and_wait(name: str, cacheable: bool, build: Build) -> Any:
     """`_submit`, then wait, running the cycle on this thread (see `blocking`)."""
-    with waited_at_once():
-        handle = submit(name, cacheable, build)
-    return handle.wait()
+    return at_once(lambda: submit(name, cacheable, build))
 
 
 def blocking(begin: Callable[..., Handle], returns: Any, doc: str) -> Callable[..., Any]:
@@ -123,9 +131,7 @@ def blocking(begin: Callable[..., Handle], returns: Any, doc: str) -> Callable[.
 
     @functools.wraps(begin)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with waited_at_once():
-            handle = begin(*args, **kwargs)
-        return handle.wait()
+        return at_once(lambda: begin(*args, **kwargs))
 
     run.__name__ = run.__qualname__ = begin.__name__.removesuffix("_async")
     run.__doc__ = doc
