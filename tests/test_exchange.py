@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from ringplug.core.engine.exchange import decode, encode, form_length, messages, same_form
+from ringplug.core.engine.exchange import (
+    PAIR,
+    decode,
+    encode,
+    form_length,
+    lone_form,
+    lone_message,
+    messages,
+    same_form,
+)
 from ringplug.wire import Kind, Message, Signature
 
 MESSAGES = [
@@ -39,6 +48,30 @@ def test_eager_data_starts_16_byte_aligned_after_the_form(cached, numbered):
     start = form_length(wire)
     assert start % 16 == 0  # the received buffer's copy is combined by numpy's aligned loops
     assert wire[start : start + len(eager)] == eager
+
+
+@pytest.mark.parametrize("slot", [0, 5, 63, 4095])
+@pytest.mark.parametrize("numbered", [False, True])
+@pytest.mark.parametrize("eager", [b"", bytes(range(40)), bytes(4096)])
+@pytest.mark.parametrize("activity", [("", 0.25), ("in forward/backward at step 3", 7.5)])
+def test_a_lone_requests_message_is_the_message_that_names_it(slot, numbered, eager, activity):
+    # The fast path writes the constant parts of a lone request's form once (`lone_form`);
+    # what it sends must be the general encoding of the same message, byte for byte: a
+    # peer that is not alone decodes it, and compares its form with its own.
+    number = 2**33 + slot if numbered else 0
+    message = Message(
+        77,
+        cached=0 if numbered else 1 << slot,
+        numbered=[(slot, number)] if numbered else [],
+        eager=eager,
+        activity=activity,
+    )
+    form = lone_form(message.cached, numbered, len(eager))
+    pair = PAIR.pack(slot, number) if numbered else b""
+    wire = lone_message(77, form, pair, [memoryview(eager)] if eager else [], activity)
+    assert wire == encode(message)
+    assert form[2] == form_length(wire)
+    assert decode(wire) == message
 
 
 def test_a_peer_with_the_same_requests_has_the_same_form_whatever_its_data_and_phase():

@@ -36,6 +36,7 @@ from ...wire import (
     Kind,
     Message,
     Response,
+    Signature,
     cacheable_name,
     numbered,
 )
@@ -44,7 +45,7 @@ from ..errors import CommunicatorFailed, MismatchError, PeerArgumentError, PeerF
 from ..kinds.kind import KINDS, EngineView, SameEverywhere, check_joined, kind_of
 from . import carried
 from .batches import batches
-from .exchange import compact, decode, messages, same_form
+from .exchange import PAIR, decode, lone_form, lone_message, messages, same_form
 from .handles import Request, wake_waiters
 from .negotiation import Cache, Plan, decide
 from .scheduler import BURST_WAIT_SECONDS, Scheduler
@@ -123,10 +124,9 @@ class Cycle:
         self._last_batches: tuple[list[Response], int, list[list[Response] | Response]] | None = (
             None
         )
-        # The fast path's plans, by cache slot: a synchronous call repeated in a loop runs
-        # the same plan. Its one response takes the name of each request of that slot (an
-        # unnamed call's differs every time); nothing else ever changes a plan once made.
-        self._lone_plans: dict[int, Plan] = {}
+        # The fast path's plans and message forms, by cache slot (`Lone`): a synchronous
+        # call repeated in a loop runs the same plan.
+        self._lones: dict[int, Lone] = {}
 
     # ------------------------------------------------------------------ the cycle
     def run(self, fresh: list[Request] | None, by_caller: bool) -> bool:
@@ -188,15 +188,19 @@ class Cycle:
         pending = self.pending
         lone = self._lone_form(stopping)
         if lone is not None:
-            request, slot, bits, pairs = lone
-            nbytes = self.cache.eager_bytes[slot]  # 0 on one rank
+            request, slot, number = lone
+            prepared = self._lones.get(slot)
+            if prepared is None or prepared.signature is not request.signature:
+                prepared = self._prepare(request, slot)  # new, or the slot was given anew
+            nbytes = prepared.nbytes  # 0 on one rank
             if engine.size == 1:  # no message to send: this rank's form is every rank's
                 wire, received, length = b"", [], 1
             else:
                 pieces = KINDS[request.signature.kind].carried_pieces(request) if nbytes else ()
-                wire = compact(self.number, bits, pairs, pieces, activity.current())
+                pair = PAIR.pack(slot, number) if prepared.numbered else b""
+                wire = lone_message(self.number, prepared.form, pair, pieces, activity.current())
                 received = exchange.send_and_receive(self.number, wire, pending)
-                length = same_form(wire, received)
+                length = same_form(wire, received, prepared.form[2])
             if length:
                 # Every rank has this request alone: it is the plan. (The peers' phases stay
                 # unread: nothing is missing anywhere, so no stall report needs them.)
@@ -205,13 +209,8 @@ class Cycle:
                     self.carried_copies.clear()
                 if nbytes:
                     self._carried_alone = (received, length)
-                plan = self._lone_plans.get(slot)
-                if plan is None:
-                    return self._lone_plan(request, slot), None
-                response = plan.responses[0]
-                if response.signature is not request.signature:  # the slot was given anew
-                    return self._lone_plan(request, slot), None
-                response.name = request.name
+                plan = prepared.plan
+                plan.responses[0].name = request.name
                 return plan, None
             found, alike = messages(decode(wire), wire, received, 0), False
         else:
@@ -229,21 +228,23 @@ class Cycle:
         copies.update(carried.received(found, self.cache, plan.repeated))
         return plan, found
 
-    def _lone_plan(self, request: Request, slot: int) -> Plan:
-        """A new plan of a cycle in which every rank has `request` alone, kept for the next
-        request of its cache `slot` (`negotiate` looks for it first)."""
+    def _prepare(self, request: Request, slot: int) -> Lone:
+        """The `Lone` of cache `slot`, which `request` names, kept for the slot's next
+        request (`negotiate` looks for it first)."""
         response = Response.everywhere(request.name, request.signature, self.engine.size)
         # By position, with the shared empty errors, partial and stall lists.
         plan = Plan([response], _NO_ERRORS, _NO_PARTIAL, None, False, -1, _NO_ABORT, True, True)
-        self._lone_plans[slot] = plan
-        return plan
+        nbytes = self.cache.eager_bytes[slot]
+        numbered = not request.cacheable
+        form = lone_form(0 if numbered else 1 << slot, numbered, nbytes)
+        prepared = self._lones[slot] = Lone(request.signature, plan, form, numbered, nbytes)
+        return prepared
 
-    def _lone_form(
-        self, stopping: bool
-    ) -> tuple[Request, int, int, tuple[tuple[int, int], ...]] | None:
-        """(request, slot, cached bits, numbered pairs) when this rank's message can be the
-        form of a lone request agreed before: one request pending, and nothing else to say
-        (no shutdown, join, renewal or stall verdict, which a message spells out)."""
+    def _lone_form(self, stopping: bool) -> tuple[Request, int, int] | None:
+        """(request, slot, number) when this rank's message can be the form of a lone
+        request agreed before: one request pending, and nothing else to say (no shutdown,
+        join, renewal or stall verdict, which a message spells out). `number`: its number
+        in its numbered slot (0 when it has a slot of its own)."""
         pending = self.pending
         if (
             len(pending) != 1
@@ -259,7 +260,7 @@ class Cycle:
                 slot = cache.by_name.get(request.name)
                 if slot is None or cache.slots[slot][1] != request.signature:
                     return None
-                return request, slot, 1 << slot, ()
+                return request, slot, 0
             # `Cache.numbered_slot`, written out too; an unnamed request knows its number
             parts = (UNNAMED, request.number) if request.number else numbered(request.name)
             if parts is None:
@@ -267,7 +268,7 @@ class Cycle:
             slot = cache.by_prefix.get((parts[0], request.signature))
             if slot is None:
                 return None
-            return request, slot, 0, ((slot, parts[1]),)
+            return request, slot, parts[1]
         return None
 
     def _message(self, stopping: bool) -> Message:
@@ -435,6 +436,32 @@ class Cycle:
             if timeline is not None:
                 engine.trace_wait(timeline, request, start)
                 timeline.span(request.name, signature.kind.name, start, time.perf_counter())
+
+
+class Lone:
+    """A cache slot's lone cycle, prepared once (`Cycle._prepare`): the plan of a cycle in
+    which every rank has the slot's request alone, and the constant parts of the message
+    that names it (`exchange.lone_form`).
+
+    The plan's one response takes the name of each request of the slot (an unnamed call's
+    differs every time); nothing else ever changes it once made.
+    """
+
+    __slots__ = ("signature", "plan", "form", "numbered", "nbytes")
+
+    def __init__(
+        self,
+        signature: Signature,
+        plan: Plan,
+        form: tuple[bytes, bytes, int],
+        numbered: bool,
+        nbytes: int,
+    ) -> None:
+        self.signature = signature  # the requests' (a slot given anew prepares anew)
+        self.plan = plan
+        self.form = form
+        self.numbered = numbered  # named by (slot, number), not by a bit
+        self.nbytes = nbytes  # of data its message carries (0: none)
 
 
 def _mismatch_error(request: Request, message: str) -> BaseException:

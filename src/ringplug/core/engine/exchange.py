@@ -38,6 +38,8 @@ _COMPACT = b"\x00"
 _FORM = struct.Struct("<qqBHHI")  # at most 65535 bytes of bits: 4096 slots fit
 _PHASE = struct.Struct("<fB")  # a phase is a short phrase: at most 255 bytes are sent
 _PAIR = struct.Struct("<qq")
+PAIR = _PAIR  # a numbered pair (slot, number), as `lone_message` takes it
+_CYCLE = struct.Struct("<xq")  # the marker and `_FORM`'s first field (see `lone_message`)
 _SHUTDOWN, _RENEW = 1, 2
 # A mark that two ranks' forms differ (a form starts with a zero byte): see `Exchange.agree`.
 _DIFFERENT = b"\x01"
@@ -100,6 +102,47 @@ def compact(
             cached.to_bytes(length, "little"),
             pairs,
             _PADDING[-(1 + _FORM.size + length + len(pairs)) % _ALIGN if size else 0],
+            *eager,
+            _PHASE.pack(seconds, len(words)),
+            words,
+        )
+    )
+
+
+def lone_form(cached: int, numbered: bool, eager_length: int) -> tuple[bytes, bytes, int]:
+    """What `compact` writes of a message that names one agreed request, less its cycle
+    and its numbered pair, which change from call to call: (the bytes between the two:
+    the form's other fields and the bit vector; the padding after the pair; the length of
+    the whole form). `cached`: the request's bit (0 when it is `numbered`)."""
+    length = (cached.bit_length() + 7) // 8
+    count = 1 if numbered else 0
+    # `_FORM` with the cycle left out: its first field, 8 bytes
+    middle = _FORM.pack(0, 0, 0, length, count, eager_length)[8:] + cached.to_bytes(
+        length, "little"
+    )
+    unpadded = 1 + _FORM.size + length + _PAIR.size * count
+    padding = _padding(unpadded, eager_length)
+    return middle, _PADDING[padding], unpadded + padding
+
+
+def lone_message(
+    cycle: int,
+    form: tuple[bytes, bytes, int],
+    pair: bytes,
+    eager: Sequence[bytes | memoryview],
+    activity: tuple[str, float],
+) -> bytes:
+    """`compact` of a message that names one agreed request, from its `lone_form`: the
+    same bytes, with the constant parts of the form written once per request, not once
+    per call. `pair`: its numbered pair (`_PAIR`), or nothing when it has a bit."""
+    phase, seconds = activity
+    words = phase.encode()[:255]
+    return b"".join(
+        (
+            _CYCLE.pack(cycle),
+            form[0],
+            pair,
+            form[1],
             *eager,
             _PHASE.pack(seconds, len(words)),
             words,
@@ -396,11 +439,13 @@ class Alike(list):
         return Alike(list.__mul__(self, count))
 
 
-def same_form(wire: bytes, received: Sequence[bytes | bytearray]) -> int:
+def same_form(wire: bytes, received: Sequence[bytes | bytearray], length: int = -1) -> int:
     """The length of the form (see `encode`) that every message in `received` shares with
     this rank's `wire`, or 0 when one differs or `wire` is pickled: a repeated step on every
-    rank, with the same requests ready everywhere and no news."""
-    length = form_length(wire)
+    rank, with the same requests ready everywhere and no news. `length`: the form's length
+    where the caller knows it (`lone_form`)."""
+    if length < 0:
+        length = form_length(wire)
     if length and not isinstance(received, Alike):
         form = wire[:length]
         for data in received:

@@ -12,7 +12,7 @@ import numpy as np
 from ..dtypes import DType, bfloat16_to_float32, float32_to_bfloat16
 from ..ops import ReduceOp
 
-_UFUNC = {
+UFUNCS = {
     ReduceOp.AVERAGE: np.add,
     ReduceOp.SUM: np.add,
     ReduceOp.PRODUCT: np.multiply,
@@ -29,7 +29,7 @@ _BOOL_UFUNC = {
 
 
 # Combined in another type than their own (see `combine`).
-_WIDENED = frozenset({DType.BOOL, DType.BFLOAT16, DType.FLOAT16})
+WIDENED = frozenset({DType.BOOL, DType.BFLOAT16, DType.FLOAT16})
 
 
 def check_op(op: ReduceOp, code: DType, prescale: float, postscale: float) -> None:
@@ -52,11 +52,11 @@ def combine_into(
     out: np.ndarray, first: np.ndarray, second: np.ndarray, op: ReduceOp, code: DType
 ) -> None:
     """out <- first (op) second: the values of copying `first` to `out`, then `combine`."""
-    if code in _WIDENED:
+    if code in WIDENED:
         np.copyto(out, first)
         combine(out, second, op, code)
     else:
-        _UFUNC[op](first, second, out=out)
+        UFUNCS[op](first, second, out=out)
 
 
 def combine(acc: np.ndarray, other: np.ndarray, op: ReduceOp, code: DType) -> None:
@@ -66,14 +66,14 @@ def combine(acc: np.ndarray, other: np.ndarray, op: ReduceOp, code: DType) -> No
         ufunc(acc.view(np.uint8), other.view(np.uint8), out=acc.view(np.uint8))
     elif code is DType.BFLOAT16:
         wide = bfloat16_to_float32(acc)
-        _UFUNC[op](wide, bfloat16_to_float32(other), out=wide)
+        UFUNCS[op](wide, bfloat16_to_float32(other), out=wide)
         float32_to_bfloat16(wide, acc)
     elif code is DType.FLOAT16:
         wide = acc.astype(np.float32)
-        _UFUNC[op](wide, other, out=wide)
+        UFUNCS[op](wide, other, out=wide)
         acc[...] = wide
     else:
-        _UFUNC[op](acc, other, out=acc)
+        UFUNCS[op](acc, other, out=acc)
 
 
 def scale(values: np.ndarray, factor: float, code: DType) -> None:

@@ -51,22 +51,6 @@ def pieces(request: Request) -> list[memoryview]:
     return scaled
 
 
-def reduce_copies(
-    outs: list[np.ndarray],
-    copies: Sequence[bytes | bytearray | memoryview],
-    op: ReduceOp,
-    code: DType,
-    offset: int,
-    factor: float,
-) -> None:
-    """`reduce_into`, then the result times `factor` (an allreduce's, see
-    `fusion.result_factor`)."""
-    reduce_into(outs, copies, op, code, offset)
-    if factor != 1.0:
-        for out in outs:
-            reduce.scale(out, factor, code)
-
-
 def reduce_into(
     outs: list[np.ndarray],
     copies: Sequence[bytes | bytearray | memoryview],
@@ -81,7 +65,11 @@ def reduce_into(
         out = outs[0]
         count, storage = out.size, out.dtype  # outs are in the storage type
         first = np.frombuffer(copies[0], storage, count, offset)
-        reduce.combine_into(out, first, np.frombuffer(copies[1], storage, count, offset), op, code)
+        second = np.frombuffer(copies[1], storage, count, offset)
+        if code in reduce.WIDENED:
+            reduce.combine_into(out, first, second, op, code)
+        else:  # `combine_into`'s own case, written out: a synchronous call's usual one
+            reduce.UFUNCS[op](first, second, out=out)
         for copy in copies[2:]:
             reduce.combine(out, np.frombuffer(copy, storage, count, offset), op, code)
         return

@@ -369,8 +369,8 @@ def reduce_carried(
     start = time.perf_counter() if timeline is not None else 0.0
     reduction = request.payload
     try:
-        # `eager.reduce_copies` and `result_factor`, written out: a synchronous call's
-        # usual path, where each Python call counts
+        # `result_factor`, written out: a synchronous call's usual path, where each
+        # Python call counts
         outs = reduction.outs
         eager.reduce_into(outs, copies, op, code, offset)
         factor = reduction.postscale
