@@ -4,6 +4,7 @@ ranks every algorithm of every kind against numpy and the calibration every rank
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -116,6 +117,37 @@ def test_below_the_smallest_measured_size_its_winner_holds():
     assert (
         bands_from_points(lines) == bands_from_models(lines) == ((0, "doubling"), (100_000, "ring"))
     )
+
+
+def test_every_size_goes_to_the_algorithm_its_measured_points_price_cheapest():
+    # Models measured at different sizes, one that bends, one only a line: the bands and
+    # `Model.cost` (the autotuner's prices) are one reading of the measurements.
+    models = {
+        "mpi": fit([(KB4, 5.6e-6), (KB64, 23.2e-6), (KB512, 84.7e-6), (MB4, 500.3e-6)]),
+        "doubling": fit([(KB4, 7.1e-6), (32 << 10, 20.0e-6), (KB512, 200.0e-6)]),
+        "ring": fit([(KB4, 21.0e-6), (KB64, 50.4e-6), (KB512, 156.0e-6), (MB4, 453.9e-6)]),
+        "line": Model(60e-6, 0.2e-9),
+    }
+    bands = bands_from_points(models)
+    starts = [start for start, _ in bands]
+    names = list(models)
+    sizes = sorted(
+        {1, 1000, KB4, 5000, KB64 - 1, KB64, 300_000, KB512, 3 << 20, MB4, 64 << 20}
+        | {start + d for start in starts[1:] for d in (-1, 0, 1)}
+    )
+    for nbytes in sizes:
+        cheapest = min(names, key=lambda name: (models[name].cost(nbytes), names.index(name)))
+        assert bands[bisect.bisect_right(starts, nbytes) - 1][1] == cheapest, nbytes
+    assert {name for _, name in bands} >= {"mpi", "ring"}
+    # Between two measured sizes the cost is the line through the points; outside, the
+    # first point's time below and the last line above.
+    mpi = models["mpi"]
+    assert mpi.cost(KB64) == pytest.approx(23.2e-6)
+    assert mpi.cost((KB64 + KB512) / 2) == pytest.approx((23.2e-6 + 84.7e-6) / 2)
+    assert mpi.cost(100) == pytest.approx(5.6e-6)
+    slope = (500.3e-6 - 84.7e-6) / (MB4 - KB512)
+    assert mpi.cost(2 * MB4) == pytest.approx(500.3e-6 + slope * MB4)
+    assert models["line"].cost(KB64) == models["line"].seconds(KB64)
 
 
 def _others() -> dict[str, Model]:

@@ -19,9 +19,11 @@ from ringplug import config
 from ringplug.config import Settings, read_settings
 from ringplug.core.algorithms import (
     ALLREDUCE,
+    SERIES,
     AlgorithmTable,
     Band,
     Model,
+    fit,
     fixed_table,
     table_from_models,
 )
@@ -29,6 +31,7 @@ from ringplug.core.autotune import (
     CSV_COLUMNS,
     CYCLE_GRID_MS,
     FUSION_GRID,
+    MODEL_SKIP,
     Autotuner,
     Candidate,
     CostModel,
@@ -752,6 +755,26 @@ def test_a_band_with_nothing_worth_trying_is_left_to_the_table_and_a_range_stops
     crossover = table.bands[(ALLREDUCE, True)][1][0]
     assert crossover == 114_286
     assert trials_for(table, [100_000, 50 * MIB]) == [(64 << 10, crossover, ("ring",))]
+
+
+def test_the_autotuner_prices_algorithms_by_the_measured_points_as_the_table_does():
+    # MPI's allreduce and the ring as measured on 2 ranks of the CI machine. At a buffer of
+    # 100,000 bytes the ring costs 2.1x MPI's by the points (not worth a trial), 1.9x by
+    # the lines fitted over every size (which would try it): the prices must be the
+    # table's own reading, or the autotuner spends samples the table already ruled out.
+    sizes = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+    mpi = fit(list(zip(sizes, (5.6e-6, 23.2e-6, 84.7e-6, 500.3e-6), strict=True)))
+    ring = fit(list(zip(sizes, (21.0e-6, 50.4e-6, 156.0e-6, 453.9e-6), strict=True)))
+    assert ring.cost(100_000) > MODEL_SKIP * mpi.cost(100_000)
+    assert ring.seconds(100_000) < MODEL_SKIP * mpi.seconds(100_000)
+    dear = fit([(n, 1.0) for n in sizes])
+    models = {series: dear for series in set(SERIES.values()) if "hierarchical" not in series}
+    table = table_from_models(2, {**models, "allreduce/mpi": mpi, "allreduce/ring": ring}, 1.0)
+    assert table.choose(ALLREDUCE, 100_000) == "mpi"
+    assert trials_for(table, [100_000]) == []
+    # Where the points put the ring within reach, it is tried.
+    assert ring.cost(1 << 20) < MODEL_SKIP * mpi.cost(1 << 20)
+    assert trials_for(table, [1 << 20]) == [(1 << 20, 2 << 20, ("ring",))]
 
 
 class FakeTransport:

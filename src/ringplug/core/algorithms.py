@@ -99,7 +99,7 @@ class Model:
     Args:
         alpha: seconds per call whatever the size (the messages' latency, Python's calls).
         beta: seconds per byte of the buffer.
-        points: the measured (bytes, seconds) it was fitted to.
+        points: the measured (bytes, seconds) it was fitted to, by size.
         error: the largest relative error of the model on those points (0.1: 10%).
     """
 
@@ -109,8 +109,27 @@ class Model:
     error: float = 0.0
 
     def seconds(self, nbytes: float) -> float:
-        """The predicted time of one call on `nbytes` bytes."""
+        """The fitted line's time of one call on `nbytes` bytes."""
         return self.alpha + self.beta * nbytes
+
+    def cost(self, nbytes: float) -> float:
+        """The time of one call on `nbytes` bytes as the measured points say it, what the
+        table's bands and the autotuner's prices are read from: between two measured sizes,
+        the line through their points; above the last, the last such line; below the
+        first, the first point's time (nothing was measured there). The fitted line
+        (`seconds`) where fewer than two points were measured.
+
+        A line fitted over every size misplaces a crossover wherever an algorithm's cost
+        bends: MPI's own allreduce changes algorithm with the size, and its fit put the
+        ring from 149 KB on 2 ranks here, where MPI's allreduce was faster up to 2-4 MiB
+        (docs/benchmarks.md, "Crossovers from the measured points")."""
+        points = self.points
+        if len(points) < 2:
+            return self.seconds(nbytes)
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        index = min(bisect.bisect_left(points, (nbytes,)), len(points) - 1)
+        return _through(points[index - 1], points[index]).seconds(nbytes)
 
 
 def fit(points: Sequence[tuple[int, float]]) -> Model:
@@ -146,7 +165,8 @@ def fit(points: Sequence[tuple[int, float]]) -> Model:
         candidates.append((0.0, sb / sbb))
     alpha, beta = min(candidates, key=lambda ab: squared(*ab))
     error = max(abs(alpha + beta * n - t) / t for n, t in zip(sizes, times, strict=True))
-    return Model(alpha, beta, tuple((int(n), t) for n, t in zip(sizes, times, strict=True)), error)
+    points = tuple(sorted((int(n), t) for n, t in zip(sizes, times, strict=True)))
+    return Model(alpha, beta, points, error)
 
 
 def bands_from_models(models: Mapping[str, Model]) -> tuple[tuple[int, str], ...]:
@@ -174,32 +194,34 @@ def bands_from_models(models: Mapping[str, Model]) -> tuple[tuple[int, str], ...
 
 
 def bands_from_points(models: Mapping[str, Model]) -> tuple[tuple[int, str], ...]:
-    """The cheapest of `models` by size, read from their measured points.
+    """The cheapest of `models` by size by their `Model.cost`: ((from bytes, algorithm),
+    ...), the first from 0; ties go to the algorithm named first. `bands_from_models` where
+    no model has measured points.
 
-    Between two measured sizes each algorithm costs the line through its two points there;
-    above the last size, the last such line; below the first, the first size's winner (no
-    measurement says more about smaller sizes). So a crossover lies where the measurements
-    cross. One line fitted over every size put it where those lines cross instead, which is
-    far from there when an algorithm's cost bends: MPI's own allreduce changes algorithm
-    with the size, and its fit put the ring from 149 KB on 2 ranks here, where MPI's
-    allreduce was faster up to 2-4 MiB (docs/benchmarks.md). `bands_from_models` where the
-    models lack two points at the same sizes.
+    Between two sizes that any model was measured at, each model's cost is a line (its
+    breaks lie at its own measured sizes), so the crossovers there are those of the lines
+    through each model's costs at the two sizes; past the last size, of the lines that
+    hold on.
     """
-    sizes = [n for n, _ in next(iter(models.values())).points]
-    if len(sizes) < 2 or any([n for n, _ in m.points] != sizes for m in models.values()):
+    sizes = sorted({n for model in models.values() for n, _ in model.points})
+    if not sizes:
         return bands_from_models(models)
+    starts = [0, *sizes]
     bands: list[tuple[int, str]] = []
-    last = len(sizes) - 2
-    for i in range(last + 1):
-        lines = {name: _through(m.points[i], m.points[i + 1]) for name, m in models.items()}
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else None
+        other = end if end is not None else 2 * start
+        lines = {
+            name: _through((start, m.cost(start)), (other, m.cost(other)))
+            for name, m in models.items()
+        }
         piece = bands_from_models(lines)
-        start, end = sizes[i], None if i == last else sizes[i + 1]
         holding = [name for edge, name in piece if edge <= start][-1]
         inside = [(e, name) for e, name in piece if e > start and (end is None or e < end)]
         for edge, name in [(start, holding), *inside]:
             if not bands or bands[-1][1] != name:
                 bands.append((edge, name))
-    return ((0, bands[0][1]), *bands[1:])
+    return tuple(bands)
 
 
 def _through(first: tuple[int, float], second: tuple[int, float]) -> Model:

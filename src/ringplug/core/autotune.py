@@ -48,11 +48,11 @@ The search is a model-guided local search on a small grid, not Horovod's Gaussia
    `core.algorithms.Band`, such as ``ring@[64K,128K)``: from the power of 2 at or below
    its smallest buffer to the one above its largest, within the table's band), every
    other size keeping the table's choice: so a crossover moves, or a band appears around
-   the buffers, and nothing changes where the job has no buffer. The table's fitted
-   models order them and leave out those they price at :data:`MODEL_SKIP` times the
-   table's choice or more. A winner is scored again as in 4, and the next group's trials
-   keep it. None are tried where ``RINGPLUG_ALGORITHM`` forces the allreduce, or once a
-   GPU collective ran;
+   the buffers, and nothing changes where the job has no buffer. The table's models,
+   read from their measured points as its bands are (`Model.cost`), order them and leave
+   out those they price at :data:`MODEL_SKIP` times the table's choice or more. A winner
+   is scored again as in 4, and the next group's trials keep it. None are tried where
+   ``RINGPLUG_ALGORITHM`` forces the allreduce, or once a GPU collective ran;
 6. when nothing is left to try (converged), or only room for this is left of the budget,
    the best (or a challenger there was no room to score again), the start and a runner-up
    (the best it challenged; else the best setting with the table's crossovers and without
@@ -147,9 +147,9 @@ TABLE = "table"
 every size to the algorithm table."""
 
 MODEL_SKIP = 2.0
-"""An algorithm that the table's fitted models (`AlgorithmTable.models`) price at more than
-this many times the table's choice on a band's buffers is not tried there (on the CI
-machine forcing MPI's allreduce scored 0.33 to 0.83 of the table's choice, recursive
+"""An algorithm that the table's models (`AlgorithmTable.models`, by `Model.cost`) price at
+more than this many times the table's choice on a band's buffers is not tried there (on the
+CI machine forcing MPI's allreduce scored 0.33 to 0.83 of the table's choice, recursive
 doubling 0.24 to 1.02: the models' order held; their ratios are microbenchmarks')."""
 
 CYCLE_GRID_MS: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
@@ -274,7 +274,7 @@ class Search:
             converged (`core.algorithms` names: the candidates of the job's table), on the
             sizes of the step's fused buffers. Defaults to none.
         table: the job's algorithm table, as it is without autotune's bands (its allreduce
-            row says where the buffers fall and what it takes there; its fitted models,
+            row says where the buffers fall and what it takes there; its models,
             where measured, order the algorithms and skip the hopeless). Defaults to none:
             no algorithm is tried.
     """
@@ -507,7 +507,7 @@ class Search:
     def band_trials(self, threshold: int) -> list[tuple[int, int | None, tuple[str, ...]]]:
         """The size ranges of the step's fused allreduce buffers at `threshold` whose
         algorithm is to be tried, the one the table's choice takes most time on first
-        (by its fitted models; by bytes without them), each with the algorithms to try.
+        (by its models' `Model.cost`; by bytes without them), each with the algorithms to try.
 
         The buffers are grouped by the band of the table's allreduce row for what MPI can
         reduce (float32 and float64 sums: gradients); a band laid over it covers the other
@@ -615,10 +615,11 @@ def _adjacent(grid: Sequence[float], value: float) -> list:
 
 
 def _priced(table: AlgorithmTable, name: str, sizes: Sequence[int]) -> float | None:
-    """What `table`'s fitted model of allreduce algorithm `name` gives a step's buffers of
-    `sizes` bytes (seconds), or None where the table has no model of it."""
+    """What `table`'s model of allreduce algorithm `name` costs a step's buffers of `sizes`
+    bytes (seconds, by `Model.cost`, as the table's bands are read), or None where the
+    table has no model of it."""
     model = table.models.get(SERIES[(ALLREDUCE, name)])
-    return None if model is None else sum(model.seconds(nbytes) for nbytes in sizes)
+    return None if model is None else sum(model.cost(nbytes) for nbytes in sizes)
 
 
 def fused_buffers(plans: Sequence[Sequence[Response]], threshold: int) -> list[int]:

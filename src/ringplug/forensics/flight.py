@@ -6,10 +6,9 @@ call site, and when it was submitted, entered negotiation and completed. Recordi
 costs a list of a few fields and a look at the caller's frame (usually one frame, known by
 its code object's id; the line is worked out only when the record is written), not a copy
 of anything: about 5,000 instructions (0.6-0.7 us) of CPU per synchronous unnamed call. On
-2 ranks sharing 2 busy cores that is 9-10% of a synchronous 4 KiB allreduce
-(`ringplug-bench allreduce --impls ringplug,ringplug-norecord`, 2026-12-06, load 3.0-3.3;
-11% before), above the 5% issue 44 asks for (docs/benchmarks.md, "One scheduler and one
-cycle").
+2 ranks that is 1.6 us, 10-11% of a synchronous 4 KiB allreduce (`ringplug-bench allreduce
+--impls ringplug,ringplug-norecord`, 2026-12-07), above the 5% issue 44 asks for
+(docs/benchmarks.md, "The flight record on small calls").
 
 On a stall (when rank 0 warns about it), a timeout or an engine failure every rank that
 can writes its record: under ringrun as an event that ringrun gathers into one file per job
