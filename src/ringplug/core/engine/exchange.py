@@ -37,8 +37,7 @@ GATHER_ONLY_UP_TO = 7
 _COMPACT = b"\x00"
 _FORM = struct.Struct("<qqBHHI")  # at most 65535 bytes of bits: 4096 slots fit
 _PHASE = struct.Struct("<fB")  # a phase is a short phrase: at most 255 bytes are sent
-_PAIR = struct.Struct("<qq")
-PAIR = _PAIR  # a numbered pair (slot, number), as `lone_message` takes it
+PAIR = struct.Struct("<qq")  # a numbered (slot, number) pair
 _CYCLE = struct.Struct("<xq")  # the marker and `_FORM`'s first field (see `lone_message`)
 _SHUTDOWN, _RENEW = 1, 2
 # A mark that two ranks' forms differ (a form starts with a zero byte): see `Exchange.agree`.
@@ -92,7 +91,7 @@ def compact(
     if not numbered:
         pairs = b""
     elif len(numbered) == 1:
-        pairs = _PAIR.pack(*numbered[0])
+        pairs = PAIR.pack(*numbered[0])
     else:
         pairs = struct.pack(f"<{2 * len(numbered)}q", *itertools.chain.from_iterable(numbered))
     return b"".join(
@@ -120,7 +119,7 @@ def lone_form(cached: int, numbered: bool, eager_length: int) -> tuple[bytes, by
     middle = _FORM.pack(0, 0, 0, length, count, eager_length)[8:] + cached.to_bytes(
         length, "little"
     )
-    unpadded = 1 + _FORM.size + length + _PAIR.size * count
+    unpadded = 1 + _FORM.size + length + PAIR.size * count
     padding = _padding(unpadded, eager_length)
     return middle, _PADDING[padding], unpadded + padding
 
@@ -134,7 +133,7 @@ def lone_message(
 ) -> bytes:
     """`compact` of a message that names one agreed request, from its `lone_form`: the
     same bytes, with the constant parts of the form written once per request, not once
-    per call. `pair`: its numbered pair (`_PAIR`), or nothing when it has a bit."""
+    per call. `pair`: its numbered pair (`PAIR`), or nothing when it has a bit."""
     phase, seconds = activity
     words = phase.encode()[:255]
     return b"".join(
