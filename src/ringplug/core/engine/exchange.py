@@ -13,7 +13,7 @@ import itertools
 import pickle
 import struct
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..transport.traffic import NEGOTIATION
 from ..transport.waiting import Waiter
@@ -128,12 +128,13 @@ def lone_message(
     cycle: int,
     form: tuple[bytes, bytes, int],
     pair: bytes,
-    eager: Sequence[bytes | memoryview],
+    eager: Sequence[Any],
     activity: tuple[str, float],
 ) -> bytes:
     """`compact` of a message that names one agreed request, from its `lone_form`: the
     same bytes, with the constant parts of the form written once per request, not once
-    per call. `pair`: its numbered pair (`PAIR`), or nothing when it has a bit."""
+    per call. `pair`: its numbered pair (`PAIR`), or nothing when it has a bit; `eager`:
+    its data, in objects whose buffers are its bytes (the kind's `carried_pieces`)."""
     phase, seconds = activity
     words = phase.encode()[:255]
     return b"".join(

@@ -149,8 +149,9 @@ class CollectiveKind:
         most `threshold`), or 0 when it runs as a collective of its own."""
         return 0
 
-    def carried_pieces(self, request: Request) -> list[memoryview]:
-        """What the message carries of `request` (see `carried_bytes`)."""
+    def carried_pieces(self, request: Request) -> Sequence[Any]:
+        """What the message carries of `request` (see `carried_bytes`): objects whose
+        buffers `b"".join` reads as bytes, one after the other."""
         raise NotImplementedError(f"{self.label} carries no data in messages.")
 
     def run_carried(

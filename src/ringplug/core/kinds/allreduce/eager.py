@@ -32,22 +32,20 @@ def size_of(signature: Signature, threshold: int) -> int:
     return nbytes if 0 < nbytes <= threshold else 0
 
 
-def pieces(request: Request) -> list[memoryview]:
-    """What a message carries of `request`, as bytes: its arrays one after the other (a
-    grouped allreduce has several), prescaled. Views of the caller's arrays unless scaled:
-    encoding the message copies them, so that an allreduce in place cannot change this
-    rank's copy while the copies are reduced."""
+def pieces(request: Request) -> list[np.ndarray]:
+    """What a message carries of `request`: its arrays one after the other (a grouped
+    allreduce has several), prescaled, as flat contiguous arrays that the message's
+    `b"".join` reads as bytes. The caller's arrays themselves unless scaled: encoding the
+    message copies them, so that an allreduce in place cannot change this rank's copy while
+    the copies are reduced."""
     reduction = request.payload
-    sends = reduction.sends
     if reduction.prescale == 1.0:
-        if len(sends) == 1:  # the usual request: no list comprehension (a call)
-            return [sends[0].data.cast("B")]
-        return [send.data.cast("B") for send in sends]
+        return reduction.sends  # not changed by the message: it copies them
     scaled = []
-    for send in sends:
+    for send in reduction.sends:
         send = send.copy()
         reduce.scale(send, reduction.prescale, DType(request.signature.code))
-        scaled.append(send.data.cast("B"))
+        scaled.append(send)
     return scaled
 
 
