@@ -190,7 +190,10 @@ class Cycle:
         if lone is not None:
             request, slot, number = lone
             prepared = self._lones.get(slot)
-            if prepared is None or prepared.signature is not request.signature:
+            if prepared is None or (
+                prepared.signature is not request.signature  # a plain call's is shared
+                and prepared.signature != request.signature
+            ):
                 prepared = self._prepare(request, slot)  # new, or the slot was given anew
             nbytes = prepared.nbytes  # 0 on one rank
             if engine.size == 1:  # no message to send: this rank's form is every rank's
@@ -457,7 +460,9 @@ class Lone:
         numbered: bool,
         nbytes: int,
     ) -> None:
-        self.signature = signature  # the requests' (a slot given anew prepares anew)
+        # The requests' (a slot given anew prepares anew): everything here follows from it
+        # and the slot, so a request of an equal signature runs this plan.
+        self.signature = signature
         self.plan = plan
         self.form = form
         self.numbered = numbered  # named by (slot, number), not by a bit
