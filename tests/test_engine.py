@@ -165,6 +165,7 @@ def test_small_allreduces_named_before_travel_in_the_negotiation_message(tmp_pat
         assert report["in_place_ok"] == [True] * 3 and report["fresh_ok"] == [True] * 3
         assert report["in_place_now"] >= 2
         assert report["grouped"] == {"paths": ["mpi", "eager", "eager"], "ok": True}
+        assert report["reshaped"] == [["mpi", True], ["eager", True], ["eager", True]] * 3
         assert report["big_path"] == "mpi" and report["big_ok"]
         assert report["many_ok"]
         assert "does not match across ranks" in report["mismatch"]

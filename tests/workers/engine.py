@@ -352,6 +352,19 @@ def eager(rank: int) -> dict:
             (np.arange(5.0) * (size - 1)).tolist(),
         ]
     report["grouped"] = {"paths": grouped_paths, "ok": bool(grouped_ok)}
+    # A name whose shape changes: its slot is given the new form, and the message of each
+    # form carries as many bytes as it has, three times over (the fast path keeps a
+    # slot's message form: a stale one would misread the data).
+    report["reshaped"] = []
+    for length in (3, 3, 3, 5, 5, 5, 3, 3, 3):
+        got = ringplug.allreduce(np.full(length, rank + length, np.float64), "sum", name="shape")
+        expected = sum(r + length for r in range(size))
+        ok = got.shape == (length,) and bool(np.all(got == expected))
+        if engine.transport.last_path == "eager":  # the fast path ran the slot's prepared cycle
+            prepared = engine.cycle._lones[engine.cycle.cache.by_name["shape"]]
+            ok &= prepared.nbytes == 8 * length  # what its message says it carries
+            ok &= prepared.plan.responses[0].signature.shape == (length,)
+        report["reshaped"].append([engine.transport.last_path, ok])
     # Larger than RINGPLUG_EAGER_THRESHOLD: the usual path.
     big = np.ones((64 << 10) // 4 + 1, np.float32)
     for _ in range(2):
