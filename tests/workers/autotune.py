@@ -69,11 +69,18 @@ def main(outdir: Path, start: list[str]) -> None:
         if step == 1 and start:
             ringplug.barrier()  # nothing in flight on any rank
             autotune.tune_from(engine, int(start[0]), float(start[1]))
-        before = setting()
-        # What the transport takes for each probe now, once its table is made (making it is
-        # collective: the engine thread's; read here between steps, while it is idle).
-        table = engine.transport._algorithms
-        taken = [table.choose(ALLREDUCE, n, True) for n in PROBES] if table is not None else []
+        # The setting this step runs with. The cycle that completed the last step may still
+        # be ending on the engine thread: the tuner applies the next setting at a cycle's
+        # end, after its handles completed, so a rank whose optimizer step returned at once
+        # could read the setting before its own engine applied it. Read it holding the turn
+        # that the thread runs cycles with: that cycle has ended, and no other begins until
+        # this step submits.
+        with engine.scheduler.turn:
+            before = setting()
+            # What the transport takes for each probe now, once its table is made (making it
+            # is collective: the engine thread's).
+            table = engine.transport._algorithms
+            taken = [table.choose(ALLREDUCE, n, True) for n in PROBES] if table is not None else []
         collectives = engine.collectives_run
         inputs = torch.randn(32, 64, generator=data)
         target = torch.randn(32, 8, generator=data)
