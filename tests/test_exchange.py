@@ -9,8 +9,8 @@ from ringplug.core.engine.exchange import (
     decode,
     encode,
     form_length,
-    lone_form,
-    lone_message,
+    form_parts,
+    message_from,
     messages,
     same_form,
 )
@@ -55,7 +55,7 @@ def test_eager_data_starts_16_byte_aligned_after_the_form(cached, numbered):
 @pytest.mark.parametrize("eager", [b"", bytes(range(40)), bytes(4096)])
 @pytest.mark.parametrize("activity", [("", 0.25), ("in forward/backward at step 3", 7.5)])
 def test_a_lone_requests_message_is_the_message_that_names_it(slot, numbered, eager, activity):
-    # The fast path writes the constant parts of a lone request's form once (`lone_form`);
+    # The fast path writes the constant parts of a lone request's form once (`form_parts`);
     # what it sends must be the general encoding of the same message, byte for byte: a
     # peer that is not alone decodes it, and compares its form with its own.
     number = 2**33 + slot if numbered else 0
@@ -66,9 +66,9 @@ def test_a_lone_requests_message_is_the_message_that_names_it(slot, numbered, ea
         eager=eager,
         activity=activity,
     )
-    form = lone_form(message.cached, numbered, len(eager))
+    form = form_parts(message.cached, 1 if numbered else 0, len(eager))
     pair = PAIR.pack(slot, number) if numbered else b""
-    wire = lone_message(77, form, pair, [memoryview(eager)] if eager else [], activity)
+    wire = message_from(77, form, pair, [memoryview(eager)] if eager else [], activity)
     assert wire == encode(message)
     assert form[2] == form_length(wire)
     assert decode(wire) == message

@@ -32,6 +32,9 @@ BUCKET_BYTES = 16 << 10
 # Allreduce sizes whose algorithm each step reports: a bucket, the step's buffers fused
 # whole (about 100 KiB), sizes no buffer has.
 PROBES = (4 << 10, BUCKET_BYTES, 100_000, 1 << 20, 8 << 20)
+# The longest a step waits for the engine thread's cycle to end before it reads its setting
+# (a cycle takes milliseconds; the job's own limit is 180 s).
+TURN_TIMEOUT_S = 60
 
 
 def bands_json(bands) -> list[list]:
@@ -75,12 +78,19 @@ def main(outdir: Path, start: list[str]) -> None:
         # could read the setting before its own engine applied it. Read it holding the turn
         # that the thread runs cycles with: that cycle has ended, and no other begins until
         # this step submits.
-        with engine.scheduler.turn:
+        if not engine.scheduler.turn.acquire(timeout=TURN_TIMEOUT_S):
+            raise RuntimeError(
+                f"rank {rank}, before step {step}: the engine thread held its turn for "
+                f"{TURN_TIMEOUT_S} s (the cycle that completed step {step - 1} never ended)"
+            )
+        try:
             before = setting()
             # What the transport takes for each probe now, once its table is made (making it
             # is collective: the engine thread's).
             table = engine.transport._algorithms
             taken = [table.choose(ALLREDUCE, n, True) for n in PROBES] if table is not None else []
+        finally:
+            engine.scheduler.turn.release()
         collectives = engine.collectives_run
         inputs = torch.randn(32, 64, generator=data)
         target = torch.randn(32, 8, generator=data)

@@ -45,7 +45,7 @@ from ..errors import CommunicatorFailed, MismatchError, PeerArgumentError, PeerF
 from ..kinds.kind import KINDS, EngineView, SameEverywhere, check_joined, kind_of
 from . import carried
 from .batches import batches
-from .exchange import PAIR, decode, lone_form, lone_message, messages, same_form
+from .exchange import PAIR, decode, form_parts, message_from, messages, same_form
 from .handles import Request, wake_waiters
 from .negotiation import Cache, Plan, decide
 from .scheduler import BURST_WAIT_SECONDS, Scheduler
@@ -200,8 +200,8 @@ class Cycle:
                 wire, received, length = b"", [], 1
             else:
                 pieces = KINDS[request.signature.kind].carried_pieces(request) if nbytes else ()
-                pair = PAIR.pack(slot, number) if prepared.numbered else b""
-                wire = lone_message(self.number, prepared.form, pair, pieces, activity.current())
+                pair = b"" if request.cacheable else PAIR.pack(slot, number)
+                wire = message_from(self.number, prepared.form, pair, pieces, activity.current())
                 received = exchange.send_and_receive(self.number, wire, pending)
                 length = same_form(wire, received, prepared.form[2])
             if length:
@@ -238,9 +238,9 @@ class Cycle:
         # By position, with the shared empty errors, partial and stall lists.
         plan = Plan([response], _NO_ERRORS, _NO_PARTIAL, None, False, -1, _NO_ABORT, True, True)
         nbytes = self.cache.eager_bytes[slot]
-        numbered = not request.cacheable
-        form = lone_form(0 if numbered else 1 << slot, numbered, nbytes)
-        prepared = self._lones[slot] = Lone(request.signature, plan, form, numbered, nbytes)
+        # Named by its bit, or by its numbered pair.
+        form = form_parts(1 << slot, 0, nbytes) if request.cacheable else form_parts(0, 1, nbytes)
+        prepared = self._lones[slot] = Lone(request.signature, plan, form, nbytes)
         return prepared
 
     def _lone_form(self, stopping: bool) -> tuple[Request, int, int] | None:
@@ -444,20 +444,19 @@ class Cycle:
 class Lone:
     """A cache slot's lone cycle, prepared once (`Cycle._prepare`): the plan of a cycle in
     which every rank has the slot's request alone, and the constant parts of the message
-    that names it (`exchange.lone_form`).
+    that names it (`exchange.form_parts`).
 
     The plan's one response takes the name of each request of the slot (an unnamed call's
     differs every time); nothing else ever changes it once made.
     """
 
-    __slots__ = ("signature", "plan", "form", "numbered", "nbytes")
+    __slots__ = ("signature", "plan", "form", "nbytes")
 
     def __init__(
         self,
         signature: Signature,
         plan: Plan,
         form: tuple[bytes, bytes, int],
-        numbered: bool,
         nbytes: int,
     ) -> None:
         # The requests' (a slot given anew prepares anew): everything here follows from it
@@ -465,7 +464,6 @@ class Lone:
         self.signature = signature
         self.plan = plan
         self.form = form
-        self.numbered = numbered  # named by (slot, number), not by a bit
         self.nbytes = nbytes  # of data its message carries (0: none)
 
 

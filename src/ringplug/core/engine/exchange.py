@@ -38,7 +38,7 @@ _COMPACT = b"\x00"
 _FORM = struct.Struct("<qqBHHI")  # at most 65535 bytes of bits: 4096 slots fit
 _PHASE = struct.Struct("<fB")  # a phase is a short phrase: at most 255 bytes are sent
 PAIR = struct.Struct("<qq")  # a numbered (slot, number) pair
-_CYCLE = struct.Struct("<xq")  # the marker and `_FORM`'s first field (see `lone_message`)
+_CYCLE = struct.Struct("<xq")  # the marker and `_FORM`'s first field (see `message_from`)
 _SHUTDOWN, _RENEW = 1, 2
 # A mark that two ranks' forms differ (a form starts with a zero byte): see `Exchange.agree`.
 _DIFFERENT = b"\x01"
@@ -78,70 +78,55 @@ def compact(
 ) -> bytes:
     """The compact form of a message without new requests (see `encode`); `eager` is its
     eager data in pieces (bytes, or memoryviews of bytes)."""
-    phase, seconds = activity
-    words = phase.encode()[:255]
-    length = (cached.bit_length() + 7) // 8
     if not eager:
         size = 0
     elif len(eager) == 1:
         size = len(eager[0])
     else:
         size = sum(len(piece) for piece in eager)
-    form = _FORM.pack(cycle, joined_cycle, flags, length, len(numbered), size)
     if not numbered:
         pairs = b""
     elif len(numbered) == 1:
         pairs = PAIR.pack(*numbered[0])
     else:
         pairs = struct.pack(f"<{2 * len(numbered)}q", *itertools.chain.from_iterable(numbered))
-    return b"".join(
-        (
-            _COMPACT,
-            form,
-            cached.to_bytes(length, "little"),
-            pairs,
-            _PADDING[-(1 + _FORM.size + length + len(pairs)) % _ALIGN if size else 0],
-            *eager,
-            _PHASE.pack(seconds, len(words)),
-            words,
-        )
-    )
+    form = form_parts(cached, len(numbered), size, joined_cycle, flags)
+    return message_from(cycle, form, pairs, eager, activity)
 
 
-def lone_form(cached: int, numbered: bool, eager_length: int) -> tuple[bytes, bytes, int]:
-    """What `compact` writes of a message that names one agreed request, less its cycle
-    and its numbered pair, which change from call to call: (the bytes between the two:
-    the form's other fields and the bit vector; the padding after the pair; the length of
-    the whole form). `cached`: the request's bit (0 when it is `numbered`)."""
+def form_parts(
+    cached: int, count: int, eager_length: int, joined_cycle: int = 0, flags: int = 0
+) -> tuple[bytes, bytes, int]:
+    """The parts of a compact form that do not change from cycle to cycle, for `count`
+    numbered pairs and `eager_length` bytes of data: (the bytes between the cycle and the
+    pairs: the form's other fields and the bit vector; the padding after the pairs; the
+    length of the whole form). A cycle's fast path keeps them per cache slot and writes
+    only its cycle number and its pair each call (`message_from`)."""
     length = (cached.bit_length() + 7) // 8
-    count = 1 if numbered else 0
     # `_FORM` with the cycle left out: its first field, 8 bytes
-    middle = _FORM.pack(0, 0, 0, length, count, eager_length)[8:] + cached.to_bytes(
-        length, "little"
-    )
+    middle = _FORM.pack(0, joined_cycle, flags, length, count, eager_length)[8:]
     unpadded = 1 + _FORM.size + length + PAIR.size * count
     padding = _padding(unpadded, eager_length)
-    return middle, _PADDING[padding], unpadded + padding
+    return middle + cached.to_bytes(length, "little"), _PADDING[padding], unpadded + padding
 
 
-def lone_message(
+def message_from(
     cycle: int,
     form: tuple[bytes, bytes, int],
-    pair: bytes,
+    pairs: bytes,
     eager: Sequence[Any],
     activity: tuple[str, float],
 ) -> bytes:
-    """`compact` of a message that names one agreed request, from its `lone_form`: the
-    same bytes, with the constant parts of the form written once per request, not once
-    per call. `pair`: its numbered pair (`PAIR`), or nothing when it has a bit; `eager`:
-    its data, in objects whose buffers are its bytes (the kind's `carried_pieces`)."""
+    """A compact message from its `form_parts`, its cycle, its numbered `pairs` (`PAIR`
+    each), its eager data (objects whose buffers are its bytes: a kind's
+    `carried_pieces`) and its phase."""
     phase, seconds = activity
     words = phase.encode()[:255]
     return b"".join(
         (
             _CYCLE.pack(cycle),
             form[0],
-            pair,
+            pairs,
             form[1],
             *eager,
             _PHASE.pack(seconds, len(words)),
@@ -156,7 +141,7 @@ def form_length(data: bytes | bytearray) -> int:
     if data[:1] != _COMPACT:
         return 0
     _, _, _, length, count, eager_length = _FORM.unpack_from(data, 1)
-    unpadded = 1 + _FORM.size + length + 16 * count
+    unpadded = 1 + _FORM.size + length + PAIR.size * count
     return unpadded + _padding(unpadded, eager_length)
 
 
@@ -443,7 +428,7 @@ def same_form(wire: bytes, received: Sequence[bytes | bytearray], length: int = 
     """The length of the form (see `encode`) that every message in `received` shares with
     this rank's `wire`, or 0 when one differs or `wire` is pickled: a repeated step on every
     rank, with the same requests ready everywhere and no news. `length`: the form's length
-    where the caller knows it (`lone_form`)."""
+    where the caller knows it (`form_parts`)."""
     if length < 0:
         length = form_length(wire)
     if length and not isinstance(received, Alike):
